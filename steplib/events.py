@@ -1,0 +1,192 @@
+"""The event emitter and its payloads. Imports nothing from steplib.
+
+Handlers are plain functions of one :class:`Event`. A handler may return ``None``, a
+:class:`Stop` (the loop stops after the current step), or a :class:`NewState` (the loop goes on
+with that state: how a resume handler swaps in a loaded state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+EVENT_NAMES = (
+    "fit_start",
+    "epoch_start",
+    "micro_step_end",
+    "step_end",
+    "epoch_end",
+    "fit_end",
+    "exception",
+)
+
+# The counter that `every` and `once` count for each event; the others fire every time.
+_COUNTER = {
+    "micro_step_end": "micro_step",
+    "step_end": "step",
+    "epoch_start": "epoch",
+    "epoch_end": "epoch",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """What a handler receives.
+
+    Attributes:
+        name: one of ``EVENT_NAMES``.
+        state: the ``TrainState`` at the moment of the event.
+        output: the ``StepOutput`` of the step call that caused it (``micro_step_end``,
+            ``step_end``), else ``None``.
+        step: optimizer updates so far (``state.step``).
+        micro_step: micro-batches so far (``state.micro_step``).
+        epoch: completed epochs (``state.epoch``).
+        batch_index: index of the batch within the epoch, for step events.
+        error: the exception, for ``exception``.
+    """
+
+    name: str
+    state: Any
+    output: Any = None
+    step: int = 0
+    micro_step: int = 0
+    epoch: int = 0
+    batch_index: int | None = None
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stop:
+    """Returned by a handler to stop the loop after the current step, with a reason."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewState:
+    """Returned by a handler to replace the loop's state (e.g. with a loaded checkpoint)."""
+
+    state: Any
+
+
+Handler = Callable[[Event], Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Emitted:
+    """The outcome of :meth:`Events.emit`: the (possibly replaced) state and a stop request."""
+
+    state: Any
+    stop: Stop | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Registration:
+    handler: Handler
+    every: int | None
+    once: int | None
+
+    def wants(self, event: Event) -> bool:
+        counter_name = _COUNTER.get(event.name)
+        if counter_name is None:
+            return True
+        counter = getattr(event, counter_name)
+        if self.every is not None:
+            return counter % self.every == 0
+        if self.once is not None:
+            return counter == self.once
+        return True
+
+
+class Events:
+    """Handlers by event name, called in registration order. Safe to rebuild in a notebook:
+    nothing is global, an ``Events`` is just a value.
+
+    Example:
+        >>> events = Events()
+        >>> seen = []
+        >>> _ = events.on("step_end", lambda e: seen.append(e.step), every=2)
+        >>> for s in range(1, 6):
+        ...     _ = events.emit(Event("step_end", state=None, step=s))
+        >>> seen
+        [2, 4]
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, list[_Registration]] = {name: [] for name in EVENT_NAMES}
+
+    def on(
+        self, name: str, handler: Handler, *, every: int | None = None, once: int | None = None
+    ) -> Events:
+        """Register ``handler`` for event ``name``.
+
+        Args:
+            name: one of ``EVENT_NAMES``.
+            handler: a callable taking one :class:`Event`.
+            every: call it only when the event's counter is a multiple of this (``step`` for
+                ``step_end``, ``micro_step`` for ``micro_step_end``, ``epoch`` for epoch events).
+            once: call it only when the event's counter equals this.
+
+        Returns:
+            ``self``, so registrations chain.
+
+        Raises:
+            ValueError: an unknown event name, a non-callable handler, ``every``/``once`` not a
+                positive int, both given, or given for an event that has no counter.
+        """
+        if name not in self._handlers:
+            raise ValueError(
+                f"Events.on received the event name {name!r}, which does not exist. The events "
+                f"are: {', '.join(EVENT_NAMES)}."
+            )
+        if not callable(handler):
+            raise ValueError(
+                f"Events.on({name!r}, handler) received a handler of type "
+                f"{type(handler).__name__}, which is not callable. Pass a function of one "
+                "Event: events.on(name, lambda event: ...)."
+            )
+        for label, value in (("every", every), ("once", once)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"Events.on({name!r}, {label}=...) received {value!r}; it must be a "
+                    f"positive int, e.g. {label}=100."
+                )
+        if every is not None and once is not None:
+            raise ValueError(
+                f"Events.on({name!r}) received both every={every} and once={once}; choose one "
+                "(register the handler twice to get both)."
+            )
+        if (every is not None or once is not None) and name not in _COUNTER:
+            raise ValueError(
+                f"Events.on({name!r}) received every/once, but {name!r} has no counter: it "
+                f"fires at most once per run. every/once apply to: {', '.join(_COUNTER)}."
+            )
+        self._handlers[name].append(_Registration(handler, every, once))
+        return self
+
+    def has(self, name: str) -> bool:
+        """Whether any handler is registered for ``name`` (lets the loop skip building payloads)."""
+        return bool(self._handlers.get(name))
+
+    def emit(self, event: Event) -> Emitted:
+        """Call the handlers of ``event.name`` that want this event, in registration order.
+
+        A :class:`NewState` from one handler is seen by the handlers after it.
+
+        Returns:
+            The state after the handlers, and the first :class:`Stop` requested (if any).
+        """
+        state, stop = event.state, None
+        for registration in self._handlers[event.name]:
+            if not registration.wants(event):
+                continue
+            result = registration.handler(event)
+            if isinstance(result, NewState):
+                state = result.state
+                event = dataclasses.replace(event, state=state)
+            elif isinstance(result, Stop):
+                stop = stop or result
+        return Emitted(state, stop)

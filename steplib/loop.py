@@ -1,0 +1,194 @@
+"""``run`` and ``iterate``: pull batches, call the step, emit events. Nothing else.
+
+Imports ``state`` and ``events`` only; the step is used through its call signature
+``step(state, batch, *, close_window=...)`` and ``step.flush(state)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator, Iterable
+from typing import Any, Protocol
+
+from steplib.events import Event, Events, Stop
+from steplib.state import StepOutput, TrainState
+
+
+class StepLike(Protocol):
+    """What the loop needs of a step (every ``Step`` is one)."""
+
+    def __call__(
+        self, state: TrainState, batch: Any, *, close_window: bool = False
+    ) -> tuple[TrainState, StepOutput]: ...
+
+    def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]: ...
+
+
+def iterate(
+    step: StepLike,
+    state: TrainState,
+    data: Iterable[Any],
+    *,
+    events: Events | None = None,
+    max_steps: int | None = None,
+    max_epochs: int | None = None,
+) -> Generator[tuple[TrainState, StepOutput], None, TrainState]:
+    """The loop as a generator: yields ``(state, output)`` after every step call.
+
+    Each epoch is one pass over ``data``. On the last batch of a sized ``data`` the window is
+    closed early (normalised by what it held); for unsized data an open window is flushed when
+    the pass ends. Stops after ``max_steps`` optimizer updates (``state.step``), after
+    ``max_epochs`` completed epochs (``state.epoch``), or when a handler returns ``Stop``.
+    With neither limit given, it runs one epoch.
+
+    Args:
+        step: a ``Step``.
+        state: the starting state (a resumed state continues from its counters).
+        data: a re-iterable of batches (a DataLoader, a list); not a one-shot generator when
+            more than one epoch is run.
+        events: handlers to call; ``None`` for none.
+        max_steps: stop once ``state.step`` reaches this.
+        max_epochs: stop once ``state.epoch`` reaches this.
+
+    Yields:
+        ``(state, output)`` after each call of the step (including a final flush).
+
+    Returns:
+        The final state (the generator's return value, which ``run`` returns): the last yielded
+        state with the epoch counter advanced and any state swapped in by end handlers.
+
+    Raises:
+        ValueError: bad arguments, or ``data`` yields no batches in an epoch.
+    """
+    _check_args(step, data, max_steps, max_epochs)
+    if max_steps is None and max_epochs is None:
+        max_epochs = 1
+    events = events if events is not None else Events()
+    state, stop = _emit(events, Event("fit_start", state), state)
+    try:
+        while stop is None and not _done(state, max_steps, max_epochs):
+            state, stop = _emit(events, _event("epoch_start", state), state)
+            if stop is not None:
+                break
+            total = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
+            index = -1
+            for index, batch in enumerate(data):
+                close = total is not None and index == total - 1
+                before = state.step
+                state, out = step(state, batch, close_window=close)
+                state, stop = _after_call(events, state, out, before, index)
+                yield state, out
+                # On the last batch fall through to the end of the epoch, so that a stop there
+                # still counts the epoch as complete (a resume then starts the next one).
+                if (stop is not None or _done(state, max_steps, None)) and not close:
+                    break
+            else:
+                if index < 0:
+                    raise ValueError(
+                        f"iterate: data yielded no batches in epoch {state.epoch}. Pass a "
+                        "re-iterable with at least one batch (a DataLoader or a list), not an "
+                        "exhausted iterator or generator."
+                    )
+                before = state.step
+                state, flushed = step.flush(state)
+                if flushed is not None:
+                    state, stop = _after_call(events, state, flushed, before, index)
+                    yield state, flushed
+                state = dataclasses.replace(state, epoch=state.epoch + 1)
+                state, epoch_stop = _emit(events, _event("epoch_end", state), state)
+                stop = stop or epoch_stop
+        state, _ = _emit(events, _event("fit_end", state), state)
+    except GeneratorExit:
+        raise
+    except BaseException as error:
+        _emit(events, dataclasses.replace(_event("exception", state), error=error), state)
+        raise
+    return state
+
+
+def run(
+    step: StepLike,
+    state: TrainState,
+    data: Iterable[Any],
+    *,
+    events: Events | None = None,
+    max_steps: int | None = None,
+    max_epochs: int | None = None,
+) -> TrainState:
+    """Drive ``step`` over ``data`` and return the final state; see :func:`iterate`.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState, make_train_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
+        >>> state = run(step, state, [torch.ones(4, 2)] * 3, max_epochs=2)
+        >>> state.step, state.epoch
+        (6, 2)
+    """
+    loop = iterate(step, state, data, events=events, max_steps=max_steps, max_epochs=max_epochs)
+    while True:
+        try:
+            next(loop)
+        except StopIteration as finished:
+            final: TrainState = finished.value
+            return final
+
+
+def _after_call(
+    events: Events, state: TrainState, out: StepOutput, step_before: int, index: int
+) -> tuple[TrainState, Stop | None]:
+    event = Event(
+        "micro_step_end",
+        state,
+        output=out,
+        step=state.step,
+        micro_step=state.micro_step,
+        epoch=state.epoch,
+        batch_index=index,
+    )
+    state, stop = _emit(events, event, state)
+    if state.step != step_before:  # a window closed: host ints, no tensor read
+        event = dataclasses.replace(event, name="step_end", state=state)
+        state, step_stop = _emit(events, event, state)
+        stop = stop or step_stop
+    return state, stop
+
+
+def _event(name: str, state: TrainState) -> Event:
+    return Event(name, state, step=state.step, micro_step=state.micro_step, epoch=state.epoch)
+
+
+def _emit(events: Events, event: Event, state: TrainState) -> tuple[TrainState, Stop | None]:
+    if not events.has(event.name):
+        return state, None
+    emitted = events.emit(event)
+    return emitted.state, emitted.stop
+
+
+def _done(state: TrainState, max_steps: int | None, max_epochs: int | None) -> bool:
+    return (max_steps is not None and state.step >= max_steps) or (
+        max_epochs is not None and state.epoch >= max_epochs
+    )
+
+
+def _check_args(step: Any, data: Any, max_steps: Any, max_epochs: Any) -> None:
+    if not callable(step) or not callable(getattr(step, "flush", None)):
+        raise ValueError(
+            f"run/iterate received step of type {type(step).__name__}, which is not a Step. "
+            "Build one: step = make_train_step(loss_fn), then wrap it as you like."
+        )
+    if not hasattr(data, "__iter__"):
+        raise ValueError(
+            f"run/iterate received data of type {type(data).__name__}, which is not iterable. "
+            "Pass a DataLoader, a list of batches, or any re-iterable."
+        )
+    for label, value in (("max_steps", max_steps), ("max_epochs", max_epochs)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(
+                f"run/iterate received {label}={value!r}; it must be a positive int or None."
+            )

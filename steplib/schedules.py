@@ -1,0 +1,130 @@
+"""Learning-rate schedules as plain functions of the update index, for ``LambdaLR``.
+
+Each builder returns ``f(step) -> multiplier`` of the optimizer's base LR, where ``step`` is the
+number of updates applied so far (``LambdaLR`` calls it with 0 before the first update).
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup=2, total=10))
+    >>> [round(warmup_cosine(warmup=2, total=10)(s), 3) for s in (0, 1, 2, 6, 10)]
+    [0.5, 1.0, 1.0, 0.5, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from steplib.errors import ConfigError, describe
+
+Schedule = Callable[[int], float]
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} received {describe(value)}; it must be an int >= {minimum}.")
+    return value
+
+
+def _check_ratio(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(
+            f"min_ratio received {describe(value)}; it must be a number in [0, 1] (the final LR "
+            "as a fraction of the base LR)."
+        )
+    return float(value)
+
+
+def _warmup(warmup: int, step: int) -> float:
+    # step + 1: the first update already uses a non-zero LR (1/warmup of the base).
+    return (step + 1) / warmup
+
+
+def warmup_constant(*, warmup: int) -> Schedule:
+    """Linear warmup over ``warmup`` updates to the base LR, then constant.
+
+    Raises:
+        ConfigError: ``warmup`` is not an int >= 0.
+    """
+    warmup = _check_int("warmup_constant(warmup=...)", warmup, 0)
+
+    def schedule(step: int) -> float:
+        return _warmup(warmup, step) if step < warmup else 1.0
+
+    return schedule
+
+
+def warmup_linear(*, warmup: int, total: int, min_ratio: float = 0.0) -> Schedule:
+    """Linear warmup, then linear decay to ``min_ratio`` at update ``total`` (constant after).
+
+    Raises:
+        ConfigError: ``warmup``/``total`` not ints with ``0 <= warmup < total``, or
+            ``min_ratio`` outside [0, 1].
+    """
+    warmup, total, floor = _check_span("warmup_linear", warmup, total, min_ratio)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return _warmup(warmup, step)
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return floor + (1.0 - floor) * (1.0 - progress)
+
+    return schedule
+
+
+def warmup_cosine(*, warmup: int, total: int, min_ratio: float = 0.0) -> Schedule:
+    """Linear warmup, then half-cosine decay to ``min_ratio`` at update ``total``.
+
+    Raises:
+        ConfigError: ``warmup``/``total`` not ints with ``0 <= warmup < total``, or
+            ``min_ratio`` outside [0, 1].
+    """
+    warmup, total, floor = _check_span("warmup_cosine", warmup, total, min_ratio)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return _warmup(warmup, step)
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+def _check_span(
+    name: str, warmup: object, total: object, min_ratio: object
+) -> tuple[int, int, float]:
+    w = _check_int(f"{name}(warmup=...)", warmup, 0)
+    t = _check_int(f"{name}(total=...)", total, 1)
+    if w >= t:
+        raise ConfigError(
+            f"{name} received warmup={w} >= total={t}; the decay needs updates after the "
+            f"warmup. Use warmup < total, e.g. warmup={max(0, t // 10)}."
+        )
+    return w, t, _check_ratio(min_ratio)
+
+
+def accumulation_steps(*, tokens_per_update: int, batch_size: int, seq_len: int) -> int:
+    """Micro-batches per update so that each update sees ``tokens_per_update`` tokens.
+
+    Example:
+        >>> accumulation_steps(tokens_per_update=65536, batch_size=16, seq_len=1024)
+        4
+
+    Raises:
+        ConfigError: a non-positive argument, or a token budget that is not a multiple of
+            ``batch_size * seq_len`` (the message gives the nearest budgets that divide).
+    """
+    budget = _check_int("accumulation_steps(tokens_per_update=...)", tokens_per_update, 1)
+    size = _check_int("accumulation_steps(batch_size=...)", batch_size, 1)
+    length = _check_int("accumulation_steps(seq_len=...)", seq_len, 1)
+    per_micro = size * length
+    if budget % per_micro:
+        lower = max(per_micro, budget // per_micro * per_micro)
+        raise ConfigError(
+            f"accumulation_steps: tokens_per_update={budget} is not a multiple of batch_size * "
+            f"seq_len = {size} * {length} = {per_micro} tokens per micro-batch. Use "
+            f"tokens_per_update={lower} or {lower + per_micro}, or change the batch size."
+        )
+    return budget // per_micro

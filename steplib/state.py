@@ -1,0 +1,190 @@
+"""``TrainState`` (everything a step reads and advances) and ``StepOutput`` (what a step reports).
+
+What is replaced and what is changed in place
+---------------------------------------------
+steplib is functional where Python can afford it and PyTorch where it cannot:
+
+* **Replaced** (a step returns a new ``TrainState``; the one you passed in is never touched):
+  the counters ``step``, ``micro_step``, ``epoch``, ``window_size``, ``skipped_updates``,
+  ``consecutive_skips``, the accumulation window tensors ``window_loss`` / ``window_targets``,
+  and ``extras``.
+* **Changed in place** (shared by the old and the new state, exactly as in a plain PyTorch loop):
+  the model's parameters and their ``.grad``, the optimizer's buffers, the scheduler's position
+  and the ``GradScaler``'s scale. Copying them each step would cost a model's worth of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from steplib.errors import ConfigError, describe
+
+_Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPlateau-style objects
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainState:
+    """Everything a training step reads and advances. Build it with :meth:`TrainState.create`.
+
+    Attributes:
+        model: the module being trained (its parameters change in place).
+        optimizer: the optimizer over ``model``'s parameters (its buffers change in place).
+        scheduler: an LR scheduler bound to ``optimizer``, stepped once per applied update.
+        scaler: a ``torch.amp.GradScaler`` for float16 mixed precision, else ``None``.
+        step: closed accumulation windows, i.e. optimizer updates attempted (a skipped update
+            counts too, as in Lightning's ``global_step``; ``skipped_updates`` says how many).
+        micro_step: micro-batches seen (calls of the step).
+        epoch: completed passes over the data, advanced by the loop driver.
+        window_size: micro-batches in the open accumulation window.
+        window_loss: sum of the loss sums in the open window (float32, on ``device``).
+        window_targets: sum of the target counts in the open window (float32, on ``device``).
+        skipped_updates: updates skipped because of non-finite values, in total.
+        consecutive_skips: updates skipped in a row up to now.
+        device: the device of the model's parameters (where the window tensors live).
+        extras: a read-only mapping for the user's own values (replace it, do not mutate it).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: _Scheduler | None
+    scaler: torch.amp.GradScaler | None
+    step: int
+    micro_step: int
+    epoch: int
+    window_size: int
+    window_loss: torch.Tensor
+    window_targets: torch.Tensor
+    skipped_updates: int
+    consecutive_skips: int
+    device: torch.device
+    extras: Mapping[str, Any]
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: _Scheduler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        extras: Mapping[str, Any] | None = None,
+    ) -> TrainState:
+        """Check the pieces belong together and return the state at step 0.
+
+        Args:
+            model: an ``nn.Module`` with at least one trainable parameter.
+            optimizer: an optimizer whose parameters are all parameters of ``model``.
+            scheduler: optional LR scheduler whose ``.optimizer`` is ``optimizer``.
+            scaler: optional ``torch.amp.GradScaler`` (needed for float16 mixed precision).
+            extras: optional mapping of user values carried along (and checkpointed later).
+
+        Returns:
+            A ``TrainState`` with every counter at 0 and an empty accumulation window.
+
+        Raises:
+            ConfigError: a piece of the wrong type, an optimizer over parameters that are not
+                the model's, or a scheduler bound to another optimizer.
+
+        Example:
+            >>> import torch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> state = TrainState.create(model=model, optimizer=opt)
+            >>> (state.step, state.micro_step, state.window_size)
+            (0, 0, 0)
+        """
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"TrainState.create(model=...) received {describe(model)}, which is not a "
+                "torch.nn.Module. Pass the module you train, e.g. model=MyNet()."
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"TrainState.create(optimizer=...) received {describe(optimizer)}, which is not a "
+                "torch.optim.Optimizer. Pass e.g. optimizer=torch.optim.AdamW(model.parameters())."
+            )
+        model_params = {id(p) for p in model.parameters()}
+        if not model_params:
+            raise ConfigError(
+                f"TrainState.create received a model ({type(model).__name__}) with no parameters; "
+                "there is nothing to train. Pass the module that owns the parameters."
+            )
+        foreign = [
+            i
+            for group in optimizer.param_groups
+            for i, p in enumerate(group["params"])
+            if id(p) not in model_params
+        ]
+        if foreign:
+            raise ConfigError(
+                f"TrainState.create: the optimizer holds {len(foreign)} parameter(s) that are not "
+                f"parameters of the model ({type(model).__name__}); it was probably built for "
+                "another model or a copy of it. Build it from this model: "
+                "optimizer=torch.optim.AdamW(model.parameters(), ...)."
+            )
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
+            raise ConfigError(
+                f"TrainState.create: the scheduler ({type(scheduler).__name__}) is not bound to "
+                "this optimizer, so stepping it would not change this optimizer's learning rate. "
+                "Build it from the same optimizer: scheduler=LambdaLR(optimizer, ...)."
+            )
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ConfigError(
+                f"TrainState.create(scaler=...) received {describe(scaler)}. Pass a "
+                "torch.amp.GradScaler, e.g. scaler=torch.amp.GradScaler('cuda'), or None."
+            )
+        device = next(iter(model.parameters())).device
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return cls(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            step=0,
+            micro_step=0,
+            epoch=0,
+            window_size=0,
+            window_loss=zero,
+            window_targets=zero,
+            skipped_updates=0,
+            consecutive_skips=0,
+            device=device,
+            extras=types.MappingProxyType(dict(extras or {})),
+        )
+
+    def replace(self, **changes: Any) -> TrainState:
+        """``dataclasses.replace`` as a method: the next state with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one call of a step reports. Every value is a tensor left where it was computed:
+    reading one (``.item()``, ``float()``) is a host sync, so do it in a handler, not per step.
+
+    Attributes:
+        loss: the normalised loss. On the call that closes a window it is the window's
+            loss (sum of loss sums / sum of targets), i.e. the loss that the applied gradient is
+            the gradient of; on other calls it is that micro-batch's own normalised loss.
+        num_targets: targets in that loss (the window's total on an update).
+        did_update: bool tensor, whether the optimizer applied an update on this call.
+        skipped: bool tensor, whether an update was due but skipped (non-finite values).
+        grad_norm: total gradient norm before clipping, when clipping or a finiteness check
+            measured it on this call, else ``None``.
+        lr: learning rate of the first parameter group used by this call's update.
+        aux: the auxiliary tensors returned by ``loss_fn`` for this micro-batch, detached.
+    """
+
+    loss: torch.Tensor
+    num_targets: torch.Tensor
+    did_update: torch.Tensor
+    skipped: torch.Tensor
+    grad_norm: torch.Tensor | None
+    lr: torch.Tensor
+    aux: Mapping[str, torch.Tensor]

@@ -1,0 +1,78 @@
+"""``clip``: gradient clipping by total norm and/or by value, on unscaled gradients."""
+
+from __future__ import annotations
+
+import math
+
+from steplib.errors import ConfigError, describe
+from steplib.step.core import ClipConfig, Step, add_wrapper
+
+
+def clip(
+    step: Step,
+    *,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    max_value: float | None = None,
+) -> Step:
+    """Clip gradients before the optimizer step; report the total norm as ``out.grad_norm``.
+
+    Clipping always sees the normalised, unscaled gradients of the whole window, whatever
+    order ``clip`` and ``amp_wrap`` were applied in. Value clipping (``max_value``) runs first,
+    then norm clipping, which is ``torch.nn.utils.clip_grad_norm_`` itself (the reported norm
+    is the one it returns, measured before clipping).
+
+    Args:
+        step: the step to wrap.
+        max_norm: clip the total gradient norm to this, a finite number > 0.
+        norm_type: the norm's order, > 0 or ``math.inf``.
+        max_value: clamp every gradient element into ``[-max_value, max_value]``, > 0.
+
+    Returns:
+        The wrapped step.
+
+    Raises:
+        ConfigError: neither limit given, a limit that is not a finite positive number, or a
+            bad ``norm_type``; or ``step`` already clips.
+
+    Example:
+        >>> from steplib import make_train_step
+        >>> step = clip(make_train_step(lambda m, b: m(b).sum()), max_norm=1.0)
+        >>> step.describe()
+        [{'wrapper': 'clip', 'max_norm': 1.0, 'norm_type': 2.0, 'max_value': None}]
+    """
+    if max_norm is None and max_value is None:
+        raise ConfigError(
+            "clip(step) received neither max_norm nor max_value, so it would clip nothing. "
+            "Pass clip(step, max_norm=1.0) and/or clip(step, max_value=0.5)."
+        )
+    _check_positive("max_norm", max_norm)
+    _check_positive("max_value", max_value)
+    if isinstance(norm_type, bool) or not isinstance(norm_type, int | float) or not norm_type > 0:
+        raise ConfigError(
+            f"clip(norm_type=...) received {describe(norm_type)}; it must be a number > 0 or "
+            "math.inf (2.0 is the usual L2 norm)."
+        )
+    config = ClipConfig(
+        max_norm=None if max_norm is None else float(max_norm),
+        norm_type=float(norm_type),
+        max_value=None if max_value is None else float(max_value),
+    )
+    settings = {"max_norm": config.max_norm, "norm_type": config.norm_type}
+    settings["max_value"] = config.max_value
+    return add_wrapper(step, "clip", settings, clip=config)
+
+
+def _check_positive(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(
+            f"clip({name}=...) received {describe(value)}; it must be a finite number > 0, "
+            f"e.g. clip(step, {name}=1.0)."
+        )

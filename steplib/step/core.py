@@ -1,0 +1,363 @@
+"""The ``Step`` record and ``make_train_step``.
+
+A step is a frozen record: the user's ``loss_fn`` plus the settings the wrappers captured when
+it was built. Its three phases are written once, in the order DESIGN.md §5.4 fixes:
+
+1. ``forward_backward``: autocast -> forward -> (scaled) backward of the loss *sum*, under the
+   gradient-sync context (DDP's ``no_sync`` on non-final micro-batches).
+2. ``process_grads``: unscale -> divide by the window's target count -> clip -> finiteness.
+3. ``apply``: optimizer step (unless skipped) -> scaler update -> zero_grad -> scheduler.
+
+Wrappers never re-implement a phase; they set the settings the phases read. That is why any
+order of the built-in wrappers gives the same step (``clip(amp_wrap(s)) == amp_wrap(clip(s))``):
+clipping always sees unscaled, normalised gradients.
+
+Why the gradient of the *sum* is accumulated and divided once per window: the target count of
+a window is only known when it closes (and across ranks only after a reduction), so dividing
+per micro-batch by ``k`` is wrong when micro-batches hold different numbers of targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, NamedTuple
+
+import torch
+
+from steplib.errors import ConfigError, TooManySkipsError, describe
+from steplib.state import StepOutput, TrainState
+from steplib.step.loss_output import LossOutput, parse_loss_output
+
+LossFn = Callable[[torch.nn.Module, Any], Any]
+SyncContext = Callable[[TrainState, bool], ContextManager[Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AmpConfig:
+    """Settings captured by ``amp_wrap``."""
+
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClipConfig:
+    """Settings captured by ``clip``; ``None`` disables that kind of clipping."""
+
+    max_norm: float | None
+    norm_type: float
+    max_value: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SkipConfig:
+    """Settings captured by ``skip_nonfinite``."""
+
+    max_consecutive: int | None
+
+
+class GradReport(NamedTuple):
+    """What ``process_grads`` measured: the pre-clip norm and the non-finite flag (tensors)."""
+
+    grad_norm: torch.Tensor | None
+    nonfinite: torch.Tensor | None
+
+
+def _no_sync_context(state: TrainState, sync: bool) -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """A training step: ``step(state, batch) -> (state, StepOutput)``. Build with
+    :func:`make_train_step`, then wrap (``accumulate``, ``clip``, ``amp_wrap``, ...).
+
+    Attributes:
+        loss_fn: the user's ``loss_fn(model, batch)``.
+        accumulation: micro-batches per optimizer update.
+        amp: autocast settings, or ``None`` for full precision.
+        clip: clipping settings, or ``None``.
+        skip: non-finite skipping settings, or ``None``.
+        sync_context: ``(state, sync) -> context manager`` entered around forward and
+            backward; ``sync`` is False on non-final micro-batches (DDP enters ``no_sync``).
+        applied: the wrappers applied, in order, with their settings (the step's fingerprint).
+    """
+
+    loss_fn: LossFn
+    accumulation: int = 1
+    amp: AmpConfig | None = None
+    clip: ClipConfig | None = None
+    skip: SkipConfig | None = None
+    sync_context: SyncContext = _no_sync_context
+    applied: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+
+    def __call__(
+        self, state: TrainState, batch: Any, *, close_window: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        """Run one micro-batch; update the parameters when it closes the accumulation window.
+
+        Args:
+            state: the current state (never mutated; see ``TrainState`` for what changes in
+                place).
+            batch: whatever ``loss_fn`` consumes.
+            close_window: close the window after this micro-batch even if it holds fewer than
+                ``accumulation`` micro-batches (the last batch of an epoch); the update is then
+                normalised by what the window held.
+
+        Returns:
+            ``(next_state, output)``.
+        """
+        size = state.window_size + 1
+        closes = close_window or size >= self.accumulation
+        out = self.forward_backward(state, batch, sync=closes)
+        state = dataclasses.replace(
+            state,
+            micro_step=state.micro_step + 1,
+            window_size=size,
+            window_loss=state.window_loss + out.loss_sum.detach().float(),
+            window_targets=state.window_targets + out.num_targets,
+        )
+        if closes:
+            return self._close(state, out.aux)
+        loss = out.loss_sum.detach().float() / out.num_targets
+        return state, StepOutput(
+            loss=loss,
+            num_targets=torch.as_tensor(out.num_targets),
+            did_update=torch.tensor(False),
+            skipped=torch.tensor(False),
+            grad_norm=None,
+            lr=_current_lr(state),
+            aux=_detached(out.aux),
+        )
+
+    def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
+        """Close an open, shorter window (the data ended before ``accumulation`` micro-batches).
+
+        Prefer ``step(state, batch, close_window=True)`` on the last batch when you know it is
+        the last: with DDP that batch's backward then all-reduces directly.
+
+        Returns:
+            ``(state, None)`` when no window is open, else the state and output of the update,
+            normalised by the targets the window actually held.
+        """
+        if state.window_size == 0:
+            return state, None
+        return self._close(state, {})
+
+    def forward_backward(self, state: TrainState, batch: Any, *, sync: bool) -> LossOutput:
+        """Phase 1: forward under autocast, backward of the (scaled) loss sum.
+
+        ``sync`` is False on micro-batches whose gradients must stay local (DDP ``no_sync``):
+        the forward pass is inside the same context, as DDP requires.
+        """
+        autocast = (
+            torch.autocast(state.device.type, dtype=self.amp.dtype)
+            if self.amp is not None
+            else contextlib.nullcontext()
+        )
+        with self.sync_context(state, sync):
+            with autocast:
+                out = parse_loss_output(self.loss_fn(state.model, batch))
+            loss = out.loss_sum
+            if _scaler_active(self, state):
+                loss = state.scaler.scale(loss)  # type: ignore[union-attr]
+            loss.backward()
+        return out
+
+    def process_grads(self, state: TrainState) -> GradReport:
+        """Phase 2: unscale, divide by the window's targets, clip, check finiteness.
+
+        Every operation stays on the device; the non-finite flag is a tensor.
+        """
+        params = [p for p in state.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        nonfinite: torch.Tensor | None = None
+        if _scaler_active(self, state):
+            scaler, optimizer = state.scaler, state.optimizer
+            scaler.unscale_(optimizer)  # type: ignore[union-attr]
+            found = scaler._found_inf_per_device(optimizer).values()  # type: ignore[union-attr]
+            nonfinite = torch.stack([f.to(state.device) for f in found]).sum() > 0
+        # A window with zero targets has zero gradients; divide by 1 rather than by 0.
+        targets = state.window_targets
+        divisor = torch.where(targets > 0, targets, torch.ones_like(targets))
+        if grads:
+            torch._foreach_div_(grads, divisor)  # type: ignore[arg-type]
+        grad_norm: torch.Tensor | None = None
+        if self.clip is not None:
+            if self.clip.max_value is not None:
+                torch.nn.utils.clip_grad_value_(params, self.clip.max_value)
+            if self.clip.max_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    params, self.clip.max_norm, norm_type=self.clip.norm_type
+                )
+        if self.skip is not None:
+            if grad_norm is None:
+                grad_norm = _total_norm(grads, state.device)  # type: ignore[arg-type]
+            bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(state.window_loss)
+            nonfinite = bad if nonfinite is None else nonfinite | bad
+        return GradReport(grad_norm, nonfinite)
+
+    def apply(self, state: TrainState, report: GradReport) -> tuple[TrainState, bool]:
+        """Phase 3: optimizer step unless skipped, scaler update, zero_grad, scheduler.
+
+        Returns:
+            The state with the window reset and the counters advanced, and whether the update
+            was applied.
+
+        Raises:
+            TooManySkipsError: ``skip_nonfinite(max_consecutive=n)`` saw more than n skips in a
+                row.
+        """
+        applied = True
+        if report.nonfinite is not None:
+            # The one host read of a step, and only when skipping is configured (float16 scaler
+            # or skip_nonfinite): a host-side LR scheduler must know whether to advance. It
+            # happens once per optimizer update, never on non-final micro-batches.
+            applied = not bool(report.nonfinite)
+        if applied:
+            state.optimizer.step()
+        if _scaler_active(self, state):
+            state.scaler.update()  # type: ignore[union-attr]
+        state.optimizer.zero_grad(set_to_none=True)
+        if applied and state.scheduler is not None:
+            state.scheduler.step()
+        consecutive = 0 if applied else state.consecutive_skips + 1
+        limit = self.skip.max_consecutive if self.skip is not None else None
+        if limit is not None and consecutive > limit:
+            raise TooManySkipsError(
+                f"skip_nonfinite: {consecutive} consecutive updates had a non-finite loss or "
+                f"gradient (max_consecutive={limit}), at step {state.step}. Training has "
+                "diverged: lower the learning rate, add clip(step, max_norm=1.0), check the data "
+                "for NaN/inf, or raise max_consecutive."
+            )
+        zero = torch.zeros_like(state.window_loss)
+        return (
+            dataclasses.replace(
+                state,
+                step=state.step + 1,
+                window_size=0,
+                window_loss=zero,
+                window_targets=zero,
+                skipped_updates=state.skipped_updates + (0 if applied else 1),
+                consecutive_skips=consecutive,
+            ),
+            applied,
+        )
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The composition as plain data: ``[{"wrapper": name, **settings}, ...]`` in order."""
+        return [{"wrapper": name, **settings} for name, settings in self.applied]
+
+    def _close(
+        self, state: TrainState, aux: Mapping[str, torch.Tensor]
+    ) -> tuple[TrainState, StepOutput]:
+        lr = _current_lr(state)
+        report = self.process_grads(state)
+        loss = state.window_loss / state.window_targets
+        targets = state.window_targets
+        state, applied = self.apply(state, report)
+        return state, StepOutput(
+            loss=loss,
+            num_targets=targets,
+            did_update=torch.tensor(applied),
+            skipped=torch.tensor(not applied),
+            grad_norm=report.grad_norm,
+            lr=lr,
+            aux=_detached(aux),
+        )
+
+
+def make_train_step(loss_fn: LossFn) -> Step:
+    """Build the basic step: forward, backward, optimizer step, zero_grad, scheduler step.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss_sum,
+            num_targets)`` for a token-weighted loss, optionally followed by a dict of aux
+            tensors: ``(loss, aux)`` / ``(loss_sum, num_targets, aux)``.
+
+    Returns:
+        A :class:`Step`; call it as ``state, out = step(state, batch)``.
+
+    Raises:
+        ConfigError: ``loss_fn`` is not callable or cannot be called as ``loss_fn(model, batch)``.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> def loss_fn(model, batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.mse_loss(model(x), y)
+        >>> step = make_train_step(loss_fn)
+        >>> state, out = step(state, (torch.ones(4, 2), torch.zeros(4, 1)))
+        >>> state.step, bool(out.did_update)
+        (1, True)
+    """
+    if not callable(loss_fn):
+        raise ConfigError(
+            f"make_train_step received loss_fn={describe(loss_fn)}, which is not callable. "
+            "Pass a function: def loss_fn(model, batch): return F.cross_entropy(model(x), y)."
+        )
+    try:
+        inspect.signature(loss_fn).bind(object(), object())
+    except TypeError as err:
+        raise ConfigError(
+            f"make_train_step: loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} cannot be called "
+            f"as loss_fn(model, batch) ({err}). Give it exactly two positional parameters: "
+            "def loss_fn(model, batch): ..."
+        ) from None
+    except ValueError:
+        pass  # builtins without a signature: trust the caller.
+    return Step(loss_fn=loss_fn)
+
+
+def add_wrapper(step: Any, name: str, settings: Mapping[str, Any], **changes: Any) -> Step:
+    """The one way a built-in wrapper derives a new step: check the input is a ``Step`` not
+    already wrapped by ``name``, record ``name`` and its settings, apply ``changes``."""
+    if not isinstance(step, Step):
+        raise ConfigError(
+            f"{name}() expects a Step, got {describe(step)}. Build one first: "
+            f"step = make_train_step(loss_fn); step = {name}(step, ...)."
+        )
+    for done, done_settings in step.applied:
+        if done == name:
+            raise ConfigError(
+                f"{name} was applied twice (first with {dict(done_settings)}, now with "
+                f"{dict(settings)}); a second {name} cannot be combined with the first. Apply "
+                f"it once with the settings you want."
+            )
+    return dataclasses.replace(step, applied=(*step.applied, (name, dict(settings))), **changes)
+
+
+def _scaler_active(step: Step, state: TrainState) -> bool:
+    scaler = state.scaler
+    if scaler is None:
+        if step.amp is not None and step.amp.dtype == torch.float16:
+            raise ConfigError(
+                "amp_wrap(dtype=torch.float16) needs a GradScaler in the state: float16 "
+                "gradients underflow without loss scaling. Create the state with "
+                f"TrainState.create(..., scaler=torch.amp.GradScaler({state.device.type!r})), "
+                "or use dtype=torch.bfloat16, which needs no scaler."
+            )
+        return False
+    return scaler.is_enabled()
+
+
+def _current_lr(state: TrainState) -> torch.Tensor:
+    return torch.as_tensor(state.optimizer.param_groups[0]["lr"])
+
+
+def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+
+
+def _detached(aux: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    return {k: v.detach() for k, v in aux.items()}

@@ -1,0 +1,103 @@
+"""Reading what a user's ``loss_fn`` returned, with errors that say what to return instead.
+
+Checks use tensor metadata only (``ndim``, ``dtype``, ``requires_grad``): no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from steplib.errors import LossFnError, describe
+
+_FORMS = (
+    "Return one of: a scalar loss tensor; (loss_sum, num_targets) for a token-weighted loss; "
+    "(loss, aux) or (loss_sum, num_targets, aux) where aux is a dict of tensors."
+)
+
+
+class LossOutput(NamedTuple):
+    """A ``loss_fn`` result in one shape: the loss to back-propagate, its target count, aux."""
+
+    loss_sum: torch.Tensor
+    num_targets: torch.Tensor | int | float
+    aux: Mapping[str, torch.Tensor]
+
+
+def parse_loss_output(result: Any) -> LossOutput:
+    """Normalise a ``loss_fn`` result; a plain scalar loss counts as one target.
+
+    Raises:
+        LossFnError: the result is not one of the accepted forms, the loss is not a scalar
+            tensor with a gradient, ``num_targets`` is not an int or 0-dim tensor, or ``aux``
+            is not a mapping of names to tensors.
+    """
+    aux: Any = {}
+    count: Any = 1
+    if isinstance(result, torch.Tensor):
+        loss = result
+    elif isinstance(result, tuple | list) and len(result) == 2:
+        loss, second = result
+        if isinstance(second, Mapping):
+            aux = second
+        else:
+            count = second
+    elif isinstance(result, tuple | list) and len(result) == 3:
+        loss, count, aux = result
+    else:
+        raise LossFnError(f"loss_fn returned {describe(result)}. {_FORMS}")
+    _check_loss(loss)
+    _check_count(count)
+    _check_aux(aux)
+    return LossOutput(loss, count, aux)
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise LossFnError(
+            f"loss_fn returned a loss of {describe(loss)}, not a tensor. Return the loss tensor "
+            "itself (not loss.item(), which also costs a host sync). " + _FORMS
+        )
+    if loss.ndim != 0:
+        raise LossFnError(
+            f"loss_fn returned a loss of shape {tuple(loss.shape)}; a scalar is needed to "
+            "back-propagate. Reduce it: return loss.mean(), or (loss.sum(), num_targets) for "
+            "token weighting."
+        )
+    if not loss.is_floating_point():
+        raise LossFnError(
+            f"loss_fn returned a loss of dtype {loss.dtype}; gradients need a floating-point "
+            "loss. Compute it with a floating-point criterion, e.g. F.cross_entropy."
+        )
+    if not loss.requires_grad:
+        raise LossFnError(
+            "loss_fn returned a loss that does not require grad, so backward() cannot reach the "
+            "parameters. It was computed under torch.no_grad(), detached, or from a model "
+            "whose parameters have requires_grad=False: compute it from model(batch) directly."
+        )
+
+
+def _check_count(count: Any) -> None:
+    if isinstance(count, bool) or not isinstance(count, int | float | torch.Tensor):
+        raise LossFnError(
+            f"loss_fn returned num_targets={describe(count)}; it must be an int or a 0-dim "
+            "tensor counting the targets in loss_sum, e.g. (mask.sum(), ...) or labels.numel()."
+        )
+    if isinstance(count, torch.Tensor) and (count.ndim != 0 or count.dtype == torch.bool):
+        raise LossFnError(
+            f"loss_fn returned num_targets as a tensor of shape {tuple(count.shape)} and dtype "
+            f"{count.dtype}; it must be a 0-dim numeric tensor. Reduce it: mask.sum()."
+        )
+
+
+def _check_aux(aux: Any) -> None:
+    if not isinstance(aux, Mapping):
+        raise LossFnError(f"loss_fn returned aux={describe(aux)}; it must be a dict. " + _FORMS)
+    for key, value in aux.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise LossFnError(
+                f"loss_fn returned aux[{key!r}]={describe(value)}; aux must map str names to "
+                "tensors (kept on the device; read them in a handler)."
+            )

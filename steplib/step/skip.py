@@ -1,0 +1,48 @@
+"""``skip_nonfinite``: skip a whole update whose loss or gradients are not finite."""
+
+from __future__ import annotations
+
+from steplib.errors import ConfigError, describe
+from steplib.step.core import SkipConfig, Step, add_wrapper
+
+
+def skip_nonfinite(step: Step, *, max_consecutive: int | None = 10) -> Step:
+    """Skip the optimizer update of a window whose loss or gradient norm is inf or NaN.
+
+    The whole window is dropped: gradients are zeroed, the optimizer and the scheduler do not
+    step, ``out.skipped`` is True and ``state.skipped_updates`` / ``consecutive_skips`` count
+    it. The check is computed on the device; the decision is read on the host once per update
+    (a host-side scheduler must know whether to advance), never on non-final micro-batches.
+
+    Args:
+        step: the step to wrap.
+        max_consecutive: raise ``TooManySkipsError`` when more updates than this are skipped in
+            a row (an int >= 1), or ``None`` never to raise.
+
+    Returns:
+        The wrapped step.
+
+    Raises:
+        ConfigError: ``max_consecutive`` is not ``None`` or an int >= 1, or ``step`` already
+            skips.
+
+    Example:
+        >>> from steplib import make_train_step
+        >>> skip_nonfinite(make_train_step(lambda m, b: m(b).sum()), max_consecutive=3).describe()
+        [{'wrapper': 'skip_nonfinite', 'max_consecutive': 3}]
+    """
+    if max_consecutive is not None and (
+        isinstance(max_consecutive, bool)
+        or not isinstance(max_consecutive, int)
+        or max_consecutive < 1
+    ):
+        raise ConfigError(
+            f"skip_nonfinite(max_consecutive=...) received {describe(max_consecutive)}; it must "
+            "be an int >= 1 (how many skipped updates in a row are tolerated) or None."
+        )
+    return add_wrapper(
+        step,
+        "skip_nonfinite",
+        {"max_consecutive": max_consecutive},
+        skip=SkipConfig(max_consecutive=max_consecutive),
+    )
