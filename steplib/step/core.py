@@ -349,7 +349,8 @@ def _scaler_active(step: Step, state: TrainState) -> bool:
 
 
 def _current_lr(state: TrainState) -> torch.Tensor:
-    return torch.as_tensor(state.optimizer.param_groups[0]["lr"])
+    # float64: the exact Python float the optimizer used, not a float32 rounding of it.
+    return torch.as_tensor(state.optimizer.param_groups[0]["lr"], dtype=torch.float64)
 
 
 def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""The same laws on CUDA (skipped without a GPU; the CPU path is tested everywhere else)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from steplib import TrainState, accumulate, amp_wrap, clip, make_train_step
+from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
+
+pytestmark = pytest.mark.gpu
+
+
+def _cuda(batches):
+    return [tuple(t.cuda() for t in b) for b in batches]
+
+
+def test_gpu_step_runs_without_a_host_sync_and_leaves_data_where_it_was() -> None:
+    model = tiny_model(0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    state = TrainState.create(model=model, optimizer=opt)
+    step = amp_wrap(clip(accumulate(make_train_step(token_loss), 2), max_norm=1.0))
+    batches = _cuda(make_batches(4))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches:
+            state, out = step(state, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert state.window_loss.device.type == "cuda" and out.loss.device.type == "cuda"
+    assert state.step == 2
+
+
+def test_gpu_accumulation_equals_concatenated_batch() -> None:
+    micro = _cuda(make_batches(3, [2, 5, 1]))
+    model = tiny_model(0).cuda()
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = accumulate(make_train_step(token_loss), 3)
+    for batch in micro:
+        state, _ = step(state, batch)
+    ref = tiny_model(0).cuda()
+    reference_loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1), [concat(micro)], token_loss)
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

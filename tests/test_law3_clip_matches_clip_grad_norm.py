@@ -1,0 +1,69 @@
+"""Law 3: clip reports clip_grad_norm_'s norm and leaves the same parameters as the raw loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from steplib import TrainState, accumulate, clip, make_train_step
+from tests.reference import concat, make_batches, mean_loss, reference_loop, tiny_model, token_loss
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1.0, 100.0])
+def test_law3_grad_norm_and_parameters_equal_clip_grad_norm(max_norm: float) -> None:
+    batches = make_batches(6)
+    ref = tiny_model(0)
+    records = reference_loop(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.1), batches, mean_loss, max_norm=max_norm
+    )
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = clip(make_train_step(mean_loss), max_norm=max_norm)
+    for batch, record in zip(batches, records, strict=True):
+        state, out = step(state, batch)
+        assert out.grad_norm is not None
+        assert torch.equal(out.grad_norm, record["grad_norm"])
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_law3_clip_sees_the_whole_window_normalised() -> None:
+    micro = make_batches(3, [2, 5, 3])
+    ref = tiny_model(0)
+    (record,) = reference_loop(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.1), [concat(micro)], token_loss, max_norm=0.1
+    )
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = accumulate(clip(make_train_step(token_loss), max_norm=0.1), 3)
+    for batch in micro:
+        state, out = step(state, batch)
+    torch.testing.assert_close(out.grad_norm, record["grad_norm"], atol=1e-6, rtol=1e-6)
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_law3_value_clipping_and_other_norm_types() -> None:
+    batch = make_batches(1)[0]
+    ref = tiny_model(0)
+    mean_loss(ref, batch).backward()
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+    want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.02, norm_type=math.inf)
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = clip(make_train_step(mean_loss), max_value=0.01, max_norm=0.02, norm_type=math.inf)
+    state, out = step(state, batch)
+    assert out.grad_norm is not None and torch.equal(out.grad_norm, want_norm)
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_law3_no_grad_norm_reported_without_clipping() -> None:
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    _, out = make_train_step(mean_loss)(state, make_batches(1)[0])
+    assert out.grad_norm is None

@@ -1,0 +1,109 @@
+"""Law 8: no host sync inside a step.
+
+Every way of reading a tensor on the host (``item``, ``__bool__``, ``__float__``, ``__int__``,
+``__index__``, ``cpu``, ``tolist``, ``numpy``) is made to raise while the step runs.
+
+Optimizer choice: torch's Adam/AdamW read their CPU step counter with ``.item()`` unless
+``capturable=True`` (CUDA only) or ``fused=True``; that read is torch's, so these tests use SGD
+with momentum (no such read) and a fused AdamW.
+
+Skipping (a float16 scaler or ``skip_nonfinite``) is the one documented exception: a host-side
+LR scheduler must know whether an update happened, so the decision is read once per optimizer
+update, at one place, and never on a non-final micro-batch. The second test pins exactly that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from steplib import TrainState, accumulate, amp_wrap, clip, make_train_step, skip_nonfinite
+from tests.reference import make_batches, tiny_model, token_loss
+
+HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")
+
+
+class HostSync(AssertionError):
+    """Raised by a patched host read."""
+
+
+@contextlib.contextmanager
+def host_reads(monkeypatch: pytest.MonkeyPatch, record: list[str] | None = None) -> Iterator[None]:
+    """Make every host read raise; or, with ``record``, log where each one happened."""
+
+    def patched(name: str):
+        original = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args, **kwargs):
+            where = traceback.extract_stack(limit=2)[0]
+            if record is None:
+                raise HostSync(f"Tensor.{name} called at {where.filename}:{where.lineno}")
+            record.append(f"{name}@{where.name}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, patched(name))
+        yield
+
+
+def _state(optimizer: str = "sgd") -> TrainState:
+    model = tiny_model(0, dropout=0.1)
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return TrainState.create(model=model, optimizer=opt, scheduler=sched)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw-fused"])
+def test_law8_no_host_sync_with_accumulate_clip_and_bf16(monkeypatch, optimizer) -> None:
+    state = _state(optimizer)
+    step = make_train_step(token_loss)
+    step = amp_wrap(clip(accumulate(step, 3), max_norm=1.0, max_value=5.0), dtype=torch.bfloat16)
+    batches = make_batches(7, [2, 3, 1, 4, 2, 2, 3])
+    with host_reads(monkeypatch):
+        for i, batch in enumerate(batches):
+            state, out = step(state, batch, close_window=(i == len(batches) - 1))
+    assert state.step == 3 and state.micro_step == 7  # it ran; outputs read after the step
+    assert torch.isfinite(out.loss) and out.grad_norm is not None
+
+
+def test_law8_skipping_reads_the_decision_once_per_update_and_never_mid_window(
+    monkeypatch,
+) -> None:
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu")
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    step = make_train_step(token_loss)
+    step = skip_nonfinite(amp_wrap(clip(accumulate(step, 3), max_norm=1.0), dtype=torch.float16))
+    reads: list[str] = []
+    with host_reads(monkeypatch, record=reads):
+        for batch in make_batches(6):
+            count = len(reads)
+            state, out = step(state, batch)
+            closed = state.window_size == 0
+            assert len(reads) - count == (1 if closed else 0), reads[count:]
+    assert reads == ["__bool__@apply", "__bool__@apply"]
+
+
+def test_law8_the_patch_catches_a_loss_fn_that_syncs(monkeypatch) -> None:
+    """The harness itself: a step whose loss_fn calls .item() must fail under it."""
+
+    def syncing_loss(model, batch):
+        loss_sum, count = token_loss(model, batch)
+        return loss_sum, int(count.item())
+
+    state = _state()
+    step = make_train_step(syncing_loss)
+    with host_reads(monkeypatch), pytest.raises(HostSync, match=r"Tensor\.item"):
+        step(state, make_batches(1)[0])
