@@ -174,7 +174,8 @@ class Events:
     def emit(self, event: Event) -> Emitted:
         """Call the handlers of ``event.name`` that want this event, in registration order.
 
-        A :class:`NewState` from one handler is seen by the handlers after it.
+        A :class:`NewState` from one handler is seen by the handlers after it (the event's
+        counters are taken from the new state).
 
         Returns:
             The state after the handlers, and the first :class:`Stop` requested (if any).
@@ -186,7 +187,15 @@ class Events:
             result = registration.handler(event)
             if isinstance(result, NewState):
                 state = result.state
-                event = dataclasses.replace(event, state=state)
+                # The counters follow the new state, so that later handlers' every/once and
+                # event.step agree with event.state (a resumed state has other counters).
+                event = dataclasses.replace(
+                    event,
+                    state=state,
+                    step=getattr(state, "step", event.step),
+                    micro_step=getattr(state, "micro_step", event.micro_step),
+                    epoch=getattr(state, "epoch", event.epoch),
+                )
             elif isinstance(result, Stop):
                 stop = stop or result
         return Emitted(state, stop)

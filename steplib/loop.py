@@ -39,7 +39,7 @@ def iterate(
     closed early (normalised by what it held); for unsized data an open window is flushed when
     the pass ends. Stops after ``max_steps`` optimizer updates (``state.step``), after
     ``max_epochs`` completed epochs (``state.epoch``), or when a handler returns ``Stop``.
-    With neither limit given, it runs one epoch.
+    With neither limit given, it runs one epoch (as if ``max_epochs=state.epoch + 1``).
 
     Args:
         step: a ``Step``.
@@ -58,19 +58,35 @@ def iterate(
         state with the epoch counter advanced and any state swapped in by end handlers.
 
     Raises:
-        ValueError: bad arguments, or ``data`` yields no batches in an epoch.
+        ValueError: bad arguments (raised by the call itself, before the first ``next``), or
+            ``data`` yields no batches in an epoch.
     """
+    # Checked here, outside the generator body, so that a bad argument fails where iterate()
+    # is called rather than at the first next(), possibly far away in a notebook.
     _check_args(step, data, max_steps, max_epochs)
-    if max_steps is None and max_epochs is None:
-        max_epochs = 1
+    return _iterate(step, state, data, events, max_steps, max_epochs)
+
+
+def _iterate(
+    step: StepLike,
+    state: TrainState,
+    data: Iterable[Any],
+    events: Events | None,
+    max_steps: int | None,
+    max_epochs: int | None,
+) -> Generator[tuple[TrainState, StepOutput], None, TrainState]:
     events = events if events is not None else Events()
     state, stop = _emit(events, Event("fit_start", state), state)
+    if max_steps is None and max_epochs is None:
+        # One more epoch than the state (after a resume handler swapped it in) has completed:
+        # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
+        max_epochs = state.epoch + 1
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
             state, stop = _emit(events, _event("epoch_start", state), state)
             if stop is not None:
                 break
-            total = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
+            total = _length(data)
             index = -1
             for index, batch in enumerate(data):
                 close = total is not None and index == total - 1
@@ -92,13 +108,20 @@ def iterate(
                 before = state.step
                 state, flushed = step.flush(state)
                 if flushed is not None:
-                    state, stop = _after_call(events, state, flushed, before, index)
+                    # No micro-batch ran, so only step_end: a second micro_step_end with the
+                    # same micro_step would fire every/once handlers twice.
+                    state, stop = _after_call(
+                        events, state, flushed, before, index, micro_batch=False
+                    )
                     yield state, flushed
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
                 state, epoch_stop = _emit(events, _event("epoch_end", state), state)
                 stop = stop or epoch_stop
         state, _ = _emit(events, _event("fit_end", state), state)
     except GeneratorExit:
+        # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
+        # handlers get to finish (close a progress bar, flush a log) as after a normal end.
+        _emit(events, _event("fit_end", state), state)
         raise
     except BaseException as error:
         _emit(events, dataclasses.replace(_event("exception", state), error=error), state)
@@ -138,7 +161,13 @@ def run(
 
 
 def _after_call(
-    events: Events, state: TrainState, out: StepOutput, step_before: int, index: int
+    events: Events,
+    state: TrainState,
+    out: StepOutput,
+    step_before: int,
+    index: int,
+    *,
+    micro_batch: bool = True,
 ) -> tuple[TrainState, Stop | None]:
     event = Event(
         "micro_step_end",
@@ -149,12 +178,23 @@ def _after_call(
         epoch=state.epoch,
         batch_index=index,
     )
-    state, stop = _emit(events, event, state)
+    stop = None
+    if micro_batch:
+        state, stop = _emit(events, event, state)
     if state.step != step_before:  # a window closed: host ints, no tensor read
         event = dataclasses.replace(event, name="step_end", state=state)
         state, step_stop = _emit(events, event, state)
         stop = stop or step_stop
     return state, stop
+
+
+def _length(data: Iterable[Any]) -> int | None:
+    # A DataLoader always has __len__, but over an IterableDataset without one, len() raises
+    # TypeError: such data is unsized (its open window is flushed when the pass ends).
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _event(name: str, state: TrainState) -> Event:

@@ -350,7 +350,11 @@ def _scaler_active(step: Step, state: TrainState) -> bool:
 
 def _current_lr(state: TrainState) -> torch.Tensor:
     # float64: the exact Python float the optimizer used, not a float32 rounding of it.
-    return torch.as_tensor(state.optimizer.param_groups[0]["lr"], dtype=torch.float64)
+    # A copy: a tensor LR is updated in place by the scheduler, and an output must not change.
+    lr = state.optimizer.param_groups[0]["lr"]
+    if isinstance(lr, torch.Tensor):
+        return lr.detach().to(torch.float64, copy=True)
+    return torch.tensor(lr, dtype=torch.float64)
 
 
 def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

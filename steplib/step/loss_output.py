@@ -46,8 +46,10 @@ def parse_loss_output(result: Any) -> LossOutput:
             count = second
     elif isinstance(result, tuple | list) and len(result) == 3:
         loss, count, aux = result
+    elif isinstance(result, tuple | list):
+        raise LossFnError(f"loss_fn returned a sequence of {len(result)} items. {_FORMS}")
     else:
-        raise LossFnError(f"loss_fn returned {describe(result)}. {_FORMS}")
+        loss = result  # let _check_loss say what is wrong with it (e.g. a float from .item())
     _check_loss(loss)
     _check_count(count)
     _check_aux(aux)

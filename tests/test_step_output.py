@@ -1,0 +1,37 @@
+"""StepOutput values are snapshots: later training never changes an output already returned."""
+
+from __future__ import annotations
+
+import torch
+
+from steplib import TrainState, accumulate, make_train_step
+from tests.reference import make_batches, mean_loss, tiny_model, token_loss
+
+
+def test_lr_held_as_a_tensor_is_copied_into_each_output() -> None:
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=torch.tensor(0.5, dtype=torch.float64), fused=True
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 4)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+    step = make_train_step(mean_loss)
+    outs = []
+    for batch in make_batches(3):
+        state, out = step(state, batch)
+        outs.append(out)
+    assert [float(o.lr) for o in outs] == [0.5, 0.375, 0.25]
+
+
+def test_micro_step_outputs_report_their_own_loss_and_the_update_the_window_loss() -> None:
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    step = accumulate(make_train_step(token_loss), 2)
+    a, b = make_batches(2, [2, 5])
+    state, first = step(state, a)
+    state, second = step(state, b)
+    sum_a, n_a = token_loss(model, a)
+    sum_b, n_b = token_loss(model, b)
+    torch.testing.assert_close(first.loss, (sum_a / n_a).detach())
+    torch.testing.assert_close(second.loss, ((sum_a + sum_b) / (n_a + n_b)).detach())
+    assert int(second.num_targets) == int(n_a + n_b)
