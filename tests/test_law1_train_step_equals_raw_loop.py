@@ -38,8 +38,8 @@ def test_law1_make_train_step_equals_raw_loop_bit_for_bit_with_dropout_and_sched
 
         for got, want in zip(model.parameters(), ref_model.parameters(), strict=True):
             assert torch.equal(got, want), make_opt.__name__
-        for got, record in zip(losses, records, strict=True):
-            assert torch.equal(got, record["loss"])
+        for loss, record in zip(losses, records, strict=True):
+            assert torch.equal(loss, record["loss"])
         assert state.step == 12 and state.micro_step == 12
         assert sched.last_epoch == ref_sched.last_epoch == 12
 

@@ -86,8 +86,9 @@ def test_law2_shorter_last_window_is_normalised_by_what_it_held() -> None:
             state, out = step(state, batch, close_window=(close == "close_window" and i == 4))
         if close == "flush":
             assert state.window_size == 2
-            state, out = step.flush(state)
-            assert out is not None
+            state, flushed = step.flush(state)
+            assert flushed is not None
+            out = flushed
         assert state.step == 2 and state.window_size == 0
         assert bool(out.did_update)
         _assert_close(state.model, ref)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -10,7 +11,7 @@ from steplib import TrainState, accumulate, amp_wrap, clip, make_train_step, ski
 from tests.reference import make_batches, tiny_model, token_loss
 
 
-def _snapshot(state: TrainState) -> dict:
+def _snapshot(state: TrainState) -> dict[str, tuple[int, Any]]:
     snap = {}
     for field in dataclasses.fields(state):
         value = getattr(state, field.name)

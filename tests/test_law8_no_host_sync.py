@@ -27,7 +27,7 @@ from tests.reference import make_batches, tiny_model, token_loss
 HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")
 
 
-class HostSync(AssertionError):
+class HostSyncError(AssertionError):
     """Raised by a patched host read."""
 
 
@@ -41,7 +41,7 @@ def host_reads(monkeypatch: pytest.MonkeyPatch, record: list[str] | None = None)
         def read(self: torch.Tensor, *args, **kwargs):
             where = traceback.extract_stack(limit=2)[0]
             if record is None:
-                raise HostSync(f"Tensor.{name} called at {where.filename}:{where.lineno}")
+                raise HostSyncError(f"Tensor.{name} called at {where.filename}:{where.lineno}")
             record.append(f"{name}@{where.name}")
             return original(self, *args, **kwargs)
 
@@ -90,7 +90,7 @@ def test_law8_skipping_reads_the_decision_once_per_update_and_never_mid_window(
     with host_reads(monkeypatch, record=reads):
         for batch in make_batches(6):
             count = len(reads)
-            state, out = step(state, batch)
+            state, _ = step(state, batch)
             closed = state.window_size == 0
             assert len(reads) - count == (1 if closed else 0), reads[count:]
     assert reads == ["__bool__@apply", "__bool__@apply"]
@@ -105,5 +105,5 @@ def test_law8_the_patch_catches_a_loss_fn_that_syncs(monkeypatch) -> None:
 
     state = _state()
     step = make_train_step(syncing_loss)
-    with host_reads(monkeypatch), pytest.raises(HostSync, match=r"Tensor\.item"):
+    with host_reads(monkeypatch), pytest.raises(HostSyncError, match=r"Tensor\.item"):
         step(state, make_batches(1)[0])
