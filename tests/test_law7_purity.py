@@ -12,7 +12,7 @@ from tests.reference import make_batches, tiny_model, token_loss
 
 
 def _snapshot(state: TrainState) -> dict[str, tuple[int, Any]]:
-    snap = {}
+    snap: dict[str, tuple[int, Any]] = {}
     for field in dataclasses.fields(state):
         value = getattr(state, field.name)
         # Identity for every field, and the values of the tensors the step could write into.
