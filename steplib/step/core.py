@@ -24,12 +24,12 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from steplib.errors import ConfigError, TooManySkipsError, describe
-from steplib.state import StepOutput, TrainState
+from steplib.state import StepOutput, TrainState, _evolve
 from steplib.step.loss_output import LossOutput, parse_loss_output
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -113,24 +113,28 @@ class Step:
         size = state.window_size + 1
         closes = close_window or size >= self.accumulation
         out = self.forward_backward(state, batch, sync=closes)
-        state = dataclasses.replace(
+        loss_sum = out.loss_sum.detach()
+        state = _evolve(
             state,
-            micro_step=state.micro_step + 1,
-            window_size=size,
-            window_loss=state.window_loss + out.loss_sum.detach().float(),
-            window_targets=state.window_targets + out.num_targets,
+            {
+                "micro_step": state.micro_step + 1,
+                "window_size": size,
+                # The first micro-batch of a window starts the sum: no add, no zero tensor.
+                "window_loss": loss_sum.float() if size == 1 else state.window_loss + loss_sum,
+                # int + int stays on the host; a tensor count makes it a device tensor.
+                "window_targets": state.window_targets + out.num_targets,
+            },
         )
         if closes:
             return self._close(state, out.aux)
-        loss = out.loss_sum.detach().float() / out.num_targets
         return state, StepOutput(
-            loss=loss,
-            num_targets=torch.as_tensor(out.num_targets),
-            did_update=torch.tensor(False),
-            skipped=torch.tensor(False),
+            loss_sum=loss_sum,
+            num_targets=out.num_targets,
+            did_update=False,
+            skipped=False,
             grad_norm=None,
-            lr=_current_lr(state),
-            aux=_detached(out.aux),
+            lr=_lr_now(state),
+            aux=out.aux,
         )
 
     def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
@@ -173,18 +177,14 @@ class Step:
         Every operation stays on the device; the non-finite flag is a tensor.
         """
         params = [p for p in state.model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [cast(torch.Tensor, p.grad) for p in params]
         nonfinite: torch.Tensor | None = None
         if _scaler_active(self, state):
             scaler, optimizer = state.scaler, state.optimizer
             scaler.unscale_(optimizer)  # type: ignore[union-attr]
             found = scaler._found_inf_per_device(optimizer).values()  # type: ignore[union-attr]
             nonfinite = torch.stack([f.to(state.device) for f in found]).sum() > 0
-        # A window with zero targets has zero gradients; divide by 1 rather than by 0.
-        targets = state.window_targets
-        divisor = torch.where(targets > 0, targets, torch.ones_like(targets))
-        if grads:
-            torch._foreach_div_(grads, divisor)  # type: ignore[arg-type]
+        _normalise(grads, state.window_targets)
         grad_norm: torch.Tensor | None = None
         if self.clip is not None:
             if self.clip.max_value is not None:
@@ -195,8 +195,9 @@ class Step:
                 )
         if self.skip is not None:
             if grad_norm is None:
-                grad_norm = _total_norm(grads, state.device)  # type: ignore[arg-type]
-            bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(state.window_loss)
+                grad_norm = _total_norm(grads, state.device)
+            window_loss = cast(torch.Tensor, state.window_loss)  # a closing window is non-empty
+            bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(window_loss)
             nonfinite = bad if nonfinite is None else nonfinite | bad
         return GradReport(grad_norm, nonfinite)
 
@@ -233,19 +234,15 @@ class Step:
                 "diverged: lower the learning rate, add clip(step, max_norm=1.0), check the data "
                 "for NaN/inf, or raise max_consecutive."
             )
-        zero = torch.zeros_like(state.window_loss)
-        return (
-            dataclasses.replace(
-                state,
-                step=state.step + 1,
-                window_size=0,
-                window_loss=zero,
-                window_targets=zero,
-                skipped_updates=state.skipped_updates + (0 if applied else 1),
-                consecutive_skips=consecutive,
-            ),
-            applied,
-        )
+        changes = {
+            "step": state.step + 1,
+            "window_size": 0,
+            "window_loss": 0.0,
+            "window_targets": 0,
+            "skipped_updates": state.skipped_updates + (0 if applied else 1),
+            "consecutive_skips": consecutive,
+        }
+        return _evolve(state, changes), applied
 
     def describe(self) -> list[dict[str, Any]]:
         """The composition as plain data: ``[{"wrapper": name, **settings}, ...]`` in order."""
@@ -254,19 +251,19 @@ class Step:
     def _close(
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
-        lr = _current_lr(state)
-        report = self.process_grads(state)
-        loss = state.window_loss / state.window_targets
+        lr = _lr_now(state)  # before the scheduler moves it
+        loss_sum = cast(torch.Tensor, state.window_loss)  # a closing window is non-empty
         targets = state.window_targets
+        report = self.process_grads(state)
         state, applied = self.apply(state, report)
         return state, StepOutput(
-            loss=loss,
+            loss_sum=loss_sum,
             num_targets=targets,
-            did_update=torch.tensor(applied),
-            skipped=torch.tensor(not applied),
+            did_update=applied,
+            skipped=not applied,
             grad_norm=report.grad_norm,
             lr=lr,
-            aux=_detached(aux),
+            aux=aux,
         )
 
 
@@ -348,13 +345,22 @@ def _scaler_active(step: Step, state: TrainState) -> bool:
     return scaler.is_enabled()
 
 
-def _current_lr(state: TrainState) -> torch.Tensor:
-    # float64: the exact Python float the optimizer used, not a float32 rounding of it.
-    # A copy: a tensor LR is updated in place by the scheduler, and an output must not change.
+def _lr_now(state: TrainState) -> torch.Tensor | float:
     lr = state.optimizer.param_groups[0]["lr"]
-    if isinstance(lr, torch.Tensor):
-        return lr.detach().to(torch.float64, copy=True)
-    return torch.tensor(lr, dtype=torch.float64)
+    # A tensor LR is updated in place by its scheduler: an output keeps this call's value.
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _normalise(grads: list[torch.Tensor], targets: torch.Tensor | int) -> None:
+    """Divide the window's summed gradients by its target count, on the device."""
+    if isinstance(targets, int):
+        if targets > 1:  # dividing by 1 (one scalar-loss micro-batch) changes nothing
+            torch._foreach_div_(grads, targets)
+        return
+    # A window with zero targets has zero gradients; divide by 1 rather than by 0.
+    divisor = torch.where(targets > 0, targets, torch.ones_like(targets))
+    if grads:
+        torch._foreach_div_(grads, divisor)
 
 
 def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -362,7 +368,3 @@ def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
         return torch.zeros((), device=device)
     norms = torch._foreach_norm(grads, 2.0)
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
-
-
-def _detached(aux: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-    return {k: v.detach() for k, v in aux.items()}
