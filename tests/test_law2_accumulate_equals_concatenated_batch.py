@@ -104,3 +104,16 @@ def test_law2_scheduler_advances_once_per_update_not_per_micro_batch() -> None:
     for batch in make_batches(8):
         state, _ = step(state, batch)
     assert sched.last_epoch == 2 and state.step == 2 and state.micro_step == 8
+
+
+def test_law2_a_window_with_zero_targets_does_not_divide_by_zero() -> None:
+    for count in (0, torch.tensor(0)):
+        model = tiny_model(0)
+        state = TrainState.create(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+        before = [p.detach().clone() for p in model.parameters()]
+        step = make_train_step(lambda m, b, n=count: ((m(b[0]) * 0).sum(), n))
+        state, _ = step(state, make_batches(1)[0])
+        for got, want in zip(model.parameters(), before, strict=True):
+            assert torch.equal(got, want)  # zero gradient, no NaN

@@ -33,7 +33,6 @@ from steplib.state import StepOutput, TrainState, _evolve
 from steplib.step.loss_output import LossOutput, parse_loss_output
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
-SyncContext = Callable[[TrainState, bool], ContextManager[Any]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,14 +59,43 @@ class SkipConfig:
 
 
 class GradReport(NamedTuple):
-    """What ``process_grads`` measured: the pre-clip norm and the non-finite flag (tensors)."""
+    """What ``process_grads`` measured, all on the device: the window's loss sum and target
+    count over every process, the pre-clip gradient norm, and the non-finite flag."""
 
+    loss_sum: torch.Tensor
+    num_targets: torch.Tensor | int
     grad_norm: torch.Tensor | None
     nonfinite: torch.Tensor | None
 
 
-def _no_sync_context(state: TrainState, sync: bool) -> ContextManager[Any]:
-    return contextlib.nullcontext()
+class GradSync:
+    """How gradients and window counts are shared across processes: the hook ``ddp_wrap`` and
+    ``fsdp_wrap`` fill in. This base class is the single-process strategy and does nothing.
+    """
+
+    name = "local"
+
+    def micro_context(self, state: TrainState, sync: bool) -> ContextManager[Any]:
+        """Entered around forward *and* backward of a micro-batch; ``sync`` is False on
+        micro-batches whose gradients must stay local (DDP ``no_sync``)."""
+        return contextlib.nullcontext()
+
+    def reduce_window(
+        self, state: TrainState, loss_sum: torch.Tensor, targets: torch.Tensor | int
+    ) -> tuple[torch.Tensor, torch.Tensor | int, int]:
+        """The window's loss sum and target count over all processes, and by how many
+        processes the gradients were averaged (the gradient divisor is ``targets / that``)."""
+        return loss_sum, targets, 1
+
+    def sync_unsynced(self, state: TrainState) -> None:
+        """Synchronise gradients whose last backward ran with ``sync=False`` (a window closed by
+        ``flush`` after the data ended)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+
+LOCAL = GradSync()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,8 +109,8 @@ class Step:
         amp: autocast settings, or ``None`` for full precision.
         clip: clipping settings, or ``None``.
         skip: non-finite skipping settings, or ``None``.
-        sync_context: ``(state, sync) -> context manager`` entered around forward and
-            backward; ``sync`` is False on non-final micro-batches (DDP enters ``no_sync``).
+        grad_sync: how gradients and window counts are shared across processes
+            (:class:`GradSync`; ``ddp_wrap`` / ``fsdp_wrap`` set it).
         applied: the wrappers applied, in order, with their settings (the step's fingerprint).
     """
 
@@ -91,7 +119,7 @@ class Step:
     amp: AmpConfig | None = None
     clip: ClipConfig | None = None
     skip: SkipConfig | None = None
-    sync_context: SyncContext = _no_sync_context
+    grad_sync: GradSync = LOCAL
     applied: tuple[tuple[str, Mapping[str, Any]], ...] = ()
 
     def __call__(
@@ -149,6 +177,7 @@ class Step:
         """
         if state.window_size == 0:
             return state, None
+        self.grad_sync.sync_unsynced(state)  # its last backward ran without gradient sync
         return self._close(state, {})
 
     def forward_backward(self, state: TrainState, batch: Any, *, sync: bool) -> LossOutput:
@@ -162,7 +191,7 @@ class Step:
             if self.amp is not None
             else contextlib.nullcontext()
         )
-        with self.sync_context(state, sync):
+        with self.grad_sync.micro_context(state, sync):
             with autocast:
                 out = parse_loss_output(self.loss_fn(state.model, batch))
             loss = out.loss_sum
@@ -176,6 +205,10 @@ class Step:
 
         Every operation stays on the device; the non-finite flag is a tensor.
         """
+        window_loss = cast(torch.Tensor, state.window_loss)  # a closing window is non-empty
+        loss_sum, targets, averaged = self.grad_sync.reduce_window(
+            state, window_loss, state.window_targets
+        )
         params = [p for p in state.model.parameters() if p.grad is not None]
         grads = [cast(torch.Tensor, p.grad) for p in params]
         nonfinite: torch.Tensor | None = None
@@ -184,7 +217,8 @@ class Step:
             scaler.unscale_(optimizer)  # type: ignore[union-attr]
             found = scaler._found_inf_per_device(optimizer).values()  # type: ignore[union-attr]
             nonfinite = torch.stack([f.to(state.device) for f in found]).sum() > 0
-        _normalise(grads, state.window_targets)
+        # DDP already averaged the gradients over `averaged` processes: divide by the rest.
+        _normalise(grads, targets if averaged == 1 else targets / averaged)
         grad_norm: torch.Tensor | None = None
         if self.clip is not None:
             if self.clip.max_value is not None:
@@ -196,10 +230,10 @@ class Step:
         if self.skip is not None:
             if grad_norm is None:
                 grad_norm = _total_norm(grads, state.device)
-            window_loss = cast(torch.Tensor, state.window_loss)  # a closing window is non-empty
-            bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(window_loss)
+            # The global loss and the (already synchronised) gradients: every rank decides alike.
+            bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
             nonfinite = bad if nonfinite is None else nonfinite | bad
-        return GradReport(grad_norm, nonfinite)
+        return GradReport(loss_sum, targets, grad_norm, nonfinite)
 
     def apply(self, state: TrainState, report: GradReport) -> tuple[TrainState, bool]:
         """Phase 3: optimizer step unless skipped, scaler update, zero_grad, scheduler.
@@ -252,13 +286,11 @@ class Step:
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
         lr = _lr_now(state)  # before the scheduler moves it
-        loss_sum = cast(torch.Tensor, state.window_loss)  # a closing window is non-empty
-        targets = state.window_targets
         report = self.process_grads(state)
         state, applied = self.apply(state, report)
         return state, StepOutput(
-            loss_sum=loss_sum,
-            num_targets=targets,
+            loss_sum=report.loss_sum,
+            num_targets=report.num_targets,
             did_update=applied,
             skipped=not applied,
             grad_norm=report.grad_norm,
@@ -351,13 +383,14 @@ def _lr_now(state: TrainState) -> torch.Tensor | float:
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
-def _normalise(grads: list[torch.Tensor], targets: torch.Tensor | int) -> None:
+def _normalise(grads: list[torch.Tensor], targets: torch.Tensor | float) -> None:
     """Divide the window's summed gradients by its target count, on the device."""
-    if isinstance(targets, int):
-        if targets > 1:  # dividing by 1 (one scalar-loss micro-batch) changes nothing
+    # A window with zero targets has zero gradients: divide by 1 rather than by 0. Dividing by
+    # 1 (one scalar-loss micro-batch) changes nothing, so it is skipped.
+    if isinstance(targets, int | float):
+        if targets not in (0, 1):
             torch._foreach_div_(grads, targets)
         return
-    # A window with zero targets has zero gradients; divide by 1 rather than by 0.
     divisor = torch.where(targets > 0, targets, torch.ones_like(targets))
     if grads:
         torch._foreach_div_(grads, divisor)
