@@ -5,7 +5,16 @@ from steplib.events import EVENT_NAMES, Event, Events, NewState, Stop
 from steplib.loop import iterate, run
 from steplib.schedules import accumulation_steps, warmup_constant, warmup_cosine, warmup_linear
 from steplib.state import StepOutput, TrainState
-from steplib.step import Step, accumulate, amp_wrap, clip, make_train_step, skip_nonfinite
+from steplib.step import (
+    GradSync,
+    Step,
+    accumulate,
+    amp_wrap,
+    clip,
+    ddp_wrap,
+    make_train_step,
+    skip_nonfinite,
+)
 
 __version__ = "0.1.0"
 
@@ -14,6 +23,7 @@ __all__ = [
     "ConfigError",
     "Event",
     "Events",
+    "GradSync",
     "LossFnError",
     "NewState",
     "Step",
@@ -27,6 +37,7 @@ __all__ = [
     "accumulation_steps",
     "amp_wrap",
     "clip",
+    "ddp_wrap",
     "iterate",
     "make_train_step",
     "run",
