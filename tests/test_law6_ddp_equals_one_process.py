@@ -55,7 +55,9 @@ def _ddp_train(rank: int, world: int, *, flush_last: bool = False) -> dict[str, 
             state, out = step(state, batch)
             reduced_per_call.append(len(calls) - before > 0)
         if flush_last and update == UPDATES - 1:
-            state, out = step.flush(state)
+            state, flushed = step.flush(state)
+            assert flushed is not None
+            out = flushed
     params = [p.detach().clone() for p in model.module.parameters()]
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, [p.sum().item() for p in params])
