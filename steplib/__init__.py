@@ -12,6 +12,7 @@ from steplib.step import (
     amp_wrap,
     clip,
     ddp_wrap,
+    fsdp_wrap,
     make_train_step,
     skip_nonfinite,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "amp_wrap",
     "clip",
     "ddp_wrap",
+    "fsdp_wrap",
     "iterate",
     "make_train_step",
     "run",

@@ -5,6 +5,7 @@ from steplib.step.amp import amp_wrap
 from steplib.step.clip import clip
 from steplib.step.core import GradSync, Step, make_train_step
 from steplib.step.ddp import ddp_wrap
+from steplib.step.fsdp import fsdp_wrap
 from steplib.step.skip import skip_nonfinite
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "amp_wrap",
     "clip",
     "ddp_wrap",
+    "fsdp_wrap",
     "make_train_step",
     "skip_nonfinite",
 ]

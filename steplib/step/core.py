@@ -227,12 +227,15 @@ class Step:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     params, self.clip.max_norm, norm_type=self.clip.norm_type
                 )
-        if self.skip is not None:
-            if grad_norm is None:
-                grad_norm = _total_norm(grads, state.device)
-            # The global loss and the (already synchronised) gradients: every rank decides alike.
-            bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
-            nonfinite = bad if nonfinite is None else nonfinite | bad
+        if self.skip is not None and grad_norm is None:
+            grad_norm = _total_norm(grads, state.device)
+        if grad_norm is not None:
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()  # FSDP2's norm is a DTensor; output a plain one
+            if self.skip is not None:
+                # The global loss and the synchronised gradients: every rank decides alike.
+                bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
+                nonfinite = bad if nonfinite is None else nonfinite | bad
         return GradReport(loss_sum, targets, grad_norm, nonfinite)
 
     def apply(self, state: TrainState, report: GradReport) -> tuple[TrainState, bool]:
@@ -399,5 +402,8 @@ def _normalise(grads: list[torch.Tensor], targets: torch.Tensor | float) -> None
 def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), device=device)
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:  # torch >= 2.6; also reduces sharded (DTensor) gradients
+        return cast(torch.Tensor, get_total_norm(grads, 2.0))
     norms = torch._foreach_norm(grads, 2.0)
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)

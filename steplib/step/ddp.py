@@ -24,17 +24,9 @@ from steplib.state import TrainState
 from steplib.step.core import GradSync, Step, add_wrapper
 
 
-class DdpSync(GradSync):
-    """The ``GradSync`` of ``ddp_wrap``: ``no_sync`` on non-final micro-batches, window counts
-    summed over ranks, and a manual all-reduce for a window closed by ``flush``."""
-
-    name = "ddp"
-
-    def micro_context(
-        self, state: TrainState, sync: bool
-    ) -> contextlib.AbstractContextManager[Any]:
-        model = _ddp_model(state)
-        return contextlib.nullcontext() if sync else model.no_sync()
+class RankSync(GradSync):
+    """Shared by DDP and FSDP2: the window's loss sum and target count summed over the ranks
+    (one small all-reduce on the device), gradients averaged over the ranks by the wrapper."""
 
     def reduce_window(
         self, state: TrainState, loss_sum: torch.Tensor, targets: torch.Tensor | int
@@ -47,6 +39,22 @@ class DdpSync(GradSync):
         packed = torch.stack([loss_sum.float(), counts])
         dist.all_reduce(packed)  # one collective for both numbers, stays on the device
         return packed[0], packed[1], dist.get_world_size()
+
+    def describe(self) -> dict[str, Any]:
+        return {"world_size": dist.get_world_size()}
+
+
+class DdpSync(RankSync):
+    """The ``GradSync`` of ``ddp_wrap``: ``no_sync`` on non-final micro-batches, and a manual
+    all-reduce for a window closed by ``flush``."""
+
+    name = "ddp"
+
+    def micro_context(
+        self, state: TrainState, sync: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        model = _ddp_model(state)
+        return contextlib.nullcontext() if sync else model.no_sync()
 
     def sync_unsynced(self, state: TrainState) -> None:
         # The data ended mid-window: the last backward ran under no_sync. Average the gradients
@@ -63,9 +71,6 @@ class DdpSync(GradSync):
             grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
         ):
             grad.copy_(synced)  # type: ignore[union-attr]
-
-    def describe(self) -> dict[str, Any]:
-        return {"world_size": dist.get_world_size()}
 
 
 def ddp_wrap(step: Step) -> Step:
@@ -88,16 +93,23 @@ def ddp_wrap(step: Step) -> Step:
             built different compositions. Calling the step with a model that is not wrapped
             in ``DistributedDataParallel`` raises ``ConfigError`` naming the call to make.
     """
+    check_distributed_step(step, "ddp_wrap")
+    return add_wrapper(step, "ddp_wrap", {}, grad_sync=DdpSync())
+
+
+def check_distributed_step(step: Step, name: str) -> None:
+    """Build-time checks shared by ``ddp_wrap`` and ``fsdp_wrap``: a process group exists,
+    the step is not distributed twice, and every rank built the same composition."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
-            "ddp_wrap needs an initialised default process group, and none is. Launch with "
+            f"{name} needs an initialised default process group, and none is. Launch with "
             "torchrun and call steplib.distributed.init_distributed() (or "
             "torch.distributed.init_process_group(...)) before building the step."
         )
-    for name, _ in step.applied:
-        if name in ("ddp_wrap", "fsdp_wrap"):
+    for done, _ in step.applied:
+        if done in ("ddp_wrap", "fsdp_wrap"):
             raise ConfigError(
-                f"ddp_wrap was given a step already wrapped by {name}; a step is distributed "
+                f"{name} was given a step already wrapped by {done}; a step is distributed "
                 "once. Remove one of the two."
             )
     mine = step.describe()
@@ -106,11 +118,10 @@ def ddp_wrap(step: Step) -> Step:
     for rank, theirs in enumerate(compositions):
         if theirs != mine:
             raise ConfigError(
-                f"ddp_wrap: rank {dist.get_rank()} built the step {mine} but rank {rank} built "
+                f"{name}: rank {dist.get_rank()} built the step {mine} but rank {rank} built "
                 f"{theirs}. Every rank must compose the same wrappers with the same settings "
                 "(build the step from the same code and configuration on every rank)."
             )
-    return add_wrapper(step, "ddp_wrap", {}, grad_sync=DdpSync())
 
 
 def _ddp_model(state: TrainState) -> DistributedDataParallel:

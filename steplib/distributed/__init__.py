@@ -1,0 +1,27 @@
+"""torch.distributed set-up for steplib: launch environment, process group, parallelism."""
+
+from steplib.distributed.launch_env import LaunchEnv, first_slurm_host, read_launch_env
+from steplib.distributed.parallelize import apply_ddp, apply_fsdp, is_parallel_model
+from steplib.distributed.process_group import (
+    barrier,
+    init_distributed,
+    is_main,
+    rank,
+    shutdown,
+    world_size,
+)
+
+__all__ = [
+    "LaunchEnv",
+    "apply_ddp",
+    "apply_fsdp",
+    "barrier",
+    "first_slurm_host",
+    "init_distributed",
+    "is_main",
+    "is_parallel_model",
+    "rank",
+    "read_launch_env",
+    "shutdown",
+    "world_size",
+]

@@ -1,0 +1,109 @@
+"""Rank, world size, local rank and rendezvous read from the launcher's environment.
+
+torchrun sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``; SLURM's
+``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` and the node list. Reading them
+is a pure function of a mapping, so every launcher is testable with a faked environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from steplib.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchEnv:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank.
+        world_size: number of processes.
+        local_rank: rank on this node (selects the GPU).
+        master_addr: rendezvous host, or ``None`` when the launcher gives none.
+        master_port: rendezvous port, or ``None``.
+        launcher: ``"torchrun"``, ``"slurm"`` or ``"single"`` (no launcher: one process).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int | None
+    launcher: str
+
+
+def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
+    """The launch environment described by ``environ`` (usually ``os.environ``).
+
+    torchrun's variables win over SLURM's (``torchrun`` inside an ``srun`` allocation is
+    common); no launcher at all means a single process.
+
+    Raises:
+        ConfigError: a variable that is not an integer, or a rank outside the world.
+
+    Example:
+        >>> read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}).rank
+        1
+        >>> read_launch_env({}).launcher
+        'single'
+    """
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        env = LaunchEnv(
+            rank=_int(environ, "RANK"),
+            world_size=_int(environ, "WORLD_SIZE"),
+            local_rank=_int(environ, "LOCAL_RANK", default=0),
+            master_addr=environ.get("MASTER_ADDR"),
+            master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
+            launcher="torchrun",
+        )
+    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        env = LaunchEnv(
+            rank=_int(environ, "SLURM_PROCID"),
+            world_size=_int(environ, "SLURM_NTASKS"),
+            local_rank=_int(environ, "SLURM_LOCALID", default=0),
+            master_addr=environ.get("MASTER_ADDR") or (first_slurm_host(nodes) if nodes else None),
+            master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
+            launcher="slurm",
+        )
+    else:
+        return LaunchEnv(0, 1, 0, None, None, "single")
+    if not 0 <= env.rank < env.world_size:
+        raise ConfigError(
+            f"The {env.launcher} environment gives rank {env.rank} for a world of "
+            f"{env.world_size}; a rank must be in [0, world size). Check the launch command."
+        )
+    return env
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``.
+
+    Example:
+        >>> first_slurm_host("gpu[03-05,09],cpu1")
+        'gpu03'
+    """
+    first = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if first is None:
+        raise ConfigError(f"Cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR.")
+    prefix, ranges = first.group(1), first.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _int(environ: Mapping[str, str], name: str, *, default: int | None = None) -> int:
+    if name not in environ and default is not None:
+        return default
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"The environment variable {name}={value!r} is not an integer; the launcher "
+            "(torchrun / srun) sets it. Unset it or fix the launch script."
+        ) from None

@@ -1,0 +1,95 @@
+"""Applying data parallelism is a function on the model, not a flag on a trainer.
+
+The order that matters: activation checkpointing, then ``torch.compile`` of the blocks, then
+sharding (``apply_fsdp``) or replication (``apply_ddp``); build the optimizer *after*, from the
+wrapped model's parameters (FSDP2 replaces them with sharded DTensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from steplib.errors import ConfigError
+
+
+def _require_group(what: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"{what} needs an initialised process group. Call "
+            "steplib.distributed.init_distributed() first (under torchrun or srun)."
+        )
+
+
+def apply_ddp(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
+    """Wrap ``model`` in ``DistributedDataParallel`` on this rank's device.
+
+    Args:
+        model: the module, already on its device (``cuda:<local_rank>`` or CPU).
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
+            ``static_graph=True`` is refused: with ``no_sync`` some torch versions silently
+            stop averaging gradients.
+
+    Returns:
+        The DDP module; pass it to ``TrainState.create`` and build the optimizer from it.
+
+    Raises:
+        ConfigError: no process group, or ``static_graph=True``.
+    """
+    _require_group("apply_ddp")
+    if ddp_kwargs.get("static_graph"):
+        raise ConfigError(
+            "apply_ddp(static_graph=True) is refused: combined with no_sync during gradient "
+            "accumulation, some torch versions silently stop averaging gradients. Drop it."
+        )
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [device.index])
+    return DistributedDataParallel(model, **ddp_kwargs)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    blocks: Iterable[nn.Module] = (),
+    mp_policy: Any = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+    Each module in ``blocks`` (e.g. the transformer layers) is sharded as its own unit, then the
+    root, so that only one block's parameters are gathered at a time.
+
+    Args:
+        model: the module to shard, in place.
+        blocks: sub-modules to shard individually, before the root.
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (e.g. bf16 parameters, fp32 reduction).
+        reshard_after_forward: free gathered parameters after forward (less memory, one more
+            all-gather in backward).
+
+    Returns:
+        The same module, now an ``FSDPModule``; build the optimizer from it afterwards.
+
+    Raises:
+        ConfigError: no process group.
+    """
+    _require_group("apply_fsdp")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def is_parallel_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is wrapped by DDP or sharded by FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, DistributedDataParallel | FSDPModule)

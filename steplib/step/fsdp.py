@@ -1,0 +1,75 @@
+"""``fsdp_wrap``: FSDP2 (``fully_shard``) with gradient reduce-scatter only on the last
+micro-batch of a window.
+
+Memory trade-off: with gradient sync off, FSDP2 keeps each micro-batch's gradients
+*unsharded* until the window's last backward reduce-scatters them, so accumulation costs a full
+copy of the gradients per rank (what sharding otherwise saves) in exchange for one
+reduce-scatter per update instead of one per micro-batch. With little memory to spare, use
+``accumulate(step, 1)`` and larger micro-batches, or accept k reduce-scatters by not wrapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from steplib.errors import ConfigError
+from steplib.state import TrainState
+from steplib.step.core import Step, add_wrapper
+from steplib.step.ddp import RankSync, check_distributed_step
+
+
+class FsdpSync(RankSync):
+    """The ``GradSync`` of ``fsdp_wrap``."""
+
+    name = "fsdp"
+
+    def micro_context(
+        self, state: TrainState, sync: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        # A setting, not a context: each micro-batch sets it, so the last one turns sync back on.
+        _fsdp_model(state).set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def sync_unsynced(self, state: TrainState) -> None:
+        raise ConfigError(
+            "fsdp_wrap cannot close a window after the data ended: FSDP2 holds the last "
+            "micro-batch's gradients unsharded and has no public call to reduce-scatter them "
+            "afterwards. Close the window on the last batch instead: give run() sized data "
+            "(a DataLoader with a length), or call step(state, batch, close_window=True)."
+        )
+
+
+def fsdp_wrap(step: Step) -> Step:
+    """Run the step on an FSDP2-sharded model; reduce-scatter gradients once per update.
+
+    The state's model must be sharded by ``steplib.distributed.apply_fsdp(model)`` (or
+    ``fully_shard``) and the optimizer built from it afterwards. Token-weighted accumulation is
+    exact across ranks, as with ``ddp_wrap``; clipping computes the global norm of the sharded
+    gradients.
+
+    Args:
+        step: the step to wrap.
+
+    Returns:
+        The wrapped step.
+
+    Raises:
+        ConfigError: no initialised process group, a step already distributed, ranks with
+            different compositions; on the first call, a model that is not sharded.
+    """
+    check_distributed_step(step, "fsdp_wrap")
+    return add_wrapper(step, "fsdp_wrap", {}, grad_sync=FsdpSync())
+
+
+def _fsdp_model(state: TrainState) -> Any:
+    from torch.distributed.fsdp import FSDPModule
+
+    model = state.model
+    if not isinstance(model, FSDPModule):
+        raise ConfigError(
+            f"fsdp_wrap: the state's model is a {type(model).__name__}, not an FSDP2-sharded "
+            "module. Shard it before building the optimizer and the state: "
+            "model = steplib.distributed.apply_fsdp(model, blocks=model.layers)."
+        )
+    return model

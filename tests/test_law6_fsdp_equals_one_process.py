@@ -1,0 +1,114 @@
+"""Law 6 for FSDP2: fsdp_wrap on 2 ranks gives the parameters of 1 process on the full batch,
+and no gradient reduce-scatter happens on non-final micro-batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steplib import (
+    ConfigError,
+    TrainState,
+    accumulate,
+    clip,
+    fsdp_wrap,
+    make_train_step,
+    skip_nonfinite,
+)
+from steplib.distributed import apply_fsdp
+from tests.distributed import run_ranks
+from tests.reference import concat, make_batches, reference_loop
+
+K = 2
+SIZES = [1, 4, 3, 2]  # rank 0 holds 5 samples, rank 1 holds 5 with other masks
+
+
+def _model() -> nn.Module:
+    # No Flatten at the end: FSDP2 warns when a sharded module returns a view.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y, mask = batch
+    err = (model(x).reshape(-1) - y) ** 2
+    return (err * mask).sum(), mask.sum()
+
+
+def _fsdp_train(rank: int, world: int) -> dict[str, Any]:
+    model = apply_fsdp(_model(), blocks=[])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TrainState.create(model=model, optimizer=opt)
+    step = fsdp_wrap(skip_nonfinite(clip(accumulate(make_train_step(_loss), K), max_norm=0.5)))
+    calls: list[int] = []
+    # FSDP2 reduce-scatters through one of these, depending on the torch version.
+    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    reduced = []
+    try:
+        for update in range(2):
+            micro = make_batches(2 * K, SIZES, seed=50 + update)
+            for batch in micro[rank * K : (rank + 1) * K]:
+                before = len(calls)
+                state, out = step(state, batch)
+                reduced.append(len(calls) > before)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    result = {"params": params, "reduced": reduced, "norm": out.grad_norm, "loss": out.loss}
+    del model, state, step, opt
+    return result
+
+
+def test_law6_fsdp_two_ranks_equal_one_process_on_the_full_batch() -> None:
+    results = run_ranks(_fsdp_train)
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    windows = [concat(make_batches(2 * K, SIZES, seed=50 + u)) for u in range(2)]
+    records = reference_loop(ref, opt, windows, _loss, max_norm=0.5)
+    for result in results:
+        for got, want in zip(result["params"], ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(result["norm"], records[-1]["grad_norm"], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(result["loss"], records[-1]["loss"], atol=1e-6, rtol=1e-6)
+        assert result["reduced"] == [False, True, False, True]
+
+
+def _flush(rank: int, world: int) -> str:
+    model = apply_fsdp(_model())
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = fsdp_wrap(accumulate(make_train_step(_loss), 3))
+    state, _ = step(state, make_batches(1, seed=rank)[0])
+    try:
+        step.flush(state)
+    except ConfigError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    del model, state, step
+    return message
+
+
+def test_fsdp_flush_after_the_data_ended_is_refused_with_the_fix() -> None:
+    for message in run_ranks(_flush):
+        assert "close_window=True" in message
+
+
+def test_fsdp_wrap_without_a_process_group_says_what_to_call() -> None:
+    with pytest.raises(ConfigError, match="init_distributed"):
+        fsdp_wrap(make_train_step(_loss))
