@@ -69,7 +69,7 @@ def _fsdp_train(rank: int, world: int) -> dict[str, Any]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
     result = {"params": params, "reduced": reduced, "norm": out.grad_norm, "loss": out.loss}
     del model, state, step, opt
     return result
