@@ -20,6 +20,7 @@ from steplib import (
     make_train_step,
     skip_nonfinite,
 )
+from steplib.distributed import apply_ddp
 from tests.distributed import run_ranks
 from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
 
@@ -163,3 +164,16 @@ def test_ddp_wrap_on_a_model_that_is_not_wrapped_says_what_to_call() -> None:
 def test_ddp_wrap_without_a_process_group_says_what_to_call() -> None:
     with pytest.raises(ConfigError, match="init_distributed"):
         ddp_wrap(make_train_step(token_loss))
+
+
+def _static_graph(rank: int, world: int) -> str:
+    try:
+        apply_ddp(tiny_model(0), static_graph=True)
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_apply_ddp_refuses_static_graph_which_breaks_no_sync() -> None:
+    for message in run_ranks(_static_graph):
+        assert "static_graph=True is refused" in message and "Drop it" in message

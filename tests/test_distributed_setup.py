@@ -1,0 +1,113 @@
+"""Launch environments read from faked environments, and a real 2-process torchrun run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steplib import ConfigError
+from steplib.distributed import (
+    LaunchEnv,
+    apply_ddp,
+    first_slurm_host,
+    init_distributed,
+    is_main,
+    rank,
+    read_launch_env,
+    world_size,
+)
+from tests.distributed import free_port
+from tests.reference import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_torchrun_environment() -> None:
+    env = read_launch_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29500",
+        }
+    )
+    assert env == LaunchEnv(3, 4, 1, "node0", 29500, "torchrun")
+
+
+def test_slurm_environment_takes_the_first_node_as_rendezvous() -> None:
+    env = read_launch_env(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_JOB_NODELIST": "gpu[07-08],gpu11",
+            "MASTER_PORT": "29400",
+        }
+    )
+    assert env == LaunchEnv(5, 8, 1, "gpu07", 29400, "slurm")
+
+
+def test_torchrun_inside_slurm_wins() -> None:
+    env = read_launch_env(
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "WORLD_SIZE": "2"}
+    )
+    assert env.launcher == "torchrun" and env.rank == 1
+
+
+def test_no_launcher_is_one_process_and_queries_work_without_a_group() -> None:
+    assert read_launch_env({}) == LaunchEnv(0, 1, 0, None, None, "single")
+    assert (rank(), world_size(), is_main()) == (0, 1, True)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "first"), [("n1", "n1"), ("n[1-3]", "n1"), ("a[09,12-14],b2", "a09"), ("x,y", "x")]
+)
+def test_slurm_node_lists(nodes, first) -> None:
+    assert first_slurm_host(nodes) == first
+
+
+def test_bad_environments_are_explained() -> None:
+    with pytest.raises(ConfigError, match="RANK='one' is not an integer"):
+        read_launch_env({"RANK": "one", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="rank 2 for a world of 2"):
+        read_launch_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_init_distributed_without_rendezvous_says_what_to_set(monkeypatch) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(ConfigError, match="MASTER_ADDR/MASTER_PORT"):
+        init_distributed()
+
+
+def test_apply_ddp_without_a_group_says_what_to_call() -> None:
+    with pytest.raises(ConfigError, match="init_distributed"):
+        apply_ddp(tiny_model(0))
+
+
+def test_torchrun_two_processes_run_the_example() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(ROOT / "examples" / "ddp_train.py"),
+        "--steps",
+        "10",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert lines == [lines[0], lines[1]] and lines[-1].startswith("step 10 loss")  # rank 0 only
