@@ -10,6 +10,7 @@ loop and the handlers are the same.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,9 @@ def main(argv: list[str] | None = None) -> float:
     env = init_distributed()
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
     data = TensorDataset(torch.randn(512, 20), torch.randint(0, 4, (512,)))
-    sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, seed=0)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data, num_replicas=env.world_size, rank=env.rank, seed=0
+    )
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
 
     model = apply_ddp(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))

@@ -176,4 +176,4 @@ def _static_graph(rank: int, world: int) -> str:
 
 def test_apply_ddp_refuses_static_graph_which_breaks_no_sync() -> None:
     for message in run_ranks(_static_graph):
-        assert "static_graph=True is refused" in message and "Drop it" in message
+        assert "static_graph=True) is refused" in message and "Drop it" in message
