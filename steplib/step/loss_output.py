@@ -5,6 +5,7 @@ Checks use tensor metadata only (``ndim``, ``dtype``, ``requires_grad``): no hos
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -16,6 +17,9 @@ _FORMS = (
     "Return one of: a scalar loss tensor; (loss_sum, num_targets) for a token-weighted loss; "
     "(loss, aux) or (loss_sum, num_targets, aux) where aux is a dict of tensors."
 )
+
+
+_NO_AUX: Mapping[str, torch.Tensor] = types.MappingProxyType({})
 
 
 class LossOutput(NamedTuple):
@@ -34,13 +38,14 @@ def parse_loss_output(result: Any) -> LossOutput:
             tensor with a gradient, ``num_targets`` is not an int or 0-dim tensor, or ``aux``
             is not a mapping of names to tensors.
     """
-    aux: Any = {}
+    if isinstance(result, torch.Tensor):  # the common case first: a plain scalar loss
+        _check_loss(result)
+        return LossOutput(result, 1, _NO_AUX)
+    aux: Any = _NO_AUX
     count: Any = 1
-    if isinstance(result, torch.Tensor):
-        loss = result
-    elif isinstance(result, tuple | list) and len(result) == 2:
+    if isinstance(result, tuple | list) and len(result) == 2:
         loss, second = result
-        if isinstance(second, Mapping):
+        if type(second) is dict or isinstance(second, Mapping):  # dict first: ABC checks are slow
             aux = second
         else:
             count = second
@@ -52,7 +57,8 @@ def parse_loss_output(result: Any) -> LossOutput:
         loss = result  # let _check_loss say what is wrong with it (e.g. a float from .item())
     _check_loss(loss)
     _check_count(count)
-    _check_aux(aux)
+    if aux is not _NO_AUX:
+        _check_aux(aux)
     return LossOutput(loss, count, aux)
 
 
