@@ -1,0 +1,196 @@
+"""A tqdm progress bar as an event handler: step, loss, learning rate and tokens/s.
+
+The bar advances on every ``step_end`` from host counters alone. It reads tensors (a host sync)
+only every ``every`` updates and at the end: in between, the target counts and the
+token-weighted loss are summed as tensors where the step left them, so a GPU is never made to
+wait per step. "Tokens" are the ``num_targets`` a ``loss_fn`` reports (1 per micro-batch for a
+plain scalar loss, so the rate is then micro-batches/s).
+
+``tqdm.auto`` picks a widget in Jupyter and a text bar in a terminal or a log file.
+
+Imports ``events`` and ``errors`` only (handlers never import ``loop`` or ``step``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import IO, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from steplib.errors import ConfigError, describe
+from steplib.events import Event, Events
+
+
+class ProgressBar:
+    """Show training progress; register it with :meth:`attach`.
+
+    Args:
+        total: updates the run will make (``max_steps``), for a bar with an end and an ETA;
+            ``None`` shows a counter.
+        every: read the loss, LR and target counts every this many updates (and at the end).
+        desc: a label in front of the bar.
+        file: where to draw the bar (tqdm's default, stderr, when ``None``).
+        disable: draw nothing (e.g. on ranks other than 0); no tensor is read either.
+
+    Raises:
+        ConfigError: ``total`` or ``every`` is not a positive int.
+
+    Example:
+        >>> import io, torch
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
+        >>> bar = ProgressBar(total=4, every=2, file=io.StringIO())
+        >>> events = bar.attach(Events())
+        >>> state = run(step, state, [torch.ones(3, 2)] * 4, events=events)
+        >>> bar.stats["step"], bar.stats["tokens"], bar.closed
+        (4, 4, True)
+    """
+
+    # Device-side sums since the last refresh (None: nothing summed yet) and the latest LR.
+    _targets: torch.Tensor | None
+    _loss: torch.Tensor | None
+    _lr: torch.Tensor | None
+
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        every: int = 10,
+        desc: str | None = None,
+        file: IO[str] | None = None,
+        disable: bool = False,
+    ) -> None:
+        for label, value in (("total", total), ("every", every)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(
+                    f"ProgressBar({label}=...) received {describe(value)}; it must be a positive "
+                    f"int, e.g. ProgressBar(total=1000, every=10)."
+                )
+        self.total = total
+        self.every = every
+        self.desc = desc
+        self.file = file
+        self.disable = disable
+        self.stats: dict[str, Any] = {}
+        self._bar: Any = None
+        self._reset()
+
+    def attach(self, events: Events) -> Events:
+        """Register the bar on ``fit_start``, ``step_end``, ``fit_end`` and ``exception``.
+
+        It must see every ``step_end`` to count the tokens of each update, so it is registered
+        without ``every``; it reads tensors only on its own interval.
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        events.on("fit_start", self.on_fit_start)
+        events.on("step_end", self.on_step_end)
+        events.on("fit_end", self.on_fit_end)
+        events.on("exception", self.on_exception)
+        return events
+
+    @property
+    def closed(self) -> bool:
+        """Whether no bar is open (before ``fit_start`` and after ``fit_end``)."""
+        return self._bar is None
+
+    def on_fit_start(self, event: Event) -> None:
+        """Open the bar at the state's step (a resumed run starts where it stopped)."""
+        self.close()
+        self._reset()
+        self._bar = tqdm(
+            total=self.total,
+            initial=event.step,
+            desc=self.desc,
+            unit="step",
+            file=self.file,
+            disable=self.disable,
+            dynamic_ncols=True,
+        )
+        self._last_step = event.step
+
+    def on_step_end(self, event: Event) -> None:
+        """Count the update; every ``every`` updates, read the sums and refresh the numbers."""
+        if self._bar is None:  # used without fit_start (e.g. the user's own loop)
+            self.on_fit_start(event)
+        assert self._bar is not None
+        self._bar.update(event.step - self._last_step)
+        self._last_step = event.step
+        if self.disable or event.output is None:
+            return
+        out = event.output
+        # Device-side sums: no host read here. Weighting each update's loss by its targets
+        # gives the token-weighted mean loss over the interval.
+        targets = out.num_targets.detach().float()
+        loss = out.loss.detach().float() * targets
+        if self._targets is None:
+            self._targets, self._loss = targets, loss
+        else:
+            self._targets = self._targets + targets
+            self._loss = self._loss + loss
+        self._lr = out.lr
+        if event.step % self.every == 0:
+            self._refresh(event.step)
+
+    def on_fit_end(self, event: Event) -> None:
+        """Show the last numbers and close the bar."""
+        if self._bar is not None and self._targets is not None:
+            self._refresh(event.step)
+        self.close()
+
+    def on_exception(self, event: Event) -> None:
+        """Close the bar without reading a tensor: after a device error a read raises again."""
+        self.close()
+
+    def write(self, message: str) -> None:
+        """Print a line above the bar without breaking it (``tqdm.write``)."""
+        tqdm.write(message, file=self.file)
+
+    def close(self) -> None:
+        """Close the bar; calling it again does nothing."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
+
+    def _reset(self) -> None:
+        self._targets = self._loss = self._lr = None
+        self._tokens = 0.0
+        self._last_step = 0
+        self._since = time.perf_counter()
+
+    def _refresh(self, step: int) -> None:
+        # The only host reads of the bar: once per interval, of values summed on the device.
+        assert self._targets is not None and self._loss is not None and self._lr is not None
+        targets = self._targets.item()
+        loss = self._loss.item() / targets if targets > 0 else float("nan")
+        lr = self._lr.item()
+        # Measured after the read, so on a GPU the interval covers work that has finished.
+        now = time.perf_counter()
+        rate = targets / max(now - self._since, 1e-9)
+        self._tokens += targets
+        self._targets = self._loss = None
+        self._since = now
+        self.stats = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_s": rate,
+            "tokens": int(self._tokens) if self._tokens.is_integer() else self._tokens,
+        }
+        assert self._bar is not None
+        self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", tok_s=_si(rate), refresh=True)
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"

@@ -1,0 +1,160 @@
+"""ProgressBar: reads tensors only on its refresh interval, shows the right numbers, closes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from steplib import ConfigError, Event, Events, TrainState, accumulate, make_train_step, run
+from steplib.progress import ProgressBar
+
+
+def _setup(n_batches: int = 10, *, fail_at: int | None = None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    # SGD: torch's Adam/AdamW read their step counter with .item(), which would blur the count.
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = TrainState.create(model=model, optimizer=opt)
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(n_batches):
+        size = 2 + i % 4
+        batches.append((torch.randn(size, 4, generator=gen), torch.randint(0, 3, (size,))))
+    calls = [0]
+
+    def loss_fn(model, batch):
+        calls[0] += 1
+        if fail_at is not None and calls[0] == fail_at:
+            raise RuntimeError("boom")
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="sum"), y.numel()
+
+    return state, make_train_step(loss_fn), batches
+
+
+@contextlib.contextmanager
+def _record_reads(where: list[str], log: list[str]) -> Iterator[None]:
+    """Log ``where[0]`` (the step or event being handled) on every host read of a tensor."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__float__")}
+
+    def spy(name):
+        def read(self, *args, **kwargs):
+            log.append(where[0])
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in originals:
+            setattr(torch.Tensor, name, spy(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def test_bar_reads_tensors_only_on_its_refresh_interval() -> None:
+    state, step, batches = _setup(10)
+    where = ["setup"]
+    reads: list[str] = []
+
+    def track(event: Event) -> None:
+        where[0] = f"{event.name}:{event.step}"
+
+    events = Events()
+    for name in ("fit_start", "step_end", "fit_end"):
+        events.on(name, track)  # registered first, so it runs before the bar's handler
+    bar = ProgressBar(total=10, every=3, file=io.StringIO())
+    bar.attach(events)
+    with _record_reads(where, reads):
+        run(step, state, batches, events=events)
+
+    assert reads, "the bar never read its values"
+    # Only on steps 3, 6, 9 and at the end (the remaining step 10), never in between.
+    assert set(reads) == {"step_end:3", "step_end:6", "step_end:9", "fit_end:10"}
+    assert bar.closed
+
+
+def test_bar_shows_token_weighted_loss_lr_and_tokens() -> None:
+    state, step, batches = _setup(8)
+    outputs: list = []
+    events = Events().on("step_end", lambda e: outputs.append(e.output))
+    bar = ProgressBar(every=4, file=io.StringIO())
+    snapshots: list[dict] = []
+    bar.attach(events)
+    events.on("step_end", lambda e: snapshots.append(dict(bar.stats)), every=4)
+    run(step, state, batches, events=events)
+
+    for snapshot, window in zip(snapshots, (outputs[:4], outputs[4:]), strict=True):
+        targets = sum(float(o.num_targets) for o in window)
+        loss = sum(float(o.loss) * float(o.num_targets) for o in window) / targets
+        assert snapshot["loss"] == pytest.approx(loss, rel=1e-6)
+        assert snapshot["lr"] == pytest.approx(0.05)
+        assert snapshot["tokens_per_s"] > 0
+    assert [s["step"] for s in snapshots] == [4, 8]
+    assert bar.stats["tokens"] == sum(int(o.num_targets) for o in outputs)
+    assert isinstance(bar.stats["tokens"], int)
+
+
+def test_bar_draws_in_a_plain_stream_and_closes_at_fit_end() -> None:
+    state, step, batches = _setup(6)
+    stream = io.StringIO()
+    bar = ProgressBar(total=3, every=2, desc="train", file=stream)
+    events = bar.attach(Events())
+    assert bar.closed  # nothing is open before the run
+    final = run(accumulate(step, 2), state, batches, events=events)
+    assert final.step == 3
+    assert bar.closed
+    text = stream.getvalue()
+    assert "train" in text and "3/3" in text and "loss=" in text and "tok_s=" in text
+    bar.close()  # closing again is harmless
+
+
+def test_bar_closes_when_the_run_raises() -> None:
+    state, step, batches = _setup(6, fail_at=4)
+    bar = ProgressBar(every=2, file=io.StringIO())
+    with pytest.raises(RuntimeError, match="boom"):
+        run(step, state, batches, events=bar.attach(Events()))
+    assert bar.closed
+    assert bar.stats["step"] == 2  # the last refresh; nothing is read after an error
+
+
+def test_bar_starts_at_the_resumed_step() -> None:
+    state, step, batches = _setup(4)
+    stream = io.StringIO()
+    bar = ProgressBar(total=8, every=2, file=stream)
+    state = run(step, state, batches, events=bar.attach(Events()))
+    assert state.step == 4
+    stream.truncate(0)
+    run(step, state, batches, events=bar.attach(Events()))  # a second run: bar is reusable
+    assert "8/8" in stream.getvalue()
+    assert bar.stats["step"] == 8
+
+
+def test_disabled_bar_reads_nothing() -> None:
+    state, step, batches = _setup(4)
+    where = ["run"]
+    reads: list[str] = []
+    bar = ProgressBar(every=1, disable=True, file=io.StringIO())
+    with _record_reads(where, reads):
+        run(step, state, batches, events=bar.attach(Events()))
+    assert reads == []
+    assert bar.closed
+
+
+def test_write_prints_above_the_bar() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(file=stream)
+    bar.write("hello")
+    assert "hello\n" in stream.getvalue()
+
+
+@pytest.mark.parametrize("kwargs", [{"every": 0}, {"every": 2.5}, {"total": 0}, {"every": True}])
+def test_bad_settings_are_config_errors(kwargs: dict) -> None:
+    with pytest.raises(ConfigError, match="ProgressBar"):
+        ProgressBar(**kwargs)
