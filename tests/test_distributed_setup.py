@@ -20,7 +20,6 @@ from steplib.distributed import (
     read_launch_env,
     world_size,
 )
-from tests.distributed import free_port
 from tests.reference import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,9 +99,11 @@ def test_torchrun_two_processes_run_the_example() -> None:
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--nnodes=1",
         "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        # Port 0: the c10d rendezvous picks a free port itself (no race with other tests).
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
         str(ROOT / "examples" / "ddp_train.py"),
         "--steps",
         "10",
