@@ -113,7 +113,11 @@ def test_law2_a_window_with_zero_targets_does_not_divide_by_zero() -> None:
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
         )
         before = [p.detach().clone() for p in model.parameters()]
-        step = make_train_step(lambda m, b, n=count: ((m(b[0]) * 0).sum(), n))
+
+        def zero_targets(m, b, n=count):
+            return (m(b[0]) * 0).sum(), n
+
+        step = make_train_step(zero_targets)
         state, _ = step(state, make_batches(1)[0])
         for got, want in zip(model.parameters(), before, strict=True):
             assert torch.equal(got, want)  # zero gradient, no NaN
