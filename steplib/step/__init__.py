@@ -3,17 +3,20 @@
 from steplib.step.accumulate import accumulate
 from steplib.step.amp import amp_wrap
 from steplib.step.clip import clip
+from steplib.step.compile import CompileStats, compile_step
 from steplib.step.core import GradSync, Step, make_train_step
 from steplib.step.ddp import ddp_wrap
 from steplib.step.fsdp import fsdp_wrap
 from steplib.step.skip import skip_nonfinite
 
 __all__ = [
+    "CompileStats",
     "GradSync",
     "Step",
     "accumulate",
     "amp_wrap",
     "clip",
+    "compile_step",
     "ddp_wrap",
     "fsdp_wrap",
     "make_train_step",

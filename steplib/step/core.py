@@ -68,6 +68,10 @@ class GradReport(NamedTuple):
     nonfinite: torch.Tensor | None
 
 
+def _step_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+
+
 # A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
 _NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
 
@@ -116,6 +120,9 @@ class Step:
         grad_sync: how gradients and window counts are shared across processes
             (:class:`GradSync`; ``ddp_wrap`` / ``fsdp_wrap`` set it).
         applied: the wrappers applied, in order, with their settings (the step's fingerprint).
+        optimizer_step: how the optimizer is stepped (``compile_step`` compiles it).
+        compile_stats: graph and recompile counts of a compiled step (``compile_step``), else
+            ``None``.
     """
 
     loss_fn: LossFn
@@ -125,6 +132,8 @@ class Step:
     skip: SkipConfig | None = None
     grad_sync: GradSync = LOCAL
     applied: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    optimizer_step: Callable[[torch.optim.Optimizer], Any] = _step_optimizer
+    compile_stats: Any = None
 
     def __call__(
         self, state: TrainState, batch: Any, *, close_window: bool = False
@@ -265,7 +274,7 @@ class Step:
             # happens once per optimizer update, never on non-final micro-batches.
             applied = not bool(report.nonfinite)
         if applied:
-            state.optimizer.step()
+            self.optimizer_step(state.optimizer)
         if _scaler_active(self, state):
             state.scaler.update()  # type: ignore[union-attr]
         state.optimizer.zero_grad(set_to_none=True)
@@ -366,6 +375,12 @@ def add_wrapper(step: Any, name: str, settings: Mapping[str, Any], **changes: An
             f"step = make_train_step(loss_fn); step = {name}(step, ...)."
         )
     for done, done_settings in step.applied:
+        if done == "compile_step":
+            raise ConfigError(
+                f"{name} was applied after compile_step, whose graphs already captured the "
+                f"step's settings, so {name} would be silently ignored. Apply compile_step "
+                f"last: compile_step({name}(step, ...))."
+            )
         if done == name:
             raise ConfigError(
                 f"{name} was applied twice (first with {dict(done_settings)}, now with "
