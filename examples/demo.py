@@ -4,12 +4,19 @@ Everything it needs ships with Python and steplib: no download, CPU only, about 
 two cores with the defaults::
 
     python examples/demo.py                       # the defaults
+    python examples/demo.py --resume              # continue from the newest checkpoint
     python examples/demo.py --steps 2000 --d-model 256 --layers 4 --threads 8   # a longer run
 
 It builds the step from steplib's pieces (``make_train_step`` -> ``clip`` -> ``accumulate``),
-drives it with ``steplib.run``, shows a progress bar, prints a line every ``--log-every``
-updates, writes the metrics as JSON lines (``runs/demo/metrics.jsonl``), reports the held-out
-loss before and after, and ends with a sample of generated text.
+drives it with ``steplib.run``, and adds the standard handlers: a progress bar, running means of
+the training loss kept on the device, throughput (tokens/s and model FLOPs per update, counted
+once on the meta device), an evaluation on a held-out split every ``--eval-every`` updates, and
+a JSON-lines log (``runs/demo/metrics.jsonl``). It checkpoints every ``--checkpoint-every``
+updates in the background (``runs/demo/checkpoints``, keeping the last two and the best by the
+held-out loss); SIGTERM or SIGUSR1 saves at the next update and stops, and ``--resume``
+continues exactly where the last run stopped (weights, optimizer, schedule, data order, random
+state). At the end it saves a plot of the training and held-out loss (``runs/demo/loss.png``;
+needs matplotlib, the ``plot`` extra) and prints a sample of generated text.
 """
 
 from __future__ import annotations
@@ -29,15 +36,24 @@ from pathlib import Path
 # whose cores are shared with other processes, spinning threads made each step ~10x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import fsspec
+import orjson
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 import steplib
 from steplib import Events, TrainState, accumulate, clip, make_train_step, run, warmup_cosine
-from steplib.logging import JsonlLogger
+from steplib.checkpoint import checkpoint_every, list_checkpoints, preemption, resume_from
+from steplib.data import resumable_loader
+from steplib.evaluation import Evaluator, make_eval_step
+from steplib.logging import ConsoleLogger, JsonlLogger, Log
+from steplib.metrics import TrainMetrics
 from steplib.progress import ProgressBar
+from steplib.throughput import Throughput, flops_per_batch
 
 # ---------------------------------------------------------------------------------------------
 # Data: the docstrings of the standard library, read from its .py sources with `ast`.
@@ -172,17 +188,16 @@ def loss_fn(
     return loss_sum, targets.numel(), {"accuracy": accuracy}
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, rows: torch.Tensor, *, batch_size: int) -> float:
-    """Mean per-character cross-entropy over ``rows`` (held-out text)."""
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(rows), batch_size):
-        loss_sum, targets, _ = loss_fn(model, [rows[start : start + batch_size]])
-        total += loss_sum.item()
-        count += targets
-    model.train()
-    return total / max(count, 1)
+def eval_fn(model: nn.Module, batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the held-out metrics take: per-character losses for a ``MeanMetric`` (``value``) and
+    the predictions for an accuracy (``preds``, ``target``); a ``MetricCollection`` hands each
+    metric the names its ``update`` accepts. steplib's eval step runs it without gradients, in
+    eval mode."""
+    (rows,) = batch
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    logits = model(inputs).flatten(0, 1)
+    losses = F.cross_entropy(logits, targets.flatten(), reduction="none")
+    return {"value": losses, "preds": logits.argmax(-1), "target": targets.flatten()}
 
 
 @torch.no_grad()
@@ -200,6 +215,36 @@ def generate(
         ids.append(int(torch.multinomial(probs, 1, generator=generator)))
     model.train()
     return tokenizer.decode(ids)
+
+
+def plot_losses(log_url: str, png_url: str) -> bool:
+    """Plot the training loss (running means) and the held-out loss from the JSON-lines log.
+
+    matplotlib is optional (the ``plot`` extra): without it, print a note and return False.
+    The figure is drawn with matplotlib's object API, which touches no global backend, so
+    calling this from a notebook leaves its plotting set-up alone.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("matplotlib is not installed (pip install 'steplib[plot]'): no loss plot.")
+        return False
+    with fsspec.open(log_url, "rb") as file:
+        lines = [orjson.loads(line) for line in file.read().splitlines()]
+    train = [(line["step"], line["loss"]) for line in lines if line.get("loss") is not None]
+    held_out = [(line["step"], line["val_loss"]) for line in lines if "val_loss" in line]
+    figure = Figure(figsize=(7, 4), layout="constrained")
+    axes = figure.subplots()
+    for points, label, style in ((train, "train", "-"), (held_out, "held-out", "o-")):
+        if points:
+            axes.plot(*zip(*points, strict=True), style, label=label)
+    axes.set_xlabel("optimizer update")
+    axes.set_ylabel("cross-entropy per character")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    with fsspec.open(png_url, "wb") as file:
+        figure.savefig(file, format="png", dpi=120)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,11 +265,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--heads", type=int, default=4, help="attention heads")
     add("--corpus-chars", type=int, default=1_000_000, help="characters of docstrings to use")
     add("--log-every", type=int, default=50, help="print a line every this many updates")
+    add("--eval-every", type=int, default=100, help="evaluate on the held-out rows this often")
+    add("--eval-rows", type=int, default=256, help="held-out rows per evaluation")
+    add("--peak-flops", type=float, default=None, help="your device's peak FLOP/s, for MFU")
     add("--out", default="runs/demo", help="directory (or fsspec URL) for metrics.jsonl")
     add("--seed", type=int, default=0, help="seed for the model, data order and sampling")
     add("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    add("--checkpoint-every", type=int, default=100, help="updates between checkpoints")
+    add("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "accumulate", "log_every", "corpus_chars"):
+    names = ("steps", "batch_size", "seq_len", "accumulate", "log_every", "corpus_chars")
+    for name in (*names, "eval_every", "eval_rows", "checkpoint_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -243,17 +294,19 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
     # The last tenth is held out: other modules' docstrings, so the eval measures generalisation.
     split = int(len(ids) * 0.9)
     train_rows, val_rows = chunks(ids[:split], args.seq_len), chunks(ids[split:], args.seq_len)
-    val_rows = val_rows[:256]  # enough for a stable estimate, cheap enough to run twice
+    val_rows = val_rows[: args.eval_rows]  # enough for a stable estimate, cheap to repeat
     print(
         f"corpus: {len(text):,} characters of stdlib docstrings, {len(tokenizer.chars)} distinct; "
         f"{len(train_rows):,} training rows of {args.seq_len}"
     )
-    loader = DataLoader(
+    # A loader whose position and shuffle order go into the checkpoints (its own seeded
+    # generator: the data order never depends on the global one).
+    loader = resumable_loader(
         TensorDataset(train_rows),
         batch_size=args.batch_size,
         shuffle=True,
         drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),  # the data order is seeded too
+        seed=args.seed,
     )
 
     model = TinyGPT(
@@ -273,17 +326,36 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
 
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params:,} parameters; step: {step.describe()}")
-    initial = evaluate(model, val_rows, batch_size=64)
-    print(
-        f"held-out loss before training: {initial:.3f} (uniform guess: "
-        f"{math.log(len(tokenizer.chars)):.3f})"
-    )
+    # FLOPs of one update, counted once on the meta device (nothing runs, nothing changes).
+    # A batch of the loader's shape, taken directly: iterating the loader would draw from its
+    # generator and change the data order.
+    example = [train_rows[: args.batch_size]]
+    flops = flops_per_batch(model, example, loss_fn=loss_fn) * args.accumulate
+    print(f"model FLOPs per update: {flops / 1e9:.2f} G")
 
-    # The bar reads tensors only every `every` updates (a host sync on a GPU); the printed line
-    # reuses the bar's numbers and the JSON log reads on the same updates, so in between the
-    # loop never waits on the device.
+    # Every handler below reads the device only on its own interval (a host sync on a GPU):
+    # the bar and the JSON log every `every` updates, the evaluation every --eval-every.
+    out = args.out.rstrip("/")
+    checkpoints = f"{out}/checkpoints"
+    events = Events()
+    if args.resume:
+        # First on fit_start, so that every handler after it sees the resumed state.
+        events.on("fit_start", resume_from(checkpoints, data=loader, step=step))
+    elif old := list_checkpoints(checkpoints):
+        # A fresh run replaces the last run's checkpoints, as it replaces its metrics.
+        print(f"fresh run: removing {len(old)} checkpoint(s) of the last run in {checkpoints}")
+        fs, path = fsspec.core.url_to_fs(checkpoints)
+        fs.rm(path, recursive=True)
     bar = ProgressBar(total=args.steps, every=math.gcd(args.log_every, 10), desc="train")
-    events = bar.attach(Events())
+    bar.attach(events)
+    train = TrainMetrics()  # running means of the loss and the accuracy, on the device
+    train.attach(events)
+    speed = Throughput(
+        samples_per_step=args.batch_size * args.accumulate,
+        flops_per_step=flops,
+        peak_flops=args.peak_flops,  # None: no MFU; steplib never guesses a hardware peak
+    )
+    speed.attach(events)
 
     def print_line(event: steplib.Event) -> None:
         stats = bar.stats
@@ -294,14 +366,51 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
 
     events.on("step_end", print_line, every=args.log_every)
 
-    with JsonlLogger(f"{args.out.rstrip('/')}/metrics.jsonl", append=False) as log:
-        events.on("step_end", log, every=bar.every)
+    with JsonlLogger(f"{out}/metrics.jsonl", append=args.resume) as log:
+        evaluator = Evaluator(
+            make_eval_step(eval_fn),
+            [[rows] for rows in val_rows.split(64)],
+            metrics={
+                "loss": torchmetrics.MeanMetric(),
+                "accuracy": MulticlassAccuracy(len(tokenizer.chars), average="micro"),
+            },
+            every=args.eval_every,
+            at_fit_end=True,  # the final weights get a value too
+            sanity_batches=0,  # the evaluation at fit_start below checks the eval step
+            monitor="val_loss",
+            sinks=[log, ConsoleLogger(file=sys.stdout)],
+        )
+        events.on("fit_start", evaluator)  # the held-out loss before training, at step 0
+        evaluator.attach(events)
+        events.on("step_end", Log(log, sources=[train.read, speed.read]), every=bar.every)
+        # After the evaluator, so a checkpoint records the val_loss it put in state.extras.
+        # Written in the background: training waits only for the copy to memory.
+        saver = checkpoint_every(
+            checkpoints,
+            every=args.checkpoint_every,
+            keep_last=2,
+            keep_best=1,
+            metric="val_loss",
+            data=loader,
+            step=step,
+            background=True,
+        )
+        preempted = preemption(saver)  # SIGTERM / SIGUSR1: save at the next update, then stop
+        preempted.attach(saver.attach(events))
         state = run(step, state, loader, events=events, max_steps=args.steps)
-        final = evaluate(model, val_rows, batch_size=64)
-        log.write({"step": state.step, "epoch": state.epoch, "val_loss": final})
+        if preempted.received is not None:
+            print(f"preempted: saved {preempted.saved}; continue with --resume")
+            raise SystemExit(preempted.exit_code)
 
-    print(f"held-out loss after {state.step} updates: {final:.3f} (before: {initial:.3f})")
+    initial, final = evaluator.history[0][1]["val_loss"], state.extras["val_loss"]
+    print(
+        f"held-out loss after {state.step} updates: {final:.3f} (before: {initial:.3f}; "
+        f"uniform guess: {math.log(len(tokenizer.chars)):.3f}; best {evaluator.best.value:.3f} "
+        f"at step {evaluator.best.step})"
+    )
     print(f"metrics: {log.url}")
+    if plot_losses(log.url, f"{out}/loss.png"):
+        print(f"plot: {out}/loss.png")
     sample = generate(model, tokenizer, "Return the ", length=300, seed=args.seed)
     print("sample:\n" + sample)
     print(f"done in {time.perf_counter() - started:.0f} s")

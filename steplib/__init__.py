@@ -1,11 +1,49 @@
 """steplib: a functional, composable training toolkit for PyTorch."""
 
+from steplib import checkpoint, data
+from steplib.activation_checkpointing import checkpoint_activations
+from steplib.checkpoint import (
+    AsyncSaver,
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpointError,
+    checkpoint_every,
+    preemption,
+    resume_from,
+)
+from steplib.control import (
+    BestValue,
+    EarlyStopping,
+    GradNormMonitor,
+    LRMonitor,
+    NonFiniteAlarm,
+    NonFiniteError,
+    StopFile,
+    TimeLimit,
+)
+from steplib.data import resumable_loader
+from steplib.ema import EMA
 from steplib.errors import ConfigError, LossFnError, StepLibError, TooManySkipsError
+from steplib.evaluation import EvalStep, Evaluator, evaluate, make_eval_step
 from steplib.events import EVENT_NAMES, Event, Events, NewState, Stop
+from steplib.logging import (
+    ConsoleLogger,
+    CSVLogger,
+    JsonlLogger,
+    Log,
+    Logger,
+    LogWriteError,
+    TensorBoardLogger,
+    event_record,
+)
 from steplib.loop import iterate, run
+from steplib.metrics import TrainMetrics
+from steplib.profiling import Profiler
+from steplib.progress import ProgressBar
 from steplib.schedules import accumulation_steps, warmup_constant, warmup_cosine, warmup_linear
 from steplib.state import StepOutput, TrainState
 from steplib.step import (
+    CompileStats,
     GradSync,
     Step,
     accumulate,
@@ -17,33 +55,73 @@ from steplib.step import (
     make_train_step,
     skip_nonfinite,
 )
+from steplib.throughput import Throughput, count_flops, flops_per_batch
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EMA",
     "EVENT_NAMES",
+    "AsyncSaver",
+    "BestValue",
+    "CSVLogger",
+    "CheckpointError",
+    "CheckpointWarning",
+    "CompileStats",
     "ConfigError",
+    "ConsoleLogger",
+    "CorruptCheckpointError",
+    "EarlyStopping",
+    "EvalStep",
+    "Evaluator",
     "Event",
     "Events",
+    "GradNormMonitor",
     "GradSync",
+    "JsonlLogger",
+    "LRMonitor",
+    "Log",
+    "LogWriteError",
+    "Logger",
     "LossFnError",
     "NewState",
+    "NonFiniteAlarm",
+    "NonFiniteError",
+    "Profiler",
+    "ProgressBar",
     "Step",
     "StepLibError",
     "StepOutput",
     "Stop",
+    "StopFile",
+    "TensorBoardLogger",
+    "Throughput",
+    "TimeLimit",
     "TooManySkipsError",
+    "TrainMetrics",
     "TrainState",
     "__version__",
     "accumulate",
     "accumulation_steps",
     "amp_wrap",
+    "checkpoint",
+    "checkpoint_activations",
+    "checkpoint_every",
     "clip",
     "compile_step",
+    "count_flops",
+    "data",
     "ddp_wrap",
+    "evaluate",
+    "event_record",
+    "flops_per_batch",
     "fsdp_wrap",
     "iterate",
+    "make_eval_step",
     "make_train_step",
+    "preemption",
+    "resumable_loader",
+    "resume_from",
     "run",
     "skip_nonfinite",
     "warmup_constant",

@@ -8,7 +8,7 @@ plain scalar loss, so the rate is then micro-batches/s).
 
 ``tqdm.auto`` picks a widget in Jupyter and a text bar in a terminal or a log file.
 
-Imports ``events`` and ``errors`` only (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``errors`` and ``distributed`` (handlers never import ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import IO, Any
 import torch
 from tqdm.auto import tqdm
 
+from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 
@@ -32,7 +33,8 @@ class ProgressBar:
         every: read the loss, LR and target counts every this many updates (and at the end).
         desc: a label in front of the bar.
         file: where to draw the bar (tqdm's default, stderr, when ``None``).
-        disable: draw nothing (e.g. on ranks other than 0); no tensor is read either.
+        disable: draw nothing, and read no tensor. ``None`` (the default): draw on rank 0 only
+            (``steplib.distributed.is_main()``, true without a process group).
 
     Raises:
         ConfigError: ``total`` or ``every`` is not a positive int.
@@ -63,7 +65,7 @@ class ProgressBar:
         every: int = 10,
         desc: str | None = None,
         file: IO[str] | None = None,
-        disable: bool = False,
+        disable: bool | None = None,
     ) -> None:
         for label, value in (("total", total), ("every", every)):
             if value is not None and (
@@ -77,7 +79,7 @@ class ProgressBar:
         self.every = every
         self.desc = desc
         self.file = file
-        self.disable = disable
+        self.disable = not is_main() if disable is None else bool(disable)
         self.stats: dict[str, Any] = {}
         self._bar: Any = None
         self._reset()

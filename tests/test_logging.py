@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +16,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import steplib.logging
 from steplib import ConfigError, Event, Events, TrainState, accumulate, clip, make_train_step, run
-from steplib.logging import JsonlLogger, Logger, LogWriteError, event_record
+from steplib.logging import (
+    ConsoleLogger,
+    CSVLogger,
+    JsonlLogger,
+    Log,
+    Logger,
+    LogWriteError,
+    TensorBoardLogger,
+    event_record,
+)
 
 
 def _setup(seed: int = 0):
@@ -244,3 +256,203 @@ def test_logger_is_the_base_for_other_sinks() -> None:
         run(step, state, batches, events=Events().on("step_end", sink))
     assert [r["step"] for r in sink.records] == [1, 2, 3]
     assert all("loss" in r and "acc" in r for r in sink.records)
+
+
+# --- CSV, TensorBoard, console, the Log composer, failures and rank 0 --------------------------
+
+
+def _read_csv(url: str) -> list[list[str]]:
+    with fsspec.open(url, "r") as f:
+        return list(csv.reader(f))
+
+
+def test_csv_has_a_header_and_one_row_per_record(tmp_path: Path) -> None:
+    state, step, batches = _setup()
+    seen: list[Event] = []
+    url = str(tmp_path / "csv" / "metrics.csv")
+    events = Events().on("step_end", seen.append)
+    with CSVLogger(url) as log:
+        events.on("step_end", log)
+        run(step, state, batches, events=events)
+
+    header, *rows = _read_csv(url)
+    assert header[:4] == ["step", "epoch", "micro_step", "time"]
+    assert {"loss", "lr", "num_targets", "grad_norm", "acc"} <= set(header)
+    assert len(rows) == len(seen) == 3
+    for row, event in zip(rows, seen, strict=True):
+        line = dict(zip(header, row, strict=True))
+        assert int(line["step"]) == event.step
+        assert _as_f32(float(line["loss"])) == event.output.loss  # repr: reads back exactly
+        assert int(line["num_targets"]) == int(event.output.num_targets)
+
+
+def test_csv_widens_its_header_for_new_names_and_keeps_every_row() -> None:
+    url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics.csv"
+    with CSVLogger(url) as log:
+        log.write({"step": 1, "loss": 2.5})
+        log.write({"step": 2, "loss": 2.0})
+        log.write({"step": 2, "val_loss": 3.0, "val_acc": 0.5})
+        log.write({"step": 3, "loss": 1.5, "note": "a,b"})
+    assert _read_csv(url) == [
+        ["step", "loss", "val_loss", "val_acc", "note"],
+        ["1", "2.5", "", "", ""],
+        ["2", "2.0", "", "", ""],
+        ["2", "", "3.0", "0.5", ""],
+        ["3", "1.5", "", "", "a,b"],
+    ]
+    with CSVLogger(url) as log:  # append: the header is read back, rows continue under it
+        log.write({"step": 4, "val_acc": 0.75})
+    assert _read_csv(url)[-1] == ["4", "", "", "0.75", ""]
+    with CSVLogger(url, append=False) as log:
+        log.write({"step": 1})
+    assert _read_csv(url) == [["step"], ["1"]]
+
+
+class _FailAfter:
+    """A file object whose writes fail after ``n`` successful ones."""
+
+    def __init__(self, file, n: int) -> None:
+        self.file, self.n = file, n
+
+    def write(self, data: bytes) -> int:
+        if self.n <= 0:
+            raise OSError(28, "No space left on device")
+        self.n -= 1
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@pytest.mark.parametrize("sink", [JsonlLogger, CSVLogger])
+def test_a_failing_write_raises_naming_the_url_and_keeps_the_flushed_lines(sink) -> None:
+    url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics.log"
+    log = sink(url)
+    log.write({"step": 1, "loss": 1.0})
+    log.write({"step": 2, "loss": 0.5})
+    log._file = _FailAfter(log._file, 0)
+    with pytest.raises(LogWriteError, match="could not write") as info:
+        log.write({"step": 3, "loss": 0.25})
+    assert url in str(info.value) and "No space left" in str(info.value)
+    with fsspec.open(url, "rb") as f:
+        lines = f.read().splitlines()
+    assert len(lines) == (2 if sink is JsonlLogger else 3)  # CSV: the header and 2 rows
+    log.close()
+
+
+def test_tensorboard_scalars_read_back_with_tensorboards_reader(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")  # the `tb` extra; CI installs it
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        EventAccumulator,
+    )
+
+    state, step, batches = _setup()
+    seen: list[Event] = []
+    events = Events().on("step_end", seen.append)
+    with TensorBoardLogger(str(tmp_path / "tb")) as tb:
+        events.on("step_end", tb)
+        run(step, state, batches, events=events, max_epochs=2)
+        tb.write({"step": 6, "val_loss": 1.25, "note": "not a number", "skipped": True})
+
+    reader = EventAccumulator(str(tmp_path / "tb"))
+    reader.Reload()
+    tags = set(reader.Tags()["scalars"])
+    assert {"loss", "lr", "grad_norm", "acc", "num_targets", "epoch", "val_loss"} <= tags
+    assert not tags & {"step", "micro_step", "time", "note", "skipped"}
+    losses = reader.Scalars("loss")
+    assert [s.step for s in losses] == [e.step for e in seen]
+    assert [s.value for s in losses] == pytest.approx([float(e.output.loss) for e in seen])
+    assert [(s.step, s.value) for s in reader.Scalars("val_loss")] == [(6, 1.25)]
+
+
+def test_tensorboard_failure_is_a_log_write_error_and_keeps_what_was_flushed(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        EventAccumulator,
+    )
+
+    tb = TensorBoardLogger(str(tmp_path))
+    tb.write({"step": 1, "loss": 2.0})
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    tb._writer.add_scalar = broken
+    with pytest.raises(LogWriteError, match="could not write") as info:
+        tb.write({"step": 2, "loss": 1.0})
+    assert str(tmp_path) in str(info.value)
+    reader = EventAccumulator(str(tmp_path))
+    reader.Reload()
+    assert [(s.step, s.value) for s in reader.Scalars("loss")] == [(1, 2.0)]
+    tb.close()
+    with pytest.raises(LogWriteError, match="is closed"):
+        tb.write({"step": 3})
+
+
+def test_console_prints_lines_and_a_summary() -> None:
+    stream = io.StringIO()
+    console = ConsoleLogger(file=stream)
+    console.write({"step": 10, "epoch": 0, "micro_step": 20, "time": 1.0, "loss": 2.34567})
+    console.write({"step": 20, "epoch": 1, "val_loss": 1.5})
+    console.close()
+    console.close()  # the summary is printed once
+    assert stream.getvalue().splitlines() == [
+        "step 10  epoch 0  loss 2.346",
+        "step 20  epoch 1  val_loss 1.5",
+        "summary after 2 records, at step 20: epoch 1  loss 2.346  val_loss 1.5",
+    ]
+
+
+def test_log_merges_sources_writes_every_sink_and_raises_after_a_failure() -> None:
+    class Broken(Logger):
+        def write(self, record: dict) -> None:
+            raise LogWriteError("disk gone")
+
+        def close(self) -> None:
+            pass
+
+    url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics.jsonl"
+    good = JsonlLogger(url)
+    log = Log([Broken(), good], sources=[lambda e: {"a": 1, "b": 1}, lambda e: {"b": 2}])
+    with pytest.raises(LogWriteError, match="disk gone"):
+        log(Event("step_end", state=None, step=5, epoch=1))
+    log.close()
+    (line,) = _read_lines(url)
+    assert (line["step"], line["epoch"], line["a"], line["b"]) == (5, 1, 1, 2)
+
+
+def test_log_checks_its_sinks_and_sources() -> None:
+    with pytest.raises(ConfigError, match="not a Logger"):
+        Log([print])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="not callable"):
+        Log([], sources=[3])  # type: ignore[list-item]
+
+
+def test_sinks_write_nothing_on_ranks_other_than_zero(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(steplib.logging, "is_main", lambda: False)
+    paths = [tmp_path / "m.jsonl", tmp_path / "m.csv"]
+    sinks: list = [JsonlLogger(str(paths[0])), CSVLogger(str(paths[1])), ConsoleLogger()]
+    sinks.append(TensorBoardLogger(str(tmp_path / "tb")))
+    called: list[int] = []
+
+    def source(event: Event) -> dict:
+        called.append(event.step)
+        return {"x": 1}
+
+    log = Log(sinks, sources=[source])
+    log(Event("step_end", state=None, step=1))
+    for sink in sinks:
+        sink.write({"step": 2, "x": 1})  # direct writes too
+    log.close()
+    assert called == [1]  # sources still run (they may all-reduce)
+    assert not any(path.exists() for path in paths) and not (tmp_path / "tb").exists()
+    assert all(not sink.active for sink in sinks)
+    # rank_zero_only=False writes anyway.
+    with JsonlLogger(str(paths[0]), rank_zero_only=False) as log_anyway:
+        log_anyway.write({"step": 3})
+    assert paths[0].exists()

@@ -158,3 +158,20 @@ def test_write_prints_above_the_bar() -> None:
 def test_bad_settings_are_config_errors(kwargs: dict) -> None:
     with pytest.raises(ConfigError, match="ProgressBar"):
         ProgressBar(**kwargs)
+
+
+def test_bar_draws_on_rank_zero_only_by_default(monkeypatch) -> None:
+    import steplib.progress
+
+    assert not ProgressBar(file=io.StringIO()).disable  # no process group: rank 0
+    monkeypatch.setattr(steplib.progress, "is_main", lambda: False)
+    state, step, batches = _setup(4)
+    stream = io.StringIO()
+    where = ["run"]
+    reads: list[str] = []
+    bar = ProgressBar(every=1, file=stream)
+    assert bar.disable
+    with _record_reads(where, reads):
+        run(step, state, batches, events=bar.attach(Events()))
+    assert stream.getvalue() == "" and reads == []
+    assert not ProgressBar(disable=False).disable  # an explicit choice wins

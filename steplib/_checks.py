@@ -1,0 +1,49 @@
+"""Argument checks shared by the handlers, so that every handler words its errors the same way.
+
+Private: imports ``errors`` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steplib.errors import ConfigError, describe
+
+
+def optional_positive_int(owner: str, label: str, value: Any) -> int | None:
+    """``None``, or :func:`positive_int` of ``value``."""
+    return None if value is None else positive_int(owner, label, value)
+
+
+def positive_int(owner: str, label: str, value: Any) -> int:
+    """``value`` when it is an int >= 1, else a ConfigError that names ``owner(label=...)``,
+    what was received and a working example."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{owner}({label}=...) received {describe(value)}; it must be a positive int "
+            f"(>= 1), e.g. {owner}(..., {label}=10)."
+        )
+    return value
+
+
+def non_negative(owner: str, label: str, value: Any) -> float:
+    """``value`` as a float when it is a finite real number >= 0, else a ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(
+            f"{owner}({label}=...) received {describe(value)}; it must be a number >= 0, "
+            f"e.g. {owner}(..., {label}=0.0)."
+        )
+    if value == float("inf"):
+        raise ConfigError(f"{owner}({label}=...) received inf; pass a finite number >= 0.")
+    return float(value)
+
+
+def mode(owner: str, value: Any) -> str:
+    """``value`` when it is ``"min"`` or ``"max"``, else a ConfigError."""
+    if value not in ("min", "max"):
+        raise ConfigError(
+            f"{owner}(mode=...) received {describe(value)}; mode says which direction is "
+            f"better and must be 'min' (e.g. a loss) or 'max' (e.g. an accuracy): "
+            f"{owner}(..., mode='min')."
+        )
+    return str(value)

@@ -1,0 +1,36 @@
+"""Checkpoints and exact resume through fsspec: atomic, verified, asynchronous, preemption-safe.
+
+* :func:`save`, :func:`load`, :func:`latest`, :func:`list_checkpoints`, :func:`prune`.
+* :class:`AsyncSaver`: snapshot now, write in a background thread.
+* Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
+"""
+
+from steplib.checkpoint.background import AsyncSaver
+from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
+from steplib.checkpoint.handlers import Checkpointer, checkpoint_every, default_metrics
+from steplib.checkpoint.listing import CheckpointInfo, latest, list_checkpoints
+from steplib.checkpoint.preemption import Preemption, preemption
+from steplib.checkpoint.resume import Resume, resume_from
+from steplib.checkpoint.retention import prune, select_retained
+from steplib.checkpoint.save_load import load, save
+
+__all__ = [
+    "AsyncSaver",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointWarning",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "Preemption",
+    "Resume",
+    "checkpoint_every",
+    "default_metrics",
+    "latest",
+    "list_checkpoints",
+    "load",
+    "preemption",
+    "prune",
+    "resume_from",
+    "save",
+    "select_retained",
+]

@@ -1,0 +1,193 @@
+"""``AsyncSaver``: take the snapshot now, write it in a background thread, train on.
+
+The only time training waits is the snapshot: every tensor of the checkpoint is copied into
+CPU buffers (pinned for GPU tensors), which are kept and reused by the next save, so that
+after the first save no memory is allocated or page-faulted while training waits. Writing,
+checksumming and committing happen in a thread; torch's file writing and zlib's CRC release
+the GIL, so the training thread keeps running.
+
+A second save waits for the first (the buffers are reused, and two commits in flight could
+land out of order). An error in the background is raised by the next ``save``, by ``wait``
+or by ``close``: it is never lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from steplib.checkpoint.errors import CheckpointError
+from steplib.checkpoint.listing import StorageOptions
+from steplib.checkpoint.save_load import SavePlan, prepare, write
+from steplib.state import TrainState
+
+_Path = tuple[Any, ...]
+
+
+class AsyncSaver:
+    """Saves checkpoints in a background thread (one at a time).
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> with AsyncSaver() as saver:
+        ...     url = saver.save(state, "memory://doctest-async/ckpt")
+        ...     # training goes on here while the checkpoint is written
+        >>> url
+        'memory://doctest-async/ckpt/step-00000000'
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffers: dict[_Path, torch.Tensor] = {}
+
+    def save(
+        self,
+        state: TrainState,
+        directory: str,
+        *,
+        data: Any = None,
+        extras: Mapping[str, Any] | None = None,
+        step: Any = None,
+        metrics: Mapping[str, Any] | None = None,
+        storage_options: StorageOptions = None,
+        after: Callable[[], Any] | None = None,
+    ) -> str:
+        """Snapshot ``state`` and write it in the background; see ``steplib.checkpoint.save``.
+
+        Args:
+            state, directory, data, extras, step, metrics, storage_options: as for ``save``.
+            after: called in the background thread once the checkpoint is committed (e.g.
+                pruning old checkpoints); its errors surface like the write's.
+
+        Returns:
+            The URL the checkpoint will have once committed.
+
+        Raises:
+            CheckpointError: the previous background save failed (raised here, before this
+                save starts), or an argument error as for ``save``.
+        """
+        self.wait()
+        plan = prepare(
+            state,
+            directory,
+            data=data,
+            extras=extras,
+            step=step,
+            metrics=metrics,
+            storage_options=storage_options,
+            caller="AsyncSaver.save",
+        )
+        snapshot = SavePlan(plan.directory, plan.name, self._snapshot(plan.trees), plan.manifest)
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot, after), name=f"steplib-save-{plan.name}"
+        )
+        self._thread.start()
+        return plan.url
+
+    @property
+    def pending(self) -> bool:
+        """Whether a background save is still being written."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is committed.
+
+        Raises:
+            CheckpointError: that save failed (the error it raised is its ``__cause__``).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(
+                f"a background checkpoint save failed ({type(error).__name__}: {error}); "
+                "nothing was committed by it and older checkpoints are intact. Fix the cause "
+                "and save again."
+            ) from error
+
+    def close(self) -> None:
+        """Wait for the background save and release the snapshot buffers."""
+        try:
+            self.wait()
+        finally:
+            self._buffers = {}
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _write(self, plan: SavePlan, after: Callable[[], Any] | None) -> None:
+        try:
+            write(plan)
+            if after is not None:
+                after()
+        except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
+            self._error = err
+
+    def _snapshot(self, trees: dict[str, Any]) -> dict[str, Any]:
+        """Deep copy of ``trees`` with every tensor copied into a (reused) CPU buffer."""
+        copies: dict[int, torch.Tensor] = {}  # by id: tied weights are copied (and saved) once
+        buffers: dict[_Path, torch.Tensor] = {}
+        devices: set[torch.device] = set()
+
+        def copy(obj: Any, path: _Path) -> Any:
+            if isinstance(obj, torch.Tensor):
+                if id(obj) in copies:
+                    return copies[id(obj)]
+                buffer = self._buffers.get(path)
+                if (
+                    buffer is None
+                    or buffer.shape != obj.shape
+                    or buffer.dtype != obj.dtype
+                    or obj.layout != torch.strided
+                ):
+                    if obj.layout != torch.strided:  # sparse and other layouts: a plain copy
+                        buffer = obj.detach().to("cpu", copy=True)
+                        copies[id(obj)] = buffer
+                        return buffer
+                    buffer = torch.empty(
+                        obj.shape, dtype=obj.dtype, pin_memory=obj.device.type == "cuda"
+                    )
+                # Asynchronous from a GPU (into pinned memory); synchronised once below.
+                buffer.copy_(obj.detach(), non_blocking=obj.device.type == "cuda")
+                if obj.device.type == "cuda":
+                    devices.add(obj.device)
+                buffers[path] = buffer
+                copies[id(obj)] = buffer
+                return buffer
+            if isinstance(obj, dict):
+                out = {k: copy(v, (*path, k)) for k, v in obj.items()}
+                if isinstance(obj, collections.OrderedDict):
+                    ordered = collections.OrderedDict(out)
+                    if hasattr(obj, "_metadata"):  # module versions, used by load_state_dict
+                        ordered._metadata = obj._metadata  # type: ignore[attr-defined]
+                    return ordered
+                return out
+            if isinstance(obj, list | tuple):
+                return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))
+            return obj  # numbers, strings, None: immutable
+
+        snapshot = {name: copy(tree, (name,)) for name, tree in trees.items()}
+        for device in devices:
+            torch.cuda.synchronize(device)
+        self._buffers = buffers
+        return snapshot

@@ -1,0 +1,345 @@
+"""What a checkpoint holds, checked on the way out, and how it goes back into a TrainState.
+
+Files of a checkpoint (each a ``torch.save`` of plain containers and tensors only, so that
+``torch.load(..., weights_only=True)`` reads it):
+
+* ``model.pt``: ``model.state_dict()``.
+* ``optimizer.pt``: ``optimizer.state_dict()``.
+* ``train_state.pt``: counters, the accumulation window, scheduler and scaler state, the
+  state's ``extras``, the ``state_dict`` of each extra object, RNG states, the data position.
+* ``window_grads.pt``: only when taken inside an open accumulation window (``window_size >
+  0``): the gradients accumulated so far. They are part of the state then; without them the
+  resumed window would update with a fraction of its gradient.
+
+Everything is checked before anything is changed: a checkpoint that does not fit the state
+(other parameter names, another optimizer, another step composition) raises ``ConfigError``
+and leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+import torch
+
+from steplib.data import restore_position
+from steplib.errors import ConfigError, describe
+from steplib.rng import capture_rng, restore_rng
+from steplib.state import TrainState
+
+MODEL = "model.pt"
+OPTIMIZER = "optimizer.pt"
+TRAIN_STATE = "train_state.pt"
+WINDOW_GRADS = "window_grads.pt"
+
+_LEAVES = (type(None), bool, int, float, str, torch.Tensor)  # isinstance: Parameter too
+_SHOWN = 8  # names listed in an error before "and N more"
+
+
+def check_arguments(
+    caller: str, state: Any, *, data: Any, extras: Any, step: Any
+) -> Mapping[str, Any]:
+    """Check the arguments shared by save and load; return ``extras`` as a mapping.
+
+    Raises:
+        ConfigError: a state that is not a TrainState, a ``data`` without ``state_dict`` /
+            ``load_state_dict``, ``extras`` that is not a mapping of such objects, or a ``step``
+            without ``describe()``.
+    """
+    if not isinstance(state, TrainState):
+        raise ConfigError(
+            f"{caller} received state={describe(state)}, which is not a TrainState. Pass the "
+            "state your step returns (TrainState.create(...) at the start)."
+        )
+    if data is not None and not _is_stateful(data):
+        raise ConfigError(
+            f"{caller}(data=...) received {describe(data)}, which has no state_dict() / "
+            "load_state_dict(), so its position cannot be saved. Use a stateful loader: "
+            "data=steplib.data.resumable_loader(dataset, batch_size=..., seed=0)."
+        )
+    extras = {} if extras is None else extras
+    if not isinstance(extras, Mapping) or not all(isinstance(k, str) for k in extras):
+        raise ConfigError(
+            f"{caller}(extras=...) received {describe(extras)}; pass a dict of name -> object "
+            "with state_dict() / load_state_dict(), e.g. extras={'ema': ema_model}."
+        )
+    for name, obj in extras.items():
+        if not _is_stateful(obj):
+            raise ConfigError(
+                f"{caller}(extras=...): extras[{name!r}] is {describe(obj)}, which has no "
+                "state_dict() / load_state_dict(). Pass objects that have them (a module, a "
+                "metric, an EMA); put plain values in the state instead: "
+                "state.replace(extras={..., 'name': value})."
+            )
+    if step is not None and not callable(getattr(step, "describe", None)):
+        raise ConfigError(
+            f"{caller}(step=...) received {describe(step)}, which is not a Step. Pass the step "
+            "you train with (make_train_step(...) and its wrappers), or leave step=None."
+        )
+    return extras
+
+
+def gather(
+    state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
+) -> dict[str, Any]:
+    """The trees to write, one per file name (live tensors: copy them before training on).
+
+    Raises:
+        ConfigError: a value that a weights-only load could not read back (names where).
+    """
+    model = state.model
+    train_state = {
+        "counters": {
+            "step": state.step,
+            "micro_step": state.micro_step,
+            "epoch": state.epoch,
+            "window_size": state.window_size,
+            "skipped_updates": state.skipped_updates,
+            "consecutive_skips": state.consecutive_skips,
+        },
+        "window": {"loss": state.window_loss, "targets": state.window_targets},
+        "optimizer_type": type(state.optimizer).__name__,
+        "scheduler_type": None if state.scheduler is None else type(state.scheduler).__name__,
+        "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
+        "scaler": None if state.scaler is None else state.scaler.state_dict(),
+        "extras": dict(state.extras),
+        "objects": {name: obj.state_dict() for name, obj in extras.items()},
+        "rng": capture_rng() if rng else None,
+        "data": None if data is None else data.state_dict(),
+    }
+    trees: dict[str, Any] = {
+        MODEL: model.state_dict(),
+        OPTIMIZER: state.optimizer.state_dict(),
+        TRAIN_STATE: train_state,
+    }
+    if state.window_size > 0:
+        trees[WINDOW_GRADS] = {
+            name: p.grad for name, p in model.named_parameters() if p.grad is not None
+        }
+    for file_name, tree in trees.items():
+        _check_plain(tree, file_name)
+    return trees
+
+
+def check_fingerprint(saved: list[dict[str, Any]] | None, step: Any, *, checkpoint: str) -> None:
+    """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper.
+
+    Wrappers are compared by name, not position: the built-in ones commute, so
+    ``clip(amp_wrap(s))`` and ``amp_wrap(clip(s))`` are the same step.
+
+    Raises:
+        ConfigError: a wrapper added, removed or with other settings (says which and the fix).
+    """
+    if saved is None or step is None:
+        return
+    now = orjson.loads(orjson.dumps(step.describe(), default=str))  # compare as JSON values
+    before = {d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"} for d in saved}
+    after = {d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"} for d in now}
+    differences = []
+    for name in sorted(before.keys() | after.keys()):
+        if name not in after:
+            differences.append(f"the checkpoint's step applies {_call(name, before[name])}")
+        elif name not in before:
+            differences.append(f"this step applies {_call(name, after[name])}, the saved did not")
+        else:
+            for key in sorted(before[name].keys() | after[name].keys()):
+                old, new = before[name].get(key), after[name].get(key)
+                if old != new:
+                    differences.append(f"{name} {key}={old!r} in the checkpoint, {new!r} now")
+    if differences:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} was trained by the step {_chain(saved)}, this step "
+            f"is {_chain(now)}: {'; '.join(differences)}. The counters and the accumulation "
+            "window mean something else under another composition. Build the step as the "
+            "checkpoint's, or pass step=None to load without this check."
+        )
+
+
+def apply(
+    trees: Mapping[str, Any],
+    state: TrainState,
+    *,
+    data: Any,
+    extras: Mapping[str, Any],
+    checkpoint: str,
+    restore_rng_states: bool = True,
+) -> TrainState:
+    """Load ``trees`` into the objects of ``state``; return the state with the saved counters.
+
+    Raises:
+        ConfigError: the checkpoint does not fit ``state`` (nothing is changed then).
+    """
+    train_state = trees[TRAIN_STATE]
+    _check_fits(trees, train_state, state, data=data, extras=extras, checkpoint=checkpoint)
+
+    model = state.model
+    model.load_state_dict(trees[MODEL])
+    state.optimizer.load_state_dict(trees[OPTIMIZER])
+    if state.scheduler is not None:
+        state.scheduler.load_state_dict(train_state["scheduler"])
+    if state.scaler is not None:
+        state.scaler.load_state_dict(train_state["scaler"])
+    grads = trees.get(WINDOW_GRADS, {})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            saved = grads.get(name)
+            p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
+    for name, obj in extras.items():
+        obj.load_state_dict(train_state["objects"][name])
+    epoch_done = False
+    if data is not None:
+        epoch_done = restore_position(data, train_state["data"])
+    if restore_rng_states and train_state["rng"] is not None:
+        restore_rng(train_state["rng"])
+
+    counters = train_state["counters"]
+    window = train_state["window"]
+    return state.replace(
+        step=counters["step"],
+        micro_step=counters["micro_step"],
+        # The data ended its epoch at the save but the loop had not counted it yet: the resumed
+        # run starts the next epoch, as the uninterrupted one did right after.
+        epoch=counters["epoch"] + (1 if epoch_done else 0),
+        window_size=counters["window_size"],
+        window_loss=_on_device(window["loss"], state.device),
+        window_targets=_on_device(window["targets"], state.device),
+        skipped_updates=counters["skipped_updates"],
+        consecutive_skips=counters["consecutive_skips"],
+        extras=types.MappingProxyType(dict(train_state["extras"])),
+    )
+
+
+def _on_device(value: Any, device: torch.device) -> Any:
+    # The window sums are tensors on the device, or Python numbers (an empty window, or
+    # integer target counts): restored as the same kind, so the resumed step computes the same.
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _check_fits(
+    trees: Mapping[str, Any],
+    train_state: Mapping[str, Any],
+    state: TrainState,
+    *,
+    data: Any,
+    extras: Mapping[str, Any],
+    checkpoint: str,
+) -> None:
+    _check_model(trees[MODEL], state.model, checkpoint=checkpoint)
+    saved_groups = trees[OPTIMIZER]["param_groups"]
+    groups = state.optimizer.param_groups
+    saved_type = train_state["optimizer_type"]
+    if saved_type != type(state.optimizer).__name__ or [len(g["params"]) for g in saved_groups] != [
+        len(g["params"]) for g in groups
+    ]:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds a {saved_type} over parameter groups of sizes "
+            f"{[len(g['params']) for g in saved_groups]}; this state has a "
+            f"{type(state.optimizer).__name__} over {[len(g['params']) for g in groups]}. Build "
+            "the optimizer as the run that saved it did (same class, same parameter groups)."
+        )
+    for part, label in (("scheduler", "scheduler"), ("scaler", "scaler")):
+        saved = train_state[part] is not None
+        here = getattr(state, part) is not None
+        if saved != here:
+            has, lacks = ("the checkpoint", "this state") if saved else ("this state", "it")
+            raise ConfigError(
+                f"load: {has} has a {label} and {lacks} does not (checkpoint {checkpoint}). "
+                f"Create the state as the run that saved it: TrainState.create(..., "
+                f"{label}={'...' if saved else 'None'})."
+            )
+    saved_scheduler = train_state["scheduler_type"]
+    if state.scheduler is not None and saved_scheduler != type(state.scheduler).__name__:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds a {saved_scheduler} scheduler, this state a "
+            f"{type(state.scheduler).__name__}. Build the same scheduler as the saving run."
+        )
+    saved_objects = set(train_state["objects"])
+    if saved_objects != set(extras):
+        raise ConfigError(
+            f"load(extras=...) received the names {sorted(extras)}, but checkpoint "
+            f"{checkpoint} holds {sorted(saved_objects)}. Pass the same names as to save()."
+        )
+    if data is not None and train_state["data"] is None:
+        raise ConfigError(
+            f"load(data=...): checkpoint {checkpoint} holds no data position (it was saved "
+            "without data=...), so the data order cannot be resumed. Pass data=None to start "
+            "the data from the beginning, or save with data=loader."
+        )
+
+
+def _check_model(saved: Mapping[str, Any], model: torch.nn.Module, *, checkpoint: str) -> None:
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - expected.keys())
+    reshaped = [
+        f"{k} {tuple(saved[k].shape)} in the checkpoint, {tuple(expected[k].shape)} here"
+        for k in sorted(expected.keys() & saved.keys())
+        if isinstance(saved[k], torch.Tensor) and saved[k].shape != expected[k].shape
+    ]
+    if not (missing or unexpected or reshaped):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {_names(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in this model: {_names(unexpected)}")
+    if reshaped:
+        parts.append(f"other shapes: {_names(reshaped)}")
+    raise ConfigError(
+        f"load: checkpoint {checkpoint} was saved from another model "
+        f"({type(model).__name__} here): {'; '.join(parts)}. Build the model exactly as the "
+        "run that saved it (same modules, names and sizes); to reuse only some weights, load "
+        "model.pt yourself with model.load_state_dict(..., strict=False)."
+    )
+
+
+def _check_plain(tree: Any, where: str) -> None:
+    """Refuse what ``torch.load(weights_only=True)`` would refuse, before writing anything."""
+    if isinstance(tree, _LEAVES):
+        return
+    # Exact types: a subclass (a namedtuple, a defaultdict) is pickled by its class name, which
+    # a weights-only load refuses.
+    if type(tree) in (dict, collections.OrderedDict):
+        for key, value in tree.items():
+            if type(key) not in (str, int):
+                raise ConfigError(_not_plain(f"{where} key {key!r}", key))
+            _check_plain(value, f"{where}[{key!r}]")
+        return
+    if type(tree) in (list, tuple):
+        for index, value in enumerate(tree):
+            _check_plain(value, f"{where}[{index}]")
+        return
+    raise ConfigError(_not_plain(where, tree))
+
+
+def _not_plain(where: str, value: Any) -> str:
+    return (
+        f"save: {where} is {describe(value)}. A checkpoint holds only numbers, strings, "
+        "tensors, lists and dicts, so that loading it never runs pickled code "
+        "(weights_only=True). Store a plain value instead (e.g. a number, or the object's "
+        "state_dict() through save(..., extras={'name': obj}))."
+    )
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def _call(name: str, settings: Mapping[str, Any]) -> str:
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
+
+
+def _chain(described: list[dict[str, Any]]) -> str:
+    calls = [_call(d["wrapper"], {k: v for k, v in d.items() if k != "wrapper"}) for d in described]
+    return " -> ".join(["make_train_step", *calls])

@@ -1,0 +1,276 @@
+"""``checkpoint_every``: save a checkpoint every N updates (and prune old ones), as a handler.
+
+With its companions ``resume_from`` (``resume.py``) and ``preemption`` (``preemption.py``)::
+
+    ckpt = checkpoint_every("runs/exp/ckpt", every=500, keep_last=3, data=loader, step=step)
+    events.on("fit_start", resume_from("runs/exp/ckpt", data=loader, step=step))
+    ckpt.attach(events)
+    preemption(ckpt).attach(events)   # SIGTERM / SIGUSR1: save at the next update, then stop
+    state = run(step, state, loader, events=events, max_steps=10_000)
+
+Imports ``events``, ``state``, ``errors`` and the checkpoint package only (never the loop or
+the step).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from steplib.checkpoint.background import AsyncSaver
+from steplib.checkpoint.errors import CheckpointError
+from steplib.checkpoint.listing import StorageOptions
+from steplib.checkpoint.retention import check_retention, prune
+from steplib.checkpoint.save_load import save
+from steplib.errors import ConfigError, describe
+from steplib.events import Event, Events
+from steplib.state import TrainState
+
+_log = logging.getLogger("steplib.checkpoint")
+
+Metrics = Callable[[Event], Mapping[str, Any]]
+
+
+def default_metrics(event: Event) -> dict[str, float]:
+    """What a checkpoint records when no ``metrics`` function is given: the update's ``loss``
+    and every number in ``state.extras`` (where an evaluation handler may put ``val_loss``).
+
+    Example:
+        >>> import types
+        >>> state = types.SimpleNamespace(extras={"val_loss": 0.25, "note": "x"})
+        >>> default_metrics(Event("step_end", state=state))
+        {'val_loss': 0.25}
+    """
+    numbers: dict[str, float] = {}
+    output = getattr(event, "output", None)
+    if output is not None and isinstance(getattr(output, "loss", None), torch.Tensor):
+        numbers["loss"] = float(output.loss)  # a host sync, at save time only
+    for name, value in getattr(event.state, "extras", {}).items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            numbers[name] = float(value)
+    return numbers
+
+
+class Checkpointer:
+    """Saves a checkpoint every ``every`` updates and prunes old ones. Build it with
+    :func:`checkpoint_every`; register it with :meth:`attach` (or as a ``step_end`` handler)."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        every: int,
+        keep_last: int | None,
+        keep_best: int | None,
+        metric: str | None,
+        mode: str,
+        data: Any,
+        extras: Mapping[str, Any] | None,
+        step: Any,
+        metrics: Metrics | None,
+        background: bool,
+        at_end: bool,
+        storage_options: StorageOptions,
+    ) -> None:
+        self.directory = directory
+        self.every = every
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.metric = metric
+        self.mode = mode
+        self.data = data
+        self.extras = extras
+        self.step = step
+        self.metrics = metrics or default_metrics
+        self.at_end = at_end
+        self.storage_options = storage_options
+        self._saver = AsyncSaver() if background else None
+        self._saved_at: tuple[int, int] | None = None
+        self.last_saved: str | None = None
+
+    def attach(self, events: Events) -> Events:
+        """Register on ``fit_start``, ``step_end``, ``fit_end`` and ``exception``.
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        events.on("fit_start", self.on_fit_start)
+        events.on("step_end", self.on_step_end)
+        events.on("fit_end", self.on_fit_end)
+        events.on("exception", self.on_exception)
+        return events
+
+    def __call__(self, event: Event) -> None:
+        self.on_step_end(event)
+
+    def on_fit_start(self, event: Event) -> None:
+        """Remember where the run starts: a resumed state is not saved again at the end."""
+        self._saved_at = _position(event.state)
+
+    def on_step_end(self, event: Event) -> None:
+        """Save when ``event.step`` is a multiple of ``every`` (and not saved already)."""
+        if event.step % self.every == 0 and _position(event.state) != self._saved_at:
+            self.save(event)
+
+    def on_fit_end(self, event: Event) -> None:
+        """Save the final state (with ``at_end``, if it moved since the last save or the
+        start) and wait for background writes.
+
+        Raises:
+            CheckpointError: a background save failed.
+        """
+        if self.at_end and _position(event.state) != self._saved_at:
+            self.save(event)
+        self.wait()
+
+    def on_exception(self, event: Event) -> None:
+        """Let a background write finish; its error is logged, not raised over the first."""
+        try:
+            self.wait()
+        except CheckpointError as err:
+            _log.error("background checkpoint failed while the run was failing: %s", err)
+
+    def save(self, event: Event, *, blocking: bool = False) -> str:
+        """Save ``event.state`` now (unless this position is already saved) and prune.
+
+        Args:
+            event: the event whose state to save (its output feeds the metrics).
+            blocking: write in this thread even when the checkpointer saves in the background,
+                and return once committed (what a preemption save needs).
+
+        Returns:
+            The checkpoint's URL (the existing one if this position was already saved).
+        """
+        state: TrainState = event.state
+        if self._saved_at == _position(state) and self.last_saved is not None:
+            if blocking:
+                self.wait()
+            return self.last_saved
+        arguments: dict[str, Any] = {
+            "data": self.data,
+            "extras": self.extras,
+            "step": self.step,
+            "metrics": self.metrics(event),
+            "storage_options": self.storage_options,
+        }
+        if self._saver is not None and not blocking:
+            url = self._saver.save(state, self.directory, after=self._prune, **arguments)
+        else:
+            self.wait()
+            url = save(state, self.directory, **arguments)
+            self._prune()
+        self._saved_at = _position(state)
+        self.last_saved = url
+        return url
+
+    def wait(self) -> None:
+        """Wait for the background save, if any.
+
+        Raises:
+            CheckpointError: it failed.
+        """
+        if self._saver is not None:
+            self._saver.wait()
+
+    def _prune(self) -> None:
+        if self.keep_last is None and self.keep_best is None:
+            return
+        prune(
+            self.directory,
+            keep_last=self.keep_last,
+            keep_best=self.keep_best,
+            metric=self.metric,
+            mode=self.mode,
+            storage_options=self.storage_options,
+        )
+
+    def __repr__(self) -> str:
+        return f"checkpoint_every({self.directory!r}, every={self.every})"
+
+
+def checkpoint_every(
+    directory: str,
+    *,
+    every: int,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: str = "min",
+    data: Any = None,
+    extras: Mapping[str, Any] | None = None,
+    step: Any = None,
+    metrics: Metrics | None = None,
+    background: bool = False,
+    at_end: bool = True,
+    storage_options: StorageOptions = None,
+) -> Checkpointer:
+    """A handler that saves a checkpoint every ``every`` optimizer updates.
+
+    Args:
+        directory: a local path or fsspec URL of the directory of checkpoints.
+        every: save when ``state.step`` is a multiple of this (an int >= 1).
+        keep_last: after each save keep the newest this many (``None``: keep all).
+        keep_best: also keep the best this many by ``metric``.
+        metric: the metric ``keep_best`` ranks by (one of those ``metrics`` returns).
+        mode: ``"min"`` or ``"max"``: whether lower or higher ``metric`` is better.
+        data: the loader whose position to save (see ``steplib.data.resumable_loader``).
+        extras: more objects with ``state_dict()`` to save by name.
+        step: the Step; its composition is saved and checked on resume.
+        metrics: ``event -> {name: number}`` recorded with each checkpoint; by default the
+            update's ``loss`` and the numbers in ``state.extras`` (:func:`default_metrics`).
+        background: write in a background thread (:class:`AsyncSaver`); training waits only
+            for the copy to CPU memory. Errors surface at the next save or at ``fit_end``.
+        at_end: also save at ``fit_end`` if the state changed since the last save.
+        storage_options: passed to fsspec.
+
+    Returns:
+        A :class:`Checkpointer`; call ``.attach(events)``.
+
+    Raises:
+        ConfigError: ``every`` is not an int >= 1, or invalid retention settings.
+
+    Example:
+        >>> import torch
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> from steplib.checkpoint import list_checkpoints
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
+        >>> events = checkpoint_every("memory://doctest-every/ckpt", every=2, keep_last=2,
+        ...                           step=step).attach(Events())
+        >>> state = run(step, state, [torch.ones(4, 2)] * 5, events=events)
+        >>> [c.step for c in list_checkpoints("memory://doctest-every/ckpt")]
+        [4, 5]
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(
+            f"checkpoint_every(every=...) received {describe(every)}; it is the number of "
+            "optimizer updates between checkpoints and must be an int >= 1, e.g. every=500."
+        )
+    check_retention(
+        "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
+    )
+    return Checkpointer(
+        directory,
+        every=every,
+        keep_last=keep_last,
+        keep_best=keep_best,
+        metric=metric,
+        mode=mode,
+        data=data,
+        extras=extras,
+        step=step,
+        metrics=metrics,
+        background=background,
+        at_end=at_end,
+        storage_options=storage_options,
+    )
+
+
+def _position(state: TrainState) -> tuple[int, int]:
+    return state.step, state.micro_step

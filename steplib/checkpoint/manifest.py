@@ -1,0 +1,154 @@
+"""The manifest: the last file of a checkpoint, what makes it exist, and its table of contents.
+
+``manifest.json`` (orjson) holds the counters, time, metrics, versions, the step's fingerprint
+and the size and CRC32 of every other file. It carries its own CRC32 too (of its body, keys
+sorted), so that an altered manifest is detected like any other file.
+
+Checkpoint names sort in training order: ``step-00000120`` for a checkpoint taken between
+windows, ``step-00000120-micro-00000483`` for one taken inside an open accumulation window
+(later than ``step-00000120``, earlier than ``step-00000121``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import re
+import zlib
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+
+import orjson
+import torch
+
+from steplib.checkpoint.errors import CorruptCheckpointError
+from steplib.checkpoint.storage import FileRecord
+
+FORMAT = "steplib-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+_NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
+
+
+def checkpoint_name(step: int, micro_step: int, window_size: int) -> str:
+    """The directory name of a checkpoint taken at these counters."""
+    if window_size == 0:
+        return f"step-{step:08d}"
+    return f"step-{step:08d}-micro-{micro_step:08d}"
+
+
+def sort_key(name: str) -> tuple[int, int] | None:
+    """``(step, micro_step or -1)`` of a checkpoint name, or ``None`` if it is not one."""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2)) if match.group(2) else -1
+
+
+def library_versions() -> dict[str, str]:
+    """The versions a checkpoint was written with (for the reader of a manifest)."""
+    try:
+        steplib_version = metadata.version("steplib")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        steplib_version = "unknown"
+    return {
+        "steplib": steplib_version,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Manifest:
+    """The contents of ``manifest.json``.
+
+    Attributes:
+        name: the checkpoint's directory name.
+        step, micro_step, epoch, window_size: the TrainState counters when it was taken.
+        time: when it was taken (unix seconds).
+        metrics: numbers recorded with it (what ``keep_best`` ranks by).
+        fingerprint: ``step.describe()`` of the step that trained it, or ``None``.
+        versions: steplib, torch and Python versions of the writer.
+        files: size and CRC32 of each data file.
+    """
+
+    name: str
+    step: int
+    micro_step: int
+    epoch: int
+    window_size: int
+    time: float
+    metrics: Mapping[str, float]
+    fingerprint: list[dict[str, Any]] | None
+    versions: Mapping[str, str]
+    files: Mapping[str, FileRecord]
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "name": self.name,
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "epoch": self.epoch,
+            "window_size": self.window_size,
+            "time": self.time,
+            # NaN/inf are not JSON; a metric that diverged ranks last anyway.
+            "metrics": {k: (v if math.isfinite(v) else None) for k, v in self.metrics.items()},
+            "fingerprint": self.fingerprint,
+            "versions": dict(self.versions),
+            "files": {k: {"bytes": r.size, "crc32": r.crc32} for k, r in self.files.items()},
+        }
+        body["manifest_crc32"] = _body_crc(body)
+        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
+
+    @classmethod
+    def from_json(cls, data: bytes, *, checkpoint: str) -> Manifest:
+        """Parse and check a manifest.
+
+        Raises:
+            CorruptCheckpointError: not JSON, not a steplib manifest, or its own CRC differs.
+        """
+        try:
+            body = orjson.loads(data)
+            if not isinstance(body, dict) or body.get("format") != FORMAT:
+                raise ValueError("not a steplib checkpoint manifest")
+            stored = body.pop("manifest_crc32", None)
+            if stored != _body_crc(body):
+                raise ValueError(
+                    f"its CRC32 is {_body_crc(body)}, it says {stored}: it was altered"
+                )
+            if body["version"] > VERSION:
+                raise ValueError(
+                    f"format version {body['version']} is newer than this steplib reads "
+                    f"({VERSION}); upgrade steplib"
+                )
+            return cls(
+                name=str(body["name"]),
+                step=int(body["step"]),
+                micro_step=int(body["micro_step"]),
+                epoch=int(body["epoch"]),
+                window_size=int(body["window_size"]),
+                time=float(body["time"]),
+                metrics={
+                    k: (math.nan if v is None else float(v)) for k, v in body["metrics"].items()
+                },
+                fingerprint=body["fingerprint"],
+                versions=dict(body["versions"]),
+                files={
+                    k: FileRecord(int(v["bytes"]), str(v["crc32"]))
+                    for k, v in body["files"].items()
+                },
+            )
+        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CorruptCheckpointError(
+                f"checkpoint {checkpoint}: its file {MANIFEST} cannot be read ({err}). Use an "
+                "older checkpoint (latest() and resume_from() skip this one)."
+            ) from None
+
+
+def _body_crc(body: Mapping[str, Any]) -> str:
+    return f"{zlib.crc32(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)):08x}"

@@ -1,0 +1,157 @@
+"""``preemption``: SIGTERM / SIGUSR1 become a checkpoint at the next update and a clean stop.
+
+Imports ``events``, ``state``, ``errors`` and the checkpoint package only (never the loop or
+the step).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from steplib.checkpoint.handlers import Checkpointer
+from steplib.errors import ConfigError, describe
+from steplib.events import Event, Events, Stop
+
+
+class Preemption:
+    """Saves and stops the run after a preemption signal. Build it with :func:`preemption`.
+
+    Attributes:
+        received: the signal number received, or ``None``.
+        saved: the URL of the checkpoint saved because of it, or ``None``.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, *, signals: Sequence[int]) -> None:
+        self.checkpointer = checkpointer
+        self.signals = tuple(signals)
+        self.received: int | None = None
+        self.saved: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def attach(self, events: Events) -> Events:
+        """Register on ``fit_start`` (install), ``step_end``, ``fit_end`` and ``exception``.
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        events.on("fit_start", self.on_fit_start)
+        events.on("step_end", self.on_step_end)
+        events.on("fit_end", self.on_fit_end)
+        events.on("exception", self.on_exception)
+        return events
+
+    @property
+    def exit_code(self) -> int:
+        """0 without a signal, else ``128 + signal`` (the shell's code for "ended by signal",
+        which schedulers such as SLURM read to requeue the job)."""
+        return 0 if self.received is None else 128 + self.received
+
+    def on_fit_start(self, event: Event) -> None:
+        """Install the signal handlers (main thread only).
+
+        Raises:
+            ConfigError: called outside the main thread, where Python cannot catch signals.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigError(
+                "preemption(...) must run in the main thread: Python delivers signals only "
+                "there. Call run() from the main thread, or leave preemption out."
+            )
+        self.received, self.saved = None, None
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def on_step_end(self, event: Event) -> Stop | None:
+        """After a signal: save now, at this update boundary, and stop the loop."""
+        if self.received is None:
+            return None
+        self.saved = self.checkpointer.save(event, blocking=True)
+        name = signal.Signals(self.received).name
+        self._uninstall()
+        return Stop(f"preempted by {name} at step {event.step}; saved {self.saved}")
+
+    def on_fit_end(self, event: Event) -> None:
+        """Save if a signal came after the last update, then restore the signal handlers."""
+        if self.received is not None and self.saved is None:
+            self.saved = self.checkpointer.save(event, blocking=True)
+        self._uninstall()
+
+    def on_exception(self, event: Event) -> None:
+        """Restore the signal handlers."""
+        self._uninstall()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: saving here would run in the middle of whatever Python was doing
+        # (a half-applied optimizer step, a torch.save) and could corrupt or deadlock it.
+        if self.received is not None:
+            # Asked twice: give the signal its previous meaning (usually: end the process now).
+            self._uninstall()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+
+    def _uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+
+def preemption(
+    checkpointer: Checkpointer,
+    *,
+    signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+) -> Preemption:
+    """A handler that turns a preemption signal into a checkpoint and a clean stop.
+
+    The signal handler only sets a flag. At the next ``step_end`` (the next optimizer-update
+    boundary) the state is saved with ``checkpointer``'s settings, synchronously, and the
+    handler returns ``Stop("preempted by SIGTERM at step N; saved URL")``; the loop ends
+    normally (``fit_end`` runs). A second signal of the same kind ends the process as the
+    signal normally would. After the run, ``handler.received`` says whether it was preempted
+    and ``handler.exit_code`` gives a conventional exit status.
+
+    Args:
+        checkpointer: the :class:`Checkpointer` whose directory and settings to save with.
+        signals: the signals to catch (SIGTERM and SIGUSR1 by default: what Kubernetes and
+            SLURM send before they kill a job).
+
+    Returns:
+        A :class:`Preemption`; call ``.attach(events)`` after the checkpointer's.
+
+    Raises:
+        ConfigError: ``checkpointer`` is not a Checkpointer, or ``signals`` is empty.
+
+    Example:
+        >>> import os, signal, torch
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> from steplib.checkpoint import checkpoint_every
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> def loss_fn(model, batch):
+        ...     if batch == 2:
+        ...         os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler would
+        ...     return model(torch.ones(4, 2)).pow(2).mean()
+        >>> ckpt = checkpoint_every("memory://doctest-preempt/ckpt", every=100)
+        >>> handler = preemption(ckpt)
+        >>> events = handler.attach(ckpt.attach(Events()))
+        >>> run(make_train_step(loss_fn), state, range(10), events=events).step
+        3
+        >>> handler.saved, handler.exit_code
+        ('memory://doctest-preempt/ckpt/step-00000003', 138)
+    """
+    if not isinstance(checkpointer, Checkpointer):
+        raise ConfigError(
+            f"preemption(checkpointer) received {describe(checkpointer)}; pass the handler "
+            "checkpoint_every(...) returned, so that the preemption save uses its directory "
+            "and settings."
+        )
+    if not signals:
+        raise ConfigError(
+            "preemption(signals=...) received no signals; pass e.g. "
+            "signals=(signal.SIGTERM, signal.SIGUSR1)."
+        )
+    return Preemption(checkpointer, signals=signals)

@@ -1,0 +1,162 @@
+"""Which checkpoints to keep: the newest ``keep_last`` and the best ``keep_best`` by a metric.
+
+The two sets are united: a best checkpoint survives however old it is, and the newest one is
+always kept (a resume needs it), whatever the settings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from steplib.checkpoint import storage
+from steplib.checkpoint.listing import CheckpointInfo, StorageOptions, scan
+from steplib.checkpoint.manifest import sort_key
+from steplib.errors import ConfigError, describe
+
+MODES = ("min", "max")
+
+
+def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any, mode: Any) -> None:
+    """Raise ``ConfigError`` for retention settings that cannot be followed."""
+    for label, value in (("keep_last", keep_last), ("keep_best", keep_best)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ConfigError(
+                f"{caller}({label}=...) received {describe(value)}; it must be an int >= 1 or "
+                f"None (keep all), e.g. {label}=3."
+            )
+    if keep_best is not None and (not isinstance(metric, str) or not metric):
+        raise ConfigError(
+            f"{caller}(keep_best={keep_best}) needs the metric to rank by, and received "
+            f"metric={describe(metric)}. Name one that is saved with the checkpoints, e.g. "
+            "metric='val_loss', mode='min'."
+        )
+    if mode not in MODES:
+        raise ConfigError(
+            f"{caller}(mode=...) received {describe(mode)}; it must be 'min' (lower is better, "
+            "a loss) or 'max' (higher is better, an accuracy)."
+        )
+
+
+def select_retained(
+    checkpoints: Sequence[CheckpointInfo],
+    *,
+    keep_last: int | None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: str = "min",
+) -> list[CheckpointInfo]:
+    """The checkpoints to keep, in the order given (oldest first).
+
+    Args:
+        checkpoints: committed checkpoints, oldest first (``list_checkpoints``).
+        keep_last: keep the newest this many (at least the newest one is always kept); with
+            both ``keep_last`` and ``keep_best`` ``None``, everything is kept.
+        keep_best: keep the best this many by ``metric``; checkpoints without the metric (or
+            with NaN) are never among the best. Ties go to the newer one.
+        metric: the metric name ``keep_best`` ranks by.
+        mode: ``"min"`` or ``"max"``: whether a lower or a higher value is better.
+
+    Returns:
+        The retained checkpoints.
+
+    Raises:
+        ConfigError: invalid settings.
+
+    Example:
+        >>> infos = [CheckpointInfo(f"u{s}", f"n{s}", s, s, 0, 0.0, {"loss": l})
+        ...          for s, l in [(1, 0.5), (2, 0.1), (3, 0.9), (4, 0.7)]]
+        >>> [c.step for c in select_retained(infos, keep_last=1, keep_best=1, metric="loss")]
+        [2, 4]
+    """
+    check_retention(
+        "select_retained", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
+    )
+    if keep_last is None and keep_best is None:
+        return list(checkpoints)
+    keep = {id(c) for c in checkpoints[-(keep_last or 1) :]}
+    if keep_best is not None:
+        sign = 1.0 if mode == "min" else -1.0
+        ranked = [
+            (sign * c.metrics[metric], -index, c)  # type: ignore[index]
+            for index, c in enumerate(checkpoints)
+            if metric in c.metrics and not math.isnan(c.metrics[metric])  # type: ignore[index]
+        ]
+        ranked.sort(key=lambda item: (item[0], item[1]))
+        keep.update(id(c) for _, _, c in ranked[:keep_best])
+    return [c for c in checkpoints if id(c) in keep]
+
+
+def prune(
+    directory: str,
+    *,
+    keep_last: int | None,
+    keep_best: int | None = None,
+    metric: str | None = None,
+    mode: str = "min",
+    storage_options: StorageOptions = None,
+) -> list[str]:
+    """Delete the checkpoints of ``directory`` that :func:`select_retained` does not keep.
+
+    Also removes what crashed saves left behind and is older than the newest checkpoint
+    (uncommitted directories, corrupt ones, hidden staging directories). A checkpoint is
+    uncommitted first (manifest, or the rename on a local disk) so that a crash while pruning
+    never leaves a half-deleted checkpoint that looks valid. Assumes one writer per directory.
+
+    Args:
+        directory: the directory given to ``save``.
+        keep_last, keep_best, metric, mode: see :func:`select_retained`.
+        storage_options: passed to fsspec.
+
+    Returns:
+        The URLs of the deleted checkpoints (not of the debris).
+
+    Raises:
+        ConfigError: invalid settings.
+        CheckpointError: the filesystem of ``directory`` is not installed.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> from steplib.checkpoint import save, list_checkpoints
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> for s in (1, 2, 3):
+        ...     _ = save(state.replace(step=s), "memory://doctest-prune/ckpt")
+        >>> prune("memory://doctest-prune/ckpt", keep_last=2)
+        ['memory://doctest-prune/ckpt/step-00000001']
+    """
+    check_retention("prune", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+    location = storage.resolve(directory, storage_options, caller="prune")
+    checkpoints, debris = scan(location)
+    kept = {
+        c.url
+        for c in select_retained(
+            checkpoints, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
+        )
+    }
+    deleted = []
+    for checkpoint in checkpoints:
+        if checkpoint.url not in kept:
+            storage.remove(location.child(checkpoint.name))
+            deleted.append(checkpoint.url)
+    newest = max((c.name for c in checkpoints), default=None, key=_key)
+    for leftover in debris:
+        if newest is not None and _key(_base_name(leftover.name)) < _key(newest):
+            storage.remove(leftover)
+    return deleted
+
+
+def _base_name(name: str) -> str:
+    # ".tmp-step-00000120-1a2b3c4d" -> "step-00000120"
+    for prefix in (storage.STAGING_PREFIX, storage.TRASH_PREFIX):
+        if name.startswith(prefix):
+            return name[len(prefix) :].rsplit("-", 1)[0]
+    return name
+
+
+def _key(name: str) -> tuple[int, int]:
+    return sort_key(name) or (-1, -1)

@@ -1,0 +1,418 @@
+"""Where checkpoints live: fsspec URLs, checksummed writes and reads, and the atomic commit.
+
+A checkpoint is a directory of files plus ``manifest.json``, always written last. How it is
+committed depends on the filesystem:
+
+* **local disks**: everything is written into a hidden staging directory
+  (``.tmp-<name>-<random>``), each file is fsync'ed, then the directory is renamed to its
+  final name (a rename is atomic) and the parent directory is fsync'ed.
+* **object stores and other filesystems** (``s3://``, ``memory://``, ...), where a rename is a
+  copy: the files are written in place and the manifest last. A directory without a manifest is
+  not a checkpoint (``latest`` ignores it), so a crash mid-save leaves nothing visible.
+
+Checksums are CRC32 of the bytes as written, computed while they stream to the file (no second
+pass over the data); they catch truncated and altered files, not deliberate forgery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import threading
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import IO, Any
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from steplib.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from steplib.errors import ConfigError, describe
+
+# protocol -> (package that implements it, what to pip install)
+_PACKAGES = {
+    "s3": ("s3fs", "steplib[s3]"),
+    "s3a": ("s3fs", "steplib[s3]"),
+    "gs": ("gcsfs", "gcsfs"),
+    "gcs": ("gcsfs", "gcsfs"),
+    "az": ("adlfs", "adlfs"),
+    "abfs": ("adlfs", "adlfs"),
+    "abfss": ("adlfs", "adlfs"),
+    "adl": ("adlfs", "adlfs"),
+    "hf": ("huggingface_hub", "huggingface_hub"),
+    "sftp": ("paramiko", "paramiko"),
+    "ssh": ("paramiko", "paramiko"),
+    "http": ("aiohttp", "aiohttp"),
+    "https": ("aiohttp", "aiohttp"),
+}
+
+STAGING_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Location:
+    """A directory or file: the URL as the user wrote it, and its fsspec filesystem and path."""
+
+    url: str
+    fs: Any
+    path: str
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def child(self, name: str) -> Location:
+        return Location(f"{self.url}/{name}", self.fs, f"{self.path}/{name}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileRecord:
+    """Size and CRC32 (8 hex digits) of one file of a checkpoint."""
+
+    size: int
+    crc32: str
+
+
+def resolve(url: Any, storage_options: Mapping[str, Any] | None, *, caller: str) -> Location:
+    """Turn a local path or URL into a :class:`Location`.
+
+    Raises:
+        ConfigError: ``url`` is not a string or path, or its protocol is unknown to fsspec.
+        CheckpointError: the protocol's filesystem package is not installed (names the extra).
+    """
+    if not isinstance(url, str | os.PathLike) or not os.fspath(url):
+        raise ConfigError(
+            f"{caller} received the location {describe(url)}; pass a local path or an fsspec "
+            "URL as a string, e.g. 'runs/exp1/checkpoints' or 's3://bucket/exp1/checkpoints'."
+        )
+    text = str(os.fspath(url))
+    stripped = text.rstrip("/") or text
+    protocol = text.split("://", 1)[0] if "://" in text else "file"
+    try:
+        fs, path = fsspec.core.url_to_fs(stripped, **dict(storage_options or {}))
+    except ImportError as err:
+        package, extra = _PACKAGES.get(protocol, (None, None))
+        hint = (
+            f"install it with: pip install '{extra}' (the package {package})"
+            if extra
+            else "install the fsspec implementation it names"
+        )
+        raise CheckpointError(
+            f"{caller} received {text!r}, whose {protocol}:// filesystem is not installed "
+            f"({err}); {hint}."
+        ) from err
+    except ValueError as err:
+        raise ConfigError(
+            f"{caller} received {text!r}, whose protocol {protocol!r} fsspec does not know "
+            f"({err}). Use a local path, file://, memory://, s3://, gs:// or another protocol "
+            "listed by fsspec.available_protocols()."
+        ) from err
+    return Location(stripped, fs, path.rstrip("/") or path)
+
+
+class _ChecksumWriter:
+    """A write-only file object that checksums and counts the bytes on their way to ``raw``."""
+
+    def __init__(
+        self,
+        raw: IO[bytes],
+        on_first_write: Callable[[], None] | None = None,
+        syncer: _BackgroundSync | None = None,
+    ) -> None:
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+        self._on_first_write = on_first_write
+        self._syncer = syncer
+
+    def write(self, data: Any) -> int:
+        if self._on_first_write is not None:
+            self._on_first_write()
+            self._on_first_write = None
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)  # releases the GIL on large buffers
+        self.size += view.nbytes
+        self.raw.write(view)
+        if self._syncer is not None:
+            self._syncer.written(self.size)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def record(self) -> FileRecord:
+        return FileRecord(self.size, f"{self.crc:08x}")
+
+
+class _BackgroundSync:
+    """Starts the disk writeback of a file while it is still being written.
+
+    A final fsync after a large write waits for all of it to reach the disk. Syncing what is
+    written so far every ``every`` bytes, in a thread (fdatasync releases the GIL), overlaps the
+    writeback with the rest of the serialisation, so the final fsync only waits for the tail.
+    """
+
+    def __init__(self, raw: IO[bytes], every: int = 64 << 20) -> None:
+        self.raw = raw
+        self.every = every
+        self._next = every
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+
+    def written(self, size: int) -> None:
+        if size < self._next or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._next = size + self.every
+        self.raw.flush()  # the kernel can only write back what left Python's buffer
+        self._thread = threading.Thread(target=self._sync, name="steplib-fdatasync")
+        self._thread.start()
+
+    def _sync(self) -> None:
+        try:
+            os.fdatasync(self.raw.fileno())
+        except OSError as err:  # a write-back error is reported once: keep it for finish()
+            self._error = err
+
+    def finish(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+# torch.save computes a CRC32 of every record for the zip format, which torch.load never checks
+# (a flipped byte in tensor data loads silently). Ours covers the whole file, so torch's is
+# switched off for the duration of our torch.save: one CRC pass instead of two keeps our
+# serialisation as fast as a plain torch.save. The switch is torch's global config, so it is
+# turned back on at the first byte written (torch reads it only when it opens the writer), and
+# our saves take it under a lock.
+_TORCH_CRC_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_torch_zip_crc() -> Iterator[Callable[[], None]]:
+    with _TORCH_CRC_LOCK:
+        previous = torch.serialization.get_crc32_options()
+        restored = False
+
+        def restore() -> None:
+            nonlocal restored
+            if not restored:
+                torch.serialization.set_crc32_options(previous)
+                restored = True
+
+        torch.serialization.set_crc32_options(False)
+        try:
+            yield restore
+        finally:
+            restore()
+
+
+@contextlib.contextmanager
+def _open_write(location: Location, *, fsync: bool) -> Iterator[_ChecksumWriter]:
+    if location.is_local:
+        with open(location.path, "wb") as raw:
+            syncer = _BackgroundSync(raw) if fsync and hasattr(os, "fdatasync") else None
+            writer = _ChecksumWriter(raw, syncer=syncer)
+            try:
+                yield writer
+            finally:
+                if syncer is not None:
+                    syncer.finish()  # joins the thread even when the write failed
+            raw.flush()
+            if fsync:
+                os.fsync(raw.fileno())
+    else:
+        with location.fs.open(location.path, "wb") as raw:
+            yield _ChecksumWriter(raw)
+
+
+def write_tensors(location: Location, tree: Any, *, fsync: bool) -> FileRecord:
+    """``torch.save`` ``tree`` to ``location``, checksummed on the way."""
+    with _open_write(location, fsync=fsync) as writer, _without_torch_zip_crc() as restore:
+        writer._on_first_write = restore
+        torch.save(tree, writer)  # type: ignore[arg-type]
+    return writer.record()
+
+
+def write_bytes(location: Location, data: bytes, *, fsync: bool) -> FileRecord:
+    """Write ``data`` to ``location``, checksummed."""
+    with _open_write(location, fsync=fsync) as writer:
+        writer.write(data)
+    return writer.record()
+
+
+def read_verified(location: Location, record: FileRecord, *, checkpoint: str) -> bytes:
+    """The bytes of one checkpoint file, checked against its manifest record.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, has another size or another checksum.
+    """
+    try:
+        data = read_bytes(location)
+    except FileNotFoundError:
+        raise _missing(location, checkpoint) from None
+    _check(location, record, len(data), zlib.crc32(data), checkpoint=checkpoint)
+    return data
+
+
+def verify(location: Location, record: FileRecord, *, checkpoint: str) -> None:
+    """Check one checkpoint file against its record (streamed from a local disk, read whole
+    from elsewhere).
+
+    Raises:
+        CorruptCheckpointError: the file is missing, has another size or another checksum.
+    """
+    if location.is_local:
+        verify_local(location, record, checkpoint=checkpoint)
+    else:
+        read_verified(location, record, checkpoint=checkpoint)
+
+
+def verify_local(location: Location, record: FileRecord, *, checkpoint: str) -> None:
+    """Check a local checkpoint file against its record without holding it in memory.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, has another size or another checksum.
+    """
+    try:
+        size = os.path.getsize(location.path)
+        if size != record.size:
+            _check(location, record, size, 0, checkpoint=checkpoint)
+        crc = 0
+        buffer = bytearray(8 << 20)
+        view = memoryview(buffer)
+        with open(location.path, "rb", buffering=0) as raw:
+            while count := raw.readinto(buffer):
+                crc = zlib.crc32(view[:count], crc)
+    except FileNotFoundError:
+        raise _missing(location, checkpoint) from None
+    _check(location, record, size, crc, checkpoint=checkpoint)
+
+
+def _missing(location: Location, checkpoint: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checkpoint {checkpoint}: its file {location.name} is missing although the "
+        "manifest lists it; the checkpoint was damaged after it was written. Use an older "
+        "checkpoint (latest() and resume_from() skip this one)."
+    )
+
+
+def _check(location: Location, record: FileRecord, size: int, crc: int, *, checkpoint: str) -> None:
+    if size != record.size:
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint}: its file {location.name} has {size} bytes, the "
+            f"manifest says {record.size}: it was truncated or overwritten after the commit. "
+            "Use an older checkpoint (latest() and resume_from() skip this one)."
+        )
+    if f"{crc:08x}" != record.crc32:
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint}: its file {location.name} has CRC32 {crc:08x}, the "
+            f"manifest says {record.crc32}: its bytes were altered after the commit (disk or "
+            "transfer corruption). Use an older checkpoint (latest() and resume_from() skip "
+            "this one)."
+        )
+
+
+def read_bytes(location: Location) -> bytes:
+    """All bytes of a file (``FileNotFoundError`` when there is none)."""
+    data: bytes = location.fs.cat_file(location.path)
+    return data
+
+
+def list_names(directory: Location) -> list[str]:
+    """Names of the entries of ``directory`` (none when it does not exist)."""
+    fs = directory.fs
+    # Object-store filesystems cache listings; another process may have written since.
+    fs.invalidate_cache(directory.path)
+    try:
+        entries = fs.ls(directory.path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+    return [name for name in names if name]
+
+
+def exists(location: Location) -> bool:
+    return bool(location.fs.exists(location.path))
+
+
+def begin(directory: Location, name: str) -> Location:
+    """Create the directory the files of checkpoint ``name`` are written into, and return it.
+
+    Local: a hidden staging directory renamed by :func:`commit`. Elsewhere: the final
+    directory, from which an old manifest of the same name is removed first, so that the old
+    checkpoint is uncommitted before its files are overwritten.
+    """
+    if directory.is_local:
+        staging = directory.child(f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(staging.path)
+        return staging
+    final = directory.child(name)
+    manifest = final.child("manifest.json")
+    if exists(manifest):
+        directory.fs.rm(manifest.path)
+    directory.fs.makedirs(final.path, exist_ok=True)
+    return final
+
+
+def commit(directory: Location, staging: Location, name: str) -> Location:
+    """Make the checkpoint written into ``staging`` visible under ``name``; return it."""
+    final = directory.child(name)
+    if not directory.is_local:
+        return final  # the manifest, written last, was the commit
+    _fsync_dir(staging.path)
+    trash = None
+    if os.path.exists(final.path):
+        # Same name saved again (e.g. at epoch end after the last step of the epoch): the new
+        # one replaces it. Moved aside, not deleted first, so the rename stays the only gap.
+        trash = directory.child(f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final.path, trash.path)
+    os.rename(staging.path, final.path)
+    _fsync_dir(directory.path)
+    if trash is not None:
+        shutil.rmtree(trash.path, ignore_errors=True)
+    return final
+
+
+def remove(location: Location) -> None:
+    """Delete a checkpoint directory so that it is uncommitted before any file goes."""
+    if location.is_local:
+        if not os.path.exists(location.path):
+            return
+        parent = location.path.rsplit("/", 1)[0]
+        trash = f"{parent}/{TRASH_PREFIX}{location.name}-{uuid.uuid4().hex[:8]}"
+        if not location.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
+            os.rename(location.path, trash)  # atomic: the checkpoint disappears at once
+        else:
+            trash = location.path
+        shutil.rmtree(trash, ignore_errors=True)
+        return
+    manifest = location.child("manifest.json")
+    with contextlib.suppress(FileNotFoundError):
+        location.fs.rm(manifest.path)
+    with contextlib.suppress(FileNotFoundError):
+        location.fs.rm(location.path, recursive=True)
+
+
+def _fsync_dir(path: str) -> None:
+    # A rename is durable only once its directory is on disk; not possible on every OS.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

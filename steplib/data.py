@@ -1,0 +1,244 @@
+"""Data loaders whose position and shuffle order are part of a checkpoint.
+
+:func:`resumable_loader` builds a torchdata ``StatefulDataLoader`` with its own seeded
+generator. ``loader.state_dict()`` then says where the current epoch is and how the next ones
+will be shuffled, and a resumed run sees exactly the batches the uninterrupted run would have
+seen, in the same order, across epoch boundaries too.
+
+Why a subclass and not a plain ``StatefulDataLoader``: in torchdata 0.11 a plain one resumes
+the *current* epoch exactly but shuffles the following epochs differently. Its iterator draws
+the epoch's permutation and then a worker base seed from the same generator, and its restore
+rewinds the generator to before the permutation only, so the base-seed draw is lost and every
+later epoch is shuffled from a different generator state. :class:`ResumableLoader` saves the
+generator state itself and sets it back after torchdata's restore. It also reports, through
+``len()``, how many batches the next pass yields, so that a loop that closes the last
+accumulation window on the last batch still finds it after a resume mid-epoch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from steplib.errors import ConfigError, describe
+
+# torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
+# that another version degrades to "position unknown" instead of failing.
+_FINISHED = "_iterator_finished"
+
+
+def _batches_yielded(loader_state: Mapping[str, Any]) -> int | None:
+    """Batches of the current epoch already yielded, from torchdata's state (None: unknown)."""
+    if "_num_yielded" in loader_state:  # no workers
+        return int(loader_state["_num_yielded"])
+    snapshot = loader_state.get("_snapshot")  # workers: the last snapshot plus the steps since
+    if isinstance(snapshot, Mapping) and "_snapshot_step" in snapshot:
+        return int(snapshot["_snapshot_step"]) + int(loader_state.get("_steps_since_snapshot", 0))
+    return None
+
+
+class ResumableLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` that resumes the data order exactly, epochs after the current
+    one included. Build it with :func:`resumable_loader`.
+
+    ``len(loader)`` is the number of batches the next pass yields: the rest of an interrupted
+    epoch right after :meth:`load_state_dict`, a full epoch otherwise.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # torchdata calls the deprecated torch.set_vital in its constructor; the warning is
+        # about torchdata's code, not the caller's, and would fail test suites that turn
+        # warnings into errors.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
+            super().__init__(*args, **kwargs)
+        if self.persistent_workers and self.num_workers > 0:
+            # Persistent workers reuse one iterator across epochs, so an epoch's start (the
+            # generator state the order derives from) cannot be captured.
+            raise ConfigError(
+                "ResumableLoader received persistent_workers=True, whose epochs cannot be "
+                "resumed in the same order. Leave persistent_workers=False."
+            )
+        if self.generator is None:
+            raise ConfigError(
+                "ResumableLoader needs a torch.Generator (generator=...): without one, the "
+                "DataLoader draws seeds from the global torch generator at every epoch and a "
+                "resume would shift dropout. Build it with resumable_loader(dataset, seed=0)."
+            )
+        self._epoch_start_rng: torch.Tensor = self.generator.get_state()
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending_left: int | None = None
+        self.epoch_completed_on_load = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch and the generator states (plain data).
+
+        Returns:
+            ``{"loader": torchdata's state, "generator": the generator now,
+            "epoch_start_generator": the generator before this epoch's iterator drew from it}``.
+        """
+        loader_state = super().state_dict()  # may create the epoch's iterator (and draw)
+        return {
+            "loader": loader_state,
+            "generator": self.generator.get_state(),
+            "epoch_start_generator": self._epoch_start_rng.clone(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from a position returned by :meth:`state_dict`.
+
+        A position at the end of an epoch (every batch yielded, the epoch not yet ended) is
+        resumed at the start of the next epoch; ``epoch_completed_on_load`` is then True, so
+        that the caller can count the epoch as complete.
+
+        Raises:
+            ConfigError: ``state_dict`` was not made by a ``ResumableLoader``.
+        """
+        if not isinstance(state_dict, Mapping) or "loader" not in state_dict:
+            raise ConfigError(
+                f"ResumableLoader.load_state_dict received {describe(state_dict)}, which is not "
+                "a ResumableLoader position (it has no 'loader' key). Save the position with "
+                "the same kind of loader: steplib.data.resumable_loader(...)."
+            )
+        loader_state = state_dict["loader"]
+        yielded = _batches_yielded(loader_state)
+        finished = bool(loader_state.get(_FINISHED, False))
+        full = super().__len__()
+        self.epoch_completed_on_load = yielded is not None and yielded >= full and not finished
+        if self.epoch_completed_on_load or finished:
+            # Nothing is left of that epoch: start the next one from the generator as it was,
+            # which is what a fresh iterator of the uninterrupted run draws from.
+            super().load_state_dict({})
+            self.generator.set_state(state_dict["generator"])
+            self._pending, self._pending_left = None, None
+            return
+        super().load_state_dict(loader_state)
+        self._pending = (state_dict["epoch_start_generator"], state_dict["generator"])
+        self._pending_left = None if yielded is None else full - yielded
+
+    def _get_iterator(self) -> Any:
+        # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
+        if self._pending is None:
+            self._epoch_start_rng = self.generator.get_state()
+            return super()._get_iterator()
+        start, now = self._pending
+        self._pending, self._pending_left = None, None
+        # From the epoch's starting state, the restored iterator draws what the original one
+        # drew (the permutation, then the worker base seed); torchdata then rewinds to replay
+        # the permutation, and the generator is finally set to where the saved run was.
+        self.generator.set_state(start)
+        iterator = super()._get_iterator()
+        self.generator.set_state(now)
+        self._epoch_start_rng = start
+        return iterator
+
+    def __len__(self) -> int:
+        full = super().__len__()
+        return full if self._pending_left is None else self._pending_left
+
+
+def resumable_loader(
+    dataset: Any,
+    *,
+    batch_size: int | None,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    pin_memory: bool = False,
+) -> ResumableLoader:
+    """A data loader over a map-style ``dataset`` whose position belongs in a checkpoint.
+
+    Pass it to ``steplib.checkpoint.save(..., data=loader)`` / ``load(..., data=loader)`` (or
+    the ``checkpoint_every`` / ``resume_from`` handlers): a resumed run then sees the same
+    batches in the same order as an uninterrupted one, mid-epoch and in later epochs.
+
+    Args:
+        dataset: a map-style dataset (``__getitem__`` and ``__len__``).
+        batch_size: samples per batch, an int >= 1; ``None`` when every item of ``dataset``
+            is already a batch (they are then only shuffled, not collated).
+        shuffle: reshuffle every epoch (from the loader's own generator).
+        seed: seed of the loader's generator: the shuffle order and worker seeds derive from it
+            alone, never from the global torch generator.
+        drop_last: drop the last, smaller batch of an epoch.
+        num_workers: worker processes (0 loads in the main process).
+        collate_fn: how samples become a batch (torch's default collation when ``None``).
+        pin_memory: copy batches into pinned memory (faster host-to-GPU copies).
+
+    Returns:
+        A :class:`ResumableLoader`.
+
+    Raises:
+        ConfigError: ``batch_size`` or ``num_workers`` out of range, or ``seed`` not an int.
+
+    Example:
+        >>> import torch
+        >>> loader = resumable_loader(torch.arange(6), batch_size=2, seed=0)
+        >>> it = iter(loader)
+        >>> first = next(it)
+        >>> position = loader.state_dict()
+        >>> resumed = resumable_loader(torch.arange(6), batch_size=2, seed=0)
+        >>> resumed.load_state_dict(position)
+        >>> len(resumed)  # batches left in the interrupted epoch
+        2
+        >>> [b.tolist() for b in resumed] == [b.tolist() for b in it]
+        True
+    """
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        raise ConfigError(
+            f"resumable_loader(batch_size=...) received {describe(batch_size)}; it must be an "
+            "int >= 1 (samples per batch), e.g. batch_size=32, or None when every item of the "
+            "dataset is already a batch."
+        )
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(
+            f"resumable_loader(num_workers=...) received {describe(num_workers)}; it must be an "
+            "int >= 0, e.g. num_workers=0 (load in the main process)."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(
+            f"resumable_loader(seed=...) received {describe(seed)}; pass an int, e.g. seed=0."
+        )
+    return ResumableLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def restore_position(data: Any, position: Any) -> bool:
+    """Load a saved position into ``data`` (anything with ``load_state_dict``).
+
+    Args:
+        data: a :class:`ResumableLoader`, a ``StatefulDataLoader`` or any object with
+            ``state_dict`` / ``load_state_dict``.
+        position: what ``data.state_dict()`` returned when the checkpoint was taken.
+
+    Returns:
+        Whether that position was the end of an epoch that the loop had not yet counted (every
+        batch yielded, the pass not yet ended): the caller should then count the epoch as done.
+    """
+    data.load_state_dict(position)
+    if isinstance(data, ResumableLoader):
+        return data.epoch_completed_on_load
+    if isinstance(data, StatefulDataLoader) and isinstance(position, Mapping):
+        yielded = _batches_yielded(position)
+        if yielded is not None and yielded >= len(data) and not position.get(_FINISHED, False):
+            # A plain StatefulDataLoader would yield an empty first pass here; run it now, so
+            # that the next pass is the next epoch.
+            for _ in data:
+                pass
+            return True
+    return False

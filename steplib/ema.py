@@ -1,0 +1,164 @@
+"""An exponential moving average (EMA) of the weights, updated only when the optimizer updated.
+
+:class:`EMA` is an object the user holds, not a field of the ``TrainState``: the averaged copy
+is a model's worth of tensors that changes in place every update, which is what a
+``TrainState``'s frozen fields are not for, and the checkpoint keeps ``state.extras`` to plain
+values. It has ``state_dict`` / ``load_state_dict``, so it is saved with a checkpoint as a named
+extra object::
+
+    ema = EMA(model, decay=0.999)
+    ema.attach(events)                                   # updates on every step_end
+    checkpoint_every(..., extras={"ema": ema})           # saved and restored with the run
+    evaluate(eval_step, ema.module, val_data, metrics=m) # evaluate the averaged weights
+    Evaluator(..., model=ema.module)                     # or during training
+
+The update runs on the device without reading whether the update was applied: the weight of
+the new parameters is ``(1 - decay) * did_update``, so a skipped update (non-finite gradients)
+leaves the average unchanged, and no host sync is needed.
+
+Imports ``events`` and ``errors`` only.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from steplib.errors import ConfigError, describe
+from steplib.events import Event, Events
+
+
+class EMA:
+    """``average = average + (1 - d) * (param - average)`` after each applied update.
+
+    Floating-point buffers (batch-norm statistics) are copied from the model, not averaged;
+    other buffers too.
+
+    Args:
+        model: the trained module (a DDP/FSDP wrapper: pass the inner module).
+        decay: the weight of the old average, in [0, 1).
+        warmup: use ``d = min(decay, (1 + n) / (10 + n))`` after ``n`` applied updates, so the
+            average does not stay near the initial weights for thousands of updates.
+        device: where to keep the average (``None``: with the model; ``"cpu"`` saves GPU memory
+            at the cost of a copy per update).
+
+    Raises:
+        ConfigError: ``model`` not a module, ``decay`` not in [0, 1).
+
+    Example:
+        >>> model = torch.nn.Linear(1, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> ema = EMA(model, decay=0.5)
+        >>> _ = model.weight.data.fill_(1.0)
+        >>> ema.update(did_update=torch.tensor(True))
+        >>> ema.update(did_update=torch.tensor(False))   # a skipped update changes nothing
+        >>> ema.module.weight.item(), ema.updates
+        (0.5, 1)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        decay: float = 0.999,
+        warmup: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"EMA(model) received {describe(model)}; pass the module being trained, e.g. "
+                "EMA(model, decay=0.999)."
+            )
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
+            raise ConfigError(
+                f"EMA(decay=...) received {describe(decay)}; it must be a number in [0, 1), "
+                "the weight kept by the old average each update, e.g. decay=0.999."
+            )
+        self.model = model
+        self.decay = float(decay)
+        self.warmup = warmup
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        if device is not None:
+            self.module.to(device)
+        self._averaged: list[torch.Tensor] = list(self.module.parameters())
+        self._count = torch.zeros((), device=self._averaged[0].device if self._averaged else None)
+        self._last: Any = None
+
+    @property
+    def updates(self) -> int:
+        """Applied updates averaged so far (reading it is a host sync)."""
+        return int(self._count.item())
+
+    def attach(self, events: Events) -> Events:
+        """Register :meth:`on_step_end` on every ``step_end``.
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        return events.on("step_end", self.on_step_end)
+
+    def on_step_end(self, event: Event) -> None:
+        """Average if this update was applied (``event.output.did_update``)."""
+        out = event.output
+        if out is None or out is self._last:
+            return
+        self._last = out
+        self.update(did_update=out.did_update)
+
+    @torch.no_grad()
+    def update(self, *, did_update: torch.Tensor | bool = True) -> None:
+        """Move the average towards the model's current weights (device ops only).
+
+        Args:
+            did_update: whether the optimizer applied an update; a tensor is used as is (no
+                host read), so a skipped update is a multiply by zero.
+        """
+        params = list(self.model.parameters())
+        if len(params) != len(self._averaged):
+            raise ConfigError(
+                f"EMA: the model has {len(params)} parameters now, the average "
+                f"{len(self._averaged)}; the model changed after EMA(model) was built. Build "
+                "the EMA after the model is final (after wrapping or freezing)."
+            )
+        applied = torch.as_tensor(did_update).to(self._count.device, torch.float32)
+        self._count += applied
+        decay: torch.Tensor | float = self.decay
+        if self.warmup:
+            decay = torch.clamp((1 + self._count) / (10 + self._count), max=self.decay)
+        weight = (1 - decay) * applied
+        averaged = self._averaged
+        current = [p.detach().to(a.device) for p, a in zip(params, averaged, strict=True)]
+        step = list(torch._foreach_sub(current, averaged))
+        torch._foreach_mul_(step, weight)
+        torch._foreach_add_(averaged, step)
+        for mine, theirs in zip(self.module.buffers(), self.model.buffers(), strict=True):
+            mine.copy_(theirs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averaged weights, the decay and the update count (for a checkpoint's extras)."""
+        return {
+            "module": self.module.state_dict(),
+            "decay": self.decay,
+            "warmup": self.warmup,
+            "count": self._count.clone(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ConfigError: the saved decay or warmup differs from this EMA's (a resumed run
+                would average differently).
+        """
+        if state["decay"] != self.decay or state["warmup"] != self.warmup:
+            raise ConfigError(
+                f"EMA.load_state_dict: the saved EMA has decay={state['decay']}, "
+                f"warmup={state['warmup']}; this one decay={self.decay}, warmup={self.warmup}. "
+                "Build the EMA with the saved settings to resume it."
+            )
+        self.module.load_state_dict(state["module"])
+        self._count.copy_(state["count"])

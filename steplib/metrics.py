@@ -1,0 +1,147 @@
+"""Training metrics kept on the device: running means of the loss and the aux tensors.
+
+A step's outputs are tensors where they were computed; reading one is a host sync. So
+:class:`TrainMetrics` only adds them up as tensors on every update, and reads them (one host
+transfer) when a logger asks, every N updates::
+
+    train = TrainMetrics()
+    train.attach(events)                              # device adds on every step_end
+    events.on("step_end", Log(jsonl, sources=[train.read]), every=50)
+
+The loss mean is token-weighted (sum of loss sums / sum of targets over the interval), the
+same normalisation the step uses, and leaves out updates that were skipped as non-finite. An
+aux value is averaged over the updates that reported it. With a process group, the aux sums
+are all-reduced at read time (the loss and target counts of a step are already global).
+
+For evaluation metrics use torchmetrics (:func:`steplib.evaluation.evaluate`).
+
+Imports ``events`` only (handlers never import ``loop`` or ``step``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from steplib.events import Event, Events
+
+# Names a record already uses; an aux value with one of these names is written as "aux.<name>".
+_RESERVED = ("loss", "num_targets", "updates", "skipped", "lr", "step", "epoch", "micro_step")
+
+
+class TrainMetrics:
+    """Running means of the training loss and aux tensors, summed on the device.
+
+    Args:
+        aux: which aux names to average (``None``: all that the loss function returns).
+            A non-scalar aux tensor is averaged over its elements first.
+
+    Example:
+        >>> import torch
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> step = make_train_step(lambda m, b: (m(b).pow(2).sum(), 4, {"n": torch.tensor(2.0)}))
+        >>> train = TrainMetrics()
+        >>> state = run(step, state, [torch.zeros(4, 2)] * 3, events=train.attach(Events()))
+        >>> values = train.read(None)
+        >>> sorted(values), values["updates"], values["num_targets"], values["n"]
+        (['loss', 'lr', 'n', 'num_targets', 'updates'], 3, 12, 2.0)
+    """
+
+    def __init__(self, *, aux: list[str] | tuple[str, ...] | None = None) -> None:
+        self.aux = None if aux is None else tuple(aux)
+        self._last: Any = None
+        self.reset()
+
+    def attach(self, events: Events) -> Events:
+        """Register :meth:`update` on every ``step_end``.
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        return events.on("step_end", self.update)
+
+    def reset(self) -> None:
+        """Forget the sums (a read resets them too)."""
+        self._loss: torch.Tensor | None = None  # sum of loss * targets, non-skipped updates
+        self._targets: torch.Tensor | None = None  # sum of targets, non-skipped updates
+        self._skipped: torch.Tensor | None = None  # skipped updates
+        self._aux: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (sum, count)
+        self._lr: torch.Tensor | None = None
+        self._updates = 0
+
+    def update(self, event: Event) -> None:
+        """Add one update's loss, targets and aux values (device ops only, no host read)."""
+        out = event.output
+        if out is None or out is self._last:  # read() may already have added this one
+            return
+        self._last = out
+        loss = out.loss.detach().float()
+        targets = out.num_targets.to(loss.device, torch.float32)
+        skipped = out.skipped.to(loss.device)
+        # where(), not a product: a skipped update's loss may be NaN, and NaN * 0 is NaN.
+        weighted = torch.where(skipped, 0.0, loss * targets)
+        targets = torch.where(skipped, 0.0, targets)
+        if self._loss is None or self._targets is None or self._skipped is None:
+            self._loss, self._targets, self._skipped = weighted, targets, skipped.float()
+        else:
+            self._loss = self._loss + weighted
+            self._targets = self._targets + targets
+            self._skipped = self._skipped + skipped
+        for name, value in out.aux.items():
+            if self.aux is not None and name not in self.aux:
+                continue
+            value = value.detach().float().mean()
+            total, count = self._aux.get(name, (None, 0))
+            self._aux[name] = (value if total is None else total + value, count + 1)
+        self._lr = out.lr
+        self._updates += 1
+
+    def read(self, event: Event | None) -> dict[str, Any]:
+        """The means since the last read, then reset: one host transfer (and, with a process
+        group, one all-reduce of the aux sums, so every rank must call it).
+
+        Args:
+            event: the event being logged; its output is added first if :meth:`update` has not
+                seen it (so the order of registration does not matter). ``None`` reads as is.
+
+        Returns:
+            ``loss`` (token-weighted mean over the non-skipped updates; NaN if all were
+            skipped), ``num_targets`` (sum), ``updates``, ``skipped`` (when any), ``lr`` (of the
+            latest update), and the mean of each aux value. Empty when nothing was added.
+        """
+        if event is not None:
+            self.update(event)
+        if self._loss is None or self._targets is None or self._skipped is None:
+            return {}
+        names = list(self._aux)
+        aux = [self._aux[name][0] for name in names]
+        counts = [float(self._aux[name][1]) for name in names]
+        device = self._loss.device
+        sums = torch.stack([self._loss, self._targets, self._skipped, *aux])
+        if names and dist.is_available() and dist.is_initialized():
+            # Aux values are per rank; the loss and targets a step reports are already summed
+            # over ranks, so they are not reduced again.
+            local = torch.cat([sums[3:], torch.tensor(counts, device=device)])
+            dist.all_reduce(local)
+            sums = torch.cat([sums[:3], local[: len(names)]])
+            counts = local[len(names) :].tolist()
+        values = sums.tolist()  # the one host read of the interval
+        lr = self._lr.item() if self._lr is not None else None
+        loss_sum, targets, skipped = values[:3]
+        record: dict[str, Any] = {
+            "loss": loss_sum / targets if targets > 0 else float("nan"),
+            "num_targets": int(targets) if float(targets).is_integer() else targets,
+            "updates": self._updates,
+            "lr": lr,
+        }
+        if skipped:
+            record["skipped"] = int(skipped)
+        for name, total, count in zip(names, values[3:], counts, strict=True):
+            record[f"aux.{name}" if name in _RESERVED else name] = total / count
+        self.reset()
+        return record

@@ -1,0 +1,256 @@
+"""Throughput: updates/s, samples/s, tokens/s, achieved FLOP/s and MFU, as a log source.
+
+FLOPs are counted once, before training, with ``torch.utils.flop_counter.FlopCounterMode``:
+:func:`flops_per_batch` runs one forward and backward of the loss function on the *meta* device
+(no memory, no compute, no RNG draw, no change to the model), and :func:`count_flops` counts any
+function you give it. MFU (model FLOPs utilisation) is the achieved FLOP/s over a peak FLOP/s
+that *you* give: steplib does not guess hardware peaks (they depend on the dtype, sparsity,
+clocks and the exact SKU). Look yours up in the vendor's data sheet, e.g. dense bf16 tensor-core
+peak of one GPU.
+
+:class:`Throughput` adds the tokens of each update on the device and reads them once per log
+interval, so it costs no host sync per step::
+
+    flops = flops_per_batch(model, batch, loss_fn=loss_fn) * accumulation
+    speed = Throughput(samples_per_step=batch_size * accumulation, flops_per_step=flops,
+                       peak_flops=989e12)
+    speed.attach(events)
+    events.on("step_end", Log(jsonl, sources=[train.read, speed.read]), every=50)
+
+Imports ``events`` and ``errors`` only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+
+from steplib import _checks
+from steplib.errors import ConfigError, describe
+from steplib.events import Event, Events
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """The FLOPs of the matrix multiplications and convolutions run by ``fn()`` (torch's
+    ``FlopCounterMode``: elementwise operations are not counted, as in the MFU literature).
+
+    ``fn`` runs for real: a training step there changes the model. Prefer
+    :func:`flops_per_batch`, which counts on the meta device.
+
+    Example:
+        >>> a, b = torch.ones(8, 16), torch.ones(16, 4)
+        >>> count_flops(lambda: a @ b)
+        1024
+    """
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+class _LossModule(nn.Module):
+    """``loss_fn(model, batch)`` as a module, so ``functional_call`` can swap its parameters."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> Any:
+        return self.loss_fn(self.model, batch)
+
+
+def flops_per_batch(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Callable[[nn.Module, Any], Any],
+    backward: bool = True,
+) -> int:
+    """The FLOPs of one forward (and backward) of ``loss_fn(model, batch)`` on one micro-batch.
+
+    Counted on the meta device: parameters, buffers and the batch's tensors are replaced by
+    meta tensors of the same shapes, so nothing is computed, allocated, drawn from the RNG or
+    changed in ``model``. Multiply by the micro-batches per update (``accumulate``) to get the
+    FLOPs of one update of one process.
+
+    Args:
+        model: the model (in the mode it trains in).
+        batch: one micro-batch as ``loss_fn`` takes it (tensors in tuples, lists, dicts).
+        loss_fn: the training loss function; its first returned value (or itself) is the loss.
+        backward: count the backward pass too.
+
+    Returns:
+        The FLOP count.
+
+    Raises:
+        ConfigError: ``loss_fn`` cannot run on meta tensors (e.g. it calls ``.item()``); the
+            message says how to count on real tensors instead.
+
+    Example:
+        >>> model = torch.nn.Linear(16, 4)
+        >>> def loss_fn(model, batch):
+        ...     return model(batch).pow(2).mean()
+        >>> flops_per_batch(model, torch.ones(8, 16), loss_fn=loss_fn)   # 2*8*16*4 * (1 + 1)
+        2048
+    """
+    if not isinstance(model, nn.Module) or not callable(loss_fn):
+        raise ConfigError(
+            f"flops_per_batch received model={describe(model)}, loss_fn={describe(loss_fn)}; "
+            "pass the nn.Module and the loss_fn(model, batch) you train with."
+        )
+    wrapper = _LossModule(model, loss_fn)
+    tensors = {
+        name: torch.empty_like(t, device="meta").requires_grad_(t.requires_grad)
+        for name, t in wrapper.named_parameters()
+    }
+    tensors.update(
+        {name: torch.empty_like(t, device="meta") for name, t in wrapper.named_buffers()}
+    )
+    try:
+        with FlopCounterMode(display=False) as counter:
+            out = functional_call(wrapper, tensors, (_to_meta(batch),))
+            loss = out[0] if isinstance(out, tuple | list) else out
+            if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+    except Exception as error:
+        raise ConfigError(
+            f"flops_per_batch could not run loss_fn on the meta device: {error!r}. A loss_fn "
+            "that reads values (.item(), a data-dependent shape) cannot; count on real tensors "
+            "instead, on a copy of the model: count_flops(lambda: loss_fn(copy, batch)[0]"
+            ".backward())."
+        ) from error
+    return int(counter.get_total_flops())
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, tuple | list):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+class Throughput:
+    """A log source of the speed since its last read.
+
+    Args:
+        samples_per_step: samples per optimizer update (e.g. ``batch_size * accumulation``,
+            times the world size for a global rate), for ``samples_per_s``.
+        tokens: ``tokens(output) -> count`` per update (a tensor stays on the device); the
+            default is ``output.num_targets`` (the window's targets, summed over ranks).
+        flops_per_step: FLOPs of one update of one process (see :func:`flops_per_batch`), for
+            ``flops_per_s``.
+        peak_flops: the peak FLOP/s of one device, for ``mfu`` (needs ``flops_per_step``).
+        clock: the time source (``time.perf_counter``); tests pass a fake one.
+
+    Raises:
+        ConfigError: a count that is not a positive number, ``tokens`` not callable,
+            ``peak_flops`` without ``flops_per_step``.
+
+    Example:
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> step = make_train_step(lambda m, b: (m(b).pow(2).sum(), 4))
+        >>> speed = Throughput(samples_per_step=4, flops_per_step=100, peak_flops=1e3)
+        >>> state = run(step, state, [torch.ones(4, 2)] * 3, events=speed.attach(Events()))
+        >>> sorted(speed.read(None))
+        ['flops_per_s', 'mfu', 'samples_per_s', 'steps_per_s', 'tokens_per_s']
+    """
+
+    def __init__(
+        self,
+        *,
+        samples_per_step: int | None = None,
+        tokens: Callable[[Any], Any] | None = None,
+        flops_per_step: float | None = None,
+        peak_flops: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        _checks.optional_positive_int("Throughput", "samples_per_step", samples_per_step)
+        for label, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
+            if value is not None and not _checks.non_negative("Throughput", label, value) > 0:
+                raise ConfigError(f"Throughput({label}=0) must be > 0 (or None).")
+        if tokens is not None and not callable(tokens):
+            raise ConfigError(
+                f"Throughput(tokens=...) received {describe(tokens)}; pass a function of the "
+                "StepOutput, e.g. tokens=lambda out: out.aux['tokens'], or None for num_targets."
+            )
+        if peak_flops is not None and flops_per_step is None:
+            raise ConfigError(
+                "Throughput(peak_flops=...) needs flops_per_step to compute MFU. Count it: "
+                "flops_per_step=flops_per_batch(model, batch, loss_fn=loss_fn) * accumulation."
+            )
+        self.samples_per_step = samples_per_step
+        self.tokens = tokens if tokens is not None else _num_targets
+        self.flops_per_step = flops_per_step
+        self.peak_flops = peak_flops
+        self._clock = clock
+        self.stats: dict[str, float] = {}
+        # The last output counted: read() counts the event's own output if update() has not,
+        # so the order of registration does not matter, and nothing is counted twice.
+        self._last: Any = None
+        self._start()
+
+    def _start(self) -> None:
+        self._since = self._clock()
+        self._steps = 0
+        self._tokens: Any = 0
+
+    def attach(self, events: Events) -> Events:
+        """Register on ``fit_start`` (start the clock) and every ``step_end`` (count).
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        events.on("fit_start", lambda event: self._start())
+        return events.on("step_end", self.update)
+
+    def update(self, event: Event) -> None:
+        """Count one update and add its tokens (a device add, no host read)."""
+        out = event.output
+        if out is None or out is self._last:
+            return
+        self._last = out
+        self._steps += 1
+        self._tokens = self._tokens + self.tokens(out)
+
+    def read(self, event: Event | None) -> dict[str, float]:
+        """The rates since the last read (one host read of the token sum); restarts the clock.
+
+        Returns:
+            ``steps_per_s``, ``tokens_per_s`` and, when configured, ``samples_per_s``,
+            ``flops_per_s`` and ``mfu`` (a fraction of ``peak_flops``). Empty before any update.
+        """
+        if event is not None:
+            self.update(event)
+        if self._steps == 0:
+            return {}
+        tokens = self._tokens
+        tokens = float(tokens.item() if isinstance(tokens, torch.Tensor) else tokens)
+        # Timed after the read: on a GPU the interval then covers work that has finished.
+        elapsed = max(self._clock() - self._since, 1e-9)
+        steps_per_s = self._steps / elapsed
+        stats = {"steps_per_s": steps_per_s, "tokens_per_s": tokens / elapsed}
+        if self.samples_per_step is not None:
+            stats["samples_per_s"] = self.samples_per_step * steps_per_s
+        if self.flops_per_step is not None:
+            stats["flops_per_s"] = self.flops_per_step * steps_per_s
+            if self.peak_flops is not None:
+                stats["mfu"] = stats["flops_per_s"] / self.peak_flops
+        self._start()
+        self.stats = stats
+        return stats
+
+
+def _num_targets(out: Any) -> Any:
+    return out.num_targets

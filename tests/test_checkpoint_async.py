@@ -1,0 +1,134 @@
+"""Async save: the background checkpoint equals a sync one taken at the same step, training
+during the write is not corrupted, a second save waits, and errors surface later, never lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import orjson
+import pytest
+
+from steplib import Events, make_train_step, run
+from steplib.checkpoint import (
+    AsyncSaver,
+    CheckpointError,
+    checkpoint_every,
+    latest,
+    list_checkpoints,
+    load,
+    save,
+)
+from steplib.checkpoint import storage as storage_module
+from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
+from tests.reference import make_batches, mean_loss
+
+__all__ = ["memory_dir"]
+
+
+def _files(url: str) -> dict[str, Any]:
+    """The manifest's file table: size and CRC32 of every file."""
+    body = orjson.loads(fsspec.open(f"{url}/manifest.json").open().read())
+    files: dict[str, Any] = body["files"]
+    return files
+
+
+@pytest.fixture
+def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The first write of each checkpoint file stalls 100 ms (the event is set then)."""
+    started = threading.Event()
+    write = storage_module._ChecksumWriter.write
+
+    def slow_write(self: Any, data: Any) -> int:
+        if self.size == 0:
+            started.set()
+            time.sleep(0.1)
+        return write(self, data)
+
+    monkeypatch.setattr(storage_module._ChecksumWriter, "write", slow_write)
+    return started
+
+
+def test_async_checkpoint_equals_a_sync_one_at_the_same_step(tmp_path: Path) -> None:
+    state = train(make_state(), n=3)
+    sync_url = save(state, str(tmp_path / "sync"))
+    with AsyncSaver() as saver:
+        async_url = saver.save(state, str(tmp_path / "async"))
+    # Byte for byte: same sizes and checksums of every file (the RNG states included).
+    assert _files(async_url) == _files(sync_url)
+
+
+def test_training_during_the_write_is_not_corrupted(
+    memory_dir: str, slow_disk: threading.Event
+) -> None:
+    step = make_train_step(mean_loss)
+    state = train(make_state(dropout=0.2), step, n=3)
+    at_save = snapshot(state)
+    untouched = train(train(make_state(dropout=0.2), step, n=3), step, n=4, seed=5)
+    reference = snapshot(untouched)
+
+    state = train(make_state(dropout=0.2), step, n=3)
+    saver = AsyncSaver()
+    url = saver.save(state, memory_dir)
+    assert slow_disk.wait(5)
+    state = train(state, step, n=4, seed=5)  # the parameters change under the writer
+    assert saver.pending  # ... and the write really was still going on
+    saver.close()
+
+    assert_same(snapshot(load(url, make_state(seed=3, dropout=0.2))), at_save)
+    # Training itself was not disturbed by the snapshot or the writer (the RNG either: dropout).
+    state = train(make_state(dropout=0.2), step, n=3)
+    with AsyncSaver() as saver:
+        saver.save(state, f"{memory_dir}/again")
+        state = train(state, step, n=4, seed=5)
+    assert_same(snapshot(state)["model"], reference["model"])
+
+
+def test_a_second_save_waits_for_the_first(memory_dir: str, slow_disk: threading.Event) -> None:
+    state = make_state()
+    with AsyncSaver() as saver:
+        first = saver.save(state, memory_dir)
+        saver.save(state.replace(step=1), memory_dir)
+        # The first is committed by the time the second call returned.
+        assert [c.url for c in list_checkpoints(memory_dir)][:1] == [first]
+    assert len(list_checkpoints(memory_dir)) == 2
+
+
+def test_background_error_surfaces_at_the_next_save_and_is_not_lost(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    state = make_state()
+    saver = AsyncSaver()
+    saver.save(state, str(blocker / "ckpt"))  # fails in the background
+    with pytest.raises(CheckpointError, match=r"could not write .*a-file/ckpt/step-00000000"):
+        saver.save(state, str(tmp_path / "good"))
+    assert latest(str(tmp_path / "good")) is None  # that call raised before saving
+    url = saver.save(state, str(tmp_path / "good"))  # the error was reported once
+    saver.close()
+    assert latest(str(tmp_path / "good")) == url
+
+
+def test_background_error_surfaces_at_the_end_of_the_run(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    step = make_train_step(mean_loss)
+    events = checkpoint_every(str(blocker / "ckpt"), every=2, background=True).attach(Events())
+    with pytest.raises(CheckpointError, match=r"could not write"):
+        run(step, make_state(), make_batches(3), events=events)
+
+
+def test_background_checkpoint_every_writes_what_a_sync_one_writes(tmp_path: Path) -> None:
+    step = make_train_step(mean_loss)
+    found = {}
+    for mode in ("sync", "background"):
+        directory = str(tmp_path / mode)
+        events = checkpoint_every(
+            directory, every=2, keep_last=2, background=mode == "background", metrics=lambda e: {}
+        ).attach(Events())
+        run(step, make_state(dropout=0.2), make_batches(5), events=events)
+        found[mode] = [(c.name, _files(c.url)) for c in list_checkpoints(directory)]
+    assert [name for name, _ in found["sync"]] == ["step-00000004", "step-00000005"]
+    assert found["background"] == found["sync"]

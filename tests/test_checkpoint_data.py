@@ -1,0 +1,110 @@
+"""``steplib.data``: the data position and shuffle order belong to a checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from steplib import ConfigError
+from steplib.data import ResumableLoader, restore_position, resumable_loader
+
+DATA = torch.arange(10)  # batches of 3: [3, 3, 3, 1] per epoch
+
+
+def _epochs(loader: ResumableLoader, n: int) -> list[list[list[int]]]:
+    return [[b.tolist() for b in loader] for _ in range(n)]
+
+
+def test_len_is_the_batches_of_the_next_pass() -> None:
+    loader = resumable_loader(DATA, batch_size=3, seed=1)
+    assert len(loader) == 4
+    iterator = iter(loader)
+    next(iterator)
+    resumed = resumable_loader(DATA, batch_size=3, seed=1)
+    resumed.load_state_dict(loader.state_dict())
+    assert len(resumed) == 3  # the rest of the interrupted epoch ...
+    assert len(list(resumed)) == 3
+    assert len(resumed) == 4  # ... then full epochs
+
+
+def test_each_seed_shuffles_differently_and_epochs_differ() -> None:
+    first = _epochs(resumable_loader(DATA, batch_size=3, seed=1), 2)
+    assert first[0] != first[1]
+    assert first != _epochs(resumable_loader(DATA, batch_size=3, seed=2), 2)
+    assert first == _epochs(resumable_loader(DATA, batch_size=3, seed=1), 2)
+
+
+def test_global_torch_generator_is_never_drawn_from() -> None:
+    # A loader that drew from it would shift dropout masks between a run and its resume.
+    torch.manual_seed(0)
+    want = torch.rand(1)
+    torch.manual_seed(0)
+    loader = resumable_loader(DATA, batch_size=3, seed=1)
+    _epochs(loader, 2)
+    loader.state_dict()
+    assert torch.equal(torch.rand(1), want)
+
+
+@pytest.mark.slow
+def test_worker_processes_resume_the_same_order() -> None:
+    want = _epochs(resumable_loader(DATA, batch_size=3, seed=4, num_workers=2), 2)
+    loader = resumable_loader(DATA, batch_size=3, seed=4, num_workers=2)
+    iterator = iter(loader)
+    seen = [next(iterator).tolist() for _ in range(2)]
+    position = loader.state_dict()
+    del iterator
+    resumed = resumable_loader(DATA, batch_size=3, seed=4, num_workers=2)
+    resumed.load_state_dict(position)
+    assert len(resumed) == 2
+    assert [seen + [b.tolist() for b in resumed], [b.tolist() for b in resumed]] == want
+
+
+def test_end_of_epoch_position_starts_the_next_epoch() -> None:
+    loader = resumable_loader(DATA, batch_size=3, seed=1)
+    want = _epochs(resumable_loader(DATA, batch_size=3, seed=1), 2)
+    iterator = iter(loader)
+    for _ in range(4):
+        next(iterator)
+    resumed = resumable_loader(DATA, batch_size=3, seed=1)
+    assert restore_position(resumed, loader.state_dict()) is True
+    assert [b.tolist() for b in resumed] == want[1]  # no empty pass first
+    # After the pass really ended (StopIteration seen), the epoch was counted by the caller.
+    assert next(iterator, None) is None
+    again = resumable_loader(DATA, batch_size=3, seed=1)
+    assert restore_position(again, loader.state_dict()) is False
+    assert [b.tolist() for b in again] == want[1]
+
+
+# torchdata's own constructor calls the deprecated torch.set_vital (ResumableLoader hides it).
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_plain_stateful_dataloader_at_the_end_of_an_epoch_does_not_yield_an_empty_pass() -> None:
+    def plain() -> StatefulDataLoader:
+        return StatefulDataLoader(DATA, batch_size=3, generator=torch.Generator().manual_seed(0))
+
+    loader = plain()
+    list(zip(range(4), loader, strict=False))  # all 4 batches, the pass not ended
+    resumed = plain()
+    assert restore_position(resumed, loader.state_dict()) is True
+    assert len(list(resumed)) == 4
+
+
+def test_a_position_of_another_kind_is_refused() -> None:
+    with pytest.raises(ConfigError, match="not a ResumableLoader position"):
+        resumable_loader(DATA, batch_size=3).load_state_dict({"_num_yielded": 1})
+
+
+def test_a_loader_without_its_own_generator_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"needs a torch\.Generator"):
+        ResumableLoader(DATA, batch_size=3, shuffle=True)
+
+
+def test_persistent_workers_are_refused() -> None:
+    with pytest.raises(ConfigError, match="persistent_workers=True"):
+        ResumableLoader(
+            DATA,
+            batch_size=3,
+            num_workers=1,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(0),
+        )

@@ -1,0 +1,156 @@
+"""EMA: equals a hand-computed average, skips updates that were not applied, copies buffers,
+evaluates, and is saved and restored with a checkpoint."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from steplib import (
+    ConfigError,
+    Events,
+    TrainState,
+    accumulate,
+    make_train_step,
+    run,
+    skip_nonfinite,
+)
+from steplib.checkpoint import load, save
+from steplib.ema import EMA
+from steplib.evaluation import evaluate, make_eval_step
+
+
+def _setup(n: int = 8, *, nan_at: int | None = None, batch_norm: bool = False):
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(4, 6)]
+    if batch_norm:
+        layers.append(torch.nn.BatchNorm1d(6))
+    layers += [torch.nn.Tanh(), torch.nn.Linear(6, 3)]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    state = TrainState.create(model=model, optimizer=opt)
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(n):
+        x = torch.randn(5, 4, generator=gen)
+        if i == nan_at:
+            x[0, 0] = float("nan")
+        batches.append((x, torch.randint(0, 3, (5,), generator=gen)))
+    return state, batches
+
+
+def _loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum"), y.numel()
+
+
+def _by_hand(state, step, batches, decay: float):
+    """Train with a handler that keeps its own EMA with the textbook formula."""
+    average = [p.detach().clone() for p in state.model.parameters()]
+    applied: list[bool] = []
+
+    def track(event) -> None:
+        did = bool(event.output.did_update)
+        applied.append(did)
+        if did:
+            for a, p in zip(average, state.model.parameters(), strict=True):
+                a.copy_(decay * a + (1 - decay) * p.detach())
+
+    return average, applied, Events().on("step_end", track)
+
+
+def test_ema_equals_the_hand_computed_average() -> None:
+    state, batches = _setup(8)
+    ema = EMA(state.model, decay=0.8)
+    step = accumulate(make_train_step(_loss_fn), 2)
+    average, applied, events = _by_hand(state, step, batches, 0.8)
+    ema.attach(events)
+    run(step, state, batches, events=events)
+    assert applied == [True] * 4 and ema.updates == 4
+    for mine, theirs in zip(ema.module.parameters(), average, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+    # ...and differs from the live weights (it is an average, not a copy).
+    assert not torch.allclose(next(ema.module.parameters()), next(state.model.parameters()))
+
+
+def test_ema_is_unchanged_by_a_skipped_update() -> None:
+    state, batches = _setup(6, nan_at=3)
+    ema = EMA(state.model, decay=0.5)
+    step = skip_nonfinite(make_train_step(_loss_fn))
+    snapshots: list[list[torch.Tensor]] = []
+    average, applied, events = _by_hand(state, step, batches, 0.5)
+    ema.attach(events)
+    events.on("step_end", lambda e: snapshots.append([p.clone() for p in ema.module.parameters()]))
+    final = run(step, state, batches, events=events)
+
+    assert applied == [True, True, True, False, True, True] and final.skipped_updates == 1
+    assert ema.updates == 5
+    for before, after in zip(snapshots[2], snapshots[3], strict=True):
+        assert torch.equal(before, after)  # the skipped update left the average as it was
+    for mine, theirs in zip(ema.module.parameters(), average, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_warmup_uses_the_smaller_decay_early_on() -> None:
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    ema = EMA(model, decay=0.99, warmup=True)
+    model.weight.data.fill_(1.0)
+    ema.update()
+    # n = 1 after the first update: d = min(0.99, 2 / 11)
+    assert ema.module.state_dict()["weight"].item() == pytest.approx(1 - 2 / 11)
+
+
+def test_buffers_are_copied_and_the_average_evaluates() -> None:
+    state, batches = _setup(4, batch_norm=True)
+    ema = EMA(state.model, decay=0.5)
+    run(make_train_step(_loss_fn), state, batches, events=ema.attach(Events()))
+    mine, theirs = ema.module.state_dict(), state.model.state_dict()
+    assert torch.equal(mine["1.running_mean"], theirs["1.running_mean"])
+    assert not ema.module.training and state.model.training
+
+    eval_step = make_eval_step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"))
+    on_ema = evaluate(eval_step, ema.module, batches, metrics=MeanMetric())
+    on_model = evaluate(eval_step, state, batches, metrics=MeanMetric())
+    loaded = copy.deepcopy(state.model)
+    loaded.load_state_dict(ema.module.state_dict())
+    assert on_ema == evaluate(eval_step, loaded, batches, metrics=MeanMetric())
+    assert on_ema != on_model
+
+
+def test_ema_is_saved_and_restored_with_a_checkpoint(tmp_path: Path) -> None:
+    state, batches = _setup(4)
+    ema = EMA(state.model, decay=0.7)
+    state = run(make_train_step(_loss_fn), state, batches, events=ema.attach(Events()))
+    url = save(state, str(tmp_path / "ckpt"), extras={"ema": ema})
+
+    fresh_state, _ = _setup(4)
+    fresh = EMA(fresh_state.model, decay=0.7)
+    load(url, fresh_state, extras={"ema": fresh})
+    assert fresh.updates == 4
+    for a, b in zip(fresh.module.parameters(), ema.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    with pytest.raises(ConfigError, match=r"decay=0\.7"):
+        EMA(fresh_state.model, decay=0.9).load_state_dict(ema.state_dict())
+
+
+@pytest.mark.parametrize("decay", [1.0, -0.1, 2, True, "0.9"])
+def test_bad_decay_is_a_config_error(decay) -> None:
+    with pytest.raises(ConfigError, match="decay"):
+        EMA(torch.nn.Linear(1, 1), decay=decay)
+
+
+def test_not_a_module_and_a_changed_model_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="module"):
+        EMA("model")  # type: ignore[arg-type]
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    ema = EMA(model)
+    model.append(torch.nn.Linear(1, 1))
+    with pytest.raises(ConfigError, match="changed after EMA"):
+        ema.update()

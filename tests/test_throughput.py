@@ -1,0 +1,145 @@
+"""Throughput: FLOPs counted on the meta device equal a real count and change nothing; the
+rates equal counts over a fake clock; MFU against the given peak; bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from steplib import ConfigError, Events, TrainState, accumulate, make_train_step, run
+from steplib.logging import Log, Logger
+from steplib.throughput import Throughput, count_flops, flops_per_batch
+
+
+class ListLogger(Logger):
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32),
+        torch.nn.Dropout(0.1),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.Linear(32, 5),
+    )
+
+
+def _loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum"), y.numel()
+
+
+def _batch(size: int = 16):
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(size, 8, generator=gen), torch.randint(0, 5, (size,), generator=gen)
+
+
+def test_meta_flop_count_equals_a_real_count_and_changes_nothing() -> None:
+    model, batch = _model(), _batch()
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+
+    counted = flops_per_batch(model, batch, loss_fn=_loss_fn)
+
+    assert torch.equal(rng, torch.get_rng_state())  # dropout drew nothing
+    for name, value in model.state_dict().items():  # batch-norm statistics untouched
+        assert torch.equal(value, before[name]), name
+    assert all(p.grad is None for p in model.parameters())
+
+    twin = copy.deepcopy(model)
+    real = count_flops(lambda: _loss_fn(twin, batch)[0].backward())
+    assert counted == real
+    # Forward 2*N*(8*32 + 32*5); backward: weight grads of both, input grad of the second only.
+    n = 16
+    assert counted == 2 * n * (8 * 32 + 32 * 5) + 2 * n * (8 * 32 + 32 * 5) + 2 * n * 32 * 5
+    assert flops_per_batch(model, batch, loss_fn=_loss_fn, backward=False) == 2 * n * (
+        8 * 32 + 32 * 5
+    )
+
+
+def test_a_loss_fn_that_reads_values_is_a_clear_error() -> None:
+    def reading(model, batch):
+        loss, _ = _loss_fn(model, batch)
+        return loss / float(loss)
+
+    with pytest.raises(ConfigError, match="meta device"):
+        flops_per_batch(_model(), _batch(), loss_fn=reading)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rates_and_mfu_equal_counts_over_the_clock() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    gen = torch.Generator().manual_seed(3)
+    sizes = [4, 6, 2, 8, 4, 4, 6, 2]
+    batches = [(torch.randn(s, 8, generator=gen), torch.randint(0, 5, (s,))) for s in sizes]
+    clock = FakeClock()
+    speed = Throughput(samples_per_step=10, flops_per_step=1e6, peak_flops=1e8, clock=clock)
+    sink = ListLogger()
+    events = Events()
+    # The Log before the counter: read() counts the event itself, nothing is counted twice.
+    events.on("step_end", Log(sink, sources=[speed.read]), every=2)
+    speed.attach(events)
+    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 0.5))  # 0.5 s per update
+    run(accumulate(make_train_step(_loss_fn), 2), state, batches, events=events)
+
+    assert [r["step"] for r in sink.records] == [2, 4]
+    # 2 updates in 1.0 s, except the first interval, which starts at fit_start: 2 in 0.5 s.
+    first, second = sink.records
+    assert first["steps_per_s"] == pytest.approx(4.0) and second["steps_per_s"] == pytest.approx(2)
+    assert first["tokens_per_s"] == pytest.approx(sum(sizes[:4]) / 0.5)
+    assert second["tokens_per_s"] == pytest.approx(sum(sizes[4:]) / 1.0)
+    assert second["samples_per_s"] == pytest.approx(20.0)
+    assert second["flops_per_s"] == pytest.approx(2e6)
+    assert second["mfu"] == pytest.approx(0.02)
+    assert speed.read(None) == {}  # nothing new since the last read
+
+
+def test_tokens_from_a_user_function() -> None:
+    clock = FakeClock()
+    speed = Throughput(tokens=lambda out: out.aux["tokens"], clock=clock)
+    model = torch.nn.Linear(8, 5)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def loss_fn(model, batch):
+        loss, count = _loss_fn(model, batch)
+        return loss, count, {"tokens": torch.tensor(1000.0)}
+
+    events = speed.attach(Events())
+    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 2.0))
+    run(make_train_step(loss_fn), state, [_batch(4)] * 3, events=events)
+    assert speed.read(None) == {"steps_per_s": 0.5, "tokens_per_s": 500.0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"peak_flops": 1e12}, "needs flops_per_step"),
+        ({"samples_per_step": 0}, "samples_per_step"),
+        ({"flops_per_step": -1.0}, "flops_per_step"),
+        ({"flops_per_step": 10, "peak_flops": 0}, "peak_flops"),
+        ({"tokens": 5}, "tokens"),
+    ],
+)
+def test_bad_settings_are_config_errors(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Throughput(**kwargs)
