@@ -54,6 +54,7 @@ from steplib.step import (
     fsdp_wrap,
     make_train_step,
     skip_nonfinite,
+    tap,
 )
 from steplib.throughput import Throughput, count_flops, flops_per_batch
 
@@ -124,6 +125,7 @@ __all__ = [
     "resume_from",
     "run",
     "skip_nonfinite",
+    "tap",
     "warmup_constant",
     "warmup_cosine",
     "warmup_linear",

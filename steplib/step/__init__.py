@@ -8,6 +8,7 @@ from steplib.step.core import GradSync, Step, make_train_step
 from steplib.step.ddp import ddp_wrap
 from steplib.step.fsdp import fsdp_wrap
 from steplib.step.skip import skip_nonfinite
+from steplib.step.tap import tap
 
 __all__ = [
     "CompileStats",
@@ -21,4 +22,5 @@ __all__ = [
     "fsdp_wrap",
     "make_train_step",
     "skip_nonfinite",
+    "tap",
 ]

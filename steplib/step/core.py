@@ -58,6 +58,20 @@ class SkipConfig:
     max_consecutive: int | None
 
 
+Hook = Callable[[TrainState], Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PhaseHooks:
+    """User functions ``fn(state)`` called at the step's phase boundaries (set by ``tap``)."""
+
+    before_backward: Hook | None = None
+    after_backward: Hook | None = None
+    before_update: Hook | None = None
+    after_update: Hook | None = None
+    after_zero_grad: Hook | None = None
+
+
 class GradReport(NamedTuple):
     """What ``process_grads`` measured, all on the device: the window's loss sum and target
     count over every process, the pre-clip gradient norm, and the non-finite flag."""
@@ -121,6 +135,7 @@ class Step:
             (:class:`GradSync`; ``ddp_wrap`` / ``fsdp_wrap`` set it).
         applied: the wrappers applied, in order, with their settings (the step's fingerprint).
         optimizer_step: how the optimizer is stepped (``compile_step`` compiles it).
+        hooks: user functions called at the phase boundaries (``tap``), else ``None``.
         compile_stats: graph and recompile counts of a compiled step (``compile_step``), else
             ``None``.
     """
@@ -134,6 +149,7 @@ class Step:
     applied: tuple[tuple[str, Mapping[str, Any]], ...] = ()
     optimizer_step: Callable[[torch.optim.Optimizer], Any] = _step_optimizer
     compile_stats: Any = None
+    hooks: PhaseHooks | None = None
 
     def __call__(
         self, state: TrainState, batch: Any, *, close_window: bool = False
@@ -210,7 +226,12 @@ class Step:
             loss = out.loss_sum
             if state.scaler is not None or self.amp is not None:  # skip the call when plain
                 loss = _scaled(self, state, loss)
+            hooks = self.hooks
+            if hooks is not None and hooks.before_backward is not None:
+                hooks.before_backward(state)
             loss.backward()
+            if hooks is not None and hooks.after_backward is not None:
+                hooks.after_backward(state)
         return out
 
     def process_grads(self, state: TrainState) -> GradReport:
@@ -273,11 +294,18 @@ class Step:
             # or skip_nonfinite): a host-side LR scheduler must know whether to advance. It
             # happens once per optimizer update, never on non-final micro-batches.
             applied = not bool(report.nonfinite)
+        hooks = self.hooks
         if applied:
+            if hooks is not None and hooks.before_update is not None:
+                hooks.before_update(state)  # the final, unscaled, normalised, clipped gradients
             self.optimizer_step(state.optimizer)
+            if hooks is not None and hooks.after_update is not None:
+                hooks.after_update(state)
         if _scaler_active(self, state):
             state.scaler.update()  # type: ignore[union-attr]
         state.optimizer.zero_grad(set_to_none=True)
+        if hooks is not None and hooks.after_zero_grad is not None:
+            hooks.after_zero_grad(state)
         if applied and state.scheduler is not None:
             state.scheduler.step()
         consecutive = 0 if applied else state.consecutive_skips + 1

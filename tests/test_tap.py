@@ -1,0 +1,79 @@
+"""tap: hooks called at the phase boundaries, in order, and not at all when absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from steplib import ConfigError, TrainState, accumulate, make_train_step, skip_nonfinite, tap
+from steplib.step.tap import HOOK_NAMES
+from tests.reference import make_batches, params_of, tiny_model, token_loss
+
+
+def _state() -> TrainState:
+    model = tiny_model(0)
+    return TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_hooks_fire_in_phase_order_and_skip_the_update_hooks_on_a_skipped_update() -> None:
+    calls: list[tuple[str, int, int]] = []
+
+    def record(name):
+        return lambda state: calls.append((name, state.step, state.micro_step))
+
+    step = tap(
+        skip_nonfinite(accumulate(make_train_step(token_loss), 2)),
+        **{name: record(name) for name in HOOK_NAMES},
+    )
+    batches = make_batches(4)
+    x, y, m = batches[3]
+    batches[3] = (x * float("nan"), y, m)  # the second window is non-finite: skipped
+    state = _state()
+    for batch in batches:
+        state, _ = step(state, batch)
+    window = [("before_backward", 0, 0), ("after_backward", 0, 0)]
+    assert calls == [
+        *window,
+        ("before_backward", 0, 1),
+        ("after_backward", 0, 1),
+        ("before_update", 0, 2),
+        ("after_update", 0, 2),
+        ("after_zero_grad", 0, 2),
+        ("before_backward", 1, 2),
+        ("after_backward", 1, 2),
+        ("before_backward", 1, 3),
+        ("after_backward", 1, 3),
+        ("after_zero_grad", 1, 4),  # skipped update: no before/after_update
+    ]
+
+
+def test_before_update_sees_the_final_gradients_and_after_update_the_new_parameters() -> None:
+    seen = {}
+
+    def before(state):
+        seen["grads"] = [p.grad.clone() for p in state.model.parameters()]
+        seen["before"] = params_of(state.model)
+
+    step = tap(make_train_step(token_loss), before_update=before)
+    state = _state()
+    state, _ = step(state, make_batches(1)[0])
+    for g, old, new in zip(seen["grads"], seen["before"], state.model.parameters(), strict=True):
+        torch.testing.assert_close(new, old - 0.1 * g)  # SGD: exactly what the hook saw
+
+
+def test_a_step_without_tap_carries_no_hooks() -> None:
+    assert make_train_step(token_loss).hooks is None
+
+
+@pytest.mark.parametrize(
+    ("hooks", "message"),
+    [
+        ({}, "received no hook"),
+        ({"before_step": print}, "unknown hook name(s) ['before_step']"),
+        ({"after_update": 3}, "is not callable"),
+    ],
+)
+def test_bad_hooks_are_refused_at_build_time(hooks, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        tap(make_train_step(token_loss), **hooks)
+    assert message in str(err.value)
