@@ -5,6 +5,7 @@ Private: imports ``errors`` only.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from steplib.errors import ConfigError, describe
@@ -47,3 +48,25 @@ def mode(owner: str, value: Any) -> str:
             f"{owner}(..., mode='min')."
         )
     return str(value)
+
+
+def model_batch_fn(owner: str, label: str, fn: Any, example: str) -> None:
+    """Raise ConfigError unless ``fn`` is callable as ``fn(model, batch)``.
+
+    ``example`` is the body of a working function, shown in the fix.
+    """
+    if not callable(fn):
+        raise ConfigError(
+            f"{owner} received {label}={describe(fn)}, which is not callable. Pass a "
+            f"function: def {label}(model, batch): {example}"
+        )
+    try:
+        inspect.signature(fn).bind(object(), object())
+    except TypeError as err:
+        raise ConfigError(
+            f"{owner}: {label} {getattr(fn, '__name__', fn)!r} cannot be called as "
+            f"{label}(model, batch) ({err}). Give it exactly two positional parameters: "
+            f"def {label}(model, batch): ..."
+        ) from None
+    except ValueError:
+        pass  # builtins without a signature: trust the caller

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -131,21 +130,7 @@ def make_eval_step(fn: EvalFn, *, autocast_dtype: torch.dtype | None = None) -> 
         >>> out.shape, out.requires_grad, model.training
         (torch.Size([3, 1]), False, True)
     """
-    if not callable(fn):
-        raise ConfigError(
-            f"make_eval_step received fn={describe(fn)}, which is not callable. Pass a "
-            "function: def fn(model, batch): x, y = batch; return model(x), y."
-        )
-    try:
-        inspect.signature(fn).bind(object(), object())
-    except TypeError as error:
-        raise ConfigError(
-            f"make_eval_step: fn {getattr(fn, '__name__', fn)!r} cannot be called as "
-            f"fn(model, batch) ({error}). Give it two positional parameters: "
-            "def fn(model, batch): ..."
-        ) from None
-    except ValueError:
-        pass  # builtins without a signature: trust the caller
+    _checks.model_batch_fn("make_eval_step", "fn", fn, "x, y = batch; return model(x), y")
     if autocast_dtype is not None and autocast_dtype not in _FLOAT_DTYPES:
         raise ConfigError(
             f"make_eval_step(autocast_dtype=...) received {describe(autocast_dtype)}; pass "

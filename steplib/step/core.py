@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, NamedTuple, cast
 
 import torch
 
+from steplib._checks import model_batch_fn
 from steplib.errors import ConfigError, TooManySkipsError, describe
 from steplib.state import StepOutput, TrainState, _evolve
 from steplib.step.loss_output import LossOutput, parse_loss_output
@@ -376,21 +376,7 @@ def make_train_step(loss_fn: LossFn) -> Step:
         >>> state.step, bool(out.did_update)
         (1, True)
     """
-    if not callable(loss_fn):
-        raise ConfigError(
-            f"make_train_step received loss_fn={describe(loss_fn)}, which is not callable. "
-            "Pass a function: def loss_fn(model, batch): return F.cross_entropy(model(x), y)."
-        )
-    try:
-        inspect.signature(loss_fn).bind(object(), object())
-    except TypeError as err:
-        raise ConfigError(
-            f"make_train_step: loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} cannot be called "
-            f"as loss_fn(model, batch) ({err}). Give it exactly two positional parameters: "
-            "def loss_fn(model, batch): ..."
-        ) from None
-    except ValueError:
-        pass  # builtins without a signature: trust the caller.
+    model_batch_fn("make_train_step", "loss_fn", loss_fn, "return F.cross_entropy(model(x), y)")
     return Step(loss_fn=loss_fn)
 
 
