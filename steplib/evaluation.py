@@ -6,7 +6,8 @@
 * :func:`evaluate` feeds the outputs to torchmetrics metrics and returns their computed values.
   torchmetrics reduces across ranks itself when a process group is initialised.
 * :class:`Evaluator` is the handler: every N updates and/or at epoch end, a sanity evaluation of
-  a few batches before training, best-value tracking. It writes the values into
+  a few batches before training, best-value tracking, one or several named validation sets
+  (``data={"val": ..., "ood": ...}`` gives ``val_loss`` and ``ood_loss``). It writes the values into
   ``state.extras`` (so ``EarlyStopping`` and the checkpoint's best-N retention see them) and to
   log sinks.
 
@@ -290,9 +291,16 @@ class Evaluator:
     ``sinks``. With ``monitor``, the best value is tracked (:attr:`best`, :attr:`improved`) and
     ``best_<monitor>`` is added to the extras.
 
+    Several validation sets: pass ``data={"val": val_loader, "ood": ood_loader}``. Each set is
+    evaluated with the same metrics (reset between sets) and its values are named
+    ``<set>_<metric>`` (``val_loss``, ``ood_loss``); ``monitor="ood_loss"`` tracks that one,
+    and ``EarlyStopping("ood_loss")`` or ``export_best(monitor="ood_loss")`` watch it in the
+    extras. One evaluation gives one history entry and one log record with every set's values.
+
     Args:
         eval_step: from :func:`make_eval_step`.
-        data: the held-out batches (re-iterable).
+        data: the held-out batches (re-iterable), or a mapping ``{name: batches}`` of several
+            sets.
         metrics: a torchmetrics ``Metric``, ``MetricCollection`` or dict of ``Metric``.
         every: evaluate every this many optimizer updates.
         at_epoch_end: evaluate at the end of each epoch (skipped when the last update was
@@ -304,7 +312,8 @@ class Evaluator:
             so that a broken eval step or a wrong ``monitor`` fails before the first update
             (0: no sanity evaluation). Avoid a shuffling loader here without its own generator:
             starting its iteration draws from the global RNG.
-        prefix: put in front of every name.
+        prefix: put in front of every name; by default ``"val_"`` for one set and ``""`` for
+            a mapping (whose set names already say which set a value is from).
         monitor: the (prefixed) name whose best value to track, e.g. ``"val_loss"``.
         mode: ``"min"`` or ``"max"``, for ``monitor``.
         model: evaluate this module instead of ``state.model`` (e.g. ``ema.module``).
@@ -312,7 +321,8 @@ class Evaluator:
 
     Raises:
         ConfigError: a bad argument: non-Metric metrics, ``every`` <= 0, neither ``every``
-            nor ``at_epoch_end``, a ``mode`` other than min/max; at the first (sanity)
+            nor ``at_epoch_end``, a ``mode`` other than min/max, an empty ``data`` mapping or
+            one with a name that is not a non-empty string; at the first (sanity)
             evaluation, a ``monitor`` that is not among the values (the message lists them).
 
     Example:
@@ -341,7 +351,7 @@ class Evaluator:
         at_fit_end: bool = False,
         limit_batches: int | None = None,
         sanity_batches: int = 2,
-        prefix: str = "val_",
+        prefix: str | None = None,
         monitor: str | None = None,
         mode: str = "min",
         model: nn.Module | None = None,
@@ -375,11 +385,16 @@ class Evaluator:
             )
         self.eval_step = eval_step
         self.data = data
+        # Named sets: their names say which set a value is from, so no "val_" by default.
+        self.prefix = (
+            prefix if prefix is not None else ("" if isinstance(data, Mapping) else "val_")
+        )
+        # Label -> set: the label goes in front of the metric names ("val_", "ood_").
+        self.datasets = _named_datasets(data, self.prefix)
         self.at_epoch_end = at_epoch_end
         self.at_fit_end = at_fit_end
         self.limit_batches = limit_batches
         self.sanity_batches = sanity_batches
-        self.prefix = prefix
         self.monitor = monitor
         self.best = BestValue(mode=mode)
         self.improved = False
@@ -407,16 +422,20 @@ class Evaluator:
         return events
 
     def run(self, state: TrainState, *, limit_batches: int | None = None) -> dict[str, Any]:
-        """Evaluate now and return the prefixed values (no state change, no logging)."""
+        """Evaluate every set now and return the prefixed values (no state change, no
+        logging)."""
         target = self.model if self.model is not None else state
-        values = evaluate(
-            self.eval_step,
-            target,
-            self.data,
-            metrics=self.metrics,
-            limit_batches=limit_batches if limit_batches is not None else self.limit_batches,
-        )
-        return {self.prefix + name: value for name, value in values.items()}
+        values: dict[str, Any] = {}
+        for label, data in self.datasets.items():
+            computed = evaluate(
+                self.eval_step,
+                target,
+                data,
+                metrics=self.metrics,  # evaluate resets them before and after each set
+                limit_batches=limit_batches if limit_batches is not None else self.limit_batches,
+            )
+            values.update({label + name: value for name, value in computed.items()})
+        return values
 
     def sanity_check(self, event: Event) -> None:
         """Evaluate ``sanity_batches`` batches; check ``monitor``; keep nothing but
@@ -455,7 +474,22 @@ class Evaluator:
         if self.monitor not in values:
             raise ConfigError(
                 f"Evaluator(monitor={self.monitor!r}) is not among the evaluated values; they "
-                f"are: {', '.join(sorted(values))}. Pass one of those (names carry the prefix "
-                f"{self.prefix!r})."
+                f"are: {', '.join(sorted(values))}. Pass one of those (names start with "
+                f"{' or '.join(repr(label) for label in self.datasets)})."
             )
         return float(values[self.monitor])
+
+
+def _named_datasets(data: Any, prefix: str) -> dict[str, Any]:
+    """``{label: batches}``: one set labelled ``prefix``, or each set of a mapping labelled
+    ``prefix + name + "_"``."""
+    if not isinstance(data, Mapping):
+        return {prefix: data}
+    bad = [name for name in data if not isinstance(name, str) or not name]
+    if not data or bad:
+        raise ConfigError(
+            f"Evaluator(data=...) received a mapping with the names {list(data)}; several "
+            "validation sets need non-empty string names, which prefix their values. Pass "
+            "e.g. data={'val': val_loader, 'ood': ood_loader} (values val_loss, ood_loss)."
+        )
+    return {f"{prefix}{name}_": batches for name, batches in data.items()}

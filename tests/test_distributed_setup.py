@@ -58,6 +58,69 @@ def test_torchrun_inside_slurm_wins() -> None:
     assert env.launcher == "torchrun" and env.rank == 1
 
 
+def test_open_mpi_environment() -> None:
+    env = read_launch_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "6",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            "MASTER_ADDR": "head",  # mpirun -x MASTER_ADDR -x MASTER_PORT
+            "MASTER_PORT": "29500",
+        }
+    )
+    assert env == LaunchEnv(6, 8, 2, "head", 29500, "openmpi")
+
+
+def test_intel_mpi_and_mpich_hydra_environment() -> None:
+    env = read_launch_env({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"})
+    assert env == LaunchEnv(3, 4, 1, None, None, "mpi")  # no rendezvous: init_distributed says so
+
+
+def test_mpi_without_a_local_rank_and_open_mpi_before_pmi() -> None:
+    assert read_launch_env({"PMI_RANK": "0", "PMI_SIZE": "2"}).local_rank == 0
+    both = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "PMI_RANK": "0"}
+    assert read_launch_env({**both, "PMI_SIZE": "2"}).launcher == "openmpi"
+
+
+def test_srun_with_pmi_sets_both_and_slurm_wins() -> None:
+    env = read_launch_env(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "MASTER_PORT": "29400",
+            "PMI_RANK": "5",  # srun --mpi=pmi2 sets these alike
+            "PMI_SIZE": "8",
+        }
+    )
+    assert env == LaunchEnv(5, 8, 1, "gpu07", 29400, "slurm")
+
+
+def test_mpirun_inside_sbatch_uses_mpi_ranks_and_the_allocations_first_node() -> None:
+    # Every process inherits the batch step's SLURM_PROCID=0: the SLURM values are stale.
+    env = read_launch_env(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "0",
+            "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "MASTER_PORT": "29400",
+        }
+    )
+    assert env == LaunchEnv(5, 8, 1, "gpu07", 29400, "openmpi")
+
+
+def test_torchrun_inside_mpi_wins() -> None:
+    env = read_launch_env(
+        {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "RANK": "1", "WORLD_SIZE": "2"}
+    )
+    assert (env.launcher, env.rank, env.world_size) == ("torchrun", 1, 2)
+
+
 def test_no_launcher_is_one_process_and_queries_work_without_a_group() -> None:
     assert read_launch_env({}) == LaunchEnv(0, 1, 0, None, None, "single")
     assert (rank(), world_size(), is_main()) == (0, 1, True)
@@ -75,6 +138,10 @@ def test_bad_environments_are_explained() -> None:
         read_launch_env({"RANK": "one", "WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="rank 2 for a world of 2"):
         read_launch_env({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="OMPI_COMM_WORLD_SIZE='x' is not an integer"):
+        read_launch_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "x"})
+    with pytest.raises(ConfigError, match="The mpi environment gives rank 4 for a world of 4"):
+        read_launch_env({"PMI_RANK": "4", "PMI_SIZE": "4"})
 
 
 def test_init_distributed_without_rendezvous_says_what_to_set(monkeypatch) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from steplib import ConfigError, Events, TrainState, make_train_step, run
+from steplib import ConfigError, EarlyStopping, Events, TrainState, make_train_step, run
 from steplib.evaluation import Evaluator, evaluate, make_eval_step
 from steplib.logging import JsonlLogger
 
@@ -253,3 +253,85 @@ def test_outputs_the_metrics_cannot_take_are_a_config_error_showing_them() -> No
 def test_empty_data_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no batches"):
         evaluate(make_eval_step(_eval_fn), _model(), [], metrics=_metrics())
+
+
+# Several validation sets ------------------------------------------------------------------
+
+
+def test_named_sets_prefix_their_metrics_and_equal_evaluating_each_set_alone() -> None:
+    url = f"memory://steplib-test-{uuid.uuid4().hex}/eval.jsonl"
+    sink = JsonlLogger(url)
+    sets = {"val": _batches(3, seed=7), "ood": _batches(2, seed=8)}
+    evaluator = Evaluator(
+        make_eval_step(_eval_fn), sets, metrics=_metrics(), every=5, monitor="ood_loss", sinks=sink
+    )
+    final = _train(evaluator, epochs=1)
+    sink.close()
+
+    ((step, values),) = evaluator.history
+    assert step == 5
+    assert set(values) == {"val_loss", "val_acc", "ood_loss", "ood_acc"}
+    for name, data in sets.items():
+        alone = evaluate(make_eval_step(_eval_fn), final, data, metrics=_metrics())
+        assert values[f"{name}_loss"] == pytest.approx(alone["loss"])
+        assert values[f"{name}_acc"] == pytest.approx(alone["acc"])
+        assert final.extras[f"{name}_loss"] == values[f"{name}_loss"]
+    assert values["val_loss"] != values["ood_loss"]  # two sets, not one evaluated twice
+    assert evaluator.best.value == values["ood_loss"] == final.extras["best_ood_loss"]
+    with fsspec.open(url, "rb") as f:
+        (line,) = [orjson.loads(line) for line in f.read().splitlines()]
+    assert line["ood_loss"] == pytest.approx(values["ood_loss"]) and "val_acc" in line
+    # An explicit prefix goes in front of the set names.
+    prefixed = Evaluator(make_eval_step(_eval_fn), sets, metrics=_metrics(), every=1, prefix="e/")
+    assert set(prefixed.run(final)) == {"e/val_loss", "e/val_acc", "e/ood_loss", "e/ood_acc"}
+
+
+def _signed_weight(model, sign):
+    # A value that improves on one set and worsens on the other while the weight grows.
+    return (model.weight.sum() * sign).reshape(1)
+
+
+def _train_towards_one(events: Events, steps: int = 8) -> TrainState:
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    x = torch.ones(4, 1)
+    step = make_train_step(lambda m, b: F.mse_loss(m(b), b))  # the weight grows towards 1
+    return run(step, state, [x] * steps, events=events)
+
+
+@pytest.mark.parametrize(("monitor", "stop_step"), [("ood_loss", 3), ("val_loss", 8)])
+def test_early_stopping_and_best_value_watch_the_named_set(monitor, stop_step) -> None:
+    sets = {"val": [torch.tensor(-1.0)], "ood": [torch.tensor(1.0)]}
+    evaluator = Evaluator(
+        make_eval_step(_signed_weight),
+        sets,
+        metrics={"loss": MeanMetric()},
+        every=1,
+        sanity_batches=0,
+        monitor=monitor,
+    )
+    events = evaluator.attach(Events())
+    events.on("step_end", EarlyStopping(monitor, patience=1), every=1)
+    final = _train_towards_one(events)
+    assert final.step == stop_step  # ood_loss worsens from the first check: stop after 2 more
+    watched = [values[monitor] for _, values in evaluator.history]
+    assert evaluator.best.value == min(watched)
+    assert evaluator.best.step == (1 if monitor == "ood_loss" else stop_step)
+
+
+def test_bad_named_sets_and_an_unknown_monitor_name_the_sets() -> None:
+    step = make_eval_step(_eval_fn)
+    for data in ({}, {"": _batches(1)}, {1: _batches(1)}):
+        with pytest.raises(ConfigError, match="non-empty string names"):
+            Evaluator(step, data, metrics=_metrics(), every=1)
+    evaluator = Evaluator(
+        step,
+        {"val": _batches(1), "ood": _batches(1)},
+        metrics=_metrics(),
+        every=1,
+        monitor="loss",
+    )
+    with pytest.raises(ConfigError, match="'val_' or 'ood_'") as info:
+        _train(evaluator, epochs=1)
+    assert "ood_acc, ood_loss, val_acc, val_loss" in str(info.value)

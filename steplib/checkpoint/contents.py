@@ -11,6 +11,9 @@ Files of a checkpoint (each a ``torch.save`` of plain containers and tensors onl
   0``): the gradients accumulated so far. They are part of the state then; without them the
   resumed window would update with a fraction of its gradient.
 
+Sharded checkpoints (``sharded.py``) hold the same ``train_state`` tree, one per rank, next to
+the model and optimizer tensors that DCP writes.
+
 Everything is checked before anything is changed: a checkpoint that does not fit the state
 (other parameter names, another optimizer, another step composition) raises ``ConfigError``
 and leaves the state as it was.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import orjson
@@ -92,7 +95,26 @@ def gather(
         ConfigError: a value that a weights-only load could not read back (names where).
     """
     model = state.model
-    train_state = {
+    trees: dict[str, Any] = {
+        MODEL: model.state_dict(),
+        OPTIMIZER: state.optimizer.state_dict(),
+        TRAIN_STATE: train_state_tree(state, data=data, extras=extras, rng=rng),
+    }
+    if state.window_size > 0:
+        trees[WINDOW_GRADS] = window_grads(model)
+    for file_name, tree in trees.items():
+        check_plain(tree, file_name)
+    return trees
+
+
+# Split out of ``gather`` for the sharded (DCP) checkpoints of ``sharded.py``, which write the
+# model and optimizer through DCP and this tree, per rank, with ``torch.save``.
+def train_state_tree(
+    state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
+) -> dict[str, Any]:
+    """Everything of ``state`` but the model and the optimizer tensors, as plain data: the
+    counters, window, scheduler, scaler, extras, RNG states and the data position."""
+    return {
         "counters": {
             "step": state.step,
             "micro_step": state.micro_step,
@@ -111,25 +133,56 @@ def gather(
         "rng": capture_rng() if rng else None,
         "data": None if data is None else data.state_dict(),
     }
-    trees: dict[str, Any] = {
-        MODEL: model.state_dict(),
-        OPTIMIZER: state.optimizer.state_dict(),
-        TRAIN_STATE: train_state,
-    }
-    if state.window_size > 0:
-        trees[WINDOW_GRADS] = {
-            name: p.grad for name, p in model.named_parameters() if p.grad is not None
-        }
-    for file_name, tree in trees.items():
-        _check_plain(tree, file_name)
-    return trees
 
 
-def check_fingerprint(saved: list[dict[str, Any]] | None, step: Any, *, checkpoint: str) -> None:
+def window_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients accumulated so far in an open window, by parameter name."""
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def check_metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, float]:
+    """The metrics to record in a manifest, as floats.
+
+    Raises:
+        ConfigError: not a mapping of string names to numbers or one-element tensors.
+    """
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(
+            f"{caller}(metrics=...) received {describe(metrics)}; pass a dict of name -> "
+            "number, e.g. metrics={'val_loss': 0.42}."
+        )
+    numbers = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()  # a host sync, once per save
+        if (
+            not isinstance(name, str)
+            or isinstance(value, bool)
+            or not isinstance(value, int | float)
+        ):
+            raise ConfigError(
+                f"{caller}(metrics=...): {name!r} is {describe(value)}; metrics are numbers "
+                "(or one-element tensors) by string name, e.g. {'val_loss': 0.42}."
+            )
+        numbers[name] = float(value)
+    return numbers
+
+
+def check_fingerprint(
+    saved: list[dict[str, Any]] | None,
+    step: Any,
+    *,
+    checkpoint: str,
+    ignore: Collection[str] = (),
+) -> None:
     """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper.
 
     Wrappers are compared by name, not position: the built-in ones commute, so
-    ``clip(amp_wrap(s))`` and ``amp_wrap(clip(s))`` are the same step.
+    ``clip(amp_wrap(s))`` and ``amp_wrap(clip(s))`` are the same step. Wrappers named in
+    ``ignore`` are left out on both sides (a sharded checkpoint may be resumed with another
+    distribution: ``ddp_wrap``, ``fsdp_wrap`` or none).
 
     Raises:
         ConfigError: a wrapper added, removed or with other settings (says which and the fix).
@@ -137,8 +190,16 @@ def check_fingerprint(saved: list[dict[str, Any]] | None, step: Any, *, checkpoi
     if saved is None or step is None:
         return
     now = orjson.loads(orjson.dumps(step.describe(), default=str))  # compare as JSON values
-    before = {d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"} for d in saved}
-    after = {d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"} for d in now}
+    before = {
+        d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
+        for d in saved
+        if d["wrapper"] not in ignore
+    }
+    after = {
+        d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
+        for d in now
+        if d["wrapper"] not in ignore
+    }
     differences = []
     for name in sorted(before.keys() | after.keys()):
         if name not in after:
@@ -174,18 +235,52 @@ def apply(
         ConfigError: the checkpoint does not fit ``state`` (nothing is changed then).
     """
     train_state = trees[TRAIN_STATE]
-    _check_fits(trees, train_state, state, data=data, extras=extras, checkpoint=checkpoint)
+    check_model(
+        _shapes(trees[MODEL]),
+        _shapes(state.model.state_dict()),
+        model_type=type(state.model).__name__,
+        checkpoint=checkpoint,
+        hint="load model.pt yourself with model.load_state_dict(..., strict=False)",
+    )
+    check_optimizer(
+        train_state["optimizer_type"],
+        [len(g["params"]) for g in trees[OPTIMIZER]["param_groups"]],
+        state.optimizer,
+        checkpoint=checkpoint,
+    )
+    check_train_state(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
 
-    model = state.model
-    model.load_state_dict(trees[MODEL])
+    state.model.load_state_dict(trees[MODEL])
     state.optimizer.load_state_dict(trees[OPTIMIZER])
+    return restore_train_state(
+        train_state,
+        state,
+        data=data,
+        extras=extras,
+        grads=trees.get(WINDOW_GRADS, {}),
+        restore_rng_states=restore_rng_states,
+    )
+
+
+# Split out of ``apply`` for the sharded (DCP) checkpoints of ``sharded.py``, which load the
+# model and the optimizer through DCP and everything else here.
+def restore_train_state(
+    train_state: Mapping[str, Any],
+    state: TrainState,
+    *,
+    data: Any,
+    extras: Mapping[str, Any],
+    grads: Mapping[str, torch.Tensor],
+    restore_rng_states: bool,
+) -> TrainState:
+    """Load a checked ``train_state`` tree (and the window's ``grads``) into ``state``'s
+    scheduler, scaler, extras objects, data and RNGs; return the state with its counters."""
     if state.scheduler is not None:
         state.scheduler.load_state_dict(train_state["scheduler"])
     if state.scaler is not None:
         state.scaler.load_state_dict(train_state["scaler"])
-    grads = trees.get(WINDOW_GRADS, {})
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in state.model.named_parameters():
             saved = grads.get(name)
             p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
     for name, obj in extras.items():
@@ -219,8 +314,20 @@ def _on_device(value: Any, device: torch.device) -> Any:
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def _check_fits(
-    trees: Mapping[str, Any],
+def check_optimizer(
+    saved_type: str, saved_sizes: list[int], optimizer: Any, *, checkpoint: str
+) -> None:
+    """Raise ``ConfigError`` unless ``optimizer`` has the saved class and group sizes."""
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_type != type(optimizer).__name__ or saved_sizes != sizes:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds a {saved_type} over parameter groups of sizes "
+            f"{saved_sizes}; this state has a {type(optimizer).__name__} over {sizes}. Build "
+            "the optimizer as the run that saved it did (same class, same parameter groups)."
+        )
+
+
+def check_train_state(
     train_state: Mapping[str, Any],
     state: TrainState,
     *,
@@ -228,19 +335,7 @@ def _check_fits(
     extras: Mapping[str, Any],
     checkpoint: str,
 ) -> None:
-    _check_model(trees[MODEL], state.model, checkpoint=checkpoint)
-    saved_groups = trees[OPTIMIZER]["param_groups"]
-    groups = state.optimizer.param_groups
-    saved_type = train_state["optimizer_type"]
-    if saved_type != type(state.optimizer).__name__ or [len(g["params"]) for g in saved_groups] != [
-        len(g["params"]) for g in groups
-    ]:
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} holds a {saved_type} over parameter groups of sizes "
-            f"{[len(g['params']) for g in saved_groups]}; this state has a "
-            f"{type(state.optimizer).__name__} over {[len(g['params']) for g in groups]}. Build "
-            "the optimizer as the run that saved it did (same class, same parameter groups)."
-        )
+    """Raise ``ConfigError`` unless the scheduler, scaler, extras and data fit ``state``."""
     for part, label in (("scheduler", "scheduler"), ("scaler", "scaler")):
         saved = train_state[part] is not None
         here = getattr(state, part) is not None
@@ -271,14 +366,22 @@ def _check_fits(
         )
 
 
-def _check_model(saved: Mapping[str, Any], model: torch.nn.Module, *, checkpoint: str) -> None:
-    expected = model.state_dict()
+Shapes = Mapping[str, tuple[int, ...] | None]  # name -> tensor shape (None: not a tensor)
+
+
+def check_model(
+    saved: Shapes, expected: Shapes, *, model_type: str, checkpoint: str, hint: str
+) -> None:
+    """Raise ``ConfigError`` unless the saved entries have the model's names and shapes.
+
+    ``hint`` ends the message: how to reuse part of the weights with this kind of checkpoint.
+    """
     missing = sorted(expected.keys() - saved.keys())
     unexpected = sorted(saved.keys() - expected.keys())
     reshaped = [
-        f"{k} {tuple(saved[k].shape)} in the checkpoint, {tuple(expected[k].shape)} here"
+        f"{k} {saved[k]} in the checkpoint, {expected[k]} here"
         for k in sorted(expected.keys() & saved.keys())
-        if isinstance(saved[k], torch.Tensor) and saved[k].shape != expected[k].shape
+        if saved[k] is not None and expected[k] is not None and saved[k] != expected[k]
     ]
     if not (missing or unexpected or reshaped):
         return
@@ -291,13 +394,16 @@ def _check_model(saved: Mapping[str, Any], model: torch.nn.Module, *, checkpoint
         parts.append(f"other shapes: {_names(reshaped)}")
     raise ConfigError(
         f"load: checkpoint {checkpoint} was saved from another model "
-        f"({type(model).__name__} here): {'; '.join(parts)}. Build the model exactly as the "
-        "run that saved it (same modules, names and sizes); to reuse only some weights, load "
-        "model.pt yourself with model.load_state_dict(..., strict=False)."
+        f"({model_type} here): {'; '.join(parts)}. Build the model exactly as the "
+        f"run that saved it (same modules, names and sizes); to reuse only some weights, {hint}."
     )
 
 
-def _check_plain(tree: Any, where: str) -> None:
+def _shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tree.items()}
+
+
+def check_plain(tree: Any, where: str) -> None:
     """Refuse what ``torch.load(weights_only=True)`` would refuse, before writing anything."""
     if isinstance(tree, _LEAVES):
         return
@@ -307,11 +413,11 @@ def _check_plain(tree: Any, where: str) -> None:
         for key, value in tree.items():
             if type(key) not in (str, int):
                 raise ConfigError(_not_plain(f"{where} key {key!r}", key))
-            _check_plain(value, f"{where}[{key!r}]")
+            check_plain(value, f"{where}[{key!r}]")
         return
     if type(tree) in (list, tuple):
         for index, value in enumerate(tree):
-            _check_plain(value, f"{where}[{index}]")
+            check_plain(value, f"{where}[{index}]")
         return
     raise ConfigError(_not_plain(where, tree))
 

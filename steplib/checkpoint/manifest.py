@@ -27,8 +27,14 @@ from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.checkpoint.storage import FileRecord
 
 FORMAT = "steplib-checkpoint"
-VERSION = 1
+VERSION = 2  # the newest format this steplib reads
 MANIFEST = "manifest.json"
+# Layouts (``sharded.py`` writes the second). A single-process checkpoint is still written as
+# format 1, so older steplib versions keep reading it; a sharded one is format 2, so that they
+# say "upgrade steplib" instead of "not written by steplib's save" (it has no model.pt).
+SINGLE = "single"
+SHARDED = "sharded"
+_LAYOUT_VERSION = {SINGLE: 1, SHARDED: 2}
 
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
 
@@ -72,7 +78,9 @@ class Manifest:
         metrics: numbers recorded with it (what ``keep_best`` ranks by).
         fingerprint: ``step.describe()`` of the step that trained it, or ``None``.
         versions: steplib, torch and Python versions of the writer.
-        files: size and CRC32 of each data file.
+        files: size and CRC32 of each data file (by path inside the checkpoint).
+        layout: ``"single"`` (one process, ``torch.save`` files) or ``"sharded"`` (DCP).
+        world_size: the number of processes that wrote it.
     """
 
     name: str
@@ -85,11 +93,13 @@ class Manifest:
     fingerprint: list[dict[str, Any]] | None
     versions: Mapping[str, str]
     files: Mapping[str, FileRecord]
+    layout: str = SINGLE
+    world_size: int = 1
 
     def to_json(self) -> bytes:
         body = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": _LAYOUT_VERSION[self.layout],
             "name": self.name,
             "step": self.step,
             "micro_step": self.micro_step,
@@ -102,6 +112,9 @@ class Manifest:
             "versions": dict(self.versions),
             "files": {k: {"bytes": r.size, "crc32": r.crc32} for k, r in self.files.items()},
         }
+        if self.layout != SINGLE:  # format 1 has no such keys: its bytes stay as they were
+            body["layout"] = self.layout
+            body["world_size"] = self.world_size
         body["manifest_crc32"] = _body_crc(body)
         return orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
 
@@ -121,6 +134,8 @@ class Manifest:
                 raise ValueError(
                     f"its CRC32 is {_body_crc(body)}, it says {stored}: it was altered"
                 )
+            if body.get("layout", SINGLE) not in _LAYOUT_VERSION:
+                raise ValueError(f"unknown layout {body['layout']!r}; upgrade steplib")
             if body["version"] > VERSION:
                 raise ValueError(
                     f"format version {body['version']} is newer than this steplib reads "
@@ -142,6 +157,8 @@ class Manifest:
                     k: FileRecord(int(v["bytes"]), str(v["crc32"]))
                     for k, v in body["files"].items()
                 },
+                layout=str(body.get("layout", SINGLE)),
+                world_size=int(body.get("world_size", 1)),
             )
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(

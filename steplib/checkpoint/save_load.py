@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import torch
 
-from steplib.checkpoint import storage
+from steplib.checkpoint import sharded, storage
 from steplib.checkpoint.contents import (
     MODEL,
     OPTIMIZER,
@@ -26,6 +26,7 @@ from steplib.checkpoint.contents import (
     apply,
     check_arguments,
     check_fingerprint,
+    check_metrics,
     gather,
 )
 from steplib.checkpoint.errors import CheckpointError, CorruptCheckpointError
@@ -36,9 +37,14 @@ from steplib.checkpoint.listing import (
     read_manifest,
     warn_skipped,
 )
-from steplib.checkpoint.manifest import MANIFEST, Manifest, checkpoint_name, library_versions
+from steplib.checkpoint.manifest import (
+    MANIFEST,
+    SHARDED,
+    Manifest,
+    checkpoint_name,
+    library_versions,
+)
 from steplib.checkpoint.storage import FileRecord, Location
-from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
 
 
@@ -94,6 +100,20 @@ def save(
         >>> save(state, "memory://doctest-save/ckpt")
         'memory://doctest-save/ckpt/step-00000000'
     """
+    # A DDP or FSDP2 state with a process group: a sharded (DCP) checkpoint, written by every
+    # rank together; see sharded.py.
+    if sharded.is_sharded(state):
+        sharded_plan = sharded.prepare_sharded(
+            state,
+            directory,
+            data=data,
+            extras=extras,
+            step=step,
+            metrics=metrics,
+            storage_options=storage_options,
+            caller="save",
+        )
+        return sharded.write_sharded(sharded_plan)
     plan = prepare(
         state,
         directory,
@@ -155,6 +175,16 @@ def load(
     extras = check_arguments("load", state, data=data, extras=extras, step=step)
     location = storage.resolve(url, storage_options, caller="load")
     manifest = read_manifest(location)
+    if manifest.layout == SHARDED:  # written by DCP (sharded.py); loads into any world size
+        return sharded.load_sharded(
+            location,
+            manifest,
+            state,
+            data=data,
+            extras=extras,
+            step=step,
+            storage_options=storage_options,
+        )
     check_fingerprint(manifest.fingerprint, step, checkpoint=location.url)
     trees = _read_trees(location, manifest)
     return apply(trees, state, data=data, extras=extras, checkpoint=location.url)
@@ -174,7 +204,7 @@ def prepare(
     """Check the arguments and gather what a save writes (live tensors, not yet copied)."""
     extras = check_arguments(caller, state, data=data, extras=extras, step=step)
     location = storage.resolve(directory, storage_options, caller=caller)
-    numbers = _metrics(metrics, caller)
+    numbers = check_metrics(metrics, caller)
     # As JSON values (tuples become lists, odd settings strings), as load will compare them.
     fingerprint = None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
     trees = gather(state, data=data, extras=extras)
@@ -326,28 +356,3 @@ def _torch_load(source: Any, location: Location, file_name: str) -> Any:
             "another program or torch version: load it with that version or use another "
             "checkpoint."
         ) from err
-
-
-def _metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, float]:
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise ConfigError(
-            f"{caller}(metrics=...) received {describe(metrics)}; pass a dict of name -> "
-            "number, e.g. metrics={'val_loss': 0.42}."
-        )
-    numbers = {}
-    for name, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()  # a host sync, once per save
-        if (
-            not isinstance(name, str)
-            or isinstance(value, bool)
-            or not isinstance(value, int | float)
-        ):
-            raise ConfigError(
-                f"{caller}(metrics=...): {name!r} is {describe(value)}; metrics are numbers "
-                "(or one-element tensors) by string name, e.g. {'val_loss': 0.42}."
-            )
-        numbers[name] = float(value)
-    return numbers

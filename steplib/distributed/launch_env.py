@@ -1,8 +1,12 @@
 """Rank, world size, local rank and rendezvous read from the launcher's environment.
 
 torchrun sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``; SLURM's
-``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` and the node list. Reading them
-is a pure function of a mapping, so every launcher is testable with a faked environment.
+``srun`` sets ``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` and the node list; Open MPI's
+``mpirun`` sets ``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``; MPICH's and Intel MPI's
+``mpiexec`` (Hydra) set ``PMI_RANK``/``PMI_SIZE`` and ``MPI_LOCALRANKID``. MPI launchers give no
+rendezvous: export ``MASTER_ADDR``/``MASTER_PORT`` (``mpirun -x MASTER_ADDR -x MASTER_PORT``),
+or, inside a SLURM allocation, the first node of the allocation is used. Reading them is a pure
+function of a mapping, so every launcher is testable with a faked environment.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ class LaunchEnv:
         local_rank: rank on this node (selects the GPU).
         master_addr: rendezvous host, or ``None`` when the launcher gives none.
         master_port: rendezvous port, or ``None``.
-        launcher: ``"torchrun"``, ``"slurm"`` or ``"single"`` (no launcher: one process).
+        launcher: ``"torchrun"``, ``"slurm"``, ``"openmpi"``, ``"mpi"`` (MPICH / Intel MPI
+            Hydra) or ``"single"`` (no launcher: one process).
     """
 
     rank: int
@@ -38,8 +43,12 @@ class LaunchEnv:
 def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     """The launch environment described by ``environ`` (usually ``os.environ``).
 
-    torchrun's variables win over SLURM's (``torchrun`` inside an ``srun`` allocation is
-    common); no launcher at all means a single process.
+    Precedence: torchrun, then SLURM, then MPI; no launcher at all means a single process.
+    torchrun's variables win (``torchrun`` inside an ``srun`` allocation is common). SLURM's
+    win over MPI's when both describe this process alike (``srun --mpi=pmi2`` sets both), but
+    not when they disagree: ``mpirun`` inside an ``sbatch`` script starts every process with
+    the batch step's ``SLURM_PROCID``, so a disagreement means the SLURM values were inherited
+    and the MPI launcher is the one that started this process.
 
     Raises:
         ConfigError: a variable that is not an integer, or a rank outside the world.
@@ -60,15 +69,24 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
             launcher="torchrun",
         )
-    elif "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    elif _slurm_started_this(environ):
         env = LaunchEnv(
             rank=_int(environ, "SLURM_PROCID"),
             world_size=_int(environ, "SLURM_NTASKS"),
             local_rank=_int(environ, "SLURM_LOCALID", default=0),
-            master_addr=environ.get("MASTER_ADDR") or (first_slurm_host(nodes) if nodes else None),
+            master_addr=_rendezvous_host(environ),
             master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
             launcher="slurm",
+        )
+    elif (mpi := _mpi_names(environ)) is not None:
+        launcher, rank_name, size_name, local_name = mpi
+        env = LaunchEnv(
+            rank=_int(environ, rank_name),
+            world_size=_int(environ, size_name),
+            local_rank=_int(environ, local_name, default=0),
+            master_addr=_rendezvous_host(environ),
+            master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else None,
+            launcher=launcher,
         )
     else:
         return LaunchEnv(0, 1, 0, None, None, "single")
@@ -78,6 +96,39 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             f"{env.world_size}; a rank must be in [0, world size). Check the launch command."
         )
     return env
+
+
+# (launcher, rank, world size, local rank) variables of each MPI launcher, in precedence order.
+_MPI_VARIABLES = (
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH and Intel MPI (Hydra)
+)
+
+
+def _mpi_names(environ: Mapping[str, str]) -> tuple[str, str, str, str] | None:
+    """The variable names of the MPI launcher whose rank and size are set, if any."""
+    for names in _MPI_VARIABLES:
+        if names[1] in environ and names[2] in environ:
+            return names
+    return None
+
+
+def _slurm_started_this(environ: Mapping[str, str]) -> bool:
+    """Whether the SLURM variables describe this process (see :func:`read_launch_env`)."""
+    if "SLURM_PROCID" not in environ or "SLURM_NTASKS" not in environ:
+        return False
+    mpi = _mpi_names(environ)
+    if mpi is None:
+        return True
+    slurm = (_int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS"))
+    return slurm == (_int(environ, mpi[1]), _int(environ, mpi[2]))
+
+
+def _rendezvous_host(environ: Mapping[str, str]) -> str | None:
+    """``MASTER_ADDR``, else the first node of the SLURM allocation (rank 0 runs there by
+    default under both srun and mpirun), else ``None``."""
+    nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    return environ.get("MASTER_ADDR") or (first_slurm_host(nodes) if nodes else None)
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -105,5 +156,5 @@ def _int(environ: Mapping[str, str], name: str, *, default: int | None = None) -
     except ValueError:
         raise ConfigError(
             f"The environment variable {name}={value!r} is not an integer; the launcher "
-            "(torchrun / srun) sets it. Unset it or fix the launch script."
+            "(torchrun / srun / mpirun) sets it. Unset it or fix the launch script."
         ) from None
