@@ -95,8 +95,6 @@ class GradSync:
     ``fsdp_wrap`` fill in. This base class is the single-process strategy and does nothing.
     """
 
-    name = "local"
-
     def micro_context(self, state: TrainState, sync: bool) -> ContextManager[Any]:
         """Entered around forward *and* backward of a micro-batch; ``sync`` is False on
         micro-batches whose gradients must stay local (DDP ``no_sync``)."""

@@ -48,8 +48,6 @@ class DdpSync(RankSync):
     """The ``GradSync`` of ``ddp_wrap``: ``no_sync`` on non-final micro-batches, and a manual
     all-reduce for a window closed by ``flush``."""
 
-    name = "ddp"
-
     def micro_context(
         self, state: TrainState, sync: bool
     ) -> contextlib.AbstractContextManager[Any]:

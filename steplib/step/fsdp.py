@@ -22,8 +22,6 @@ from steplib.step.ddp import RankSync, check_distributed_step
 class FsdpSync(RankSync):
     """The ``GradSync`` of ``fsdp_wrap``."""
 
-    name = "fsdp"
-
     def micro_context(
         self, state: TrainState, sync: bool
     ) -> contextlib.AbstractContextManager[Any]:
