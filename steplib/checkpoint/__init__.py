@@ -3,6 +3,9 @@
 * :func:`save`, :func:`load`, :func:`latest`, :func:`list_checkpoints`, :func:`prune`.
 * :class:`AsyncSaver`: snapshot now, write in a background thread.
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
+
+The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when the
+state's model is DDP or FSDP2 and a process group is initialised; see ``sharded.py``.
 """
 
 from steplib.checkpoint.background import AsyncSaver

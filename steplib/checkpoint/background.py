@@ -6,6 +6,10 @@ after the first save no memory is allocated or page-faulted while training waits
 checksumming and committing happen in a thread; torch's file writing and zlib's CRC release
 the GIL, so the training thread keeps running.
 
+A DDP or FSDP2 state is saved as a sharded (DCP) checkpoint (``sharded.py``): every rank
+snapshots its part, and the background threads of all ranks write and commit it together on a
+process group of their own (see ``AsyncSaver._checkpoint_group``).
+
 A second save waits for the first (the buffers are reused, and two commits in flight could
 land out of order). An error in the background is raised by the next ``save``, by ``wait``
 or by ``close``: it is never lost.
@@ -20,7 +24,9 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from steplib.checkpoint import sharded
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.save_load import SavePlan, prepare, write
@@ -48,6 +54,9 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict[_Path, torch.Tensor] = {}
+        self._sharded_buffers: dict[_Path, torch.Tensor] = {}
+        self._group: Any = None
+        self._group_of: Any = None
 
     def save(
         self,
@@ -76,22 +85,39 @@ class AsyncSaver:
                 save starts), or an argument error as for ``save``.
         """
         self.wait()
-        plan = prepare(
-            state,
-            directory,
-            data=data,
-            extras=extras,
-            step=step,
-            metrics=metrics,
-            storage_options=storage_options,
-            caller="AsyncSaver.save",
-        )
-        snapshot = SavePlan(plan.directory, plan.name, self._snapshot(plan.trees), plan.manifest)
+        arguments: dict[str, Any] = {
+            "data": data,
+            "extras": extras,
+            "step": step,
+            "metrics": metrics,
+            "storage_options": storage_options,
+            "caller": "AsyncSaver.save",
+        }
+        write_plan: Callable[[], Any]
+        if sharded.is_sharded(state):
+            # Every rank snapshots its part now and writes it in the background, on a process
+            # group of its own: see _checkpoint_group.
+            sharded_plan = sharded.prepare_sharded(state, directory, **arguments)
+            sharded_copy = sharded.snapshot_plan(sharded_plan, self._sharded_buffers)
+            group = self._checkpoint_group()
+            url, name = sharded_plan.url, sharded_plan.name
+
+            def write_plan() -> Any:
+                return sharded.write_sharded(sharded_copy, group=group)
+
+        else:
+            plan = prepare(state, directory, **arguments)
+            copy = SavePlan(plan.directory, plan.name, self._snapshot(plan.trees), plan.manifest)
+            url, name = plan.url, plan.name
+
+            def write_plan() -> Any:
+                return write(copy)
+
         self._thread = threading.Thread(
-            target=self._write, args=(snapshot, after), name=f"steplib-save-{plan.name}"
+            target=self._write, args=(write_plan, after), name=f"steplib-save-{name}"
         )
         self._thread.start()
-        return plan.url
+        return url
 
     @property
     def pending(self) -> bool:
@@ -123,6 +149,7 @@ class AsyncSaver:
             self.wait()
         finally:
             self._buffers = {}
+            self._sharded_buffers = {}
 
     def __enter__(self) -> AsyncSaver:
         return self
@@ -135,9 +162,23 @@ class AsyncSaver:
     ) -> None:
         self.close()
 
-    def _write(self, plan: SavePlan, after: Callable[[], Any] | None) -> None:
+    def _checkpoint_group(self) -> Any:
+        """The process group the background sharded saves communicate on, created on the
+        first one (by every rank, as ``new_group`` requires) and reused by the next ones.
+
+        Training keeps issuing collectives on the default group while DCP writes in the
+        background; two threads issuing collectives on one gloo group mix their messages up
+        and crash. A gloo group also keeps DCP's small metadata exchanges off the GPU.
+        """
+        world = dist.group.WORLD
+        if self._group is None or self._group_of is not world:  # a new default group
+            self._group = dist.new_group(backend="gloo")
+            self._group_of = world
+        return self._group
+
+    def _write(self, write_plan: Callable[[], Any], after: Callable[[], Any] | None) -> None:
         try:
-            write(plan)
+            write_plan()
             if after is not None:
                 after()
         except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller

@@ -25,6 +25,7 @@ from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.retention import check_retention, prune
 from steplib.checkpoint.save_load import save
+from steplib.checkpoint.sharded import prunes_here
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 from steplib.state import TrainState
@@ -158,12 +159,15 @@ class Checkpointer:
             "metrics": self.metrics(event),
             "storage_options": self.storage_options,
         }
+        # A sharded checkpoint is pruned by rank 0 alone: the ranks share one directory.
+        prune = self._prune if prunes_here(state) else None
         if self._saver is not None and not blocking:
-            url = self._saver.save(state, self.directory, after=self._prune, **arguments)
+            url = self._saver.save(state, self.directory, after=prune, **arguments)
         else:
             self.wait()
             url = save(state, self.directory, **arguments)
-            self._prune()
+            if prune is not None:
+                prune()
         self._saved_at = _position(state)
         self.last_saved = url
         return url

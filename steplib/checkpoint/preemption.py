@@ -1,5 +1,10 @@
 """``preemption``: SIGTERM / SIGUSR1 become a checkpoint at the next update and a clean stop.
 
+With a sharded (DDP / FSDP2) state the ranks agree on the flag at every update boundary (one
+tiny all-reduce on a gloo group of their own: CPU only, no GPU sync): a signal seen by one rank
+only, or by two ranks one update apart, makes every rank save the same update and stop, instead
+of one rank entering the save's collectives while another trains on (a hang).
+
 Imports ``events``, ``state``, ``errors`` and the checkpoint package only (never the loop or
 the step).
 """
@@ -12,7 +17,11 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from steplib.checkpoint.handlers import Checkpointer
+from steplib.checkpoint.sharded import is_sharded
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Stop
 
@@ -31,6 +40,8 @@ class Preemption:
         self.received: int | None = None
         self.saved: str | None = None
         self._previous: dict[int, Any] = {}
+        self._group: Any = None  # the gloo group sharded ranks agree on, and its default group
+        self._group_of: Any = None
 
     def attach(self, events: Events) -> Events:
         """Register on ``fit_start`` (install), ``step_end``, ``fit_end`` and ``exception``.
@@ -62,11 +73,19 @@ class Preemption:
                 "there. Call run() from the main thread, or leave preemption out."
             )
         self.received, self.saved = None, None
+        if is_sharded(event.state) and (
+            self._group is None or self._group_of is not dist.group.WORLD
+        ):
+            # Created here, where every rank is (new_group is a collective), and reused.
+            self._group = dist.new_group(backend="gloo")
+            self._group_of = dist.group.WORLD
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_step_end(self, event: Event) -> Stop | None:
-        """After a signal: save now, at this update boundary, and stop the loop."""
+        """After a signal (on any rank of a sharded state): save now, at this update
+        boundary, and stop the loop."""
+        self._agree(event)
         if self.received is None:
             return None
         self.saved = self.checkpointer.save(event, blocking=True)
@@ -76,6 +95,8 @@ class Preemption:
 
     def on_fit_end(self, event: Event) -> None:
         """Save if a signal came after the last update, then restore the signal handlers."""
+        if self.saved is None:
+            self._agree(event)
         if self.received is not None and self.saved is None:
             self.saved = self.checkpointer.save(event, blocking=True)
         self._uninstall()
@@ -83,6 +104,15 @@ class Preemption:
     def on_exception(self, event: Event) -> None:
         """Restore the signal handlers."""
         self._uninstall()
+
+    def _agree(self, event: Event) -> None:
+        """Sharded: every rank takes the signal any rank received (the largest number)."""
+        if self._group is None or not is_sharded(event.state):
+            return
+        flag = torch.tensor([self.received or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if self.received is None and int(flag) != 0:
+            self.received = int(flag)  # another rank was signalled: this one saves too
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here would run in the middle of whatever Python was doing

@@ -74,6 +74,10 @@ def save(
 ) -> str:
     """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
 
+    With a DDP or FSDP2 model and an initialised process group it is a sharded checkpoint
+    (torch.distributed.checkpoint): call it on every rank at the same update (it is a
+    collective); each rank writes its shard, rank 0 the manifest. See ``sharded.py``.
+
     Args:
         state: the TrainState to save: model, optimizer, scheduler, scaler, every counter, the
             accumulation window (with its gradients when one is open) and ``state.extras``.
@@ -144,6 +148,10 @@ def load(
     position is loaded into ``data``, the global RNG states (torch, CUDA, numpy, ``random``)
     are set, and a new state with the saved counters and extras is returned. Files are read
     with ``torch.load(..., weights_only=True)``: loading never runs pickled code.
+
+    A sharded checkpoint (saved by DDP or FSDP2 ranks) loads into any number of ranks and
+    into a plain module (DCP reshards); a DDP or FSDP2 state loads it on every rank together.
+    DCP reads its own ``.metadata`` file with pickle, after its checksum has passed.
 
     Args:
         url: a checkpoint URL, as returned by :func:`save` or :func:`latest`.

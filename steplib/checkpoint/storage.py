@@ -299,9 +299,15 @@ def verify_local(location: Location, record: FileRecord, *, checkpoint: str) -> 
     _check(location, record, size, crc, checkpoint=checkpoint)
 
 
+def _label(location: Location, checkpoint: str) -> str:
+    # The file's path inside the checkpoint: sharded checkpoints have a subdirectory (dcp/).
+    prefix = checkpoint.rstrip("/") + "/"
+    return location.url[len(prefix) :] if location.url.startswith(prefix) else location.name
+
+
 def _missing(location: Location, checkpoint: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
-        f"checkpoint {checkpoint}: its file {location.name} is missing although the "
+        f"checkpoint {checkpoint}: its file {_label(location, checkpoint)} is missing although the "
         "manifest lists it; the checkpoint was damaged after it was written. Use an older "
         "checkpoint (latest() and resume_from() skip this one)."
     )
@@ -310,16 +316,16 @@ def _missing(location: Location, checkpoint: str) -> CorruptCheckpointError:
 def _check(location: Location, record: FileRecord, size: int, crc: int, *, checkpoint: str) -> None:
     if size != record.size:
         raise CorruptCheckpointError(
-            f"checkpoint {checkpoint}: its file {location.name} has {size} bytes, the "
-            f"manifest says {record.size}: it was truncated or overwritten after the commit. "
-            "Use an older checkpoint (latest() and resume_from() skip this one)."
+            f"checkpoint {checkpoint}: its file {_label(location, checkpoint)} has {size} "
+            f"bytes, the manifest says {record.size}: it was truncated or overwritten after "
+            "the commit. Use an older checkpoint (latest() and resume_from() skip this one)."
         )
     if f"{crc:08x}" != record.crc32:
         raise CorruptCheckpointError(
-            f"checkpoint {checkpoint}: its file {location.name} has CRC32 {crc:08x}, the "
-            f"manifest says {record.crc32}: its bytes were altered after the commit (disk or "
-            "transfer corruption). Use an older checkpoint (latest() and resume_from() skip "
-            "this one)."
+            f"checkpoint {checkpoint}: its file {_label(location, checkpoint)} has CRC32 "
+            f"{crc:08x}, the manifest says {record.crc32}: its bytes were altered after the "
+            "commit (disk or transfer corruption). Use an older checkpoint (latest() and "
+            "resume_from() skip this one)."
         )
 
 
