@@ -1,6 +1,6 @@
 """steplib: a functional, composable training toolkit for PyTorch."""
 
-from steplib import checkpoint, data
+from steplib import checkpoint, data, export, seeding
 from steplib.activation_checkpointing import checkpoint_activations
 from steplib.checkpoint import (
     AsyncSaver,
@@ -26,6 +26,7 @@ from steplib.ema import EMA
 from steplib.errors import ConfigError, LossFnError, StepLibError, TooManySkipsError
 from steplib.evaluation import EvalStep, Evaluator, evaluate, make_eval_step
 from steplib.events import EVENT_NAMES, Event, Events, NewState, Stop
+from steplib.export import ExportBest, ExportError, export_best, export_model
 from steplib.logging import (
     ConsoleLogger,
     CSVLogger,
@@ -41,8 +42,10 @@ from steplib.metrics import TrainMetrics
 from steplib.profiling import Profiler
 from steplib.progress import ProgressBar
 from steplib.schedules import accumulation_steps, warmup_constant, warmup_cosine, warmup_linear
+from steplib.seeding import loader_generator, seed_everything, seeded_worker_init_fn
 from steplib.state import StepOutput, TrainState
 from steplib.step import (
+    AnomalyError,
     CompileStats,
     GradSync,
     Step,
@@ -51,6 +54,7 @@ from steplib.step import (
     clip,
     compile_step,
     ddp_wrap,
+    detect_anomaly,
     fsdp_wrap,
     make_train_step,
     skip_nonfinite,
@@ -63,6 +67,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EMA",
     "EVENT_NAMES",
+    "AnomalyError",
     "AsyncSaver",
     "BestValue",
     "CSVLogger",
@@ -77,6 +82,8 @@ __all__ = [
     "Evaluator",
     "Event",
     "Events",
+    "ExportBest",
+    "ExportError",
     "GradNormMonitor",
     "GradSync",
     "JsonlLogger",
@@ -113,17 +120,25 @@ __all__ = [
     "count_flops",
     "data",
     "ddp_wrap",
+    "detect_anomaly",
     "evaluate",
     "event_record",
+    "export",
+    "export_best",
+    "export_model",
     "flops_per_batch",
     "fsdp_wrap",
     "iterate",
+    "loader_generator",
     "make_eval_step",
     "make_train_step",
     "preemption",
     "resumable_loader",
     "resume_from",
     "run",
+    "seed_everything",
+    "seeded_worker_init_fn",
+    "seeding",
     "skip_nonfinite",
     "tap",
     "warmup_constant",

@@ -2,6 +2,7 @@
 
 from steplib.step.accumulate import accumulate
 from steplib.step.amp import amp_wrap
+from steplib.step.anomaly import AnomalyError, detect_anomaly
 from steplib.step.clip import clip
 from steplib.step.compile import CompileStats, compile_step
 from steplib.step.core import GradSync, Step, make_train_step
@@ -11,6 +12,7 @@ from steplib.step.skip import skip_nonfinite
 from steplib.step.tap import tap
 
 __all__ = [
+    "AnomalyError",
     "CompileStats",
     "GradSync",
     "Step",
@@ -19,6 +21,7 @@ __all__ = [
     "clip",
     "compile_step",
     "ddp_wrap",
+    "detect_anomaly",
     "fsdp_wrap",
     "make_train_step",
     "skip_nonfinite",

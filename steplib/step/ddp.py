@@ -105,6 +105,12 @@ def check_distributed_step(step: Step, name: str) -> None:
             "torch.distributed.init_process_group(...)) before building the step."
         )
     for done, _ in step.applied:
+        if done == "detect_anomaly":
+            raise ConfigError(
+                f"{name} was applied after detect_anomaly; it replaces the gradient-sync hook "
+                f"detect_anomaly wraps, so anomaly detection would be silently lost. Apply "
+                f"detect_anomaly last: detect_anomaly({name}(step))."
+            )
         if done in ("ddp_wrap", "fsdp_wrap"):
             raise ConfigError(
                 f"{name} was given a step already wrapped by {done}; a step is distributed "

@@ -1,0 +1,358 @@
+"""Model export: the weights only, in one file, loadable without steplib.
+
+A checkpoint (``steplib.checkpoint``) is for resuming: optimizer, counters, RNG and data
+position, possibly sharded. An export is for using the model: one file holding
+``model.state_dict()`` with the names of the plain module (no DDP ``module.`` or
+``torch.compile`` ``_orig_mod.`` prefixes), gathered from every FSDP2 shard, on CPU::
+
+    export_model(state, "runs/exp/model.safetensors", format="safetensors")
+
+    # anywhere, with torch (and safetensors) only:
+    model.load_state_dict(torch.load("model.pt", weights_only=True))
+    model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+
+:func:`export_best` is the handler that exports only when a monitored value improves, next to
+(and independent of) ``checkpoint_every``'s own retention.
+
+Imports ``state``, ``events``, ``control``, ``distributed`` and the checkpoint package's
+storage (never ``loop`` or ``step``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from steplib import _checks
+from steplib.checkpoint.storage import Location, resolve
+from steplib.control import BestValue, _monitored
+from steplib.distributed import rank, world_size
+from steplib.errors import ConfigError, StepLibError, describe
+from steplib.events import Event
+from steplib.state import TrainState
+
+FORMATS = ("torch", "safetensors")
+
+
+class ExportError(StepLibError, RuntimeError):
+    """Writing an export failed (on rank 0; the other ranks raise this too, so none hangs)."""
+
+
+def export_model(
+    state: TrainState | nn.Module,
+    url: str,
+    *,
+    format: str = "torch",
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """Write the model's weights (``state_dict``: parameters and buffers) to one file.
+
+    Under DDP or FSDP2 every rank must call it (FSDP2 gathers the shards with a collective);
+    rank 0 writes, and every rank returns once the file is complete. A local file is written
+    under a temporary name and renamed, so a reader never sees half a file; on object stores
+    the upload is committed when it completes.
+
+    Args:
+        state: a ``TrainState`` (its model is exported) or a module; DDP, FSDP2 and
+            ``torch.compile`` wrappers are looked through.
+        url: the file: a local path or an fsspec URL (``s3://bucket/model.safetensors``).
+        format: ``"torch"`` (``torch.save`` of a dict of tensors; load it with
+            ``torch.load(path, weights_only=True)``) or ``"safetensors"`` (load with
+            ``safetensors.torch.load_file``; needs ``pip install 'steplib[safetensors]'``).
+            Tensors that share memory (tied weights) are written once each in safetensors.
+        storage_options: passed to fsspec.
+
+    Returns:
+        The URL written.
+
+    Raises:
+        ConfigError: an unknown ``format``, safetensors not installed, a bad ``url`` or
+            ``state``.
+        ExportError: the write failed (raised on every rank).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> url = export_model(model, "memory://doctest-export/model.pt")
+        >>> import fsspec
+        >>> with fsspec.open(url, "rb") as f:
+        ...     weights = torch.load(f, weights_only=True)
+        >>> sorted(weights), torch.equal(weights["weight"], model.weight)
+        (['bias', 'weight'], True)
+    """
+    _check_format("export_model", format)
+    location = resolve(url, storage_options, caller="export_model")
+    model = _unwrapped(state)
+    tensors = full_state_dict(model)  # a collective under FSDP2: every rank is here
+    error: BaseException | None = None
+    if rank() == 0:
+        try:
+            _write(location, tensors, format)
+        except Exception as err:  # reported to every rank below, raised here after
+            error = err
+    if not _every_rank_ok(error is None, _device_of(model)):
+        if error is not None:
+            raise ExportError(
+                f"export_model could not write {location.url}: {error}. Check that the "
+                "location is writable (permissions, credentials, free space)."
+            ) from error
+        raise ExportError(
+            f"export_model: rank 0 could not write {location.url} (its error says why)."
+        )
+    return location.url
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole ``state_dict`` of ``model`` on CPU, on rank 0 (``{}`` on the other ranks).
+
+    FSDP2-sharded parameters are gathered with
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (a collective: call it on
+    every rank); replicated (DDP) or plain models are read on rank 0 only.
+
+    Example:
+        >>> sorted(full_state_dict(torch.nn.BatchNorm1d(2)))
+        ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
+    """
+    model = _unwrapped(model)
+    if any(_is_sharded(p) for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        gathered = get_model_state_dict(model, options=options)
+        return cast(dict[str, torch.Tensor], gathered)  # a model's state: tensors only
+    if rank() != 0:
+        return {}
+    return {name: value.detach().cpu() for name, value in model.state_dict().items()}
+
+
+def _is_sharded(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "full_tensor")  # a DTensor (FSDP2, tensor parallel)
+
+
+def _unwrapped(state: Any) -> nn.Module:
+    model: Any = state.model if isinstance(state, TrainState) else state
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"export_model received {describe(state)} where a TrainState or an nn.Module was "
+            "expected. Pass the state (its model is exported) or the module itself."
+        )
+    while True:  # DDP(compile(m)), compile(DDP(m)), ...: the names of the plain module
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(inner, nn.Module):
+            model = inner
+        else:
+            return model
+
+
+def _check_format(owner: str, format: Any) -> None:
+    if format not in FORMATS:
+        raise ConfigError(
+            f"{owner}(format=...) received {describe(format)}; the formats are 'torch' "
+            "(torch.load(path, weights_only=True)) and 'safetensors' "
+            "(safetensors.torch.load_file). Pass e.g. format='safetensors'."
+        )
+    if format == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError as err:
+            raise ConfigError(
+                f"{owner}(format='safetensors') needs the safetensors package, which is not "
+                f"installed ({err}). Install the extra: pip install 'steplib[safetensors]', "
+                "or export with format='torch'."
+            ) from None
+
+
+def _write(location: Location, tensors: dict[str, torch.Tensor], format: str) -> None:
+    parent = location.path.rsplit("/", 1)[0] if "/" in location.path else ""
+    if parent:
+        location.fs.makedirs(parent, exist_ok=True)
+    if not location.is_local:  # object stores: the object appears when the upload completes
+        with location.fs.open(location.path, "wb") as file:
+            if format == "safetensors":
+                import safetensors.torch
+
+                file.write(safetensors.torch.save(_independent(tensors), {"format": "pt"}))
+            else:
+                torch.save(tensors, file)
+        return
+    # Local: a temporary name in the same directory, fsync'ed, then renamed over the target.
+    temporary = f"{parent or '.'}/.tmp-{location.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        if format == "safetensors":
+            import safetensors.torch
+
+            safetensors.torch.save_file(_independent(tensors), temporary, {"format": "pt"})
+        else:
+            with open(temporary, "wb") as file:
+                torch.save(tensors, file)
+        with open(temporary, "rb+") as file:
+            os.fsync(file.fileno())
+        os.replace(temporary, location.path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    directory = os.open(parent or ".", os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)
+
+
+def _independent(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors that share no memory: safetensors refuses shared storage (tied
+    weights), and a copy of each is what a reader of the file gets anyway."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and pointer in seen:
+            tensor = tensor.clone()
+        seen.add(pointer)
+        out[name] = tensor
+    return out
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _every_rank_ok(ok: bool, device: torch.device) -> bool:
+    """``ok`` AND-ed over the ranks: also the barrier after rank 0's write."""
+    if world_size() == 1:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)  # NCCL reduces device tensors
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class ExportBest:
+    """Export the model whenever ``state.extras[monitor]`` improves. Build it with
+    :func:`export_best`; register it after the evaluation handler, on the same event and
+    interval (like ``EarlyStopping``), so each call sees a fresh value."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        monitor: str,
+        mode: str,
+        min_delta: float,
+        format: str,
+        storage_options: Mapping[str, Any] | None,
+    ) -> None:
+        self.url = url
+        self.monitor = monitor
+        self.format = format
+        self.storage_options = storage_options
+        self.best = BestValue(mode=mode, min_delta=min_delta)
+
+    def __call__(self, event: Event) -> None:
+        """Export ``event.state`` if the monitored value improved on the best so far."""
+        value = _monitored("export_best", self.monitor, event)
+        # Rank 0's value decides on every rank: under FSDP2 the export is a collective, and
+        # a rank that decided otherwise would leave the others waiting in it.
+        value = _from_rank0(value, getattr(event.state, "device", torch.device("cpu")))
+        if self.best.update(value, step=event.step):
+            export_model(
+                event.state, self.url, format=self.format, storage_options=self.storage_options
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The best value and its step (save it with a checkpoint's ``extras``)."""
+        return {"best": self.best.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a resumed run exports only on a new best)."""
+        self.best.load_state_dict(state["best"])
+
+    def __repr__(self) -> str:
+        return f"export_best({self.url!r}, monitor={self.monitor!r}, mode={self.best.mode!r})"
+
+
+def _from_rank0(value: float, device: torch.device) -> float:
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(tensor, src=0)
+    return float(tensor.item())
+
+
+def export_best(
+    url: str,
+    *,
+    monitor: str,
+    mode: str = "min",
+    min_delta: float = 0.0,
+    format: str = "torch",
+    storage_options: Mapping[str, Any] | None = None,
+) -> ExportBest:
+    """A handler that exports the model (:func:`export_model`) each time ``monitor`` improves.
+
+    The file at ``url`` always holds the best model so far. Register it after the handler that
+    puts ``monitor`` in ``state.extras``, on the same event and interval::
+
+        evaluator = Evaluator(..., every=500, monitor="val_loss")
+        evaluator.attach(events)
+        events.on("step_end", export_best("runs/exp/best.safetensors", monitor="val_loss",
+                                          format="safetensors"), every=500)
+
+    Args:
+        url: the file to (over)write: a local path or an fsspec URL.
+        monitor: the name in ``state.extras`` (e.g. ``"val_loss"``, ``"ood_acc"``).
+        mode: ``"min"`` or ``"max"``: which direction is better.
+        min_delta: an improvement must beat the best by more than this.
+        format: ``"torch"`` or ``"safetensors"`` (see :func:`export_model`).
+        storage_options: passed to fsspec.
+
+    Returns:
+        An :class:`ExportBest` handler (``.best`` holds the best value and its step).
+
+    Raises:
+        ConfigError: a bad argument, or safetensors missing (at build time); at a call,
+            ``monitor`` missing from ``state.extras`` (the message lists what is there).
+
+    Example:
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> def fake_eval(event):  # an evaluator would put a real value here
+        ...     from steplib import NewState
+        ...     extras = {"val_loss": [3.0, 1.0, 2.0][event.step - 1]}
+        ...     return NewState(event.state.replace(extras=extras))
+        >>> exporter = export_best("memory://doctest-best/model.pt", monitor="val_loss")
+        >>> events = Events()
+        >>> _ = events.on("step_end", fake_eval).on("step_end", exporter)
+        >>> state = run(make_train_step(lambda m, b: m(b).sum()), state, [torch.ones(1, 2)] * 3,
+        ...             events=events)
+        >>> exporter.best.value, exporter.best.step
+        (1.0, 2)
+    """
+    if not isinstance(monitor, str) or not monitor:
+        raise ConfigError(
+            f"export_best(monitor=...) received {describe(monitor)}; pass the name of a value "
+            "in state.extras, e.g. export_best(url, monitor='val_loss')."
+        )
+    _checks.mode("export_best", mode)
+    _check_format("export_best", format)
+    resolve(url, storage_options, caller="export_best")  # a bad URL fails now, not at a best
+    return ExportBest(
+        url,
+        monitor=monitor,
+        mode=mode,
+        min_delta=min_delta,
+        format=format,
+        storage_options=storage_options,
+    )
