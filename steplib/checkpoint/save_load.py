@@ -44,6 +44,7 @@ from steplib.checkpoint.manifest import (
     checkpoint_name,
     library_versions,
 )
+from steplib.checkpoint.sharded_load import load_sharded
 from steplib.checkpoint.storage import FileRecord, Location
 from steplib.state import TrainState
 
@@ -184,7 +185,7 @@ def load(
     location = storage.resolve(url, storage_options, caller="load")
     manifest = read_manifest(location)
     if manifest.layout == SHARDED:  # written by DCP (sharded.py); loads into any world size
-        return sharded.load_sharded(
+        return load_sharded(
             location,
             manifest,
             state,

@@ -10,6 +10,7 @@ from steplib.distributed.process_group import (
     shutdown,
     world_size,
 )
+from steplib.distributed.sharding import shard_check
 
 __all__ = [
     "LaunchEnv",
@@ -22,6 +23,7 @@ __all__ = [
     "is_parallel_model",
     "rank",
     "read_launch_env",
+    "shard_check",
     "shutdown",
     "world_size",
 ]

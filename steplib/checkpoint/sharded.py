@@ -1,0 +1,288 @@
+"""Sharded checkpoints: the model and optimizer of a DDP or FSDP2 state through
+torch.distributed.checkpoint (DCP) and fsspec, with the guarantees of the single-process ones.
+
+``steplib.checkpoint.save`` / ``load`` / ``AsyncSaver`` come here by themselves when the state's
+model is DDP or FSDP2 and a process group is initialised; every rank must call them (they are
+collectives). A sharded checkpoint is a directory like any other (same names, same listing,
+same retention), holding::
+
+    step-00000120/
+      dcp/.metadata, dcp/__0_0.distcp, ...  DCP: model and optimizer tensors; each rank writes
+                                            its shard, replicated tensors are written once
+      rank-00000.pt, rank-00001.pt, ...     torch.save, one per rank: that rank's train state
+                                            (counters, window, scheduler, scaler, extras,
+                                            RNG states, data position) and the non-tensor
+                                            part of the model and optimizer state dicts
+      manifest.json                         written last, by rank 0: size and CRC32 of every
+                                            file above, the counters, and the world size
+
+The commit is the one of ``storage``: every rank writes into a staging directory that rank 0
+opened; once every rank has reported its files (with their checksums, computed while they
+were written) rank 0 writes the manifest and renames the directory (or, on an object store,
+the manifest written last is the commit). Every rank learns the outcome from rank 0, so all
+of them return the same URL or raise the same error; none is left waiting in a collective.
+
+Loading (``sharded_load.py``) goes through ``get_state_dict`` / ``set_state_dict`` of
+``torch.distributed.checkpoint.state_dict``, whose parameter names are the same for DDP,
+FSDP2 and a plain module, and DCP reshards: a checkpoint of 2 ranks loads into 1 rank, 4 ranks,
+or a plain module in a process without a process group. On another world size, what belongs
+to one rank cannot be mapped onto another: the RNG states are not restored, a data position
+and an open accumulation window are refused (``ConfigError`` with the fix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from steplib.checkpoint import storage
+from steplib.checkpoint.contents import (
+    check_arguments,
+    check_metrics,
+    check_plain,
+    train_state_tree,
+    window_grads,
+)
+from steplib.checkpoint.errors import CheckpointError
+from steplib.checkpoint.manifest import (
+    MANIFEST,
+    SHARDED,
+    Manifest,
+    checkpoint_name,
+    library_versions,
+)
+from steplib.checkpoint.sharded_io import (
+    ChecksumWriter,
+    dcp_errors,
+    snapshot,
+    split,
+)
+from steplib.checkpoint.storage import FileRecord, Location
+from steplib.distributed.parallelize import is_parallel_model
+from steplib.errors import ConfigError
+from steplib.state import TrainState
+
+DCP_DIR = "dcp"
+# The distribution may change between the saving and the resuming run (that is resharding).
+DISTRIBUTION_WRAPPERS = frozenset({"ddp_wrap", "fsdp_wrap"})
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s train-state file inside a sharded checkpoint."""
+    return f"rank-{rank:05d}.pt"
+
+
+def is_sharded(state: Any) -> bool:
+    """Whether ``state`` is saved as a sharded checkpoint: its model is DDP or FSDP2 and a
+    process group is initialised."""
+    model = getattr(state, "model", None)
+    return (
+        isinstance(model, torch.nn.Module)
+        and dist.is_available()
+        and dist.is_initialized()
+        and is_parallel_model(model)
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardedPlan:
+    """What one rank writes for a sharded save, gathered at one moment (live tensors until
+    :func:`snapshot_plan` copies them)."""
+
+    directory: Location
+    name: str
+    tensors: dict[str, Any]  # for DCP: {"model": ..., "optimizer": {"state": ...}}
+    rank_tree: dict[str, Any]  # this rank's torch.save file
+    manifest: Manifest  # rank 0's; its ``files`` are filled in by ``write_sharded``
+    storage_options: Mapping[str, Any]
+
+    @property
+    def url(self) -> str:
+        return self.directory.child(self.name).url
+
+
+def prepare_sharded(
+    state: TrainState,
+    directory: str,
+    *,
+    data: Any,
+    extras: Mapping[str, Any] | None,
+    step: Any,
+    metrics: Mapping[str, Any] | None,
+    storage_options: Mapping[str, Any] | None,
+    caller: str,
+) -> ShardedPlan:
+    """Check the arguments and gather this rank's part of a sharded save.
+
+    Raises:
+        ConfigError: a bad argument, or an FSDP2 state inside an open accumulation window.
+    """
+    extras = check_arguments(caller, state, data=data, extras=extras, step=step)
+    location = storage.resolve(directory, storage_options, caller=caller)
+    numbers = check_metrics(metrics, caller)
+    model, optimizer = state.model, state.optimizer
+    grads = None
+    if state.window_size > 0:
+        if not isinstance(model, DistributedDataParallel):
+            # FSDP2 keeps the window's gradients unsharded inside its parameter groups, with
+            # no public way to read them back; saving without them would resume wrongly.
+            raise ConfigError(
+                f"{caller}: the state is inside an open accumulation window "
+                f"({state.window_size} micro-batches done) of an FSDP2 model, whose "
+                "unsynchronised gradients cannot be saved. Save between windows: "
+                "checkpoint_every and preemption() do; or save when out.did_update is True."
+            )
+        grads = window_grads(model)
+    model_sd = get_model_state_dict(model)
+    # get_optimizer_state_dict initialises an empty optimizer state by stepping it once with
+    # lr=0, which changes what the next real step computes (Adam's step count). Before the
+    # first update there is no state to save anyway: only the hyperparameters are saved.
+    has_state = bool(optimizer.state)
+    optim_sd = get_optimizer_state_dict(model, optimizer) if has_state else {}
+    tensors, plain = split({"model": model_sd, "optimizer": optim_sd})
+    rank_tree = {
+        "plain": plain,
+        "optimizer": {
+            "has_state": has_state,
+            "groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+            ],
+            "group_sizes": [len(g["params"]) for g in optimizer.param_groups],
+        },
+        "train_state": train_state_tree(state, data=data, extras=extras),
+        "window_grads": grads,
+    }
+    check_plain(rank_tree, rank_file(dist.get_rank()))
+    name = checkpoint_name(state.step, state.micro_step, state.window_size)
+    fingerprint = None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
+    manifest = Manifest(
+        name=name,
+        step=state.step,
+        micro_step=state.micro_step,
+        epoch=state.epoch,
+        window_size=state.window_size,
+        time=time.time(),
+        metrics=numbers,
+        fingerprint=fingerprint,
+        versions=library_versions(),
+        files={},
+        layout=SHARDED,
+        world_size=dist.get_world_size(),
+    )
+    return ShardedPlan(location, name, tensors, rank_tree, manifest, dict(storage_options or {}))
+
+
+def snapshot_plan(plan: ShardedPlan, buffers: dict[Any, torch.Tensor]) -> ShardedPlan:
+    """``plan`` with every tensor copied to CPU (into ``buffers``, reused by the next call),
+    so that training may go on while it is written."""
+    copied = snapshot({"tensors": plan.tensors, "rank": plan.rank_tree}, buffers)
+    return dataclasses.replace(plan, tensors=copied["tensors"], rank_tree=copied["rank"])
+
+
+def prunes_here(state: Any) -> bool:
+    """Whether this process prunes after saving ``state``: rank 0 alone for a sharded
+    checkpoint (the ranks share one directory), every process otherwise."""
+    return not is_sharded(state) or dist.get_rank() == 0
+
+
+def write_sharded(plan: ShardedPlan, *, group: Any = None, fsync: bool = True) -> str:
+    """Write this rank's part of ``plan`` and commit the checkpoint together with every other
+    rank of ``group`` (the default group when ``None``); return its URL on every rank.
+
+    Raises:
+        CheckpointError: any rank failed (the same error on every rank; nothing committed).
+    """
+    me = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+
+    # 1. Rank 0 opens the staging directory; every rank learns its path (or the failure).
+    opened: list[Any] = [None, None]
+    if me == 0:
+        try:
+            staging = storage.begin(plan.directory, plan.name)
+            if not staging.is_local and storage.exists(staging.child(DCP_DIR)):
+                staging.fs.rm(staging.child(DCP_DIR).path, recursive=True)  # an older save's
+            opened[0] = staging.path
+        except Exception as err:  # reported to every rank below, raised on every rank
+            opened[1] = f"rank 0: {type(err).__name__}: {err}"
+    dist.broadcast_object_list(opened, src=src, group=group)
+    if opened[1] is not None:
+        raise _failed(plan, [opened[1]])
+    staging = Location(
+        plan.directory.child(opened[0].rstrip("/").rsplit("/", 1)[-1]).url,
+        plan.directory.fs,
+        opened[0],
+    )
+
+    try:
+        # 2. DCP: every rank writes its shard, rank 0 also the .metadata. DCP gathers the
+        # failures itself and raises on every rank.
+        written: dict[str, FileRecord] = {}
+        writer = ChecksumWriter(
+            staging.child(DCP_DIR).url,
+            records=written,
+            # An object store's files have no fsync; DCP would call os.sync() for each instead.
+            sync_files=fsync and staging.is_local,
+            **plan.storage_options,
+        )
+        with dcp_errors("write", plan.url):
+            dcp.save(plan.tensors, storage_writer=writer, process_group=group)
+
+        # 3. This rank's train-state file.
+        mine = {f"{DCP_DIR}/{name}": record for name, record in written.items()}
+        failure = None
+        try:
+            name = rank_file(me)
+            mine[name] = storage.write_tensors(staging.child(name), plan.rank_tree, fsync=fsync)
+        except Exception as err:  # reported to every rank below, raised on every rank
+            failure = f"rank {me}: {type(err).__name__}: {err}"
+        reports: list[Any] = [None] * world
+        dist.all_gather_object(reports, (mine, failure), group=group)
+        failures = [f for _, f in reports if f is not None]
+        if failures:
+            raise _failed(plan, failures)
+
+        # 4. Rank 0 writes the manifest (the commit) and tells every rank how it went.
+        outcome: list[Any] = [None]
+        if me == 0:
+            try:
+                files = {k: v for records, _ in reports for k, v in records.items()}
+                manifest = dataclasses.replace(plan.manifest, files=dict(sorted(files.items())))
+                storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
+                outcome[0] = ("ok", storage.commit(plan.directory, staging, plan.name).url)
+            except Exception as err:  # reported to every rank below, raised on every rank
+                outcome[0] = ("error", f"rank 0: {type(err).__name__}: {err}")
+        dist.broadcast_object_list(outcome, src=src, group=group)
+        status, detail = outcome[0]
+        if status != "ok":
+            raise _failed(plan, [detail])
+        return str(detail)
+    except CheckpointError:
+        # Every rank is here (the failures above are agreed on by all of them); the barrier
+        # makes "save raised" mean "the staging directory is gone" on every rank.
+        if me == 0 and staging.is_local:
+            storage.remove(staging)
+        dist.barrier(group=group)
+        raise
+
+
+def _failed(plan: ShardedPlan, failures: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"save could not write the sharded checkpoint {plan.url} ({'; '.join(failures)}). Pass "
+        "a directory that every rank can write to (one shared filesystem or object store for "
+        "all nodes; check the path, permissions, free space and credentials); nothing was "
+        "committed and older checkpoints are intact."
+    )

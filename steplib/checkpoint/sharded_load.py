@@ -1,0 +1,266 @@
+"""Loading a sharded checkpoint (see ``sharded.py`` for what it holds): verified by all ranks
+together, checked against the state before anything changes, resharded by DCP into any world
+size or a plain module.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from steplib.checkpoint import storage
+from steplib.checkpoint.contents import (
+    check_fingerprint,
+    check_model,
+    check_optimizer,
+    check_train_state,
+    restore_train_state,
+)
+from steplib.checkpoint.errors import CorruptCheckpointError
+from steplib.checkpoint.manifest import Manifest
+from steplib.checkpoint.sharded import DCP_DIR, DISTRIBUTION_WRAPPERS, is_sharded, rank_file
+from steplib.checkpoint.sharded_io import (
+    MetadataReader,
+    dcp_errors,
+    merge,
+    no_dist_warning_silenced,
+    split,
+)
+from steplib.checkpoint.storage import Location
+from steplib.errors import ConfigError
+from steplib.state import TrainState
+
+
+def load_sharded(
+    location: Location,
+    manifest: Manifest,
+    state: TrainState,
+    *,
+    data: Any,
+    extras: Mapping[str, Any],
+    step: Any,
+    storage_options: Mapping[str, Any] | None,
+) -> TrainState:
+    """Load a verified sharded checkpoint into ``state`` (see ``steplib.checkpoint.load``).
+
+    For a DDP or FSDP2 state every rank must call it (it is a collective); a plain module
+    loads in this process alone.
+
+    Raises:
+        CorruptCheckpointError: a file is missing, truncated or altered (named; every rank
+            raises it).
+        ConfigError: the checkpoint does not fit ``state``, or per-rank state (a data
+            position, an open window) is asked for on another world size.
+    """
+    url = location.url
+    check_fingerprint(manifest.fingerprint, step, checkpoint=url, ignore=DISTRIBUTION_WRAPPERS)
+    # Collectives only for a DDP/FSDP2 state, whose ranks all load together; a plain module
+    # loads alone (e.g. on rank 0 only, for evaluation), even inside a distributed job.
+    distributed = is_sharded(state)
+    me = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    _verify(location, manifest, me=me, world=world)
+
+    same_world = world == manifest.world_size
+    own = rank_file(me if same_world else 0)
+    if own not in manifest.files:
+        raise CorruptCheckpointError(
+            f"checkpoint {url}: its manifest lists no {own} although it was written by "
+            f"{manifest.world_size} ranks; it was not written by steplib's save. Use another "
+            "checkpoint."
+        )
+    rank_tree = _read_rank_file(location.child(own), url)
+    train_state = rank_tree["train_state"]
+    optimizer_info = rank_tree["optimizer"]
+    check_optimizer(
+        train_state["optimizer_type"],
+        optimizer_info["group_sizes"],
+        state.optimizer,
+        checkpoint=url,
+    )
+    check_train_state(train_state, state, data=data, extras=extras, checkpoint=url)
+    _check_placement(manifest, state, data=data, world=world, checkpoint=url)
+    if not same_world and _holds_dtensor(train_state["objects"]):
+        raise ConfigError(
+            f"load(extras=...): checkpoint {url} was written by {manifest.world_size} ranks "
+            f"and is loaded on {world}; its extra objects hold sharded tensors (DTensor, e.g. "
+            "an EMA of an FSDP2 model), saved per rank, which steplib cannot reshard. Resume "
+            f"on {manifest.world_size} ranks."
+        )
+
+    model, optimizer = state.model, state.optimizer
+    has_state = bool(optimizer_info["has_state"])
+    target = {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer) if has_state else {},
+    }
+    tensors, _ = split(target)
+    reader_url = location.child(DCP_DIR).url
+    _check_keys(
+        MetadataReader(reader_url, **dict(storage_options or {})), tensors, state, checkpoint=url
+    )
+    with dcp_errors("read", url), no_dist_warning_silenced():
+        dcp.load(
+            tensors,
+            storage_reader=MetadataReader(reader_url, **dict(storage_options or {})),
+            no_dist=not distributed,
+        )
+    loaded = merge(tensors, rank_tree["plain"])
+    set_model_state_dict(model, loaded["model"])
+    if has_state:
+        set_optimizer_state_dict(model, optimizer, loaded["optimizer"])
+    else:
+        _load_hyperparameters(optimizer, optimizer_info["groups"])
+    return restore_train_state(
+        train_state,
+        state,
+        data=data,
+        extras=extras,
+        grads=rank_tree["window_grads"] or {},
+        restore_rng_states=same_world,
+    )
+
+
+def _verify(location: Location, manifest: Manifest, *, me: int, world: int) -> None:
+    """Check every file against the manifest, each rank a share of them; every rank raises
+    the same ``CorruptCheckpointError`` (naming the file) when any rank found one."""
+    names = sorted(manifest.files)
+    error = None
+    for name in names[me::world]:
+        try:
+            storage.verify(location.child(name), manifest.files[name], checkpoint=location.url)
+        except CorruptCheckpointError as err:
+            error = str(err)
+            break
+    errors: list[Any] = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    found = [e for e in errors if e is not None]
+    if found:
+        raise CorruptCheckpointError(found[0])
+
+
+def _holds_dtensor(tree: Any) -> bool:
+    if isinstance(tree, DTensor):
+        return True
+    if isinstance(tree, Mapping):
+        return any(_holds_dtensor(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return any(_holds_dtensor(v) for v in tree)
+    return False
+
+
+def _read_rank_file(location: Location, checkpoint: str) -> dict[str, Any]:
+    source: Any = location.path if location.is_local else io.BytesIO(storage.read_bytes(location))
+    try:
+        tree: dict[str, Any] = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:  # any failure to parse a file whose checksum passed
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint}: its file {location.name} cannot be read by "
+            f"torch.load(weights_only=True) ({err}), although its checksum passes; it was "
+            "written by another program. Use another checkpoint."
+        ) from None
+    return tree
+
+
+def _check_placement(
+    manifest: Manifest, state: TrainState, *, data: Any, world: int, checkpoint: str
+) -> None:
+    """Refuse what cannot move to another world size or distribution (before any change)."""
+    saved = manifest.world_size
+    if world != saved and data is not None:
+        raise ConfigError(
+            f"load(data=...): checkpoint {checkpoint} was written by {saved} ranks and is "
+            f"loaded on {world}; each rank's data position belongs to that rank's share of "
+            "the data, which another world size splits differently. Pass data=None (the "
+            "model and optimizer are resharded; the data starts from the beginning), or "
+            f"resume on {saved} ranks."
+        )
+    if manifest.window_size > 0 and (
+        world != saved or not isinstance(state.model, DistributedDataParallel)
+    ):
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} was taken inside an open accumulation window by "
+            f"{saved} DDP ranks, whose unsynchronised gradients only fit {saved} DDP ranks "
+            f"(here {world} rank(s), a {type(state.model).__name__}). Resume it as it was "
+            "saved, or use a checkpoint taken between windows."
+        )
+
+
+def _check_keys(
+    reader: Any, tensors: Mapping[str, Any], state: TrainState, *, checkpoint: str
+) -> None:
+    """Compare the tensors the state needs with those DCP's metadata lists, before loading
+    (DCP itself would fail half-way, on the first missing one)."""
+    try:
+        metadata = reader.read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint}: its file {DCP_DIR}/.metadata cannot be read ({err}), "
+            "although its checksum passes. Use another checkpoint."
+        ) from None
+    saved = {
+        key: tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        for key, entry in metadata.state_dict_metadata.items()
+    }
+    needed = _flatten(tensors)
+    check_model(
+        {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")},
+        {k[len("model.") :]: v for k, v in needed.items() if k.startswith("model.")},
+        model_type=type(state.model).__name__,
+        checkpoint=checkpoint,
+        hint=(
+            "load the DCP files yourself with torch.distributed.checkpoint.load(..., "
+            "planner=DefaultLoadPlanner(allow_partial_load=True))"
+        ),
+    )
+    missing = sorted(k for k in needed if k.startswith("optimizer.") and k not in saved)
+    if missing:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds no optimizer state for "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Build the "
+            "optimizer with the settings of the run that saved it (e.g. the same momentum)."
+        )
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
+    # The dotted names DCP gives nested dicts, with global shapes (a DTensor's .shape).
+    out: dict[str, tuple[int, ...]] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = tuple(value.shape)
+    return out
+
+
+def _load_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    # Saved before the first update: no per-parameter state, only the groups' settings. The
+    # optimizer's own load_state_dict takes them (and empties its state, as it was).
+    params: list[list[int]] = []
+    start = 0
+    for group in optimizer.param_groups:
+        params.append(list(range(start, start + len(group["params"]))))
+        start += len(group["params"])
+    optimizer.load_state_dict(
+        {
+            "state": {},
+            "param_groups": [dict(g, params=p) for g, p in zip(groups, params, strict=True)],
+        }
+    )
