@@ -8,6 +8,7 @@ from steplib.step.compile import CompileStats, compile_step
 from steplib.step.core import GradSync, Step, make_train_step
 from steplib.step.ddp import ddp_wrap
 from steplib.step.fsdp import fsdp_wrap
+from steplib.step.pipeline import PipelineStep, make_pipeline_step
 from steplib.step.skip import skip_nonfinite
 from steplib.step.tap import tap
 
@@ -15,6 +16,7 @@ __all__ = [
     "AnomalyError",
     "CompileStats",
     "GradSync",
+    "PipelineStep",
     "Step",
     "accumulate",
     "amp_wrap",
@@ -23,6 +25,7 @@ __all__ = [
     "ddp_wrap",
     "detect_anomaly",
     "fsdp_wrap",
+    "make_pipeline_step",
     "make_train_step",
     "skip_nonfinite",
     "tap",

@@ -1,0 +1,249 @@
+"""Pipeline parallelism: a 2-stage pipeline on 2 CPU processes (gloo) trains like one process
+on the whole model (float64, within 1e-6) with GPipe and with 1F1B, with ``clip`` over the
+norm of both stages, through ``run`` and its events, and resumes from per-stage checkpoints
+exactly. A split that does not fit the model or the processes is refused at build time."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steplib import (
+    ConfigError,
+    Events,
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    ddp_wrap,
+    run,
+    skip_nonfinite,
+    tap,
+)
+from steplib.checkpoint import load, save
+from steplib.distributed.pipeline_split import split_model
+from steplib.step.pipeline import make_pipeline_step
+from tests.distributed import run_ranks
+
+CLASSES = 3
+MICRO = 4  # micro-batches per batch
+ROWS = 8  # rows per batch: 2 per micro-batch
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, CLASSES)
+    ).double()
+
+
+def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(n):
+        x = torch.randn(ROWS, 8, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, CLASSES, (ROWS,), generator=gen)
+        y[torch.rand(ROWS, generator=gen) < 0.3] = -100  # unequal targets per micro-batch
+        y[0] = 0
+        batches.append((x, y))
+    return batches
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    loss_sum = F.cross_entropy(output, target, reduction="sum", ignore_index=-100)
+    return loss_sum, (target != -100).sum()
+
+
+def _build(schedule: str, seed: int = 0, hooks: list[str] | None = None) -> tuple[Any, TrainState]:
+    stages = split_model(_model(seed), split_points=["2"])
+    pipe = make_pipeline_step(_loss, stages, n_microbatches=MICRO, schedule=schedule)
+    calls = hooks if hooks is not None else []
+    step = tap(
+        skip_nonfinite(clip(pipe, max_norm=0.5)),
+        after_backward=lambda state: calls.append("after_backward"),
+        before_update=lambda state: calls.append("before_update"),
+    )
+    opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1, momentum=0.9)
+    return step, TrainState.create(model=pipe.module, optimizer=opt)
+
+
+def _train(rank: int, world: int, *, schedule: str, root: str) -> dict[str, Any]:
+    data = _batches()
+    hooks: list[str] = []
+    step, state = _build(schedule, hooks=hooks)
+    seen: list[tuple[float, float]] = []
+    events = Events().on(
+        "step_end", lambda e: seen.append((e.output.loss.item(), e.output.grad_norm.item()))
+    )
+    state = run(step, state, data[:2], events=events)  # one epoch of 2 batches
+    url = save(state, f"{root}/stage-{step.stage_index}", step=step)  # each stage its own part
+    for batch in data[2:]:
+        state, out = step(state, batch)
+        seen.append((out.loss.item(), out.grad_norm.item()))
+    params = {k: v.detach().clone() for k, v in step.module.state_dict().items()}
+
+    # Resume from the checkpoint into freshly built (differently initialised) stages.
+    resumed_step, resumed = _build(schedule, seed=7)
+    resumed = load(url, resumed, step=resumed_step)
+    for batch in data[2:]:
+        resumed, _ = resumed_step(resumed, batch)
+    resumed_params = {k: v.detach().clone() for k, v in resumed_step.module.state_dict().items()}
+    return {
+        "params": params,
+        "resumed": resumed_params,
+        "seen": seen,
+        "step": state.step,
+        "epoch": state.epoch,
+        "hooks": hooks,
+    }
+
+
+def _reference() -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    for x, y in _batches():
+        loss_sum, count = _loss(model(x), y)
+        loss = loss_sum / count
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        seen.append((loss.item(), norm.item()))
+    return model.state_dict(), seen
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_two_stages_equal_one_process_and_resume_exactly(
+    schedule: str, tmp_path: Path
+) -> None:
+    first, second = run_ranks(functools.partial(_train, schedule=schedule, root=str(tmp_path)))
+    want, want_seen = _reference()
+
+    assert set(first["params"]) == {"0.weight", "0.bias"}  # children 0, 1
+    assert set(second["params"]) == {"2.weight", "2.bias", "4.weight", "4.bias"}  # 2, 3, 4
+    got = {**first["params"], **second["params"]}
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-6)
+    for result in (first, second):
+        # Both stages report the whole model's loss and norm (the first stage has no loss).
+        for (loss, norm), (want_loss, want_norm) in zip(result["seen"], want_seen, strict=True):
+            assert loss == pytest.approx(want_loss, rel=1e-6)  # float32 window loss
+            assert norm == pytest.approx(want_norm, rel=1e-9)
+        assert (result["step"], result["epoch"]) == (4, 1)
+        assert result["hooks"] == ["after_backward", "before_update"] * 4
+        for name, value in result["params"].items():
+            assert torch.equal(result["resumed"][name], value), name  # bit for bit
+    assert min(norm for _, norm in want_seen) > 0.5  # the clip did clip
+
+
+def _three_arguments(model: Any, x: Any, y: Any) -> Any:
+    return x
+
+
+def _bad_input(rank: int, world: int) -> list[str]:
+    stages = split_model(_model(), split_points=["2"])
+    three = split_model(_model(), split_points=["2", "4"])
+    mine_only = [s if i == rank else None for i, s in enumerate(stages)]
+    attempts = {
+        "three stages": lambda: make_pipeline_step(_loss, three, n_microbatches=MICRO),
+        "missing": lambda: make_pipeline_step(_loss, [mine_only[0], None], n_microbatches=MICRO),
+        "schedule": lambda: make_pipeline_step(
+            _loss, stages, n_microbatches=MICRO, schedule="zigzag"
+        ),
+        "1f1b": lambda: make_pipeline_step(_loss, stages, n_microbatches=1),
+        "loss arity": lambda: make_pipeline_step(
+            _three_arguments,  # type: ignore[arg-type]
+            stages,
+            n_microbatches=MICRO,
+        ),
+    }
+    messages = []
+    for attempt in attempts.values():
+        try:
+            attempt()
+        except ConfigError as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+    step = make_pipeline_step(_loss, stages, n_microbatches=MICRO)
+    for wrap in (
+        lambda: accumulate(step, 2),
+        lambda: amp_wrap(step, dtype=torch.bfloat16),
+        lambda: ddp_wrap(step),
+        lambda: tap(step, before_backward=print),
+    ):
+        try:
+            wrap()
+        except ConfigError as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+    opt = torch.optim.SGD(step.module.parameters(), lr=0.1)
+    state = TrainState.create(model=step.module, optimizer=opt)
+    x, y = _batches(1)[0]
+    state, _ = step(state, (x, y))
+    for batch in ((x[:6], y[:6]), (x[:4], y[:4]), x):
+        try:
+            step(state, batch)
+        except ConfigError as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_pipeline_bad_input_is_refused_at_build_time_on_every_rank() -> None:
+    for rank, messages in enumerate(run_ranks(_bad_input)):
+        (three, missing, schedule, one_f1b, arity, acc, amp, ddp, hook, rows, shape, pair) = (
+            messages
+        )
+        assert "3 stages for a pipeline group of 2 processes" in three
+        assert "stages[1]" in missing and (rank == 1 or "rank 1:" in missing)
+        assert "'zigzag'" in schedule and "['gpipe', '1f1b']" in schedule
+        assert "n_microbatches >= 2" in one_f1b
+        assert "loss_fn(output, target)" in arity
+        assert "n_microbatches" in acc and "accumulate" in acc
+        assert "amp_wrap" in amp and "autocast" in amp
+        assert "ddp_wrap cannot wrap a pipeline step" in ddp and "2-D" in ddp
+        assert "before_backward" in hook and "after_backward" in hook
+        assert "6 rows" in rows and "divisible by 4" in rows
+        assert "the first had" in shape and "drop_last=True" in shape
+        assert "inputs_and_target" in pair
+
+
+def test_split_model_refuses_a_split_that_does_not_match_the_model() -> None:
+    model = _model()
+    with pytest.raises(ConfigError, match=r"'9' is not a child.*\['0', '1', '2', '3', '4'\]"):
+        split_model(model, split_points=["9"])
+    with pytest.raises(ConfigError, match="nested names"):
+        split_model(model, split_points=["2.weight"])
+    with pytest.raises(ConfigError, match="increasing and after the first child"):
+        split_model(model, split_points=["3", "2"])
+    with pytest.raises(ConfigError, match="increasing and after the first child"):
+        split_model(model, split_points=["0"])
+    with pytest.raises(ConfigError, match="single stage"):
+        split_model(model, split_points=[])
+    with pytest.raises(ConfigError, match="list of child names"):
+        split_model(model, split_points="2")
+    with pytest.raises(ConfigError, match=r"not an nn\.Sequential"):
+        split_model(nn.Linear(2, 2), split_points=["weight"])
+
+
+def test_split_stages_chain_to_the_model() -> None:
+    model = _model()
+    stages = split_model(model, split_points=["2", "4"])
+    x = _batches(1)[0][0]
+    assert torch.equal(stages[2](stages[1](stages[0](x))), model(x))
+    assert [len(s) for s in stages] == [2, 2, 1]
+
+
+def test_make_pipeline_step_without_a_process_group_says_what_to_call() -> None:
+    with pytest.raises(ConfigError, match="init_distributed"):
+        make_pipeline_step(_loss, split_model(_model(), split_points=["2"]), n_microbatches=2)
