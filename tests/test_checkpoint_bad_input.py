@@ -201,3 +201,18 @@ def test_load_into_a_state_built_differently(memory_dir: str) -> None:
     loader = resumable_loader(list(range(4)), batch_size=2)
     with pytest.raises(ConfigError, match=r"holds no data position.*data=None"):
         load(url, make_state(), data=loader, extras={"ema": nn.Linear(2, 2)})
+
+
+def test_resume_may_add_or_drop_observation_only_wrappers(tmp_path) -> None:
+    from steplib import TrainState, accumulate, detect_anomaly, make_train_step, tap
+    from steplib.checkpoint import load, save
+    from tests.reference import make_batches, tiny_model, token_loss
+
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = accumulate(make_train_step(token_loss), 2)
+    state, _ = step(state, make_batches(1)[0])
+    state, _ = step(state, make_batches(1)[0])
+    url = save(state, str(tmp_path / "ckpt"), step=step)
+    debug = detect_anomaly(tap(step, after_backward=lambda s: None))
+    assert load(url, state, step=debug).step == 1  # accepted: no wrapper that changes numbers
