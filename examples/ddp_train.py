@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import steplib
-from steplib.distributed import apply_ddp, init_distributed, is_main, shutdown
+from steplib.distributed import apply_ddp, init_distributed, is_main, shard_check, shutdown
 
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> float:
     env = init_distributed()
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
     data = TensorDataset(torch.randn(512, 20), torch.randint(0, 4, (512,)))
+    shard_check(len(data), world_size=env.world_size)  # refuse silently repeated samples
     sampler: DistributedSampler[Any] = DistributedSampler(
         data, num_replicas=env.world_size, rank=env.rank, seed=0
     )
