@@ -1,0 +1,83 @@
+"""The migration guides' scripts (docs/migration/) train on tiny data and their loss falls.
+
+Each ``examples/migrate_from_<x>.py`` is imported by path and its ``main(argv)`` called in this
+process (torch is imported once for all of them); everything it writes goes to ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDES = {
+    "lightning": ["--max-steps", "60"],
+    "accelerate": [],
+    "ignite": ["--max-epochs", "4"],
+    "hf_trainer": [],
+    "base_trainer": ["--epochs", "6"],
+}
+
+
+def _load(name: str) -> ModuleType:
+    path = ROOT / "examples" / f"migrate_from_{name}.py"
+    spec = importlib.util.spec_from_file_location(f"migrate_from_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(GUIDES))
+def test_migration_script_trains_and_its_loss_falls(name: str, tmp_path: Path) -> None:
+    out_flag = "--output-dir" if name == "hf_trainer" else "--out"  # TrainingArguments' name
+    result = _load(name).main([out_flag, str(tmp_path), *GUIDES[name]])
+    first, last = result["first_loss"], result["last_loss"]
+    assert result["steps"] > 0 and math.isfinite(first) and math.isfinite(last), result
+    assert last < 0.5 * first, result
+
+
+def test_every_guide_has_a_page_a_script_and_a_row_in_the_index() -> None:
+    index = (ROOT / "docs" / "migration" / "README.md").read_text()
+    for name in GUIDES:
+        page = ROOT / "docs" / "migration" / f"{name}.md"
+        assert page.exists(), page
+        assert f"examples/migrate_from_{name}.py" in page.read_text(), page
+        assert f"({name}.md)" in index, f"docs/migration/README.md does not link {name}.md"
+    scripts = {p.stem for p in (ROOT / "examples").glob("migrate_from_*.py")}
+    assert scripts == {f"migrate_from_{name}" for name in GUIDES}
+
+
+def test_index_names_only_steplib_names_that_exist() -> None:
+    """Every `steplib.X` / `from steplib... import X` name in the index table resolves."""
+    import steplib
+
+    index = (ROOT / "docs" / "migration" / "README.md").read_text()
+    for dotted in sorted(set(re.findall(r"`(steplib(?:\.\w+)+)", index))):
+        module_name, _, attribute = dotted.rpartition(".")
+        module = importlib.import_module(module_name)
+        assert hasattr(module, attribute), f"{dotted} in docs/migration/README.md does not exist"
+    rows = [line for line in index.splitlines() if line.startswith("| ") and "steplib" not in line]
+    calls = {
+        name
+        for row in rows
+        for name in re.findall(r"`(\w+)\(", row.rstrip(" |").rsplit(" | ", 1)[-1])
+    }  # calls that open a code span in the last (steplib) column
+    assert {"accumulate", "clip", "amp_wrap", "checkpoint_every", "EarlyStopping"} <= calls
+    for name in sorted(calls - {"loss_fn", "eval_fn", "step"}):  # less the user's own values
+        assert name in steplib.__all__, f"{name}( in the steplib column is not in steplib.__all__"
+
+
+@pytest.mark.parametrize("name", sorted(GUIDES))
+def test_guide_quotes_its_script_verbatim(name: str) -> None:
+    page = (ROOT / "docs" / "migration" / f"{name}.md").read_text()
+    quoted = re.findall(r"<!-- from (\S+) -->\n```python\n(.*?)```", page, re.DOTALL)
+    assert quoted, f"{name}.md quotes none of its script"
+    for source, code in quoted:
+        assert source == f"examples/migrate_from_{name}.py"
+        assert code in (ROOT / source).read_text(), f"{name}.md's copy of {source} is out of date"
