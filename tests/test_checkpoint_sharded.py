@@ -40,9 +40,9 @@ from steplib.checkpoint import (
 )
 from steplib.checkpoint.sharded_io import MetadataReader
 from steplib.data import resumable_loader
+from steplib.testing import run_ranks
 from tests import sharded_runs
 from tests.checkpoint_helpers import assert_same
-from tests.distributed import run_ranks
 from tests.sharded_runs import SAVE_AT, build, contents, full, plain_step, train
 
 

@@ -198,7 +198,7 @@ def _ddp_with_and_without_anomaly(rank: int, world: int) -> list[list[torch.Tens
 
 
 def test_after_ddp_wrap_two_ranks_stay_in_sync_and_bit_equal_to_plain_ddp() -> None:
-    from tests.distributed import run_ranks
+    from steplib.testing import run_ranks
 
     (plain0, anomaly0), (plain1, anomaly1) = run_ranks(_ddp_with_and_without_anomaly)
     for a, b, c, d in zip(plain0, anomaly0, plain1, anomaly1, strict=True):

@@ -18,7 +18,7 @@ from torch import nn
 
 from steplib import ConfigError, Events, NewState, TrainState, make_train_step, run
 from steplib.export import ExportError, export_best, export_model, full_state_dict
-from tests.distributed import run_ranks
+from steplib.testing import run_ranks
 
 # Runs in a fresh interpreter: builds the architecture with other initial weights, loads each
 # file with torch / safetensors only, and saves the outputs on a fixed input.

@@ -22,7 +22,7 @@ from steplib import (
     skip_nonfinite,
 )
 from steplib.distributed import apply_ddp
-from tests.distributed import run_ranks
+from steplib.testing import run_ranks
 from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
 
 K = 3

@@ -20,7 +20,7 @@ from steplib import (
     skip_nonfinite,
 )
 from steplib.distributed import apply_fsdp
-from tests.distributed import run_ranks
+from steplib.testing import run_ranks
 from tests.reference import concat, make_batches, reference_loop
 
 K = 2

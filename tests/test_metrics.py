@@ -20,8 +20,8 @@ from steplib.ema import EMA
 from steplib.logging import Log, Logger
 from steplib.metrics import TrainMetrics
 from steplib.progress import ProgressBar
+from steplib.testing import run_ranks
 from steplib.throughput import Throughput
-from tests.distributed import run_ranks
 from tests.reference import make_batches, tiny_model, token_loss
 
 HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")

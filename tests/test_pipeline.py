@@ -29,7 +29,7 @@ from steplib import (
 from steplib.checkpoint import load, save
 from steplib.distributed.pipeline_split import split_model
 from steplib.step.pipeline import make_pipeline_step
-from tests.distributed import run_ranks
+from steplib.testing import run_ranks
 
 CLASSES = 3
 MICRO = 4  # micro-batches per batch

@@ -13,7 +13,7 @@ from torch import nn
 
 from steplib import ConfigError, TrainState, accumulate, clip, make_train_step
 from steplib.distributed.tensor_parallel import apply_tp, parallel_cross_entropy
-from tests.distributed import run_ranks
+from steplib.testing import run_ranks
 
 VOCAB = 12
 STEPS = 3
