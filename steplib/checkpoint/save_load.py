@@ -44,7 +44,6 @@ from steplib.checkpoint.manifest import (
     checkpoint_name,
     library_versions,
 )
-from steplib.checkpoint.sharded_load import load_sharded
 from steplib.checkpoint.storage import FileRecord, Location
 from steplib.state import TrainState
 
@@ -185,6 +184,8 @@ def load(
     location = storage.resolve(url, storage_options, caller="load")
     manifest = read_manifest(location)
     if manifest.layout == SHARDED:  # written by DCP (sharded.py); loads into any world size
+        from steplib.checkpoint.sharded_load import load_sharded  # DCP: imported on use
+
         return load_sharded(
             location,
             manifest,
