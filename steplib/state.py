@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from steplib.device_skips import DeviceSkips
 from steplib.errors import ConfigError, describe
 
 _Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPlateau-style objects
@@ -46,10 +47,15 @@ class TrainState:
             (the Python float ``0.0`` while the window is empty: no kernel to make a zero).
         window_targets: sum of the target counts in the open window: a Python int while every
             count was an int (a plain scalar loss counts 1), else a 0-dim tensor on ``device``.
-        skipped_updates: updates skipped because of non-finite values, in total.
-        consecutive_skips: updates skipped in a row up to now.
+        skipped_updates: updates skipped because of non-finite values, in total: an int, or a
+            0-dim device tensor when the skip decision stays on the device (a fused optimizer
+            with no scheduler or a ``LambdaLR``; see ``steplib.device_skips``).
+        consecutive_skips: updates skipped in a row up to now (an int or a tensor, likewise).
         device: the device of the model's parameters (where the window tensors live).
         extras: a read-only mapping for the user's own values (replace it, do not mutate it).
+        device_skips: the bookkeeping of a skip decision kept on the device (the scheduler's
+            position and its learning-rate table), else ``None``. Checkpoints do not store it:
+            it is rebuilt from the scheduler on the next update.
     """
 
     model: nn.Module
@@ -62,10 +68,11 @@ class TrainState:
     window_size: int
     window_loss: torch.Tensor | float
     window_targets: torch.Tensor | int
-    skipped_updates: int
-    consecutive_skips: int
+    skipped_updates: int | torch.Tensor
+    consecutive_skips: int | torch.Tensor
     device: torch.device
     extras: Mapping[str, Any]
+    device_skips: DeviceSkips | None = None
 
     @classmethod
     def create(

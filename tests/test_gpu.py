@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steplib import TrainState, accumulate, amp_wrap, clip, make_train_step
+from steplib import (
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    make_train_step,
+    settle_scheduler,
+    skip_nonfinite,
+)
 from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
 
 pytestmark = pytest.mark.gpu
@@ -42,3 +50,25 @@ def test_gpu_accumulation_equals_concatenated_batch() -> None:
     reference_loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1), [concat(micro)], token_loss)
     for got, want in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_gpu_skips_decided_on_the_device_make_no_host_sync() -> None:
+    model = tiny_model(0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    step = make_train_step(token_loss)
+    step = skip_nonfinite(amp_wrap(clip(step, max_norm=1.0), dtype=torch.float16))
+    batches = _cuda(make_batches(6))
+    x, y, mask = batches[2]
+    batches[2] = (x * float("inf"), y, mask)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches:
+            state, _ = step(state, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    settle_scheduler(state)
+    assert int(state.skipped_updates) == 1 and sched.last_epoch == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -30,6 +30,7 @@ import orjson
 import torch
 
 from steplib.data import restore_position
+from steplib.device_skips import settle_scheduler
 from steplib.errors import ConfigError, describe
 from steplib.rng import capture_rng, restore_rng
 from steplib.state import TrainState
@@ -114,14 +115,18 @@ def train_state_tree(
 ) -> dict[str, Any]:
     """Everything of ``state`` but the model and the optimizer tensors, as plain data: the
     counters, window, scheduler, scaler, extras, RNG states and the data position."""
+    # A LambdaLR whose position lives on the device is brought up to date first (a host read;
+    # the save reads everything anyway).
+    settle_scheduler(state)
     return {
         "counters": {
             "step": state.step,
             "micro_step": state.micro_step,
             "epoch": state.epoch,
             "window_size": state.window_size,
-            "skipped_updates": state.skipped_updates,
-            "consecutive_skips": state.consecutive_skips,
+            # Device tensors when the skip decision stays on the device; ints in the file.
+            "skipped_updates": int(state.skipped_updates),
+            "consecutive_skips": int(state.consecutive_skips),
         },
         "window": {"loss": state.window_loss, "targets": state.window_targets},
         "optimizer_type": type(state.optimizer).__name__,
@@ -311,6 +316,7 @@ def restore_train_state(
         skipped_updates=counters["skipped_updates"],
         consecutive_skips=counters["consecutive_skips"],
         extras=types.MappingProxyType(dict(train_state["extras"])),
+        device_skips=None,  # rebuilt from the loaded scheduler by the next update
     )
 
 

@@ -27,7 +27,9 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
+from steplib import device_skips
 from steplib._checks import model_batch_fn
+from steplib.device_skips import decides_on_device
 from steplib.errors import ConfigError, TooManySkipsError, describe
 from steplib.state import StepOutput, TrainState, _evolve
 from steplib.step.loss_output import LossOutput, parse_loss_output
@@ -275,28 +277,46 @@ class Step:
                 nonfinite = bad if nonfinite is None else nonfinite | bad
         return GradReport(loss_sum, targets, grad_norm, nonfinite)
 
-    def apply(self, state: TrainState, report: GradReport) -> tuple[TrainState, bool]:
+    def apply(
+        self, state: TrainState, report: GradReport
+    ) -> tuple[TrainState, bool | torch.Tensor]:
         """Phase 3: optimizer step unless skipped, scaler update, zero_grad, scheduler.
+
+        A skip decision stays on the device when the optimizer can skip inside its kernel (a
+        fused optimizer) and the scheduler is ``None`` or a ``LambdaLR`` (see
+        ``steplib.device_skips``); otherwise it is read on the host, once per update.
 
         Returns:
             The state with the window reset and the counters advanced, and whether the update
-            was applied.
+            was applied: a bool, or a bool device tensor when the decision stayed there.
 
         Raises:
             TooManySkipsError: ``skip_nonfinite(max_consecutive=n)`` saw more than n skips in a
                 row.
         """
-        applied = True
-        if report.nonfinite is not None:
-            # The one host read of a step, and only when skipping is configured (float16 scaler
-            # or skip_nonfinite): a host-side LR scheduler must know whether to advance. It
-            # happens once per optimizer update, never on non-final micro-batches.
-            applied = not bool(report.nonfinite)
+        nonfinite = report.nonfinite
+        on_device = nonfinite is not None and decides_on_device(state.optimizer, state.scheduler)
+        applied: bool | torch.Tensor = True
+        if nonfinite is not None:
+            # The host read, when the decision cannot stay on the device: a host-side
+            # scheduler must know whether to advance. Once per update, never mid-window.
+            applied = ~nonfinite if on_device else not bool(nonfinite)
         hooks = self.hooks
-        if applied:
+        if applied is not False:
             if hooks is not None and hooks.before_update is not None:
                 hooks.before_update(state)  # the final, unscaled, normalised, clipped gradients
-            self.optimizer_step(state.optimizer)
+            optimizer = state.optimizer
+            if on_device:
+                # What GradScaler.step does for fused optimizers: the kernel skips the update
+                # (step counters included) when found_inf is 1.
+                optimizer.found_inf = nonfinite.float()  # type: ignore[attr-defined,union-attr]
+                optimizer.grad_scale = None  # type: ignore[attr-defined]
+                try:
+                    self.optimizer_step(optimizer)
+                finally:
+                    del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+            else:
+                self.optimizer_step(optimizer)
             if hooks is not None and hooks.after_update is not None:
                 hooks.after_update(state)
         if _scaler_active(self, state):
@@ -304,26 +324,46 @@ class Step:
         state.optimizer.zero_grad(set_to_none=True)
         if hooks is not None and hooks.after_zero_grad is not None:
             hooks.after_zero_grad(state)
-        if applied and state.scheduler is not None:
-            state.scheduler.step()
-        consecutive = 0 if applied else state.consecutive_skips + 1
         limit = self.skip.max_consecutive if self.skip is not None else None
-        if limit is not None and consecutive > limit:
-            raise TooManySkipsError(
-                f"skip_nonfinite: {consecutive} consecutive updates had a non-finite loss or "
-                f"gradient (max_consecutive={limit}), at step {state.step}. Training has "
-                "diverged: lower the learning rate, add clip(step, max_norm=1.0), check the data "
-                "for NaN/inf, or raise max_consecutive."
-            )
-        changes = {
+        changes: dict[str, Any] = {
             "step": state.step + 1,
             "window_size": 0,
             "window_loss": 0.0,
             "window_targets": 0,
-            "skipped_updates": state.skipped_updates + (0 if applied else 1),
-            "consecutive_skips": consecutive,
         }
+        if isinstance(applied, torch.Tensor):
+            changes.update(self._count_on_device(state, applied, limit))
+            return _evolve(state, changes), applied
+        if applied and state.scheduler is not None:
+            state.scheduler.step()
+        consecutive = 0 if applied else state.consecutive_skips + 1
+        if limit is not None and consecutive > limit:  # host-decided: an int
+            _too_many_skips(int(consecutive), limit, state.step)
+        changes["skipped_updates"] = state.skipped_updates + (0 if applied else 1)
+        changes["consecutive_skips"] = consecutive
         return _evolve(state, changes), applied
+
+    def _count_on_device(
+        self, state: TrainState, applied: torch.Tensor, limit: int | None
+    ) -> dict[str, Any]:
+        """The counters and the scheduler's position after an update decided on the device."""
+        record = state.device_skips or device_skips.start(
+            state.optimizer, state.scheduler, state.device
+        )
+        record = device_skips.advance(
+            record, optimizer=state.optimizer, scheduler=state.scheduler, applied=applied
+        )
+        skipped = (~applied).to(torch.int64)
+        consecutive = (state.consecutive_skips + skipped) * skipped
+        if limit is not None:
+            record, seen = device_skips.check_consecutive(record, consecutive, limit)
+            if seen is not None:
+                _too_many_skips(seen, limit, state.step)
+        return {
+            "skipped_updates": state.skipped_updates + skipped,
+            "consecutive_skips": consecutive,
+            "device_skips": record,
+        }
 
     def describe(self) -> list[dict[str, Any]]:
         """The composition as plain data: ``[{"wrapper": name, **settings}, ...]`` in order."""
@@ -339,7 +379,7 @@ class Step:
             loss_sum=report.loss_sum,
             num_targets=report.num_targets,
             did_update=applied,
-            skipped=not applied,
+            skipped=~applied if isinstance(applied, torch.Tensor) else not applied,
             grad_norm=report.grad_norm,
             lr=lr,
             aux=aux,
@@ -400,6 +440,15 @@ def add_wrapper(step: Any, name: str, settings: Mapping[str, Any], **changes: An
                 f"it once with the settings you want."
             )
     return dataclasses.replace(step, applied=(*step.applied, (name, dict(settings))), **changes)
+
+
+def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
+    raise TooManySkipsError(
+        f"skip_nonfinite: {consecutive} consecutive updates had a non-finite loss or "
+        f"gradient (max_consecutive={limit}), at step {step}. Training has diverged: lower the "
+        "learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf, or raise "
+        "max_consecutive."
+    )
 
 
 def _scaler_active(step: Step, state: TrainState) -> bool:

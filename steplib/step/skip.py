@@ -11,13 +11,17 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 10) -> Step:
 
     The whole window is dropped: gradients are zeroed, the optimizer and the scheduler do not
     step, ``out.skipped`` is True and ``state.skipped_updates`` / ``consecutive_skips`` count
-    it. The check is computed on the device; the decision is read on the host once per update
-    (a host-side scheduler must know whether to advance), never on non-final micro-batches.
+    it. The check is computed on the device. With a fused optimizer (``fused=True``) and no
+    scheduler or a ``LambdaLR``, the decision stays there too (no host sync; see
+    ``steplib.device_skips``); otherwise it is read on the host once per update (a host-side
+    scheduler must know whether to advance), never on non-final micro-batches.
 
     Args:
         step: the step to wrap.
         max_consecutive: raise ``TooManySkipsError`` when more updates than this are skipped in
-            a row (an int >= 1), or ``None`` never to raise.
+            a row (an int >= 1), or ``None`` never to raise. When the decision stays on the
+            device this is checked on a host copy of the count once it has landed: on CUDA the
+            error may come an update or two late (those updates were skipped too).
 
     Returns:
         The wrapped step.

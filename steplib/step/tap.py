@@ -21,7 +21,9 @@ def tap(step: Step, **hooks: Any) -> Step:
 
     ``before_backward`` / ``after_backward`` around every micro-batch's backward;
     ``before_update`` (gradients final: unscaled, normalised, clipped) and ``after_update``
-    around an *applied* optimizer step (not called for a skipped one); ``after_zero_grad`` after
+    around the optimizer step: for applied updates only when a skip decision is read on the
+    host, for every closed window when it stays on the device (a fused optimizer skips inside
+    its kernel; ``out.did_update`` says which); ``after_zero_grad`` after
     the gradients are cleared, at every closed window. A hook's return value is ignored; it may
     read anything (e.g. gradient statistics) but should not replace parameters.
 
