@@ -152,7 +152,7 @@ def advance(
     if record.position is None or record.lr_table is None:
         return record
     table, bound = record.lr_table, record.bound + 1
-    if bound >= table.shape[0]:  # grow by doubling: a copy every few thousand updates at most
+    if bound >= table.shape[0]:  # doubling: a device copy at 64, 128, 256, ... updates
         grown = table.new_empty((2 * table.shape[0], table.shape[1]))
         grown[: table.shape[0]].copy_(table)
         table = grown
