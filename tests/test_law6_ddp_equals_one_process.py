@@ -104,10 +104,12 @@ def test_law6_ddp_two_ranks_equal_one_process_on_the_full_batch(flush_last) -> N
         assert results[0]["reduced"] == ([False] * (K - 1) + [True]) * UPDATES
 
 
-def _nan_on_rank1(rank: int, world: int) -> dict[str, Any]:
+def _nan_on_rank1(rank: int, world: int, *, fused: bool = False) -> dict[str, Any]:
     model = DistributedDataParallel(tiny_model(0))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = TrainState.create(model=model, optimizer=opt)
+    # fused=True with a LambdaLR: the skip is decided on the device (steplib.device_skips).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9**n)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
     step = ddp_wrap(skip_nonfinite(accumulate(make_train_step(token_loss), 2)))
     skipped = []
     for i, (x, y, m) in enumerate(make_batches(6, seed=rank)):
@@ -117,13 +119,20 @@ def _nan_on_rank1(rank: int, world: int) -> dict[str, Any]:
         if state.window_size == 0:
             skipped.append(bool(out.skipped))
     params = [p.detach().clone() for p in model.module.parameters()]
+    lr = float(opt.param_groups[0]["lr"])
     del model, state, step
-    return {"skipped": skipped, "params": params}
+    return {"skipped": skipped, "params": params, "lr": lr}
 
 
-def test_law6_a_nan_on_one_rank_skips_the_same_update_on_every_rank() -> None:
-    r0, r1 = run_ranks(_nan_on_rank1)
+def _nan_on_rank1_fused(rank: int, world: int) -> dict[str, Any]:
+    return _nan_on_rank1(rank, world, fused=True)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["decided-on-host", "decided-on-device"])
+def test_law6_a_nan_on_one_rank_skips_the_same_update_on_every_rank(fused: bool) -> None:
+    r0, r1 = run_ranks(_nan_on_rank1_fused if fused else _nan_on_rank1)
     assert r0["skipped"] == r1["skipped"] == [False, True, False]
+    assert r0["lr"] == r1["lr"] == 0.1 * 0.9**2  # two applied updates moved the schedule
     for a, b in zip(r0["params"], r1["params"], strict=True):
         assert torch.equal(a, b)
         assert torch.isfinite(a).all()
