@@ -58,14 +58,36 @@ class Event:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Stop:
-    """Returned by a handler to stop the loop after the current step, with a reason."""
+    """Returned by a handler to stop the loop after the current step, with a reason.
+
+    Attributes:
+        reason: why the loop stopped, for the logs (e.g. ``"loss is NaN"``); when several
+            handlers stop at the same event, :meth:`Events.emit` keeps the first.
+
+    Example:
+        >>> events = Events().on("step_end", lambda e: Stop("enough") if e.step >= 3 else None)
+        >>> events.emit(Event("step_end", state=None, step=2)).stop is None
+        True
+        >>> events.emit(Event("step_end", state=None, step=3)).stop
+        Stop(reason='enough')
+    """
 
     reason: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NewState:
-    """Returned by a handler to replace the loop's state (e.g. with a loaded checkpoint)."""
+    """Returned by a handler to replace the loop's state (e.g. with a loaded checkpoint).
+
+    Attributes:
+        state: the ``TrainState`` the loop goes on with; the handlers after this one see it
+            too, with the event's counters taken from it.
+
+    Example:
+        >>> events = Events().on("fit_start", lambda e: NewState(state="loaded"))
+        >>> events.emit(Event("fit_start", state="fresh")).state
+        'loaded'
+    """
 
     state: Any
 

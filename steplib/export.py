@@ -241,7 +241,27 @@ def _every_rank_ok(ok: bool, device: torch.device) -> bool:
 class ExportBest:
     """Export the model whenever ``state.extras[monitor]`` improves. Build it with
     :func:`export_best`; register it after the evaluation handler, on the same event and
-    interval (like ``EarlyStopping``), so each call sees a fresh value."""
+    interval (like ``EarlyStopping``), so each call sees a fresh value.
+
+    Args:
+        url: the file to (over)write: a local path or an fsspec URL.
+        monitor: the name in ``state.extras`` of the value to watch.
+        mode: ``"min"`` or ``"max"``: which direction is better.
+        min_delta: an improvement must beat the best by more than this.
+        format: ``"torch"`` or ``"safetensors"`` (see :func:`export_model`).
+        storage_options: passed to fsspec, or ``None``.
+
+    Attributes:
+        best: a ``BestValue``: the best value so far (``.value``) and the step it was seen at
+            (``.step``); saved and restored by :meth:`state_dict` / :meth:`load_state_dict`.
+
+    Example:
+        >>> exporter = export_best("memory://doctest-export-best/model.pt", monitor="val_loss")
+        >>> exporter
+        export_best('memory://doctest-export-best/model.pt', monitor='val_loss', mode='min')
+        >>> exporter.best.value is None
+        True
+    """
 
     def __init__(
         self,

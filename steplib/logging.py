@@ -22,7 +22,8 @@ writes nothing, so build it after the process group is initialised. A sink flush
 as it writes it, so a crash or a failing destination loses at most the record being written;
 a failure raises :class:`LogWriteError` naming the destination.
 
-Imports ``events``, ``errors`` and ``distributed`` (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``errors``, ``distributed`` and ``_tqdm`` (handlers never import ``loop``
+or ``step``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from typing import IO, Any, TypeVar
 import fsspec
 import orjson
 import torch
-from tqdm.auto import tqdm
 
+from steplib._tqdm import tqdm_class
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, StepLibError, describe
 from steplib.events import Event
@@ -647,7 +648,7 @@ class ConsoleLogger(Logger):
 
     def _print(self, line: str) -> None:
         try:
-            tqdm.write(line, file=self.file)
+            tqdm_class().write(line, file=self.file)
         except Exception as error:
             raise LogWriteError(f"ConsoleLogger could not print: {error!r}.") from error
 

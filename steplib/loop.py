@@ -61,6 +61,31 @@ def iterate(
     Raises:
         ValueError: bad arguments (raised by the call itself, before the first ``next``), or
             ``data`` yields no batches in an epoch.
+
+    Example:
+        Three micro-batches, two per update: the last, shorter window is closed on the last
+        batch of the epoch.
+
+        >>> import torch
+        >>> from steplib import TrainState, accumulate, make_train_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> step = accumulate(make_train_step(lambda m, b: m(b).pow(2).mean()), 2)
+        >>> for state, out in iterate(step, state, [torch.ones(4, 2)] * 3):
+        ...     print(state.micro_step, state.step, bool(out.did_update))
+        1 0 False
+        2 1 True
+        3 2 True
+
+        Breaking out of the loop is how a notebook stops early (``fit_end`` handlers still
+        run); here it continues from the state above, at update 2:
+
+        >>> for state, out in iterate(step, state, [torch.ones(4, 2)] * 10):
+        ...     if state.step == 4:
+        ...         break
+        >>> state.micro_step, state.step
+        (7, 4)
     """
     # Checked here, outside the generator body, so that a bad argument fails where iterate()
     # is called rather than at the first next(), possibly far away in a notebook.
@@ -142,6 +167,27 @@ def run(
     max_epochs: int | None = None,
 ) -> TrainState:
     """Drive ``step`` over ``data`` and return the final state; see :func:`iterate`.
+
+    Emits ``fit_start``, then per epoch ``epoch_start``, ``micro_step_end`` after every step
+    call, ``step_end`` after every update, ``epoch_end``, and finally ``fit_end`` (or
+    ``exception``, then re-raises).
+
+    Args:
+        step: a ``Step`` (``make_train_step`` and its wrappers).
+        state: the starting state (a resumed state continues from its counters).
+        data: a re-iterable of batches (a DataLoader, a list); not a one-shot generator when
+            more than one epoch is run.
+        events: handlers to call; ``None`` for none.
+        max_steps: stop once ``state.step`` (optimizer updates) reaches this.
+        max_epochs: stop once ``state.epoch`` (completed epochs) reaches this. With neither
+            limit, one more epoch is run.
+
+    Returns:
+        The final state: counters advanced, and any state a handler swapped in (a resume).
+        The model and optimizer objects are the ones in ``state``, updated in place.
+
+    Raises:
+        ValueError: bad arguments, or ``data`` yields no batches in an epoch.
 
     Example:
         >>> import torch

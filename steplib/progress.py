@@ -6,9 +6,12 @@ token-weighted loss are summed as tensors where the step left them, so a GPU is 
 wait per step. "Tokens" are the ``num_targets`` a ``loss_fn`` reports (1 per micro-batch for a
 plain scalar loss, so the rate is then micro-batches/s).
 
-``tqdm.auto`` picks a widget in Jupyter and a text bar in a terminal or a log file.
+The bar is ``tqdm.auto``'s: a widget in Jupyter and a text bar in a terminal or a log file;
+in a Jupyter kernel without ipywidgets, ``tqdm.std``'s text bar, chosen before ``tqdm.auto``
+would warn "IProgress not found" (``steplib._tqdm``).
 
-Imports ``events``, ``errors`` and ``distributed`` (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``errors``, ``distributed`` and ``_tqdm`` (handlers never import ``loop``
+or ``step``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import time
 from typing import IO, Any
 
 import torch
-from tqdm.auto import tqdm
 
+from steplib._tqdm import tqdm_class
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
@@ -108,7 +111,7 @@ class ProgressBar:
         """Open the bar at the state's step (a resumed run starts where it stopped)."""
         self.close()
         self._reset()
-        self._bar = tqdm(
+        self._bar = tqdm_class()(
             total=self.total,
             initial=event.step,
             desc=self.desc,
@@ -154,7 +157,7 @@ class ProgressBar:
 
     def write(self, message: str) -> None:
         """Print a line above the bar without breaking it (``tqdm.write``)."""
-        tqdm.write(message, file=self.file)
+        tqdm_class().write(message, file=self.file)
 
     def close(self) -> None:
         """Close the bar; calling it again does nothing."""

@@ -45,8 +45,20 @@ def _warmup(warmup: int, step: int) -> float:
 def warmup_constant(*, warmup: int) -> Schedule:
     """Linear warmup over ``warmup`` updates to the base LR, then constant.
 
+    Args:
+        warmup: updates of linear warmup, an int >= 0; update ``i`` (0-based) uses
+            ``(i + 1) / warmup`` of the base LR. ``0`` means no warmup (constant 1.0).
+
+    Returns:
+        ``f(step) -> multiplier`` of the base LR, for ``torch.optim.lr_scheduler.LambdaLR``.
+
     Raises:
         ConfigError: ``warmup`` is not an int >= 0.
+
+    Example:
+        >>> schedule = warmup_constant(warmup=4)
+        >>> [schedule(s) for s in range(6)]
+        [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     """
     warmup = _check_int("warmup_constant(warmup=...)", warmup, 0)
 
@@ -59,9 +71,23 @@ def warmup_constant(*, warmup: int) -> Schedule:
 def warmup_linear(*, warmup: int, total: int, min_ratio: float = 0.0) -> Schedule:
     """Linear warmup, then linear decay to ``min_ratio`` at update ``total`` (constant after).
 
+    Args:
+        warmup: updates of linear warmup, an int >= 0 (``0``: none); update ``i`` (0-based)
+            of the warmup uses ``(i + 1) / warmup`` of the base LR.
+        total: the update at which the decay reaches ``min_ratio``, an int > ``warmup``.
+        min_ratio: the final LR as a fraction of the base LR, in [0, 1].
+
+    Returns:
+        ``f(step) -> multiplier`` of the base LR, for ``torch.optim.lr_scheduler.LambdaLR``.
+
     Raises:
         ConfigError: ``warmup``/``total`` not ints with ``0 <= warmup < total``, or
             ``min_ratio`` outside [0, 1].
+
+    Example:
+        >>> schedule = warmup_linear(warmup=2, total=6, min_ratio=0.2)
+        >>> [round(schedule(s), 3) for s in range(8)]
+        [0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2]
     """
     warmup, total, floor = _check_span("warmup_linear", warmup, total, min_ratio)
 
@@ -75,11 +101,26 @@ def warmup_linear(*, warmup: int, total: int, min_ratio: float = 0.0) -> Schedul
 
 
 def warmup_cosine(*, warmup: int, total: int, min_ratio: float = 0.0) -> Schedule:
-    """Linear warmup, then half-cosine decay to ``min_ratio`` at update ``total``.
+    """Linear warmup, then half-cosine decay to ``min_ratio`` at update ``total`` (constant
+    after).
+
+    Args:
+        warmup: updates of linear warmup, an int >= 0 (``0``: none); update ``i`` (0-based)
+            of the warmup uses ``(i + 1) / warmup`` of the base LR.
+        total: the update at which the decay reaches ``min_ratio``, an int > ``warmup``.
+        min_ratio: the final LR as a fraction of the base LR, in [0, 1].
+
+    Returns:
+        ``f(step) -> multiplier`` of the base LR, for ``torch.optim.lr_scheduler.LambdaLR``.
 
     Raises:
         ConfigError: ``warmup``/``total`` not ints with ``0 <= warmup < total``, or
             ``min_ratio`` outside [0, 1].
+
+    Example:
+        >>> schedule = warmup_cosine(warmup=2, total=6)
+        >>> [round(schedule(s), 3) for s in range(8)]
+        [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0, 0.0]
     """
     warmup, total, floor = _check_span("warmup_cosine", warmup, total, min_ratio)
 
@@ -108,13 +149,26 @@ def _check_span(
 def accumulation_steps(*, tokens_per_update: int, batch_size: int, seq_len: int) -> int:
     """Micro-batches per update so that each update sees ``tokens_per_update`` tokens.
 
-    Example:
-        >>> accumulation_steps(tokens_per_update=65536, batch_size=16, seq_len=1024)
-        4
+    Args:
+        tokens_per_update: the token budget of one optimizer update, an int >= 1.
+        batch_size: sequences per micro-batch, an int >= 1.
+        seq_len: tokens per sequence, an int >= 1.
+
+    Returns:
+        ``tokens_per_update // (batch_size * seq_len)``: the ``k`` to pass to ``accumulate``.
 
     Raises:
         ConfigError: a non-positive argument, or a token budget that is not a multiple of
             ``batch_size * seq_len`` (the message gives the nearest budgets that divide).
+
+    Example:
+        >>> accumulation_steps(tokens_per_update=65536, batch_size=16, seq_len=1024)
+        4
+        >>> accumulation_steps(  # doctest: +ELLIPSIS
+        ...     tokens_per_update=50000, batch_size=16, seq_len=1024
+        ... )
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: accumulation_steps: tokens_per_update=50000 is not a ...
     """
     budget = _check_int("accumulation_steps(tokens_per_update=...)", tokens_per_update, 1)
     size = _check_int("accumulation_steps(batch_size=...)", batch_size, 1)

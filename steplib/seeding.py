@@ -173,6 +173,22 @@ def seeded_worker_init_fn(worker_id: int) -> None:
 
     Raises:
         ConfigError: called outside a DataLoader worker.
+
+    Example:
+        Pass it to a loader with workers; each worker calls it once when it starts (the
+        workers start when the loader is first iterated):
+
+        >>> loader = torch.utils.data.DataLoader(range(8), batch_size=2, shuffle=True,
+        ...                                      num_workers=2, generator=loader_generator(0),
+        ...                                      worker_init_fn=seeded_worker_init_fn)
+        >>> loader.worker_init_fn is seeded_worker_init_fn
+        True
+
+        It seeds a worker process; called in the main process, it refuses:
+
+        >>> seeded_worker_init_fn(0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: seeded_worker_init_fn(0) was called outside a DataLoader ...
     """
     info = torch.utils.data.get_worker_info()
     if info is None:

@@ -43,10 +43,20 @@ def count_flops(fn: Callable[[], Any]) -> int:
     ``fn`` runs for real: a training step there changes the model. Prefer
     :func:`flops_per_batch`, which counts on the meta device.
 
+    Args:
+        fn: a function of no arguments, run once under the counter (close over what it
+            needs, e.g. ``lambda: model(batch)``); its return value is discarded.
+
+    Returns:
+        The FLOP count (a multiply-add counts 2), summed over every counted operation
+        ``fn`` ran, forward and backward alike.
+
     Example:
         >>> a, b = torch.ones(8, 16), torch.ones(16, 4)
-        >>> count_flops(lambda: a @ b)
+        >>> count_flops(lambda: a @ b)  # 2 * 8 * 16 * 4
         1024
+        >>> count_flops(lambda: a + 1)  # elementwise: not counted
+        0
     """
     with FlopCounterMode(display=False) as counter:
         fn()

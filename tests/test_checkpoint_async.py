@@ -11,6 +11,7 @@ from typing import Any
 import fsspec
 import orjson
 import pytest
+import torch
 
 from steplib import Events, make_train_step, run
 from steplib.checkpoint import (
@@ -23,6 +24,7 @@ from steplib.checkpoint import (
     save,
 )
 from steplib.checkpoint import storage as storage_module
+from steplib.checkpoint.copying import copy_tensors
 from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
 from tests.reference import make_batches, mean_loss
 
@@ -132,3 +134,42 @@ def test_background_checkpoint_every_writes_what_a_sync_one_writes(tmp_path: Pat
         found[mode] = [(c.name, _files(c.url)) for c in list_checkpoints(directory)]
     assert [name for name, _ in found["sync"]] == ["step-00000004", "step-00000005"]
     assert found["background"] == found["sync"]
+
+
+def test_snapshot_buffers_are_reused_and_the_second_checkpoint_has_the_new_values(
+    memory_dir: str, slow_disk: threading.Event
+) -> None:
+    step = make_train_step(mean_loss)
+    state = train(make_state(), step, n=2)
+    at_first = snapshot(state)
+    with AsyncSaver() as saver:
+        first = saver.save(state, f"{memory_dir}/a")
+        buffers = dict(saver._buffers)
+        state = train(state, step, n=2, seed=7)  # in place: the same tensors, new values
+        at_second = snapshot(state)
+        assert saver.pending  # the first is still being written from those buffers ...
+        second = saver.save(state, f"{memory_dir}/b")  # ... so this waits before copying
+        reused = [path for path, buffer in saver._buffers.items() if buffers.get(path) is buffer]
+        assert len(reused) == len(buffers) > 0  # no buffer allocated for the second save
+    assert not torch.equal(at_first["model"]["0.weight"], at_second["model"]["0.weight"])
+    assert_same(snapshot(load(first, make_state(seed=3))), at_first)
+    assert_same(snapshot(load(second, make_state(seed=3))), at_second)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_the_chunked_snapshot_copy_equals_copy_(workers: int) -> None:
+    torch.manual_seed(0)
+    sources = [
+        torch.randn(1000),  # several chunks of 1 KiB, taken by several threads
+        torch.randn(7, 5).t(),  # not contiguous: copy_
+        torch.randn(300).to(torch.bfloat16),
+        torch.randint(0, 255, (513,), dtype=torch.uint8),
+        torch.empty(0),
+        torch.tensor(3.5),
+        torch.randn(4, 4)[1:3],  # a view with a storage offset
+        torch.randn(3, dtype=torch.complex64).conj(),  # a lazy conjugate: copy_ resolves it
+    ]
+    buffers = [torch.full(s.shape, 7, dtype=s.dtype) for s in sources]
+    copy_tensors(list(zip(buffers, sources, strict=True)), chunk_bytes=1024, workers=workers)
+    for buffer, source in zip(buffers, sources, strict=True):
+        assert torch.equal(buffer, source.resolve_conj())

@@ -85,11 +85,9 @@ def kernel_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 # Warnings a user sees today that are not the notebooks' doing; each names what removes it.
-KNOWN_WARNINGS = (
-    # `import steplib` imports steplib.progress, which imports tqdm.auto at module level; in a
-    # kernel without ipywidgets tqdm warns once. Fixed when steplib.progress imports tqdm.auto
-    # lazily (in ProgressBar) or falls back to tqdm.std without ipywidgets (notes/issue9.md).
-    "TqdmWarning: IProgress not found",
+KNOWN_WARNINGS: tuple[str, ...] = (
+    # None today. (tqdm's "IProgress not found", printed in a kernel without ipywidgets, is
+    # gone: steplib uses tqdm.std there, steplib._tqdm; tests/test_progress.py checks it.)
 )
 
 

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.machinery
+import importlib.util
 import io
+import os
+import sys
+import types
+import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
+import tqdm
 
+import steplib.logging
+import steplib.progress
 from steplib import ConfigError, Event, Events, TrainState, accumulate, make_train_step, run
+from steplib._tqdm import tqdm_class
 from steplib.progress import ProgressBar
 
 
@@ -175,3 +186,72 @@ def test_bar_draws_on_rank_zero_only_by_default(monkeypatch) -> None:
         run(step, state, batches, events=bar.attach(Events()))
     assert stream.getvalue() == "" and reads == []
     assert not ProgressBar(disable=False).disable  # an explicit choice wins
+
+
+# tqdm's front ends that decide, when imported, between the notebook widget and the text bar.
+_TQDM_FRONT_ENDS = ("auto", "autonotebook", "notebook")
+
+
+@pytest.fixture
+def kernel_without_ipywidgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``tqdm.autonotebook`` sees in a Jupyter kernel where ipywidgets is not installed:
+    ``ipykernel.zmqshell`` imported, IPython's shell a ``ZMQInteractiveShell``, and
+    ``import ipywidgets`` failing. tqdm's front ends are taken out of ``sys.modules`` (and off
+    the package) so that importing one runs its detection again; all is restored afterwards."""
+    shell = type("ZMQInteractiveShell", (), {})()
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: shell  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.setitem(sys.modules, "ipykernel.zmqshell", types.ModuleType("ipykernel.zmqshell"))
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # None in sys.modules: ImportError
+    for name in [n for n in os.environ if n == "QT_API" or n.startswith("SPYDER")]:
+        monkeypatch.delenv(name)  # tqdm takes these for a Qt console, which draws text
+    for front_end in _TQDM_FRONT_ENDS:
+        name = f"tqdm.{front_end}"
+        # Set, then delete: undone in reverse, this restores the entry, or removes the one
+        # an import inside the test adds.
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name))
+        monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setattr(tqdm, front_end, getattr(tqdm, front_end, None), raising=False)
+        monkeypatch.delattr(tqdm, front_end)
+
+
+def test_the_simulated_kernel_makes_tqdm_auto_warn(kernel_without_ipywidgets: None) -> None:
+    # The premise of the next test: there, tqdm.auto would warn, as it does in Jupyter.
+    with pytest.warns(tqdm.TqdmWarning, match="IProgress not found"):
+        importlib.import_module("tqdm.auto")
+
+
+def test_progress_in_a_kernel_without_ipywidgets_warns_nothing(
+    kernel_without_ipywidgets: None,
+) -> None:
+    state, step, batches = _setup(4)
+    stream = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for module in (steplib.progress, steplib.logging):  # importing them, afresh
+            assert module.__file__ is not None
+            spec = importlib.util.spec_from_file_location(
+                f"_fresh_{module.__name__}", module.__file__
+            )
+            assert spec is not None and spec.loader is not None
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        bar = ProgressBar(total=4, every=2, file=stream)
+        run(step, state, batches, events=bar.attach(Events()))
+        bar.write("a line above the bar")
+        steplib.logging.ConsoleLogger(file=stream).write({"step": 4, "loss": 1.0})
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    assert "tqdm.auto" not in sys.modules  # the text bar, chosen without asking tqdm.auto
+    text = stream.getvalue()
+    assert "4/4" in text and "a line above the bar" in text and "step 4  loss 1" in text
+
+
+def test_tqdm_auto_draws_where_ipywidgets_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tqdm.std import tqdm as text_bar
+
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    assert tqdm_class() is text_bar
+    found = types.ModuleType("ipywidgets")
+    found.__spec__ = importlib.machinery.ModuleSpec("ipywidgets", None)
+    monkeypatch.setitem(sys.modules, "ipywidgets", found)
+    assert tqdm_class() is importlib.import_module("tqdm.auto").tqdm

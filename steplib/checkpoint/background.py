@@ -2,9 +2,12 @@
 
 The only time training waits is the snapshot: every tensor of the checkpoint is copied into
 CPU buffers (pinned for GPU tensors), which are kept and reused by the next save, so that
-after the first save no memory is allocated or page-faulted while training waits. Writing,
-checksumming and committing happen in a thread; torch's file writing and zlib's CRC release
-the GIL, so the training thread keeps running.
+after the first save no memory is allocated or page-faulted while training waits. CPU tensors
+are copied by a few threads in chunks (``copying.py``: a busy core delays one chunk, not the
+whole copy); GPU tensors are copied asynchronously and synchronised once. Nothing else is
+done while training waits (the library versions for the manifest, for instance, are read by
+the writer). Writing, checksumming and committing happen in a thread; torch's file writing
+and zlib's CRC release the GIL, so the training thread keeps running.
 
 A DDP or FSDP2 state is saved as a sharded (DCP) checkpoint (``sharded.py``): every rank
 snapshots its part, and the background threads of all ranks write and commit it together on a
@@ -27,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from steplib.checkpoint import sharded
+from steplib.checkpoint.copying import copy_tensors
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
-from steplib.checkpoint.save_load import SavePlan, prepare, write
+from steplib.checkpoint.save_load import SavePlan, check_durable, prepare, write
 from steplib.state import TrainState
 
 _Path = tuple[Any, ...]
@@ -68,12 +72,15 @@ class AsyncSaver:
         step: Any = None,
         metrics: Mapping[str, Any] | None = None,
         storage_options: StorageOptions = None,
+        durable: bool = True,
         after: Callable[[], Any] | None = None,
     ) -> str:
         """Snapshot ``state`` and write it in the background; see ``steplib.checkpoint.save``.
 
         Args:
             state, directory, data, extras, step, metrics, storage_options: as for ``save``.
+            durable: as for ``save``: fsync the checkpoint before it counts as committed
+                (``True``), or not (``False``; a power loss soon after may lose it).
             after: called in the background thread once the checkpoint is committed (e.g.
                 pruning old checkpoints); its errors surface like the write's.
 
@@ -83,7 +90,9 @@ class AsyncSaver:
         Raises:
             CheckpointError: the previous background save failed (raised here, before this
                 save starts), or an argument error as for ``save``.
+            ConfigError: a bad argument (``durable`` not a bool, and those of ``save``).
         """
+        check_durable(durable, "AsyncSaver.save")
         self.wait()
         arguments: dict[str, Any] = {
             "data": data,
@@ -103,7 +112,7 @@ class AsyncSaver:
             url, name = sharded_plan.url, sharded_plan.name
 
             def write_plan() -> Any:
-                return sharded.write_sharded(sharded_copy, group=group)
+                return sharded.write_sharded(sharded_copy, group=group, fsync=durable)
 
         else:
             plan = prepare(state, directory, **arguments)
@@ -111,7 +120,7 @@ class AsyncSaver:
             url, name = plan.url, plan.name
 
             def write_plan() -> Any:
-                return write(copy)
+                return write(copy, fsync=durable)
 
         self._thread = threading.Thread(
             target=self._write, args=(write_plan, after), name=f"steplib-save-{name}"
@@ -185,33 +194,34 @@ class AsyncSaver:
             self._error = err
 
     def _snapshot(self, trees: dict[str, Any]) -> dict[str, Any]:
-        """Deep copy of ``trees`` with every tensor copied into a (reused) CPU buffer."""
+        """Deep copy of ``trees`` with every tensor copied into a (reused) CPU buffer.
+
+        The buffers of the previous save are reused when a tensor at the same place has the
+        same shape and dtype: that save has been committed (``save`` waited for it), so
+        nothing reads them any more, and the new values overwrite them all.
+        """
         copies: dict[int, torch.Tensor] = {}  # by id: tied weights are copied (and saved) once
         buffers: dict[_Path, torch.Tensor] = {}
+        on_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor): copied below
         devices: set[torch.device] = set()
 
         def copy(obj: Any, path: _Path) -> Any:
             if isinstance(obj, torch.Tensor):
                 if id(obj) in copies:
                     return copies[id(obj)]
+                tensor = obj.detach()
+                if tensor.layout != torch.strided:  # sparse and other layouts: a plain copy
+                    copies[id(obj)] = tensor.to("cpu", copy=True)
+                    return copies[id(obj)]
+                cuda = tensor.device.type == "cuda"
                 buffer = self._buffers.get(path)
-                if (
-                    buffer is None
-                    or buffer.shape != obj.shape
-                    or buffer.dtype != obj.dtype
-                    or obj.layout != torch.strided
-                ):
-                    if obj.layout != torch.strided:  # sparse and other layouts: a plain copy
-                        buffer = obj.detach().to("cpu", copy=True)
-                        copies[id(obj)] = buffer
-                        return buffer
-                    buffer = torch.empty(
-                        obj.shape, dtype=obj.dtype, pin_memory=obj.device.type == "cuda"
-                    )
-                # Asynchronous from a GPU (into pinned memory); synchronised once below.
-                buffer.copy_(obj.detach(), non_blocking=obj.device.type == "cuda")
-                if obj.device.type == "cuda":
-                    devices.add(obj.device)
+                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+                if cuda:  # asynchronous into pinned memory; synchronised once below
+                    buffer.copy_(tensor, non_blocking=True)
+                    devices.add(tensor.device)
+                else:
+                    on_cpu.append((buffer, tensor))
                 buffers[path] = buffer
                 copies[id(obj)] = buffer
                 return buffer
@@ -228,6 +238,7 @@ class AsyncSaver:
             return obj  # numbers, strings, None: immutable
 
         snapshot = {name: copy(tree, (name,)) for name, tree in trees.items()}
+        copy_tensors(on_cpu)  # meanwhile the GPU copies (if any) run on their own
         for device in devices:
             torch.cuda.synchronize(device)
         self._buffers = buffers

@@ -24,7 +24,7 @@ from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.retention import check_retention, prune
-from steplib.checkpoint.save_load import save
+from steplib.checkpoint.save_load import check_durable, save
 from steplib.checkpoint.sharded import prunes_here
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
@@ -38,6 +38,16 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 def default_metrics(event: Event) -> dict[str, float]:
     """What a checkpoint records when no ``metrics`` function is given: the update's ``loss``
     and every number in ``state.extras`` (where an evaluation handler may put ``val_loss``).
+
+    Args:
+        event: the event whose state is saved; its ``output`` (a ``StepOutput``, on
+            ``step_end``) gives ``loss``.
+
+    Returns:
+        ``{name: float}``: ``"loss"`` when the event carries a step output, and each entry of
+        ``state.extras`` that is an int, a float or a one-element tensor (booleans, strings
+        and larger tensors are left out). Reading a tensor is a host sync, made at save time
+        only.
 
     Example:
         >>> import types
@@ -59,7 +69,38 @@ def default_metrics(event: Event) -> dict[str, float]:
 
 class Checkpointer:
     """Saves a checkpoint every ``every`` updates and prunes old ones. Build it with
-    :func:`checkpoint_every`; register it with :meth:`attach` (or as a ``step_end`` handler)."""
+    :func:`checkpoint_every`; register it with :meth:`attach` (or as a ``step_end`` handler).
+
+    Args:
+        directory: a local path or fsspec URL of the directory of checkpoints.
+        every: save when ``state.step`` is a multiple of this.
+        keep_last: after each save keep the newest this many (``None``: keep all).
+        keep_best: also keep the best this many by ``metric`` (``None``: none kept for it).
+        metric: the metric ``keep_best`` ranks by.
+        mode: ``"min"`` or ``"max"``: whether lower or higher ``metric`` is better.
+        data: the loader whose position to save, or ``None``.
+        extras: more objects with ``state_dict()`` to save by name, or ``None``.
+        step: the Step whose composition is saved, or ``None``.
+        metrics: ``event -> {name: number}`` recorded with each checkpoint; ``None`` means
+            :func:`default_metrics`.
+        background: write in a background thread (an ``AsyncSaver``).
+        at_end: also save at ``fit_end`` if the state moved since the last save.
+        storage_options: passed to fsspec.
+        durable: fsync each checkpoint before it counts as saved (see ``save``).
+
+    The constructor checks nothing: :func:`checkpoint_every` validates the arguments.
+
+    Attributes:
+        last_saved: the URL of the last checkpoint this handler saved, or ``None``.
+
+    Example:
+        >>> ckpt = checkpoint_every("memory://doctest-checkpointer/ckpt", every=100)
+        >>> ckpt, ckpt.last_saved
+        (checkpoint_every('memory://doctest-checkpointer/ckpt', every=100), None)
+        >>> events = ckpt.attach(Events())
+        >>> [events.has(name) for name in ("fit_start", "step_end", "fit_end", "exception")]
+        [True, True, True, True]
+    """
 
     def __init__(
         self,
@@ -77,6 +118,7 @@ class Checkpointer:
         background: bool,
         at_end: bool,
         storage_options: StorageOptions,
+        durable: bool = True,
     ) -> None:
         self.directory = directory
         self.every = every
@@ -90,6 +132,7 @@ class Checkpointer:
         self.metrics = metrics or default_metrics
         self.at_end = at_end
         self.storage_options = storage_options
+        self.durable = durable
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
         self.last_saved: str | None = None
@@ -158,6 +201,7 @@ class Checkpointer:
             "step": self.step,
             "metrics": self.metrics(event),
             "storage_options": self.storage_options,
+            "durable": self.durable,
         }
         # A sharded checkpoint is pruned by rank 0 alone: the ranks share one directory.
         prune = self._prune if prunes_here(state) else None
@@ -212,6 +256,7 @@ def checkpoint_every(
     background: bool = False,
     at_end: bool = True,
     storage_options: StorageOptions = None,
+    durable: bool = True,
 ) -> Checkpointer:
     """A handler that saves a checkpoint every ``every`` optimizer updates.
 
@@ -231,12 +276,15 @@ def checkpoint_every(
             for the copy to CPU memory. Errors surface at the next save or at ``fit_end``.
         at_end: also save at ``fit_end`` if the state changed since the last save.
         storage_options: passed to fsspec.
+        durable: fsync each checkpoint before it counts as saved (see ``save``); ``False`` is
+            faster, and a power loss soon after a save may lose that newest checkpoint.
 
     Returns:
         A :class:`Checkpointer`; call ``.attach(events)``.
 
     Raises:
-        ConfigError: ``every`` is not an int >= 1, or invalid retention settings.
+        ConfigError: ``every`` is not an int >= 1, ``durable`` not a bool, or invalid
+            retention settings.
 
     Example:
         >>> import torch
@@ -259,6 +307,7 @@ def checkpoint_every(
     check_retention(
         "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
+    check_durable(durable, "checkpoint_every")
     return Checkpointer(
         directory,
         every=every,
@@ -273,6 +322,7 @@ def checkpoint_every(
         background=background,
         at_end=at_end,
         storage_options=storage_options,
+        durable=durable,
     )
 
 

@@ -19,7 +19,24 @@ _log = logging.getLogger("steplib.checkpoint")
 
 class Resume:
     """A ``fit_start`` handler that loads the newest valid checkpoint. Build it with
-    :func:`resume_from`. ``loaded`` is the URL it loaded, or ``None``."""
+    :func:`resume_from`.
+
+    Args:
+        directory: the directory ``checkpoint_every`` / ``save`` write into.
+        data: the loader to continue from the saved position, or ``None``.
+        extras: the objects saved with ``extras=``, to load into, or ``None``.
+        step: the Step whose composition the checkpoint must match, or ``None``.
+        storage_options: passed to fsspec.
+
+    Attributes:
+        loaded: the URL of the checkpoint it loaded, or ``None`` (not called yet, or no
+            checkpoint found: the run started fresh).
+
+    Example:
+        >>> resume = resume_from("memory://doctest-resume-class/empty")
+        >>> resume, resume.loaded
+        (resume_from('memory://doctest-resume-class/empty'), None)
+    """
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ from steplib.checkpoint.manifest import (
     library_versions,
 )
 from steplib.checkpoint.storage import FileRecord, Location
+from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
 
 
@@ -55,7 +56,7 @@ class SavePlan:
     directory: Location
     name: str
     trees: dict[str, Any]
-    manifest: Manifest  # its ``files`` are filled in by ``write``
+    manifest: Manifest  # its ``files`` and ``versions`` are filled in by ``write``
 
     @property
     def url(self) -> str:
@@ -71,12 +72,25 @@ def save(
     step: Any = None,
     metrics: Mapping[str, Any] | None = None,
     storage_options: StorageOptions = None,
+    durable: bool = True,
 ) -> str:
     """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
 
     With a DDP or FSDP2 model and an initialised process group it is a sharded checkpoint
     (torch.distributed.checkpoint): call it on every rank at the same update (it is a
     collective); each rank writes its shard, rank 0 the manifest. See ``sharded.py``.
+
+    ``durable=False`` skips the fsyncs of the files and directories on a local disk (a plain
+    ``torch.save`` does none either); the save stays atomic and checksummed. What is lost is
+    only this: if the machine loses power, its kernel crashes or it is reset within the
+    kernel's write-back delay after ``save`` returned (about 30 s by default on Linux), the
+    newest checkpoint may be missing, or have truncated or zeroed files. Such a checkpoint
+    fails its checksums (or has no manifest), and ``latest`` / ``resume_from`` skip it with a
+    warning and resume from the newest valid one. If only the process dies (an exception,
+    SIGKILL, the OOM killer), nothing is lost: the kernel still writes the data back. Keep
+    more than one checkpoint (``keep_last >= 2``): with one, the checkpoint to fall back to
+    may have been pruned for a newest one that never reached the disk. Object stores
+    (``s3://``) and ``memory://`` have no fsync: there ``durable`` changes nothing.
 
     Args:
         state: the TrainState to save: model, optimizer, scheduler, scaler, every counter, the
@@ -87,6 +101,8 @@ def save(
         step: the Step that trains ``state``; its composition is saved and checked by ``load``.
         metrics: numbers to record in the manifest (what ``keep_best`` ranks checkpoints by).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
+        durable: fsync the checkpoint before returning (``True``, the default), or leave the
+            write-back to the kernel (``False``: faster; see above for what may be lost).
 
     Returns:
         The URL of the new checkpoint: ``<directory>/step-<step>`` (or
@@ -104,6 +120,7 @@ def save(
         >>> save(state, "memory://doctest-save/ckpt")
         'memory://doctest-save/ckpt/step-00000000'
     """
+    check_durable(durable, "save")
     # A DDP or FSDP2 state with a process group: a sharded (DCP) checkpoint, written by every
     # rank together; see sharded.py.
     if sharded.is_sharded(state):
@@ -117,7 +134,7 @@ def save(
             storage_options=storage_options,
             caller="save",
         )
-        return sharded.write_sharded(sharded_plan)
+        return sharded.write_sharded(sharded_plan, fsync=durable)
     plan = prepare(
         state,
         directory,
@@ -128,7 +145,7 @@ def save(
         storage_options=storage_options,
         caller="save",
     )
-    return write(plan)
+    return write(plan, fsync=durable)
 
 
 def load(
@@ -228,14 +245,31 @@ def prepare(
         time=time.time(),
         metrics=numbers,
         fingerprint=fingerprint,
-        versions=library_versions(),
+        versions={},  # filled in by write: not read while an async save's caller waits
         files={},
     )
     return SavePlan(location, name, trees, manifest)
 
 
+def check_durable(durable: Any, caller: str) -> None:
+    """Refuse a ``durable`` that is not a bool (``"no"`` or ``0`` would read as intended).
+
+    Raises:
+        ConfigError: ``durable`` is not ``True`` or ``False``.
+    """
+    if not isinstance(durable, bool):
+        raise ConfigError(
+            f"{caller}(durable=...) received {describe(durable)}; it says whether the "
+            "checkpoint is fsync'ed to disk before the save counts as done and must be True or "
+            "False. Pass durable=True (the default: a power loss cannot lose a finished save) "
+            "or durable=False (faster; a power loss soon after may lose the newest checkpoint, "
+            "and resuming falls back to the previous one)."
+        )
+
+
 def write(plan: SavePlan, *, fsync: bool = True) -> str:
-    """Write and commit a :class:`SavePlan`; return the checkpoint's URL.
+    """Write and commit a :class:`SavePlan`; return the checkpoint's URL. ``fsync=False``:
+    not durable (no fsync of files or directories), still atomic and checksummed.
 
     Raises:
         CheckpointError: any I/O error (what was written so far stays uncommitted).
@@ -247,9 +281,9 @@ def write(plan: SavePlan, *, fsync: bool = True) -> str:
             file_name: storage.write_tensors(staging.child(file_name), tree, fsync=fsync)
             for file_name, tree in plan.trees.items()
         }
-        manifest = dataclasses.replace(plan.manifest, files=records)
+        manifest = dataclasses.replace(plan.manifest, files=records, versions=library_versions())
         storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
-        final = storage.commit(plan.directory, staging, plan.name)
+        final = storage.commit(plan.directory, staging, plan.name, fsync=fsync)
     except OSError as err:
         if staging is not None and staging.is_local:
             storage.remove(staging)

@@ -94,7 +94,7 @@ class ShardedPlan:
     name: str
     tensors: dict[str, Any]  # for DCP: {"model": ..., "optimizer": {"state": ...}}
     rank_tree: dict[str, Any]  # this rank's torch.save file
-    manifest: Manifest  # rank 0's; its ``files`` are filled in by ``write_sharded``
+    manifest: Manifest  # rank 0's; ``files`` and ``versions`` are filled in by ``write_sharded``
     storage_options: Mapping[str, Any]
 
     @property
@@ -174,7 +174,7 @@ def prepare_sharded(
         time=time.time(),
         metrics=numbers,
         fingerprint=fingerprint,
-        versions=library_versions(),
+        versions={},  # filled in by write_sharded, off an async save's critical path
         files={},
         layout=SHARDED,
         world_size=dist.get_world_size(),
@@ -200,6 +200,7 @@ def prunes_here(state: Any) -> bool:
 def write_sharded(plan: ShardedPlan, *, group: Any = None, fsync: bool = True) -> str:
     """Write this rank's part of ``plan`` and commit the checkpoint together with every other
     rank of ``group`` (the default group when ``None``); return its URL on every rank.
+    ``fsync=False``: no fsync of files or directories (not durable; still atomic, checksummed).
 
     Raises:
         CheckpointError: any rank failed (the same error on every rank; nothing committed).
@@ -264,9 +265,12 @@ def write_sharded(plan: ShardedPlan, *, group: Any = None, fsync: bool = True) -
         if me == 0:
             try:
                 files = {k: v for records, _ in reports for k, v in records.items()}
-                manifest = dataclasses.replace(plan.manifest, files=dict(sorted(files.items())))
+                manifest = dataclasses.replace(
+                    plan.manifest, files=dict(sorted(files.items())), versions=library_versions()
+                )
                 storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
-                outcome[0] = ("ok", storage.commit(plan.directory, staging, plan.name).url)
+                committed = storage.commit(plan.directory, staging, plan.name, fsync=fsync)
+                outcome[0] = ("ok", committed.url)
             except Exception as err:  # reported to every rank below, raised on every rank
                 outcome[0] = ("error", f"rank 0: {type(err).__name__}: {err}")
         dist.broadcast_object_list(outcome, src=src, group=group)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
+from steplib.checkpoint.copying import copy_tensors
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.storage import FileRecord
 
@@ -205,6 +206,7 @@ def snapshot(tree: Any, buffers: dict[_Path, torch.Tensor]) -> Any:
     still knows which part of the global tensor this rank holds."""
     cuda = set()
     used: dict[_Path, torch.Tensor] = {}
+    on_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor): copied below
 
     def cpu(tensor: torch.Tensor, path: _Path) -> torch.Tensor:
         tensor = tensor.detach()
@@ -213,10 +215,11 @@ def snapshot(tree: Any, buffers: dict[_Path, torch.Tensor]) -> Any:
             buffer = torch.empty(
                 tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda"
             )
-        # Asynchronous from a GPU (into pinned memory); synchronised once below.
-        buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
-        if tensor.device.type == "cuda":
+        if tensor.device.type == "cuda":  # asynchronous into pinned memory; synchronised below
+            buffer.copy_(tensor, non_blocking=True)
             cuda.add(tensor.device)
+        else:
+            on_cpu.append((buffer, tensor))
         used[path] = buffer
         return buffer
 
@@ -240,6 +243,7 @@ def snapshot(tree: Any, buffers: dict[_Path, torch.Tensor]) -> Any:
         return obj  # numbers, strings, None: immutable
 
     result = copy(tree, ())
+    copy_tensors(on_cpu)  # in chunks, by a few threads: see copying.py
     for device in cuda:
         torch.cuda.synchronize(device)
     buffers.clear()

@@ -50,6 +50,15 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     the batch step's ``SLURM_PROCID``, so a disagreement means the SLURM values were inherited
     and the MPI launcher is the one that started this process.
 
+    Args:
+        environ: the environment variables to read, e.g. ``os.environ`` or a dict in a test.
+            Only the launchers' variables are looked at; others are ignored.
+
+    Returns:
+        The :class:`LaunchEnv`: rank, world size, local rank, rendezvous address and port
+        (``None`` where the launcher gives none), and which launcher set them;
+        ``LaunchEnv(0, 1, 0, None, None, "single")`` when no launcher's variables are set.
+
     Raises:
         ConfigError: a variable that is not an integer, or a rank outside the world.
 
@@ -59,6 +68,10 @@ def read_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
         1
         >>> read_launch_env({}).launcher
         'single'
+        >>> env = read_launch_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
+        ...                        "SLURM_JOB_NODELIST": "gpu[03-04]"})
+        >>> env.rank, env.world_size, env.local_rank, env.master_addr, env.launcher
+        (3, 8, 3, 'gpu03', 'slurm')
     """
     if "RANK" in environ and "WORLD_SIZE" in environ:
         env = LaunchEnv(
@@ -134,9 +147,22 @@ def _rendezvous_host(environ: Mapping[str, str]) -> str | None:
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list such as ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``.
 
+    Args:
+        nodelist: a SLURM node list (``SLURM_JOB_NODELIST``): comma-separated hosts, each
+            either a name or a prefix with bracketed numbers and ranges.
+
+    Returns:
+        The first host's name, zero padding kept (where rank 0 runs by default, hence the
+        rendezvous host when ``MASTER_ADDR`` is not set).
+
+    Raises:
+        ConfigError: a node list that cannot be read (e.g. empty).
+
     Example:
         >>> first_slurm_host("gpu[03-05,09],cpu1")
         'gpu03'
+        >>> first_slurm_host("node7")
+        'node7'
     """
     first = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if first is None:

@@ -40,6 +40,20 @@ def apply_ddp(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
 
     Raises:
         ConfigError: no process group, or ``static_graph=True``.
+
+    Example:
+        In one process without a process group, it refuses (before touching the model):
+
+        >>> import torch
+        >>> apply_ddp(torch.nn.Linear(4, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: apply_ddp needs an initialised process group. ...
+
+        Under ``torchrun`` (see ``tests/test_law6_ddp_equals_one_process.py``):
+
+        >>> steplib.distributed.init_distributed()  # doctest: +SKIP
+        >>> model = apply_ddp(build_model().to(device))  # doctest: +SKIP
+        >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
     """
     _require_group("apply_ddp")
     if ddp_kwargs.get("static_graph"):
@@ -77,6 +91,20 @@ def apply_fsdp(
 
     Raises:
         ConfigError: no process group.
+
+    Example:
+        In one process without a process group, it refuses (the model is left as it was):
+
+        >>> import torch
+        >>> apply_fsdp(torch.nn.Linear(4, 2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: apply_fsdp needs an initialised process group. ...
+
+        Under ``torchrun`` (see ``tests/test_law6_fsdp_equals_one_process.py``):
+
+        >>> steplib.distributed.init_distributed()  # doctest: +SKIP
+        >>> model = apply_fsdp(model, blocks=model.layers)  # doctest: +SKIP
+        >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
     """
     _require_group("apply_fsdp")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -89,7 +117,21 @@ def apply_fsdp(
 
 
 def is_parallel_model(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is wrapped by DDP or sharded by FSDP2."""
+    """Whether ``model`` is wrapped by DDP or sharded by FSDP2.
+
+    Args:
+        model: any module.
+
+    Returns:
+        ``True`` for a ``DistributedDataParallel`` module or an ``FSDPModule`` (what
+        :func:`apply_ddp` and :func:`apply_fsdp` return), else ``False`` (a plain module, or
+        one parallelised by ``apply_tp`` only).
+
+    Example:
+        >>> import torch
+        >>> is_parallel_model(torch.nn.Linear(4, 2))
+        False
+    """
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, DistributedDataParallel | FSDPModule)

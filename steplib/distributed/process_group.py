@@ -55,22 +55,60 @@ def init_distributed(
 
 
 def rank() -> int:
-    """This process's global rank (0 without a process group)."""
+    """This process's global rank (0 without a process group).
+
+    Returns:
+        ``torch.distributed.get_rank()`` when the default process group is initialised,
+        else ``0``: a single process (a notebook, a plain ``python train.py``) is rank 0.
+
+    Example:
+        >>> rank()  # one process, no process group
+        0
+    """
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def world_size() -> int:
-    """The number of processes (1 without a process group)."""
+    """The number of processes (1 without a process group).
+
+    Returns:
+        ``torch.distributed.get_world_size()`` when the default process group is initialised,
+        else ``1``.
+
+    Example:
+        >>> world_size()  # one process, no process group
+        1
+    """
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_main() -> bool:
-    """Whether this is rank 0: the process that prints, logs and writes metadata."""
+    """Whether this is rank 0: the process that prints, logs and writes metadata.
+
+    Returns:
+        ``rank() == 0``; always ``True`` in a single process without a process group.
+
+    Example:
+        >>> is_main()  # one process, no process group
+        True
+        >>> if is_main():
+        ...     print("only rank 0 prints this")
+        only rank 0 prints this
+    """
     return rank() == 0
 
 
 def barrier() -> None:
-    """Wait for every rank (a no-op in a single process)."""
+    """Wait for every rank (a no-op in a single process).
+
+    Every rank must call it, at the same point: a rank that does not leaves the others
+    waiting until the process group's timeout.
+
+    Example:
+        >>> barrier()  # one process: returns at once, without a process group
+        >>> world_size()
+        1
+    """
     if world_size() > 1:
         dist.barrier()
 
@@ -79,6 +117,14 @@ def shutdown() -> None:
     """Destroy the default process group if there is one.
 
     Free DDP/FSDP models first: a live DDP reducer at destroy time can hang the teardown.
+    Safe to call more than once, and in a single process without a process group (a
+    no-op), so the same script ends the same way everywhere.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> shutdown()  # no process group: nothing to destroy
+        >>> dist.is_initialized()
+        False
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -157,6 +157,23 @@ def parallel_cross_entropy(
 
     Raises:
         ConfigError: ``logits`` is not a vocabulary-sharded DTensor, or a bad ``reduction``.
+
+    Example:
+        Plain (unsharded) logits are refused, with the fix in the message:
+
+        >>> import torch
+        >>> logits, target = torch.randn(3, 5), torch.tensor([0, 1, 2])
+        >>> parallel_cross_entropy(logits, target)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: parallel_cross_entropy received logits of type Tensor, ...
+
+        In a ``loss_fn``, on a model built with ``apply_tp(..., loss_parallel="head")`` under
+        ``torchrun`` (see ``tests/test_tensor_parallel.py``):
+
+        >>> def loss_fn(model, batch):  # doctest: +SKIP
+        ...     inputs, target = batch
+        ...     loss_sum = parallel_cross_entropy(model(inputs), target, reduction="sum")
+        ...     return loss_sum, (target != -100).sum()
     """
     from torch.distributed.tensor import DTensor, Shard
 

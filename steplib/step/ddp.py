@@ -90,6 +90,25 @@ def ddp_wrap(step: Step) -> Step:
         ConfigError: no initialised process group; ``step`` already distributed; the ranks
             built different compositions. Calling the step with a model that is not wrapped
             in ``DistributedDataParallel`` raises ``ConfigError`` naming the call to make.
+
+    Example:
+        In one process without a process group, the wrapper refuses when the step is built
+        (not at the first update):
+
+        >>> import torch
+        >>> from steplib import make_train_step
+        >>> step = make_train_step(lambda model, batch: model(batch).pow(2).mean())
+        >>> ddp_wrap(step)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: ddp_wrap needs an initialised default process group, ...
+
+        Under ``torchrun`` (see ``tests/test_law6_ddp_equals_one_process.py``):
+
+        >>> steplib.distributed.init_distributed()  # doctest: +SKIP
+        >>> model = steplib.distributed.apply_ddp(model)  # doctest: +SKIP
+        >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
+        >>> state = TrainState.create(model=model, optimizer=optimizer)  # doctest: +SKIP
+        >>> step = ddp_wrap(clip(make_train_step(loss_fn), max_norm=1.0))  # doctest: +SKIP
     """
     check_distributed_step(step, "ddp_wrap")
     return add_wrapper(step, "ddp_wrap", {}, grad_sync=DdpSync())

@@ -55,6 +55,25 @@ def fsdp_wrap(step: Step) -> Step:
     Raises:
         ConfigError: no initialised process group, a step already distributed, ranks with
             different compositions; on the first call, a model that is not sharded.
+
+    Example:
+        In one process without a process group, the wrapper refuses when the step is built
+        (not at the first update):
+
+        >>> import torch
+        >>> from steplib import make_train_step
+        >>> step = make_train_step(lambda model, batch: model(batch).pow(2).mean())
+        >>> fsdp_wrap(step)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: fsdp_wrap needs an initialised default process group, ...
+
+        Under ``torchrun`` (see ``tests/test_law6_fsdp_equals_one_process.py``):
+
+        >>> steplib.distributed.init_distributed()  # doctest: +SKIP
+        >>> model = steplib.distributed.apply_fsdp(model, blocks=model.layers)  # doctest: +SKIP
+        >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
+        >>> state = TrainState.create(model=model, optimizer=optimizer)  # doctest: +SKIP
+        >>> step = fsdp_wrap(clip(make_train_step(loss_fn), max_norm=1.0))  # doctest: +SKIP
     """
     check_distributed_step(step, "fsdp_wrap")
     return add_wrapper(step, "fsdp_wrap", {}, grad_sync=FsdpSync())

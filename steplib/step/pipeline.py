@@ -152,6 +152,20 @@ class PipelineStep(Step):
 
     Build it with :func:`make_pipeline_step`. Its ``loss_fn`` is ``loss_fn(output, target)``
     (the last stage's output and the micro-batch's target).
+
+    Attributes:
+        pipeline: the runtime shared by every step derived from one ``make_pipeline_step``
+            call: this process's stage module and position, the torch schedule, and the
+            activation shapes fixed at the first call.
+        module: (property) this process's stage module: build the optimizer and
+            ``TrainState.create(model=step.module, ...)`` from it.
+        stage_index: (property) this process's stage, 0 for the first.
+        num_stages: (property) the number of stages (processes in the pipeline group).
+
+    The other attributes (``loss_fn``, ``clip``, ``skip``, ``applied``, ...) are those of
+    :class:`Step`; ``grad_sync`` sums the window's loss and target count over the stages.
+    Wrapping it with ``accumulate``, ``amp_wrap``, ``ddp_wrap``/``fsdp_wrap``,
+    ``compile_step`` or ``tap(before_backward=...)`` raises ``ConfigError``.
     """
 
     pipeline: _Runtime | None = None
@@ -291,7 +305,21 @@ def make_pipeline_step(
             which every process raises the same error instead of one hanging).
 
     Example:
-        >>> # needs one process per stage; see tests/test_pipeline.py
+        In one process without a process group, building the step is refused at once:
+
+        >>> import torch
+        >>> stages = [torch.nn.Linear(4, 2)]
+        >>> make_pipeline_step(  # doctest: +ELLIPSIS
+        ...     lambda output, target: torch.nn.functional.mse_loss(output, target),
+        ...     stages,
+        ...     n_microbatches=2,
+        ... )
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: make_pipeline_step needs an initialised process group ...
+
+        Under ``torchrun --nproc-per-node=2`` (one process per stage; see
+        ``tests/test_pipeline.py``):
+
         >>> stages = split_model(model, split_points=["3"])  # doctest: +SKIP
         >>> step = clip(make_pipeline_step(loss_fn, stages, n_microbatches=4),
         ...             max_norm=1.0)  # doctest: +SKIP

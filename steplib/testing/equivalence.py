@@ -198,6 +198,17 @@ def concat_batches(batches: Sequence[Any]) -> Any:
     """One batch holding ``batches`` in order: tensors are concatenated along dim 0, tuples,
     lists, named tuples and dicts element by element.
 
+    It is the default ``concat=`` of :func:`assert_accumulation_exact`: the one batch that
+    a window of micro-batches must train like.
+
+    Args:
+        batches: a non-empty sequence of batches of one layout (the first batch's structure
+            and container types are used for the result).
+
+    Returns:
+        A batch of the same structure as ``batches[0]``, each tensor the concatenation of the
+        corresponding tensors of ``batches``.
+
     Raises:
         ConfigError: a leaf that is not a tensor with at least one dimension (pass your own
             ``concat=`` to :func:`assert_accumulation_exact` for such layouts).
@@ -207,6 +218,10 @@ def concat_batches(batches: Sequence[Any]) -> Any:
         >>> batch = concat_batches([{"x": torch.zeros(2, 3)}, {"x": torch.ones(1, 3)}])
         >>> batch["x"].shape
         torch.Size([3, 3])
+        >>> inputs, target = concat_batches([(torch.zeros(2, 3), torch.tensor([0, 1])),
+        ...                                  (torch.ones(1, 3), torch.tensor([2]))])
+        >>> target
+        tensor([0, 1, 2])
     """
     first = batches[0]
     if isinstance(first, torch.Tensor) and first.ndim > 0:

@@ -118,15 +118,25 @@ def run_ranks(
         AssertionError: a rank raised (its traceback is in the message) or did not answer in
             time.
 
-    Example::
+    Example:
+        Two ranks each contribute ``rank + 1`` to an all-reduce (well under a second):
 
-        def check(rank, world):
-            model = DistributedDataParallel(build_model())
-            ...  # train a few steps
-            assert_ranks_in_sync(model)
-            return rank
+        >>> def total(rank, world):
+        ...     value = torch.tensor([rank + 1.0])
+        ...     dist.all_reduce(value)
+        ...     return (rank, world, value.item())
+        >>> run_ranks(total, world=2, timeout=60)
+        [(0, 2, 3.0), (1, 2, 3.0)]
 
-        assert run_ranks(check) == [0, 1]
+        In a test of a distributed step::
+
+            def check(rank, world):
+                model = DistributedDataParallel(build_model())
+                ...  # train a few steps
+                assert_ranks_in_sync(model)
+                return rank
+
+            assert run_ranks(check) == [0, 1]
     """
     ctx = mp.get_context("fork")
     out = ctx.Queue()
