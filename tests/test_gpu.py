@@ -72,3 +72,26 @@ def test_gpu_skips_decided_on_the_device_make_no_host_sync() -> None:
     settle_scheduler(state)
     assert int(state.skipped_updates) == 1 and sched.last_epoch == 5
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_gpu_async_save_holds_the_values_at_save_time_while_training_goes_on(tmp_path) -> None:
+    from steplib.checkpoint import AsyncSaver, load
+
+    def cuda_state(seed: int) -> TrainState:
+        model = tiny_model(seed).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        return TrainState.create(model=model, optimizer=opt)
+
+    step = make_train_step(token_loss)
+    state = cuda_state(0)
+    for batch in _cuda(make_batches(3)):
+        state, _ = step(state, batch)
+    at_save = {k: v.clone() for k, v in state.model.state_dict().items()}
+    with AsyncSaver() as saver:
+        url = saver.save(state, str(tmp_path))
+        for batch in _cuda(make_batches(3, seed=7)):  # queued right behind the copies
+            state, _ = step(state, batch)
+    loaded = load(url, cuda_state(1))
+    for name, value in loaded.model.state_dict().items():
+        assert torch.equal(value, at_save[name])
+        assert not torch.equal(value, state.model.state_dict()[name])

@@ -4,7 +4,8 @@ The only time training waits is the snapshot: every tensor of the checkpoint is 
 CPU buffers (pinned for GPU tensors), which are kept and reused by the next save, so that
 after the first save no memory is allocated or page-faulted while training waits. CPU tensors
 are copied by a few threads in chunks (``copying.py``: a busy core delays one chunk, not the
-whole copy); GPU tensors are copied asynchronously and synchronised once. Nothing else is
+whole copy); GPU tensors are copied asynchronously on the training stream, ahead of the kernels
+that will change them, and only the writer thread waits for those copies. Nothing else is
 done while training waits (the library versions for the manifest, for instance, are read by
 the writer). Writing, checksumming and committing happen in a thread; torch's file writing
 and zlib's CRC release the GIL, so the training thread keeps running.
@@ -116,10 +117,13 @@ class AsyncSaver:
 
         else:
             plan = prepare(state, directory, **arguments)
-            copy = SavePlan(plan.directory, plan.name, self._snapshot(plan.trees), plan.manifest)
+            trees, copied = self._snapshot(plan.trees)
+            copy = SavePlan(plan.directory, plan.name, trees, plan.manifest)
             url, name = plan.url, plan.name
 
             def write_plan() -> Any:
+                for event in copied:  # the GPU copies have landed in the pinned buffers
+                    event.synchronize()
                 return write(copy, fsync=durable)
 
         self._thread = threading.Thread(
@@ -193,12 +197,18 @@ class AsyncSaver:
         except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
             self._error = err
 
-    def _snapshot(self, trees: dict[str, Any]) -> dict[str, Any]:
-        """Deep copy of ``trees`` with every tensor copied into a (reused) CPU buffer.
+    def _snapshot(self, trees: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """Deep copy of ``trees`` with every tensor copied into a (reused) CPU buffer, and the
+        CUDA events the writer waits for before it reads the buffers of GPU tensors.
 
         The buffers of the previous save are reused when a tensor at the same place has the
         same shape and dtype: that save has been committed (``save`` waited for it), so
         nothing reads them any more, and the new values overwrite them all.
+
+        GPU tensors are copied with ``non_blocking=True`` on their device's current stream:
+        every later kernel of training on that stream (the optimizer step changing the
+        parameters in place) runs after the copy, so training need not wait for it; the
+        writer thread does, through an event recorded after the copies.
         """
         copies: dict[int, torch.Tensor] = {}  # by id: tied weights are copied (and saved) once
         buffers: dict[_Path, torch.Tensor] = {}
@@ -217,7 +227,7 @@ class AsyncSaver:
                 buffer = self._buffers.get(path)
                 if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
                     buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
-                if cuda:  # asynchronous into pinned memory; synchronised once below
+                if cuda:  # asynchronous into pinned memory; the writer waits for it
                     buffer.copy_(tensor, non_blocking=True)
                     devices.add(tensor.device)
                 else:
@@ -239,7 +249,10 @@ class AsyncSaver:
 
         snapshot = {name: copy(tree, (name,)) for name, tree in trees.items()}
         copy_tensors(on_cpu)  # meanwhile the GPU copies (if any) run on their own
+        copied = []
         for device in devices:
-            torch.cuda.synchronize(device)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            copied.append(event)
         self._buffers = buffers
-        return snapshot
+        return snapshot, copied
