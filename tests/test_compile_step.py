@@ -296,3 +296,37 @@ def test_unknown_compile_argument_is_refused() -> None:
 def test_mode_and_options_together_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"both mode= and options="):
         compile_step(make_train_step(_loss), mode="default", options={"cpp_wrapper": True})
+
+
+def test_compiled_skips_decided_on_the_device_match_eager() -> None:
+    """skip_nonfinite with a fused optimizer and a LambdaLR (the device-decided skip of
+    ``steplib.device_skips``) compiled: the same skips, schedule and parameters as eager."""
+    from steplib import settle_scheduler, skip_nonfinite
+
+    torch.manual_seed(0)
+    xs = [torch.randn(8, 4) for _ in range(12)]
+    xs[5] = xs[5] * float("inf")  # the third window is skipped
+
+    def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (1 + n))
+        state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+        step = skip_nonfinite(clip(accumulate(make_train_step(loss_fn), 2), max_norm=1.0))
+        if compiled:
+            step = compile_step(step)
+        for x in xs:
+            state, _ = step(state, x)
+        settle_scheduler(state)
+        results.append((state, [p.detach().clone() for p in model.parameters()]))
+    (eager, eager_params), (comp, comp_params) = results
+    assert step.compile_stats.graphs > 0 and step.compile_stats.recompiles == 0
+    assert int(eager.skipped_updates) == int(comp.skipped_updates) == 1
+    assert eager.scheduler.last_epoch == comp.scheduler.last_epoch == 5  # type: ignore[union-attr]
+    for a, b in zip(eager_params, comp_params, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
