@@ -17,6 +17,7 @@ from steplib import (
     clip,
     fsdp_wrap,
     make_train_step,
+    settle_scheduler,
     skip_nonfinite,
 )
 from steplib.distributed import apply_fsdp
@@ -112,3 +113,51 @@ def test_fsdp_flush_after_the_data_ended_is_refused_with_the_fix() -> None:
 def test_fsdp_wrap_without_a_process_group_says_what_to_call() -> None:
     with pytest.raises(ConfigError, match="init_distributed"):
         fsdp_wrap(make_train_step(_loss))
+
+
+def _nan_on_rank1(rank: int, world: int, *, fused: bool) -> dict[str, Any]:
+    model = apply_fsdp(_model(), blocks=[])
+    # fused=True: the skip is decided on the device (found_inf into the fused kernel, the
+    # LambdaLR's rates from a device table); fused=False reads it on the host.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9**n)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+    step = fsdp_wrap(skip_nonfinite(accumulate(make_train_step(_loss), 2)))
+    skipped = []
+    for i, (x, y, mask) in enumerate(make_batches(6, seed=rank)):
+        if rank == 1 and i == 3:
+            x = x * float("nan")  # only rank 1 sees it, in the second window
+        state, out = step(state, (x, y, mask))
+        if state.window_size == 0:
+            skipped.append(bool(out.skipped))
+    settle_scheduler(state)
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    result = {
+        "skipped": skipped,
+        "position": sched.last_epoch,
+        "on_device": state.device_skips is not None,
+        "params": params,
+    }
+    del model, state, step, opt
+    return result
+
+
+def _nan_on_rank1_fused(rank: int, world: int) -> dict[str, Any]:
+    return _nan_on_rank1(rank, world, fused=True)
+
+
+def _nan_on_rank1_foreach(rank: int, world: int) -> dict[str, Any]:
+    return _nan_on_rank1(rank, world, fused=False)
+
+
+def test_law6_fsdp_a_nan_on_one_rank_is_skipped_everywhere_also_when_decided_on_the_device() -> (
+    None
+):
+    fused, foreach = run_ranks(_nan_on_rank1_fused), run_ranks(_nan_on_rank1_foreach)
+    for result in (*fused, *foreach):
+        assert result["skipped"] == [False, True, False]
+        assert result["position"] == 2  # the schedule moved for the two applied updates only
+    assert [r["on_device"] for r in fused] == [True, True]
+    assert [r["on_device"] for r in foreach] == [False, False]
+    for a, b in zip(fused[0]["params"], foreach[0]["params"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # fused vs foreach AdamW rounding
