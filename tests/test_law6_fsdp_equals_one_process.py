@@ -150,9 +150,7 @@ def _nan_on_rank1_foreach(rank: int, world: int) -> dict[str, Any]:
     return _nan_on_rank1(rank, world, fused=False)
 
 
-def test_law6_fsdp_a_nan_on_one_rank_is_skipped_everywhere_also_when_decided_on_the_device() -> (
-    None
-):
+def test_law6_fsdp_a_nan_on_one_rank_skips_everywhere_also_decided_on_device() -> None:
     fused, foreach = run_ranks(_nan_on_rank1_fused), run_ranks(_nan_on_rank1_foreach)
     for result in (*fused, *foreach):
         assert result["skipped"] == [False, True, False]
