@@ -243,6 +243,24 @@ def test_verify_resume_passes_with_dropout_accumulation_and_a_schedule(tmp_path:
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000003"]
 
 
+def test_verify_resume_passes_with_skips_decided_on_the_device() -> None:
+    """A fused optimizer with skip_nonfinite keeps its LambdaLR's position on the device; the
+    check settles the scheduler before comparing it."""
+    from steplib import skip_nonfinite
+
+    def build() -> tuple[Any, TrainState]:
+        model = tiny_model(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup=2, total=12))
+        step = skip_nonfinite(make_train_step(mean_loss))
+        return step, TrainState.create(model=model, optimizer=opt, scheduler=sched)
+
+    batches = make_batches(8)
+    x, y, mask = batches[2]
+    batches[2] = (x * float("inf"), y, mask)  # a skipped update before the save
+    verify_resume(build, batches, save_at=4)
+
+
 def _loader_factory():
     gen = torch.Generator().manual_seed(3)
     dataset = TensorDataset(torch.randn(20, 8, generator=gen), torch.randn(20, 3, generator=gen))
