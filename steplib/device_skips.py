@@ -120,9 +120,12 @@ def start(optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device
         return DeviceSkips(position=None, bound=0, lr_table=None, pending=None)
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     for group in optimizer.param_groups:
-        if not isinstance(group["lr"], torch.Tensor):
+        lr = group["lr"]
+        if not isinstance(lr, torch.Tensor):
             # torch.full is a fill kernel; torch.tensor would be a blocking host-to-device copy.
-            group["lr"] = torch.full((), group["lr"], dtype=dtype, device=device)
+            group["lr"] = torch.full((), lr, dtype=dtype, device=device)
+        elif lr.device != device or lr.dtype != dtype:  # e.g. loaded from a checkpoint
+            group["lr"] = lr.to(device=device, dtype=dtype)
     position = scheduler.last_epoch
     rows = max(64, 2 * (position + 1))
     table = torch.empty((rows, len(optimizer.param_groups)), dtype=torch.float64, device=device)
