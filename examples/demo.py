@@ -46,7 +46,16 @@ from torch.utils.data import TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 import steplib
-from steplib import Events, TrainState, accumulate, clip, make_train_step, run, warmup_cosine
+from steplib import (
+    Events,
+    TrainState,
+    accumulate,
+    clip,
+    make_train_step,
+    run,
+    skip_nonfinite,
+    warmup_cosine,
+)
 from steplib.checkpoint import checkpoint_every, list_checkpoints, preemption, resume_from
 from steplib.data import resumable_loader
 from steplib.evaluation import Evaluator, make_eval_step
@@ -316,13 +325,17 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
         heads=args.heads,
         seq_len=args.seq_len,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    # fused=True: one kernel per update, and it can skip a non-finite update inside the kernel,
+    # so skip_nonfinite below decides without a host sync (steplib.device_skips).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), fused=True)
     schedule = warmup_cosine(warmup=args.steps // 10, total=args.steps, min_ratio=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     state = TrainState.create(model=model, optimizer=optimizer, scheduler=scheduler)
 
-    # The step is a value built from pieces: the loss, then clipping, then accumulation.
+    # The step is a value built from pieces: the loss, then clipping, then accumulation, then
+    # skipping an update whose loss or gradients are not finite.
     step = accumulate(clip(make_train_step(loss_fn), max_norm=1.0), args.accumulate)
+    step = skip_nonfinite(step, max_consecutive=5)
 
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params:,} parameters; step: {step.describe()}")
