@@ -21,7 +21,6 @@ or by ``close``: it is never lost.
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -31,13 +30,11 @@ import torch
 import torch.distributed as dist
 
 from steplib.checkpoint import sharded
-from steplib.checkpoint.copying import copy_tensors
+from steplib.checkpoint.copying import Path, snapshot_tree
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.save_load import SavePlan, check_durable, prepare, write
 from steplib.state import TrainState
-
-_Path = tuple[Any, ...]
 
 
 class AsyncSaver:
@@ -58,8 +55,8 @@ class AsyncSaver:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._buffers: dict[_Path, torch.Tensor] = {}
-        self._sharded_buffers: dict[_Path, torch.Tensor] = {}
+        self._buffers: dict[Path, torch.Tensor] = {}
+        self._sharded_buffers: dict[Path, torch.Tensor] = {}
         self._group: Any = None
         self._group_of: Any = None
 
@@ -108,22 +105,22 @@ class AsyncSaver:
             # Every rank snapshots its part now and writes it in the background, on a process
             # group of its own: see _checkpoint_group.
             sharded_plan = sharded.prepare_sharded(state, directory, **arguments)
-            sharded_copy = sharded.snapshot_plan(sharded_plan, self._sharded_buffers)
+            sharded_copy, copied = sharded.snapshot_plan(sharded_plan, self._sharded_buffers)
             group = self._checkpoint_group()
             url, name = sharded_plan.url, sharded_plan.name
 
             def write_plan() -> Any:
+                _wait(copied)
                 return sharded.write_sharded(sharded_copy, group=group, fsync=durable)
 
         else:
             plan = prepare(state, directory, **arguments)
-            trees, copied = self._snapshot(plan.trees)
+            trees, copied = snapshot_tree(plan.trees, self._buffers)
             copy = SavePlan(plan.directory, plan.name, trees, plan.manifest)
             url, name = plan.url, plan.name
 
             def write_plan() -> Any:
-                for event in copied:  # the GPU copies have landed in the pinned buffers
-                    event.synchronize()
+                _wait(copied)
                 return write(copy, fsync=durable)
 
         self._thread = threading.Thread(
@@ -197,62 +194,8 @@ class AsyncSaver:
         except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
             self._error = err
 
-    def _snapshot(self, trees: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        """Deep copy of ``trees`` with every tensor copied into a (reused) CPU buffer, and the
-        CUDA events the writer waits for before it reads the buffers of GPU tensors.
 
-        The buffers of the previous save are reused when a tensor at the same place has the
-        same shape and dtype: that save has been committed (``save`` waited for it), so
-        nothing reads them any more, and the new values overwrite them all.
-
-        GPU tensors are copied with ``non_blocking=True`` on their device's current stream:
-        every later kernel of training on that stream (the optimizer step changing the
-        parameters in place) runs after the copy, so training need not wait for it; the
-        writer thread does, through an event recorded after the copies.
-        """
-        copies: dict[int, torch.Tensor] = {}  # by id: tied weights are copied (and saved) once
-        buffers: dict[_Path, torch.Tensor] = {}
-        on_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor): copied below
-        devices: set[torch.device] = set()
-
-        def copy(obj: Any, path: _Path) -> Any:
-            if isinstance(obj, torch.Tensor):
-                if id(obj) in copies:
-                    return copies[id(obj)]
-                tensor = obj.detach()
-                if tensor.layout != torch.strided:  # sparse and other layouts: a plain copy
-                    copies[id(obj)] = tensor.to("cpu", copy=True)
-                    return copies[id(obj)]
-                cuda = tensor.device.type == "cuda"
-                buffer = self._buffers.get(path)
-                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
-                if cuda:  # asynchronous into pinned memory; the writer waits for it
-                    buffer.copy_(tensor, non_blocking=True)
-                    devices.add(tensor.device)
-                else:
-                    on_cpu.append((buffer, tensor))
-                buffers[path] = buffer
-                copies[id(obj)] = buffer
-                return buffer
-            if isinstance(obj, dict):
-                out = {k: copy(v, (*path, k)) for k, v in obj.items()}
-                if isinstance(obj, collections.OrderedDict):
-                    ordered = collections.OrderedDict(out)
-                    if hasattr(obj, "_metadata"):  # module versions, used by load_state_dict
-                        ordered._metadata = obj._metadata  # type: ignore[attr-defined]
-                    return ordered
-                return out
-            if isinstance(obj, list | tuple):
-                return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))
-            return obj  # numbers, strings, None: immutable
-
-        snapshot = {name: copy(tree, (name,)) for name, tree in trees.items()}
-        copy_tensors(on_cpu)  # meanwhile the GPU copies (if any) run on their own
-        copied = []
-        for device in devices:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            copied.append(event)
-        self._buffers = buffers
-        return snapshot, copied
+def _wait(copied: list[Any]) -> None:
+    """In the writer: wait until the snapshot's GPU copies have landed in the pinned buffers."""
+    for event in copied:
+        event.synchronize()

@@ -16,15 +16,104 @@ are the whole story); anything else goes through ``copy_``.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+Path = tuple[Any, ...]  # where a tensor sits in a tree: the key of its reused buffer
 
 CHUNK_BYTES = 4 << 20
 # A copy is bound by memory bandwidth, which a few threads saturate.
 MAX_WORKERS = 8
+
+
+def snapshot_tree(tree: Any, buffers: dict[Path, torch.Tensor]) -> tuple[Any, list[Any]]:
+    """A deep copy of ``tree`` with every tensor copied into a CPU buffer: the snapshot of an
+    async save (plain and sharded alike), taken while training waits.
+
+    ``buffers`` (by path in the tree) are reused when a tensor at the same place has the same
+    shape and dtype (the caller's previous snapshot has been written: nothing reads them any
+    more), and are replaced by this snapshot's in place, so that after the first save nothing
+    is allocated or page-faulted while training waits. A tensor seen twice (tied weights) is
+    copied once; a ``DTensor`` stays a ``DTensor`` (its local shard copied), so that DCP still
+    knows which part of the global tensor this rank holds.
+
+    CPU tensors are copied by :func:`copy_tensors`. GPU tensors go into pinned buffers with
+    ``non_blocking=True`` on their device's current stream: every later kernel of training on
+    that stream (the optimizer step changing them in place) runs after the copy, so training
+    need not wait for it.
+
+    Returns:
+        The copy, and one CUDA event per device recorded after its copies: the writer waits
+        for them before reading the buffers (empty without GPU tensors).
+    """
+    # A DTensor exists only once torch.distributed.tensor is imported: no import here.
+    dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    copies: dict[int, torch.Tensor] = {}
+    used: dict[Path, torch.Tensor] = {}
+    on_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor): copied below
+    devices: set[torch.device] = set()
+
+    def to_buffer(obj: Any, tensor: torch.Tensor, path: Path) -> torch.Tensor:
+        # Keyed by the id of the tree's own object, alive during the whole walk (a DTensor's
+        # to_local() is a new object each time, whose id could be reused).
+        if id(obj) in copies:
+            return copies[id(obj)]
+        source = tensor.detach()
+        if source.layout != torch.strided:  # sparse and other layouts: a plain copy
+            copies[id(obj)] = source.to("cpu", copy=True)
+            return copies[id(obj)]
+        cuda = source.device.type == "cuda"
+        buffer = buffers.get(path)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=cuda)
+        if cuda:
+            buffer.copy_(source, non_blocking=True)
+            devices.add(source.device)
+        else:
+            on_cpu.append((buffer, source))
+        used[path] = copies[id(obj)] = buffer
+        return buffer
+
+    def copy(obj: Any, path: Path) -> Any:
+        if dtensor is not None and isinstance(obj, dtensor):
+            return dtensor.from_local(
+                to_buffer(obj, obj.to_local(), path),
+                obj.device_mesh,
+                obj.placements,
+                run_check=False,
+                shape=obj.shape,
+                stride=obj.stride(),
+            )
+        if isinstance(obj, torch.Tensor):
+            return to_buffer(obj, obj, path)
+        if isinstance(obj, dict):
+            out = {k: copy(v, (*path, k)) for k, v in obj.items()}
+            if isinstance(obj, collections.OrderedDict):
+                ordered = collections.OrderedDict(out)
+                if hasattr(obj, "_metadata"):  # module versions, used by load_state_dict
+                    ordered._metadata = obj._metadata  # type: ignore[attr-defined]
+                return ordered
+            return out
+        if isinstance(obj, list | tuple):
+            return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))
+        return obj  # numbers, strings, None: immutable
+
+    result = copy(tree, ())
+    copy_tensors(on_cpu)  # meanwhile the GPU copies (if any) run on their own
+    copied = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        copied.append(event)
+    buffers.clear()
+    buffers.update(used)
+    return result, copied
 
 
 def copy_tensors(

@@ -50,6 +50,7 @@ from steplib.checkpoint.contents import (
     train_state_tree,
     window_grads,
 )
+from steplib.checkpoint.copying import snapshot_tree
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.manifest import (
     MANIFEST,
@@ -182,13 +183,14 @@ def prepare_sharded(
     return ShardedPlan(location, name, tensors, rank_tree, manifest, dict(storage_options or {}))
 
 
-def snapshot_plan(plan: ShardedPlan, buffers: dict[Any, torch.Tensor]) -> ShardedPlan:
+def snapshot_plan(
+    plan: ShardedPlan, buffers: dict[Any, torch.Tensor]
+) -> tuple[ShardedPlan, list[Any]]:
     """``plan`` with every tensor copied to CPU (into ``buffers``, reused by the next call),
-    so that training may go on while it is written."""
-    from steplib.checkpoint.sharded_io import snapshot  # DCP-side; imported on use
-
-    copied = snapshot({"tensors": plan.tensors, "rank": plan.rank_tree}, buffers)
-    return dataclasses.replace(plan, tensors=copied["tensors"], rank_tree=copied["rank"])
+    so that training may go on while it is written, and the CUDA events to wait for before
+    writing it (see :func:`~steplib.checkpoint.copying.snapshot_tree`)."""
+    copied, events = snapshot_tree({"tensors": plan.tensors, "rank": plan.rank_tree}, buffers)
+    return dataclasses.replace(plan, tensors=copied["tensors"], rank_tree=copied["rank"]), events
 
 
 def prunes_here(state: Any) -> bool:

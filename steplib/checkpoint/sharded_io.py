@@ -1,6 +1,7 @@
 """The torch.distributed.checkpoint (DCP) side of sharded checkpoints: a checksumming
-``FsspecWriter``, the split of a state dict into DCP's tensors and steplib's plain file, the
-CPU snapshot an asynchronous save writes from, and DCP's errors turned into steplib's.
+``FsspecWriter``, the split of a state dict into DCP's tensors and steplib's plain file, and DCP's
+errors turned into steplib's (the CPU snapshot an asynchronous save writes from is
+``copying.snapshot_tree``, shared with plain checkpoints).
 
 Why the split: DCP stores every non-tensor value as a pickle and reads it back with
 ``torch.load(weights_only=False)``, which runs whatever code the file names. steplib's
@@ -12,7 +13,6 @@ reads it with an unpickler that builds DCP's metadata records and nothing else.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import pickle
@@ -25,9 +25,7 @@ import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.tensor import DTensor
 
-from steplib.checkpoint.copying import copy_tensors
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.storage import FileRecord
 
@@ -42,12 +40,10 @@ __all__ = [
     "dcp_errors",
     "merge",
     "no_dist_warning_silenced",
-    "snapshot",
     "split",
 ]
 
 Tree = dict[str, Any]
-_Path = tuple[Any, ...]
 
 
 class _ChecksumStream:
@@ -197,58 +193,6 @@ def merge(tensors: Tree, plain: Tree) -> Tree:
         else:
             out[key] = a if key in tensors else b
     return out
-
-
-def snapshot(tree: Any, buffers: dict[_Path, torch.Tensor]) -> Any:
-    """A deep copy of ``tree`` with every tensor copied to CPU, into ``buffers`` (by path:
-    reused by the next snapshot of the same shapes, so that no memory is allocated while
-    training waits). A ``DTensor`` stays a ``DTensor`` (its local shard copied), so that DCP
-    still knows which part of the global tensor this rank holds."""
-    cuda = set()
-    used: dict[_Path, torch.Tensor] = {}
-    on_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor): copied below
-
-    def cpu(tensor: torch.Tensor, path: _Path) -> torch.Tensor:
-        tensor = tensor.detach()
-        buffer = buffers.get(path)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(
-                tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda"
-            )
-        if tensor.device.type == "cuda":  # asynchronous into pinned memory; synchronised below
-            buffer.copy_(tensor, non_blocking=True)
-            cuda.add(tensor.device)
-        else:
-            on_cpu.append((buffer, tensor))
-        used[path] = buffer
-        return buffer
-
-    def copy(obj: Any, path: _Path) -> Any:
-        if isinstance(obj, DTensor):
-            return DTensor.from_local(
-                cpu(obj.to_local(), path),
-                obj.device_mesh,
-                obj.placements,
-                run_check=False,
-                shape=obj.shape,
-                stride=obj.stride(),
-            )
-        if isinstance(obj, torch.Tensor):
-            return cpu(obj, path)
-        if isinstance(obj, dict):
-            out = {k: copy(v, (*path, k)) for k, v in obj.items()}
-            return collections.OrderedDict(out) if isinstance(obj, collections.OrderedDict) else out
-        if isinstance(obj, list | tuple):
-            return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))
-        return obj  # numbers, strings, None: immutable
-
-    result = copy(tree, ())
-    copy_tensors(on_cpu)  # in chunks, by a few threads: see copying.py
-    for device in cuda:
-        torch.cuda.synchronize(device)
-    buffers.clear()
-    buffers.update(used)
-    return result
 
 
 @contextlib.contextmanager
