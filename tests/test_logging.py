@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +26,7 @@ from steplib.logging import (
     TensorBoardLogger,
     event_record,
 )
+from tests.host_reads import on_host_read
 
 
 def _setup(seed: int = 0):
@@ -117,25 +116,7 @@ def test_each_line_is_flushed_before_close() -> None:
     log.close()  # twice is harmless
 
 
-@contextlib.contextmanager
-def _count_reads(calls: list[bool], inside: list[bool]) -> Iterator[None]:
-    """Record every host read of a tensor, with whether the logger was running at the time."""
-    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__float__")}
-
-    def spy(name):
-        def read(self, *args, **kwargs):
-            calls.append(inside[0])
-            return originals[name](self, *args, **kwargs)
-
-        return read
-
-    try:
-        for name in originals:
-            setattr(torch.Tensor, name, spy(name))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+READS = ("item", "tolist", "__float__")
 
 
 def test_logger_reads_tensors_only_when_it_is_called() -> None:
@@ -153,7 +134,7 @@ def test_logger_reads_tensors_only_when_it_is_called() -> None:
                 inside[0] = False
 
         events = Events().on("step_end", logged, every=3)
-        with _count_reads(calls, inside):
+        with on_host_read(lambda name: calls.append(inside[0]), READS):
             run(step, state, batches, events=events, max_epochs=2)
 
     assert calls, "the logger read nothing"

@@ -3,11 +3,9 @@ at the logging interval; across 2 ranks the aux means are reduced and only rank 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import tempfile
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -22,9 +20,8 @@ from steplib.metrics import TrainMetrics
 from steplib.progress import ProgressBar
 from steplib.testing import run_ranks
 from steplib.throughput import Throughput
+from tests.host_reads import on_host_read
 from tests.reference import make_batches, tiny_model, token_loss
-
-HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")
 
 
 class HostSyncError(AssertionError):
@@ -106,29 +103,6 @@ def test_skipped_updates_are_left_out_of_the_loss_mean() -> None:
     assert "acc" not in values  # aux=[] keeps none
 
 
-@contextlib.contextmanager
-def _host_reads_only_when(gate: list[bool], reads: list[str]) -> Iterator[None]:
-    """Make every host read raise unless ``gate[0]``; log the allowed ones."""
-
-    def patched(name: str, original):
-        def read(self, *args, **kwargs):
-            if not gate[0]:
-                raise HostSyncError(f"Tensor.{name} outside the logging interval")
-            reads.append(name)
-            return original(self, *args, **kwargs)
-
-        return read
-
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-    try:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, patched(name, original))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
 def _sync_free_run(every: int, extra_reader=None) -> tuple[list[str], ListLogger]:
     model = tiny_model(0, dropout=0.1)
     # SGD with momentum: torch's non-fused Adam/AdamW read their step counter with .item().
@@ -151,7 +125,14 @@ def _sync_free_run(every: int, extra_reader=None) -> tuple[list[str], ListLogger
         events.on("step_end", extra_reader)
     events.on("step_end", Log(sink, sources=[train.read, grads.read, speed.read]), every=every)
     events.on("step_end", lambda e: gate.__setitem__(0, False))
-    with _host_reads_only_when(gate, reads):
+
+    def only_when_gated(name: str) -> None:
+        """Every host read raises unless ``gate[0]``; the allowed ones are logged."""
+        if not gate[0]:
+            raise HostSyncError(f"Tensor.{name} outside the logging interval")
+        reads.append(name)
+
+    with on_host_read(only_when_gated):
         run(step, state, batches, events=events)
     return reads, sink
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -11,7 +10,6 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ import steplib.progress
 from steplib import ConfigError, Event, Events, TrainState, accumulate, make_train_step, run
 from steplib._tqdm import tqdm_class
 from steplib.progress import ProgressBar
+from tests.host_reads import on_host_read
 
 
 def _setup(n_batches: int = 10, *, fail_at: int | None = None):
@@ -48,25 +47,7 @@ def _setup(n_batches: int = 10, *, fail_at: int | None = None):
     return state, make_train_step(loss_fn), batches
 
 
-@contextlib.contextmanager
-def _record_reads(where: list[str], log: list[str]) -> Iterator[None]:
-    """Log ``where[0]`` (the step or event being handled) on every host read of a tensor."""
-    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__float__")}
-
-    def spy(name):
-        def read(self, *args, **kwargs):
-            log.append(where[0])
-            return originals[name](self, *args, **kwargs)
-
-        return read
-
-    try:
-        for name in originals:
-            setattr(torch.Tensor, name, spy(name))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+READS = ("item", "tolist", "__float__")
 
 
 def test_bar_reads_tensors_only_on_its_refresh_interval() -> None:
@@ -82,7 +63,7 @@ def test_bar_reads_tensors_only_on_its_refresh_interval() -> None:
         events.on(name, track)  # registered first, so it runs before the bar's handler
     bar = ProgressBar(total=10, every=3, file=io.StringIO())
     bar.attach(events)
-    with _record_reads(where, reads):
+    with on_host_read(lambda name: reads.append(where[0]), READS):
         run(step, state, batches, events=events)
 
     assert reads, "the bar never read its values"
@@ -152,7 +133,7 @@ def test_disabled_bar_reads_nothing() -> None:
     where = ["run"]
     reads: list[str] = []
     bar = ProgressBar(every=1, disable=True, file=io.StringIO())
-    with _record_reads(where, reads):
+    with on_host_read(lambda name: reads.append(where[0]), READS):
         run(step, state, batches, events=bar.attach(Events()))
     assert reads == []
     assert bar.closed
@@ -182,7 +163,7 @@ def test_bar_draws_on_rank_zero_only_by_default(monkeypatch) -> None:
     reads: list[str] = []
     bar = ProgressBar(every=1, file=stream)
     assert bar.disable
-    with _record_reads(where, reads):
+    with on_host_read(lambda name: reads.append(where[0]), READS):
         run(step, state, batches, events=bar.attach(Events()))
     assert stream.getvalue() == "" and reads == []
     assert not ProgressBar(disable=False).disable  # an explicit choice wins

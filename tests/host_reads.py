@@ -1,0 +1,34 @@
+"""A spy on host reads of tensors, for tests that check *when* a handler reads the device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from steplib.testing import HOST_READS
+
+
+@contextlib.contextmanager
+def on_host_read(
+    callback: Callable[[str], None], names: Sequence[str] = HOST_READS
+) -> Iterator[None]:
+    """Call ``callback(name)`` before every ``Tensor.<name>`` call in ``names`` inside the
+    block (it may raise to refuse the read); the methods are restored afterwards."""
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def spy(name: str, original: Callable[..., object]) -> Callable[..., object]:
+        def read(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+            callback(name)
+            return original(self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, spy(name, original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
