@@ -60,7 +60,7 @@ from torch import nn
 
 from steplib.errors import ConfigError
 from steplib.state import TrainState
-from steplib.step.core import LOCAL, GradReport, Step, add_wrapper
+from steplib.step.core import LOCAL, GradReport, Step, _scaler_active, add_wrapper
 from steplib.step.loss_output import _NO_AUX, LossOutput, parse_loss_output
 
 
@@ -198,7 +198,7 @@ class _CompiledStep(Step):
         if (
             optimizer in runtime.prepared
             and self.grad_sync is LOCAL
-            and not _scaler_enabled(state)
+            and not _scaler_active(self, state)
             # A shorter last window (another Python target count) would compile once more.
             and state.window_size == self.accumulation
         ):
@@ -217,8 +217,7 @@ class _CompiledStep(Step):
                 )
                 runtime.updated = optimizer
                 return report
-            report = runtime.process_grads(self, state)
-            return report
+            return runtime.process_grads(self, state)
         return Step.process_grads(self, state)
 
 
@@ -294,7 +293,7 @@ class _Runtime:
             self.prepared[optimizer]
             and step.grad_sync is LOCAL  # DDP/FSDP reduce in autograd hooks
             and step.amp is None
-            and not _scaler_enabled(state)
+            and not _scaler_active(step, state)
             and (hooks is None or (hooks.before_backward is None and hooks.after_backward is None))
         ):
             plan = _make_plan(state.model, optimizer, step.loss_fn)
@@ -489,10 +488,6 @@ def _lr_as_tensor(group: dict[str, Any]) -> None:
         group["lr"] = torch.tensor(
             group["lr"], dtype=torch.float64, device=group["params"][0].device
         )
-
-
-def _scaler_enabled(state: TrainState) -> bool:
-    return state.scaler is not None and state.scaler.is_enabled()
 
 
 # --- guards and counting -------------------------------------------------------------------
