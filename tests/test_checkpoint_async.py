@@ -3,6 +3,8 @@ during the write is not corrupted, a second save waits, and errors surface later
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -173,3 +175,26 @@ def test_the_chunked_snapshot_copy_equals_copy_(workers: int) -> None:
     copy_tensors(list(zip(buffers, sources, strict=True)), chunk_bytes=1024, workers=workers)
     for buffer, source in zip(buffers, sources, strict=True):
         assert torch.equal(buffer, source.resolve_conj())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's nice is Linux's")
+def test_the_writer_runs_at_the_lowest_cpu_priority_and_training_keeps_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: list[tuple[str, int]] = []
+    write = storage_module.write_tensors
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append((threading.current_thread().name, priority()))
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(storage_module, "write_tensors", spy)
+    training = priority()
+    with AsyncSaver() as saver:
+        saver.save(make_state(), str(tmp_path))
+    assert seen and {name.split("-")[1] for name, _ in seen} == {"save"}  # the writer thread
+    assert {nice for _, nice in seen} == {19}
+    assert priority() == training

@@ -1,14 +1,14 @@
 """Checkpoints and exact resume through fsspec: atomic, verified, asynchronous, preemption-safe.
 
 * :func:`save`, :func:`load`, :func:`latest`, :func:`list_checkpoints`, :func:`prune`.
-* :class:`AsyncSaver`: snapshot now, write in a background thread.
+* :class:`AsyncSaver`: snapshot now, write in a background thread; :func:`wait_snapshot`.
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
 
 The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when the
 state's model is DDP or FSDP2 and a process group is initialised; see ``sharded.py``.
 """
 
-from steplib.checkpoint.background import AsyncSaver
+from steplib.checkpoint.background import AsyncSaver, wait_snapshot
 from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from steplib.checkpoint.handlers import Checkpointer, checkpoint_every, default_metrics
 from steplib.checkpoint.listing import CheckpointInfo, latest, list_checkpoints
@@ -36,4 +36,5 @@ __all__ = [
     "resume_from",
     "save",
     "select_retained",
+    "wait_snapshot",
 ]

@@ -1,14 +1,22 @@
 """``AsyncSaver``: take the snapshot now, write it in a background thread, train on.
 
-The only time training waits is the snapshot: every tensor of the checkpoint is copied into
-CPU buffers (pinned for GPU tensors), which are kept and reused by the next save, so that
-after the first save no memory is allocated or page-faulted while training waits. CPU tensors
-are copied by a few threads in chunks (``copying.py``: a busy core delays one chunk, not the
-whole copy); GPU tensors are copied asynchronously on the training stream, ahead of the kernels
-that will change them, and only the writer thread waits for those copies. Nothing else is
-done while training waits (the library versions for the manifest, for instance, are read by
-the writer). Writing, checksumming and committing happen in a thread; torch's file writing
-and zlib's CRC release the GIL, so the training thread keeps running.
+The snapshot copies every tensor of the checkpoint into CPU buffers (pinned for GPU tensors),
+which are kept and reused by the next save, so that after the first save no memory is
+allocated or page-faulted for it. Of the CPU tensors, the parameters and the optimizer's state
+(most of the bytes) change only when the optimizer updates them: a background thread copies
+them while training goes on, and the next update waits for that copy (``steplib.update_fence``,
+called by every step before it processes the gradients, and by ``load``). The rest (buffers,
+which a forward pass may change, the gradients of an open window, extras, RNG and data states)
+is copied before ``save`` returns. Both copies are done by a few threads in chunks
+(``copying.py``: a busy core delays one chunk, not the whole copy). GPU tensors are copied
+asynchronously on the training stream, ahead of the kernels that will change them, and only
+the writer thread waits for those copies. Writing, checksumming and committing happen in a
+thread at the lowest CPU priority (``_lowest_priority``); torch's file writing and zlib's CRC
+release the GIL, so the training thread keeps running.
+
+A tensor that something other than the optimizer changes in place while the background copy
+runs (``Tensor._version`` tells) fails that checkpoint loudly rather than committing a torn
+copy: call :func:`wait_snapshot` before such a change.
 
 A DDP or FSDP2 state is saved as a sharded (DCP) checkpoint (``sharded.py``): every rank
 snapshots its part, and the background threads of all ranks write and commit it together on a
@@ -21,6 +29,9 @@ or by ``close``: it is never lost.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
@@ -29,8 +40,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from steplib import update_fence
 from steplib.checkpoint import sharded
-from steplib.checkpoint.copying import Path, snapshot_tree
+from steplib.checkpoint.copying import BackgroundCopy, Path, snapshot_tree, update_only_storages
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.save_load import SavePlan, check_durable, prepare, write
@@ -92,6 +104,8 @@ class AsyncSaver:
         """
         check_durable(durable, "AsyncSaver.save")
         self.wait()
+        # Copied in the background: nothing but the next update changes them.
+        deferred = update_only_storages(state.optimizer)
         arguments: dict[str, Any] = {
             "data": data,
             "extras": extras,
@@ -105,7 +119,9 @@ class AsyncSaver:
             # Every rank snapshots its part now and writes it in the background, on a process
             # group of its own: see _checkpoint_group.
             sharded_plan = sharded.prepare_sharded(state, directory, **arguments)
-            sharded_copy, copied = sharded.snapshot_plan(sharded_plan, self._sharded_buffers)
+            sharded_copy, copied = sharded.snapshot_plan(
+                sharded_plan, self._sharded_buffers, deferred=deferred
+            )
             group = self._checkpoint_group()
             url, name = sharded_plan.url, sharded_plan.name
 
@@ -115,7 +131,7 @@ class AsyncSaver:
 
         else:
             plan = prepare(state, directory, **arguments)
-            trees, copied = snapshot_tree(plan.trees, self._buffers)
+            trees, copied = snapshot_tree(plan.trees, self._buffers, deferred=deferred)
             copy = SavePlan(plan.directory, plan.name, trees, plan.manifest)
             url, name = plan.url, plan.name
 
@@ -123,6 +139,9 @@ class AsyncSaver:
                 _wait(copied)
                 return write(copy, fsync=durable)
 
+        for pending in copied:
+            if isinstance(pending, BackgroundCopy):
+                update_fence.hold(state.optimizer, pending)
         self._thread = threading.Thread(
             target=self._write, args=(write_plan, after), name=f"steplib-save-{name}"
         )
@@ -187,6 +206,7 @@ class AsyncSaver:
         return self._group
 
     def _write(self, write_plan: Callable[[], Any], after: Callable[[], Any] | None) -> None:
+        _lowest_priority()
         try:
             write_plan()
             if after is not None:
@@ -195,7 +215,51 @@ class AsyncSaver:
             self._error = err
 
 
+def _lowest_priority() -> None:
+    """Make the calling thread (and the threads it starts) the last to get a core: Linux's
+    nice 19 for this thread alone.
+
+    Serialising, checksumming and copying into the page cache keep a core busy for about as
+    long as a sync save takes. Where training keeps every core busy (CPU training; a loaded
+    host), that work took cores from the training threads: on 2 cores an update next to the
+    writer ran 3x slower, and the async save cost training as much time as a sync one
+    (``benchmarks/bench_checkpoint.py``). At nice 19 the writer runs in the time training
+    leaves idle and yields to it otherwise; the write takes longer only where the cores are
+    busy, and a save, ``wait`` or ``close`` waiting for it leaves it the cores. (Elsewhere
+    ``setpriority`` takes a process id, not a thread's: nothing is changed there.)
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # e.g. a sandbox without the system call
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def wait_snapshot(state: TrainState) -> None:
+    """Wait until a pending async save has copied the parameters and optimizer state of
+    ``state``: after this they may change in place without tearing that checkpoint.
+
+    Steps and ``load`` call it themselves before they change them; call it before changing
+    parameters in place outside the optimizer (a weight projection in a handler, say) while an
+    ``AsyncSaver.save`` may be in flight. It returns at once when none is.
+
+    Args:
+        state: the state given to ``AsyncSaver.save`` (its optimizer identifies the save).
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> with AsyncSaver() as saver:
+        ...     url = saver.save(state, "memory://doctest-wait-snapshot/ckpt")
+        ...     wait_snapshot(state)
+        ...     with torch.no_grad():
+        ...         _ = model.weight.mul_(0)  # the checkpoint keeps the weights at save time
+    """
+    update_fence.wait(state.optimizer)
+
+
 def _wait(copied: list[Any]) -> None:
-    """In the writer: wait until the snapshot's GPU copies have landed in the pinned buffers."""
-    for event in copied:
-        event.synchronize()
+    """In the writer: wait until the snapshot's copies (GPU copies into the pinned buffers, the
+    background copy of CPU tensors) have landed; raise if one is not a snapshot."""
+    for copy in copied:
+        copy.synchronize()

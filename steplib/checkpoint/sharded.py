@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import orjson
@@ -184,12 +184,14 @@ def prepare_sharded(
 
 
 def snapshot_plan(
-    plan: ShardedPlan, buffers: dict[Any, torch.Tensor]
+    plan: ShardedPlan, buffers: dict[Any, torch.Tensor], *, deferred: Container[int] = ()
 ) -> tuple[ShardedPlan, list[Any]]:
     """``plan`` with every tensor copied to CPU (into ``buffers``, reused by the next call),
-    so that training may go on while it is written, and the CUDA events to wait for before
-    writing it (see :func:`~steplib.checkpoint.copying.snapshot_tree`)."""
-    copied, events = snapshot_tree({"tensors": plan.tensors, "rank": plan.rank_tree}, buffers)
+    so that training may go on while it is written, and the copies to wait for before writing
+    it (see :func:`~steplib.checkpoint.copying.snapshot_tree`, and its ``deferred``)."""
+    copied, events = snapshot_tree(
+        {"tensors": plan.tensors, "rank": plan.rank_tree}, buffers, deferred=deferred
+    )
     return dataclasses.replace(plan, tensors=copied["tensors"], rank_tree=copied["rank"]), events
 
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from steplib import device_skips
+from steplib import device_skips, update_fence
 from steplib._checks import model_batch_fn
 from steplib.device_skips import decides_on_device
 from steplib.errors import ConfigError, TooManySkipsError, describe
@@ -373,6 +373,9 @@ class Step:
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
         lr = _lr_now(state)  # before the scheduler moves it
+        # An async checkpoint may still be copying the parameters and optimizer state in the
+        # background; this update changes them. (Phase 2 may run the update: compile_step.)
+        update_fence.wait(state.optimizer)
         report = self.process_grads(state)
         state, applied = self.apply(state, report)
         return state, StepOutput(
