@@ -187,11 +187,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     saved: dict[str, str] = {}  # the newest steplib checkpoint, for the loads
 
+    def unnumbered() -> TrainState:
+        # The updates between rounds advance state.step: saved as step 0 all along, every
+        # checkpoint has one name, so that --overwrite replaces the previous one.
+        return state.replace(step=0)
+
     def steplib_save(path: Path) -> None:
-        saved["url"] = save(state, str(path))
+        saved["url"] = save(unnumbered(), str(path))
 
     def steplib_save_not_durable(path: Path) -> None:
-        saved["url"] = save(state, str(path), durable=False)
+        saved["url"] = save(unnumbered(), str(path), durable=False)
 
     def torch_load(_: Path) -> None:
         trees = torch.load(fresh.latest["plain"], map_location="cpu", weights_only=True)
@@ -202,10 +207,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         load(saved["url"], state)
 
     def async_stall(path: Path) -> None:
-        saver.save(state, str(path))
+        saver.save(unnumbered(), str(path))
 
     def async_save_wait_snapshot(path: Path) -> None:
-        saver.save(state, str(path))
+        saver.save(unnumbered(), str(path))
         wait_snapshot(state)
 
     # name: (kind of path written, or "" for a load; the operation)

@@ -119,3 +119,35 @@ def test_latest_without_verify_only_reads_the_manifest(directory: str) -> None:
     fs, path = fsspec.core.url_to_fs(f"{urls[-1]}/model.pt")
     _flip_byte(fs, path)
     assert latest(directory, verify=False) == urls[-1]
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_large_tensors_checksummed_beside_the_write_match_the_file(
+    tmp_path: Path, memory_dir: str, where: str
+) -> None:
+    """Tensors of 1 MiB and more are checksummed by a helper thread while the bytes are being
+    written; the CRC32 recorded must still be the whole file's, and a flipped byte in such a
+    tensor's bytes must be caught."""
+    import zlib
+
+    import orjson
+    import torch
+
+    from steplib import TrainState
+    from steplib.checkpoint import storage
+
+    directory = str(tmp_path) if where == "local" else memory_dir
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 600), torch.nn.Linear(600, 3))
+    weight = model.get_parameter("0.weight")
+    assert weight.numel() * 4 >= 2 * storage.OVERLAP_BYTES  # the helper-thread path
+    state = TrainState.create(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    url = save(state, directory)
+    fs, root = fsspec.core.url_to_fs(url)
+    files = orjson.loads(fs.cat_file(f"{root}/manifest.json"))["files"]
+    for name, record in files.items():
+        data = fs.cat_file(f"{root}/{name}")
+        assert (len(data), f"{zlib.crc32(data):08x}") == (record["bytes"], record["crc32"]), name
+    assert_same(snapshot(load(url, state)), snapshot(state))
+    _flip_byte(fs, f"{root}/model.pt")  # the middle of model.pt: the big weight's bytes
+    with pytest.raises(CorruptCheckpointError, match=r"model\.pt has CRC32"):
+        load(url, state)
