@@ -6,9 +6,9 @@ only read them. The step waits here, just before the next update changes them (`
 before phase 2), and so does ``load``, which overwrites them. Waiting only joins a thread:
 nothing is read from a tensor.
 
-The registry is keyed by ``id(optimizer)`` and holds one entry per optimizer, replaced by the
-next save. An entry outliving its optimizer is harmless: its copy has ended, so a new optimizer
-that happens to get the same id waits for nothing.
+The registry is keyed by ``id(optimizer)``: the copies in flight for that optimizer (two
+savers may save one state), removed by the wait. An entry outliving its optimizer is harmless:
+its copy has ended, so a new optimizer that happens to get the same id waits for nothing.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ class Pending(Protocol):
     def join(self) -> None: ...
 
 
-_pending: dict[int, Pending] = {}
+_pending: dict[int, list[Pending]] = {}
 _lock = threading.Lock()
 
 
 def hold(optimizer: Any, copy: Pending) -> None:
     """Make the next update of ``optimizer`` (and ``wait``) wait for ``copy``."""
     with _lock:
-        _pending[id(optimizer)] = copy
+        _pending.setdefault(id(optimizer), []).append(copy)
 
 
 def wait(optimizer: Any) -> None:
@@ -38,6 +38,6 @@ def wait(optimizer: Any) -> None:
     if not _pending:  # the common case, once per update: no lock, no lookup
         return
     with _lock:
-        copy = _pending.pop(id(optimizer), None)
-    if copy is not None:
+        copies = _pending.pop(id(optimizer), [])
+    for copy in copies:
         copy.join()

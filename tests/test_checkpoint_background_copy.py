@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from steplib import TrainState, accumulate, compile_step, make_train_step
+from steplib import TrainState, accumulate, compile_step, make_train_step, update_fence
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -212,3 +212,41 @@ def test_a_compiled_step_waits_for_the_copy_too(tmp_path: Path, gate: Gate) -> N
     assert out["result"][1].did_update
     saver.close()
     assert_same(snapshot(load(url, make_state(seed=3, scheduler=False)))["model"], at_save["model"])
+
+
+def test_two_savers_of_one_state_are_both_waited_for(tmp_path: Path, gate: Gate) -> None:
+    step = make_train_step(mean_loss)
+    state = train(make_state(), step, n=2)
+    at_save = snapshot(state)
+    with AsyncSaver() as first, AsyncSaver() as second:
+        urls = [first.save(state, str(tmp_path / "a")), second.save(state, str(tmp_path / "b"))]
+        thread, out = in_thread(lambda: step(state, make_batches(1, seed=9)[0]))
+        thread.join(0.5)
+        assert thread.is_alive(), "the update did not wait for the background copies"
+        gate.open()
+        thread.join(WAIT)
+        assert "error" not in out
+    for url in urls:  # neither copy was torn by the update
+        assert_same(snapshot(load(url, make_state(seed=3))), at_save)
+
+
+def test_the_fence_waits_for_every_copy_held_for_an_optimizer_once() -> None:
+    joined: list[str] = []
+
+    class Copy:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def join(self) -> None:
+            joined.append(self.name)
+
+    optimizer, other = object(), object()
+    update_fence.hold(optimizer, Copy("first saver"))
+    update_fence.hold(optimizer, Copy("second saver"))
+    update_fence.hold(other, Copy("another optimizer"))
+    update_fence.wait(optimizer)
+    assert joined == ["first saver", "second saver"]
+    update_fence.wait(optimizer)  # waited for: gone
+    assert joined == ["first saver", "second saver"]
+    update_fence.wait(other)
+    assert joined[-1] == "another optimizer"

@@ -153,6 +153,7 @@ class BackgroundCopy:
         ]
         self._changed: list[Path] = []
         self._error: BaseException | None = None
+        # At the caller's CPU priority, unlike the writer's (the next update waits for this).
         self._thread = threading.Thread(target=self._run, name="steplib-snapshot-background")
         self._thread.start()
 
