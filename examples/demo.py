@@ -397,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
         evaluator.attach(events)
         events.on("step_end", Log(log, sources=[train.read, speed.read]), every=bar.every)
         # After the evaluator, so a checkpoint records the val_loss it put in state.extras.
-        # Written in the background: training waits only for the copy to memory.
+        # Written in the background: the parameters are copied while the next forward and
+        # backward run; training waits only for the copy of the buffers and RNG states.
         saver = checkpoint_every(
             checkpoints,
             every=args.checkpoint_every,
