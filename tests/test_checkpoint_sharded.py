@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from steplib import ConfigError, Event, Events
+from steplib import ConfigError, Event, Events, update_fence
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -75,6 +75,9 @@ def _async_and_sync_at(root: str, loader: Any, step: Any, out: dict[str, Any]) -
         if event.step == SAVE_AT:
             out["sync_url"] = save(event.state, f"{root}/sync", data=loader, step=step)
             out["async_url"] = saver.save(event.state, f"{root}/async", data=loader, step=step)
+            # The parameters and optimizer state are left to a background copy, which the
+            # next update waits for (and tests above compare the checkpoint with a sync one).
+            out["background_copies"] = len(update_fence._pending.get(id(event.state.optimizer), []))
         elif event.step == SAVE_AT + 1:
             out["pending_after_next_update"] = saver.pending
 
@@ -200,6 +203,7 @@ def test_ddp_async_save_equals_the_sync_save_and_training_is_not_corrupted(
     ]  # it was written while training ran
     for result in ddp["ranks"]:
         saving, reference = result["saving"], result["reference"]
+        assert saving["background_copies"] == 1
         assert_same(saving["losses"], reference["losses"], "losses")
         for key in ("params", "optimizer", "scheduler", "counters", "rng"):
             assert_same(saving[key], reference[key], key)
@@ -295,6 +299,7 @@ def test_fsdp_async_save_equals_the_sync_save_and_training_is_not_corrupted(
 ) -> None:
     for result in fsdp["ranks"]:
         saving, reference = result["saving"], result["reference"]
+        assert saving["background_copies"] == 1
         assert_same(saving["losses"], reference["losses"], "losses")
         assert_same(saving["params"], reference["params"], "params")
         assert_same(result["async_loaded"], result["sync_loaded"], "async vs sync")
