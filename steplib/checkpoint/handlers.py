@@ -273,7 +273,9 @@ def checkpoint_every(
         metrics: ``event -> {name: number}`` recorded with each checkpoint; by default the
             update's ``loss`` and the numbers in ``state.extras`` (:func:`default_metrics`).
         background: write in a background thread (:class:`AsyncSaver`); training waits only
-            for the copy to CPU memory. Errors surface at the next save or at ``fit_end``.
+            for the copy of buffers and small states to CPU memory (the parameters and
+            optimizer state are copied while the next forward and backward run). Errors
+            surface at the next save or at ``fit_end``.
         at_end: also save at ``fit_end`` if the state changed since the last save.
         storage_options: passed to fsspec.
         durable: fsync each checkpoint before it counts as saved (see ``save``); ``False`` is
