@@ -239,7 +239,9 @@ def wait_snapshot(state: TrainState) -> None:
 
     Steps and ``load`` call it themselves before they change them; call it before changing
     parameters in place outside the optimizer (a weight projection in a handler, say) while an
-    ``AsyncSaver.save`` may be in flight. It returns at once when none is.
+    ``AsyncSaver.save`` may be in flight. It returns at once when none is. Without it, such a
+    change fails that checkpoint (``Tensor._version`` tells), except a change through
+    ``.data``, which has a version counter of its own: that one would go unnoticed.
 
     Args:
         state: the state given to ``AsyncSaver.save`` (its optimizer identifies the save).
