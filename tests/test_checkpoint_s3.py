@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -59,9 +58,10 @@ def s3() -> Iterator[dict[str, Any]]:
         deadline = time.monotonic() + 60
         while True:
             try:
-                urllib.request.urlopen(endpoint, timeout=2).close()
+                # moto loads its backends on the first request: a slow first answer is normal.
+                urllib.request.urlopen(endpoint, timeout=10).close()
                 break
-            except (urllib.error.URLError, ConnectionError):
+            except OSError:  # refused (not listening yet), reset, or timed out: ask again
                 assert server.poll() is None, "moto_server exited at start"
                 assert time.monotonic() < deadline, "moto_server did not answer in 60 s"
                 time.sleep(0.2)

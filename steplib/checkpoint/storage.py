@@ -39,6 +39,7 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from steplib.checkpoint.crc import file_crc32
 from steplib.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from steplib.errors import ConfigError, describe
 
@@ -364,12 +365,7 @@ def verify_local(location: Location, record: FileRecord, *, checkpoint: str) -> 
         size = os.path.getsize(location.path)
         if size != record.size:
             _check(location, record, size, 0, checkpoint=checkpoint)
-        crc = 0
-        buffer = bytearray(8 << 20)
-        view = memoryview(buffer)
-        with open(location.path, "rb", buffering=0) as raw:
-            while count := raw.readinto(buffer):
-                crc = zlib.crc32(view[:count], crc)
+        crc, size = file_crc32(location.path, size)  # by a few threads, ranges joined
     except FileNotFoundError:
         raise _missing(location, checkpoint) from None
     _check(location, record, size, crc, checkpoint=checkpoint)
