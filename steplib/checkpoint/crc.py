@@ -33,24 +33,12 @@ def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
         >>> crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
         True
     """
-    if length2 <= 0:
-        return crc1
-    odd = [_POLYNOMIAL] + [1 << n for n in range(31)]  # one zero bit
-    even = _square(odd)  # two zero bits
-    odd = _square(even)  # four zero bits
-    while True:  # the first square of the loop: one zero byte
-        even = _square(odd)
+    zeros = _square(_square([_POLYNOMIAL] + [1 << n for n in range(31)]))  # 1 -> 4 zero bits
+    while length2 > 0:
+        zeros = _square(zeros)  # 1 zero byte, then 2, 4, 8, ...
         if length2 & 1:
-            crc1 = _times(even, crc1)
+            crc1 = _times(zeros, crc1)
         length2 >>= 1
-        if not length2:
-            break
-        odd = _square(even)
-        if length2 & 1:
-            crc1 = _times(odd, crc1)
-        length2 >>= 1
-        if not length2:
-            break
     return crc1 ^ crc2
 
 
