@@ -3,13 +3,16 @@ each detected, named, and skipped by ``latest`` and ``resume_from`` (which say s
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
+import orjson
 import pytest
+import torch
 
-from steplib import Event
+from steplib import Event, TrainState
 from steplib.checkpoint import (
     CheckpointError,
     CheckpointWarning,
@@ -19,6 +22,7 @@ from steplib.checkpoint import (
     load,
     resume_from,
     save,
+    storage,
 )
 from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
 
@@ -128,14 +132,6 @@ def test_large_tensors_checksummed_beside_the_write_match_the_file(
     """Tensors of 1 MiB and more are checksummed by a helper thread while the bytes are being
     written; the CRC32 recorded must still be the whole file's, and a flipped byte in such a
     tensor's bytes must be caught."""
-    import zlib
-
-    import orjson
-    import torch
-
-    from steplib import TrainState
-    from steplib.checkpoint import storage
-
     directory = str(tmp_path) if where == "local" else memory_dir
     model = torch.nn.Sequential(torch.nn.Linear(1024, 600), torch.nn.Linear(600, 3))
     weight = model.get_parameter("0.weight")
