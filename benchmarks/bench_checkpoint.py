@@ -28,7 +28,7 @@ compared: every ratio is computed within a round and the median over rounds repo
 * ``async stall``: how long an async save blocks training: ``AsyncSaver.save`` (buffers,
   extras, RNG and data states copied; the parameters and the optimizer state left to a
   background copy) plus what the next update waits for that copy before it changes them
-  (``steplib.update_fence.wait``, timed inside that update). ``async save call`` and
+  (``TrainState.fence.wait``, timed inside that update). ``async save call`` and
   ``async fence wait`` are its two parts. Measured after a first save has allocated the
   snapshot buffers; ``async first stall``: the first save call.
 * ``update after async save``: that next update, whole (it runs while the background copy and
@@ -73,9 +73,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from steplib import TrainState, make_train_step, update_fence
+from steplib import TrainState, make_train_step
 from steplib.checkpoint import AsyncSaver, load, save, wait_snapshot
 from steplib.checkpoint.contents import gather
+from steplib.state import UpdateFence
 
 DURABLE = "steplib save (durable)"
 NOT_DURABLE = "steplib save, durable=False"
@@ -232,14 +233,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     step = make_train_step(lambda model, batch: model(batch).square().mean())
     batch = torch.randn(BATCH, 1024)
     fence_waits: list[float] = []
-    fence = update_fence.wait
 
-    def timed_fence(optimizer: Any) -> None:
-        start = time.perf_counter()
-        fence(optimizer)
-        fence_waits.append(time.perf_counter() - start)
+    class TimedFence(UpdateFence):
+        def wait(self) -> None:
+            start = time.perf_counter()
+            super().wait()
+            fence_waits.append(time.perf_counter() - start)
 
-    update_fence.wait = timed_fence  # restored below
+    state = state.replace(fence=TimedFence())
 
     def update() -> None:
         nonlocal state
@@ -277,7 +278,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             times[SLOWED].append(updated - after - times["update alone"][-1])
             times["async write"].append(call + time.perf_counter() - after)
     finally:
-        update_fence.wait = fence
         saver.close()
 
     def ratio(name: str, base: str) -> list[float]:

@@ -24,25 +24,15 @@ from typing import Any
 
 import fsspec
 import torch
-import torch.distributed as dist
 
-from steplib import _checks
+from steplib import errors
+from steplib.distributed.collectives import any_rank
 from steplib.errors import ConfigError, StepLibError, describe
 from steplib.events import Event, Events, Stop
 
 
 class NonFiniteError(StepLibError, FloatingPointError):
     """:class:`NonFiniteAlarm` saw a NaN or infinite loss or gradient norm."""
-
-
-def _any_rank(flag: bool, device: torch.device | None) -> bool:
-    """``flag`` OR-ed over every rank (``flag`` itself without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    # On the state's device: NCCL reduces CUDA tensors only.
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def _device(event: Event) -> torch.device | None:
@@ -68,8 +58,8 @@ class BestValue:
     """
 
     def __init__(self, *, mode: str = "min", min_delta: float = 0.0) -> None:
-        self.mode = _checks.mode(type(self).__name__, mode)
-        self.min_delta = _checks.non_negative(type(self).__name__, "min_delta", min_delta)
+        self.mode = errors.mode(type(self).__name__, mode)
+        self.min_delta = errors.non_negative(type(self).__name__, "min_delta", min_delta)
         self.value: float | None = None
         self.step: int | None = None
 
@@ -217,10 +207,10 @@ class TimeLimit:
     """
 
     def __init__(self, seconds: float, *, every: int = 1, clock: Any = time.monotonic) -> None:
-        if _checks.non_negative("TimeLimit", "seconds", seconds) == 0:
+        if errors.non_negative("TimeLimit", "seconds", seconds) == 0:
             raise ConfigError("TimeLimit(seconds=0) would stop at once; pass seconds > 0.")
         self.seconds = float(seconds)
-        self.every = _checks.positive_int("TimeLimit", "every", every)
+        self.every = errors.positive_int("TimeLimit", "every", every)
         self._clock = clock
         self._start: float | None = None
         self._start_step = 0
@@ -242,7 +232,7 @@ class TimeLimit:
             return None
         used = self._clock() - self._start
         per_update = used / max(event.step - self._start_step, 1)
-        if not _any_rank(used + per_update >= self.seconds, _device(event)):
+        if not any_rank(used + per_update >= self.seconds, device=_device(event)):
             return None
         return Stop(
             f"time limit: {used:.0f} s used of {self.seconds:.0f} s after {event.step} updates; "
@@ -281,7 +271,7 @@ class StopFile:
                 "e.g. StopFile('runs/exp/STOP')."
             )
         self.path = path
-        self.every = _checks.positive_int("StopFile", "every", every)
+        self.every = errors.positive_int("StopFile", "every", every)
         self.remove = remove
         self._fs, self._path = fsspec.core.url_to_fs(path)
 
@@ -292,7 +282,7 @@ class StopFile:
     def __call__(self, event: Event) -> Stop | None:
         """Stop if the file exists (on any rank)."""
         seen = bool(self._fs.exists(self._path))
-        if not _any_rank(seen, _device(event)):
+        if not any_rank(seen, device=_device(event)):
             return None
         if self.remove and seen:
             # Every rank checked before the agreement, so removing now hides it from none; on
@@ -335,7 +325,7 @@ class NonFiniteAlarm:
     def __init__(
         self, *, every: int = 10, include_skipped: bool = False, action: str = "raise"
     ) -> None:
-        self.every = _checks.positive_int("NonFiniteAlarm", "every", every)
+        self.every = errors.positive_int("NonFiniteAlarm", "every", every)
         if action not in ("raise", "stop"):
             raise ConfigError(
                 f"NonFiniteAlarm(action=...) received {describe(action)}; pass 'raise' (stop "

@@ -1,9 +1,13 @@
-"""The exceptions steplib raises. Every message says what was received, why it is wrong and the fix.
+"""The exceptions steplib raises, and the argument checks that raise them, so that every part
+of steplib words its errors the same way: what was received, why it is wrong and the fix.
 
-Imports nothing from steplib, so every module may raise these.
+Imports nothing from steplib, so every module may use it.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 
 class StepLibError(Exception):
@@ -28,3 +32,64 @@ def describe(value: object) -> str:
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{text} (type {type(value).__name__})"
+
+
+def optional_positive_int(owner: str, label: str, value: Any) -> int | None:
+    """``None``, or :func:`positive_int` of ``value``."""
+    return None if value is None else positive_int(owner, label, value)
+
+
+def positive_int(owner: str, label: str, value: Any) -> int:
+    """``value`` when it is an int >= 1, else a ConfigError that names ``owner(label=...)``,
+    what was received and a working example."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{owner}({label}=...) received {describe(value)}; it must be a positive int "
+            f"(>= 1), e.g. {owner}(..., {label}=10)."
+        )
+    return value
+
+
+def non_negative(owner: str, label: str, value: Any) -> float:
+    """``value`` as a float when it is a finite real number >= 0, else a ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(
+            f"{owner}({label}=...) received {describe(value)}; it must be a number >= 0, "
+            f"e.g. {owner}(..., {label}=0.0)."
+        )
+    if value == float("inf"):
+        raise ConfigError(f"{owner}({label}=...) received inf; pass a finite number >= 0.")
+    return float(value)
+
+
+def mode(owner: str, value: Any) -> str:
+    """``value`` when it is ``"min"`` or ``"max"``, else a ConfigError."""
+    if value not in ("min", "max"):
+        raise ConfigError(
+            f"{owner}(mode=...) received {describe(value)}; mode says which direction is "
+            f"better and must be 'min' (e.g. a loss) or 'max' (e.g. an accuracy): "
+            f"{owner}(..., mode='min')."
+        )
+    return str(value)
+
+
+def model_batch_fn(owner: str, label: str, fn: Any, example: str) -> None:
+    """Raise ConfigError unless ``fn`` is callable as ``fn(model, batch)``.
+
+    ``example`` is the body of a working function, shown in the fix.
+    """
+    if not callable(fn):
+        raise ConfigError(
+            f"{owner} received {label}={describe(fn)}, which is not callable. Pass a "
+            f"function: def {label}(model, batch): {example}"
+        )
+    try:
+        inspect.signature(fn).bind(object(), object())
+    except TypeError as err:
+        raise ConfigError(
+            f"{owner}: {label} {getattr(fn, '__name__', fn)!r} cannot be called as "
+            f"{label}(model, batch) ({err}). Give it exactly two positional parameters: "
+            f"def {label}(model, batch): ..."
+        ) from None
+    except ValueError:
+        pass  # builtins without a signature: trust the caller

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
-from steplib import _checks
+from steplib import errors
 from steplib.control import BestValue
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
@@ -131,7 +131,7 @@ def make_eval_step(fn: EvalFn, *, autocast_dtype: torch.dtype | None = None) -> 
         >>> out.shape, out.requires_grad, model.training
         (torch.Size([3, 1]), False, True)
     """
-    _checks.model_batch_fn("make_eval_step", "fn", fn, "x, y = batch; return model(x), y")
+    errors.model_batch_fn("make_eval_step", "fn", fn, "x, y = batch; return model(x), y")
     if autocast_dtype is not None and autocast_dtype not in _FLOAT_DTYPES:
         raise ConfigError(
             f"make_eval_step(autocast_dtype=...) received {describe(autocast_dtype)}; pass "
@@ -203,7 +203,7 @@ def evaluate(
         >>> evaluate(eval_step, model, data, metrics=metrics, limit_batches=2)
         {'mse': 1.0}
     """
-    limit_batches = _checks.optional_positive_int("evaluate", "limit_batches", limit_batches)
+    limit_batches = errors.optional_positive_int("evaluate", "limit_batches", limit_batches)
     collection = as_metrics(metrics)
     model = _model_of(state)
     first = next(iter(model.parameters()), None)
@@ -358,14 +358,14 @@ class Evaluator:
         sinks: Logger | Sequence[Logger] = (),
     ) -> None:
         self.metrics = as_metrics(metrics, owner="Evaluator")
-        self.every = _checks.optional_positive_int("Evaluator", "every", every)
+        self.every = errors.optional_positive_int("Evaluator", "every", every)
         if self.every is None and not at_epoch_end and not at_fit_end:
             raise ConfigError(
                 "Evaluator received neither every=... nor at_epoch_end=True nor "
                 "at_fit_end=True, so it would never evaluate. Pass Evaluator(..., every=500) "
                 "and/or at_epoch_end=True."
             )
-        _checks.optional_positive_int("Evaluator", "limit_batches", limit_batches)
+        errors.optional_positive_int("Evaluator", "limit_batches", limit_batches)
         if isinstance(sanity_batches, bool) or not isinstance(sanity_batches, int):
             raise ConfigError(
                 f"Evaluator(sanity_batches=...) received {describe(sanity_batches)}; pass an "

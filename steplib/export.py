@@ -30,10 +30,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from steplib import _checks
+from steplib import errors
 from steplib.checkpoint.storage import Location, resolve
 from steplib.control import BestValue, _monitored
 from steplib.distributed import rank, world_size
+from steplib.distributed.collectives import every_rank
 from steplib.errors import ConfigError, StepLibError, describe
 from steplib.events import Event
 from steplib.state import TrainState
@@ -96,7 +97,7 @@ def export_model(
             _write(location, tensors, format)
         except Exception as err:  # reported to every rank below, raised here after
             error = err
-    if not _every_rank_ok(error is None, _device_of(model)):
+    if not every_rank(error is None, device=_device_of(model)):
         if error is not None:
             raise ExportError(
                 f"export_model could not write {location.url}: {error}. Check that the "
@@ -229,15 +230,6 @@ def _device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _every_rank_ok(ok: bool, device: torch.device) -> bool:
-    """``ok`` AND-ed over the ranks: also the barrier after rank 0's write."""
-    if world_size() == 1:
-        return ok
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)  # NCCL reduces device tensors
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 class ExportBest:
     """Export the model whenever ``state.extras[monitor]`` improves. Build it with
     :func:`export_best`; register it after the evaluation handler, on the same event and
@@ -365,7 +357,7 @@ def export_best(
             f"export_best(monitor=...) received {describe(monitor)}; pass the name of a value "
             "in state.extras, e.g. export_best(url, monitor='val_loss')."
         )
-    _checks.mode("export_best", mode)
+    errors.mode("export_best", mode)
     _check_format("export_best", format)
     resolve(url, storage_options, caller="export_best")  # a bad URL fails now, not at a best
     return ExportBest(

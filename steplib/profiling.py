@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from steplib import _checks
+from steplib import errors
 from steplib.distributed import is_main, rank
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
@@ -79,7 +79,7 @@ class Profiler:
                 raise ConfigError(
                     f"Profiler({label}=...) received {describe(value)}; it must be an int >= 0."
                 )
-        _checks.positive_int("Profiler", "active", active)
+        errors.positive_int("Profiler", "active", active)
         self.trace_dir = trace_dir
         self.schedule = dict(wait=wait, warmup=warmup, active=active, repeat=repeat)
         if activities is None:

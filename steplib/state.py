@@ -16,9 +16,10 @@ steplib is functional where Python can afford it and PyTorch where it cannot:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,6 +28,50 @@ from steplib.device_skips import DeviceSkips
 from steplib.errors import ConfigError, describe
 
 _Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPlateau-style objects
+
+
+class Joinable(Protocol):
+    """Work in flight: ``join()`` returns once it has ended."""
+
+    def join(self) -> None: ...
+
+
+class UpdateFence:
+    """Work that must end before the next optimizer update changes the parameters and the
+    optimizer's state in place.
+
+    An async checkpoint (``steplib.checkpoint.AsyncSaver``) copies the parameters and the
+    optimizer state in a background thread while the next forward and backward run (they only
+    read them); it puts that copy here with :meth:`hold`. Every step waits here just before its
+    update, and ``load`` before it overwrites them. One fence belongs to the states derived from
+    one ``TrainState.create`` (``replace`` keeps it), so nothing is global. Waiting only joins
+    threads: no tensor is read.
+    """
+
+    __slots__ = ("_lock", "_pending")
+
+    def __init__(self) -> None:
+        self._pending: list[Joinable] = []
+        self._lock = threading.Lock()
+
+    def hold(self, work: Joinable) -> None:
+        """Make the next update (and :meth:`wait`) wait for ``work``."""
+        with self._lock:
+            self._pending.append(work)
+
+    @property
+    def held(self) -> int:
+        """How many pieces of work the next update would wait for."""
+        return len(self._pending)
+
+    def wait(self) -> None:
+        """Block until the work held so far has ended."""
+        if not self._pending:  # the common case, once per update: no lock
+            return
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for work in pending:
+            work.join()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +101,8 @@ class TrainState:
         device_skips: the bookkeeping of a skip decision kept on the device (the scheduler's
             position and its learning-rate table), else ``None``. Checkpoints do not store it:
             it is rebuilt from the scheduler on the next update.
+        fence: the :class:`UpdateFence` the next update waits at (async checkpoints hold their
+            background copies there); shared by every state derived from this one.
     """
 
     model: nn.Module
@@ -73,6 +120,7 @@ class TrainState:
     device: torch.device
     extras: Mapping[str, Any]
     device_skips: DeviceSkips | None = None
+    fence: UpdateFence = dataclasses.field(default_factory=UpdateFence, compare=False)
 
     @classmethod
     def create(

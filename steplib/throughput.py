@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from steplib import _checks
+from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 
@@ -186,9 +186,9 @@ class Throughput:
         peak_flops: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        _checks.optional_positive_int("Throughput", "samples_per_step", samples_per_step)
+        errors.optional_positive_int("Throughput", "samples_per_step", samples_per_step)
         for label, value in (("flops_per_step", flops_per_step), ("peak_flops", peak_flops)):
-            if value is not None and not _checks.non_negative("Throughput", label, value) > 0:
+            if value is not None and not errors.non_negative("Throughput", label, value) > 0:
                 raise ConfigError(f"Throughput({label}=0) must be > 0 (or None).")
         if tokens is not None and not callable(tokens):
             raise ConfigError(

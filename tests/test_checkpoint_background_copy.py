@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from steplib import TrainState, accumulate, compile_step, make_train_step, update_fence
+from steplib import TrainState, accumulate, compile_step, make_train_step
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -230,7 +230,7 @@ def test_two_savers_of_one_state_are_both_waited_for(tmp_path: Path, gate: Gate)
         assert_same(snapshot(load(url, make_state(seed=3))), at_save)
 
 
-def test_the_fence_waits_for_every_copy_held_for_an_optimizer_once() -> None:
+def test_the_fence_waits_for_every_copy_held_for_a_state_once() -> None:
     joined: list[str] = []
 
     class Copy:
@@ -240,13 +240,14 @@ def test_the_fence_waits_for_every_copy_held_for_an_optimizer_once() -> None:
         def join(self) -> None:
             joined.append(self.name)
 
-    optimizer, other = object(), object()
-    update_fence.hold(optimizer, Copy("first saver"))
-    update_fence.hold(optimizer, Copy("second saver"))
-    update_fence.hold(other, Copy("another optimizer"))
-    update_fence.wait(optimizer)
+    state, other = make_state(seed=1), make_state(seed=2)
+    later = state.replace(step=5)  # a derived state shares its fence
+    state.fence.hold(Copy("first saver"))
+    later.fence.hold(Copy("second saver"))
+    other.fence.hold(Copy("another state"))
+    state.fence.wait()
     assert joined == ["first saver", "second saver"]
-    update_fence.wait(optimizer)  # waited for: gone
+    later.fence.wait()  # waited for: gone
     assert joined == ["first saver", "second saver"]
-    update_fence.wait(other)
-    assert joined[-1] == "another optimizer"
+    other.fence.wait()
+    assert joined[-1] == "another state"

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from steplib import ConfigError, Event, Events, update_fence
+from steplib import ConfigError, Event, Events
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -77,7 +77,7 @@ def _async_and_sync_at(root: str, loader: Any, step: Any, out: dict[str, Any]) -
             out["async_url"] = saver.save(event.state, f"{root}/async", data=loader, step=step)
             # The parameters and optimizer state are left to a background copy, which the
             # next update waits for (and tests above compare the checkpoint with a sync one).
-            out["background_copies"] = len(update_fence._pending.get(id(event.state.optimizer), []))
+            out["background_copies"] = event.state.fence.held
         elif event.step == SAVE_AT + 1:
             out["pending_after_next_update"] = saver.pending
 

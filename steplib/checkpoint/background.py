@@ -4,7 +4,7 @@ The snapshot copies every tensor of the checkpoint into CPU buffers (pinned for 
 which are kept and reused by the next save, so that after the first save no memory is
 allocated or page-faulted for it. Of the CPU tensors, the parameters and the optimizer's state
 (most of the bytes) change only when the optimizer updates them: a background thread copies
-them while training goes on, and the next update waits for that copy (``steplib.update_fence``,
+them while training goes on, and the next update waits for that copy (``TrainState.fence``,
 called by every step before it processes the gradients, and by ``load``). The rest (buffers,
 which a forward pass may change, the gradients of an open window, extras, RNG and data states)
 is copied before ``save`` returns. Both copies are done by a few threads in chunks
@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from steplib import update_fence
 from steplib.checkpoint import sharded
 from steplib.checkpoint.copying import BackgroundCopy, Path, snapshot_tree, update_only_storages
 from steplib.checkpoint.errors import CheckpointError
@@ -141,7 +140,7 @@ class AsyncSaver:
 
         for pending in copied:
             if isinstance(pending, BackgroundCopy):
-                update_fence.hold(state.optimizer, pending)
+                state.fence.hold(pending)
         self._thread = threading.Thread(
             target=self._write, args=(write_plan, after), name=f"steplib-save-{name}"
         )
@@ -257,7 +256,7 @@ def wait_snapshot(state: TrainState) -> None:
         ...     with torch.no_grad():
         ...         _ = model.weight.mul_(0)  # the checkpoint keeps the weights at save time
     """
-    update_fence.wait(state.optimizer)
+    state.fence.wait()
 
 
 def _wait(copied: list[Any]) -> None:

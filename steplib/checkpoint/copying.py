@@ -14,7 +14,7 @@ are the whole story); anything else goes through ``copy_``.
 
 The parameters and the optimizer's state, most of a checkpoint's bytes, change only when the
 optimizer updates them: those are copied by a :class:`BackgroundCopy` while training goes on,
-and the next update waits for it (``steplib.update_fence``). Everything else (buffers, which a
+and the next update waits for it (``TrainState.fence``). Everything else (buffers, which a
 forward pass may change; the gradients of an open window; extras) is copied before the save
 returns.
 """
@@ -63,7 +63,7 @@ def snapshot_tree(
         tree: nested dicts, lists and tuples of tensors and plain values.
         buffers: the previous snapshot's buffers, by path; replaced by this one's.
         deferred: storages that nothing changes until the caller says so (the parameters and
-            optimizer state, until the next update: see ``steplib.update_fence``).
+            optimizer state, until the next update: see ``TrainState.fence``).
 
     Returns:
         The copy, and what the writer must ``synchronize()`` before reading the buffers: one
@@ -143,7 +143,7 @@ class BackgroundCopy:
     in place meanwhile (``Tensor._version``): such a copy could hold half old, half new values.
 
     ``join()`` waits for the copy (what the next optimizer update does, through
-    ``steplib.update_fence``); ``synchronize()`` waits too and raises if the copy is not a
+    ``TrainState.fence``); ``synchronize()`` waits too and raises if the copy is not a
     snapshot (what the writer does before writing the buffers).
     """
 

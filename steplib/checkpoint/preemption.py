@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from steplib.checkpoint.handlers import Checkpointer
 from steplib.checkpoint.sharded import is_sharded
+from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Stop
 
@@ -109,10 +109,9 @@ class Preemption:
         """Sharded: every rank takes the signal any rank received (the largest number)."""
         if self._group is None or not is_sharded(event.state):
             return
-        flag = torch.tensor([self.received or 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if self.received is None and int(flag) != 0:
-            self.received = int(flag)  # another rank was signalled: this one saves too
+        number = int(max_over_ranks(self.received or 0, group=self._group))
+        if self.received is None and number != 0:
+            self.received = number  # another rank was signalled: this one saves too
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here would run in the middle of whatever Python was doing

@@ -18,7 +18,6 @@ from typing import Any
 import orjson
 import torch
 
-from steplib import update_fence
 from steplib.checkpoint import sharded, storage
 from steplib.checkpoint.contents import (
     MODEL,
@@ -199,7 +198,7 @@ def load(
         7
     """
     extras = check_arguments("load", state, data=data, extras=extras, step=step)
-    update_fence.wait(state.optimizer)  # an async save may still be copying what we overwrite
+    state.fence.wait()  # an async save may still be copying what we overwrite
     location = storage.resolve(url, storage_options, caller="load")
     manifest = read_manifest(location)
     if manifest.layout == SHARDED:  # written by DCP (sharded.py); loads into any world size

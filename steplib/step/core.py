@@ -27,10 +27,9 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from steplib import device_skips, update_fence
-from steplib._checks import model_batch_fn
+from steplib import device_skips
 from steplib.device_skips import decides_on_device
-from steplib.errors import ConfigError, TooManySkipsError, describe
+from steplib.errors import ConfigError, TooManySkipsError, describe, model_batch_fn
 from steplib.state import StepOutput, TrainState, _evolve
 from steplib.step.loss_output import LossOutput, parse_loss_output
 
@@ -375,7 +374,7 @@ class Step:
         lr = _lr_now(state)  # before the scheduler moves it
         # An async checkpoint may still be copying the parameters and optimizer state in the
         # background; this update changes them. (Phase 2 may run the update: compile_step.)
-        update_fence.wait(state.optimizer)
+        state.fence.wait()
         report = self.process_grads(state)
         state, applied = self.apply(state, report)
         return state, StepOutput(
