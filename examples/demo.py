@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
         seq_len=args.seq_len,
     )
     # fused=True: one kernel per update, and it can skip a non-finite update inside the kernel,
-    # so skip_nonfinite below decides without a host sync (steplib.device_skips).
+    # so skip_nonfinite below decides without a host sync (steplib.step.device_skips).
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), fused=True)
     schedule = warmup_cosine(warmup=args.steps // 10, total=args.steps, min_ratio=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -22,7 +22,6 @@ from steplib.control import (
     TimeLimit,
 )
 from steplib.data import resumable_loader
-from steplib.device_skips import settle_scheduler
 from steplib.ema import EMA
 from steplib.errors import ConfigError, LossFnError, StepLibError, TooManySkipsError
 from steplib.evaluation import EvalStep, Evaluator, evaluate, make_eval_step
@@ -144,7 +143,6 @@ __all__ = [
     "seed_everything",
     "seeded_worker_init_fn",
     "seeding",
-    "settle_scheduler",
     "skip_nonfinite",
     "tap",
     "warmup_constant",

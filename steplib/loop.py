@@ -10,7 +10,6 @@ import dataclasses
 from collections.abc import Generator, Iterable
 from typing import Any, Protocol
 
-from steplib.device_skips import settle_scheduler
 from steplib.events import Event, Events, Stop
 from steplib.state import StepOutput, TrainState
 
@@ -143,12 +142,12 @@ def _iterate(
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
                 state, epoch_stop = _emit(events, _event("epoch_end", state), state)
                 stop = stop or epoch_stop
-        settle_scheduler(state)  # a scheduler whose position was on the device, for fit_end
+        state.settle_scheduler()  # a scheduler whose position was on the device, for fit_end
         state, _ = _emit(events, _event("fit_end", state), state)
     except GeneratorExit:
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
-        settle_scheduler(state)
+        state.settle_scheduler()
         _emit(events, _event("fit_end", state), state)
         raise
     except BaseException as error:

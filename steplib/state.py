@@ -24,7 +24,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from steplib.device_skips import DeviceSkips
 from steplib.errors import ConfigError, describe
 
 _Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPlateau-style objects
@@ -119,7 +118,7 @@ class TrainState:
     consecutive_skips: int | torch.Tensor
     device: torch.device
     extras: Mapping[str, Any]
-    device_skips: DeviceSkips | None = None
+    device_skips: Any = None  # steplib.step.device_skips.DeviceSkips: the step owns it
     fence: UpdateFence = dataclasses.field(default_factory=UpdateFence, compare=False)
 
     @classmethod
@@ -213,6 +212,19 @@ class TrainState:
             device=device,
             extras=types.MappingProxyType(dict(extras or {})),
         )
+
+    def settle_scheduler(self) -> None:
+        """Bring the scheduler up to date on the host when a skip decision kept its position on
+        the device (a fused optimizer with ``skip_nonfinite``; see
+        ``steplib.step.device_skips``): ``last_epoch``, ``get_last_lr()`` and ``_step_count``
+        become what stepping it once per applied update would have left. A no-op otherwise.
+
+        Saving a checkpoint and the end of ``run``/``iterate`` call it; call it yourself before
+        reading the scheduler object in your own loop. It reads one number from the device (a
+        host sync): call it where one is paid anyway. The rate each update used is ``out.lr``.
+        """
+        if self.device_skips is not None and self.scheduler is not None:
+            self.device_skips.settle(self.scheduler)
 
     def replace(self, **changes: Any) -> TrainState:
         """The next state with ``changes`` applied (``dataclasses.replace``, checked the same way).

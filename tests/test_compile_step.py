@@ -300,8 +300,8 @@ def test_mode_and_options_together_are_refused() -> None:
 
 def test_compiled_skips_decided_on_the_device_match_eager() -> None:
     """skip_nonfinite with a fused optimizer and a LambdaLR (the device-decided skip of
-    ``steplib.device_skips``) compiled: the same skips, schedule and parameters as eager."""
-    from steplib import settle_scheduler, skip_nonfinite
+    ``steplib.step.device_skips``) compiled: the same skips, schedule and parameters as eager."""
+    from steplib import skip_nonfinite
 
     torch.manual_seed(0)
     xs = [torch.randn(8, 4) for _ in range(12)]
@@ -322,7 +322,7 @@ def test_compiled_skips_decided_on_the_device_match_eager() -> None:
             step = compile_step(step)
         for x in xs:
             state, _ = step(state, x)
-        settle_scheduler(state)
+        state.settle_scheduler()
         results.append((state, [p.detach().clone() for p in model.parameters()]))
     (eager, eager_params), (comp, comp_params) = results
     assert step.compile_stats.graphs > 0 and step.compile_stats.recompiles == 0

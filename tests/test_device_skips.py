@@ -18,11 +18,10 @@ from steplib import (
     clip,
     make_train_step,
     run,
-    settle_scheduler,
     skip_nonfinite,
 )
 from steplib.checkpoint import load, save
-from steplib.device_skips import decides_on_device
+from steplib.step.device_skips import decides_on_device
 from tests.checkpoint_helpers import memory_dir
 from tests.reference import make_batches, mean_loss, reference_loop, tiny_model
 
@@ -101,7 +100,7 @@ def test_law4_device_decided_skips_match_the_gradscaler_reference_bit_for_bit(
         # Skipped updates leave the rate where it was: 1, 1/2, 1/3, 1/3, 1/3, 1/4, 1/5 (x base).
         base = 1e-2 if kind == "adamw" else 0.1
         assert lrs == [base * _halving(p) for p in (0, 1, 2, 2, 2, 3, 4)]
-        settle_scheduler(state)
+        state.settle_scheduler()
         assert state.scheduler.state_dict() == ref.scheduler.state_dict()  # type: ignore[union-attr]
 
 
@@ -141,10 +140,10 @@ def test_an_update_decided_on_the_device_leaves_the_given_state_untouched() -> N
     for batch in batches[:3]:
         state, _ = step(state, batch)
     record, skipped = state.device_skips, state.skipped_updates
-    position = record.position.clone()  # type: ignore[union-attr]
+    position = record.position.clone()
     after, _ = step(state, batches[3])
     assert state.device_skips is record and state.skipped_updates is skipped
-    assert torch.equal(record.position, position)  # type: ignore[union-attr,arg-type]
+    assert torch.equal(record.position, position)
     assert after.device_skips is not record
 
 
@@ -168,8 +167,8 @@ def test_a_checkpoint_settles_the_scheduler_and_resume_is_bit_exact(memory_dir: 
     for got, expected in zip(resumed.model.parameters(), want.model.parameters(), strict=True):
         assert torch.equal(got, expected)
     assert int(resumed.skipped_updates) == int(want.skipped_updates) == 2
-    settle_scheduler(resumed)
-    settle_scheduler(want)
+    resumed.settle_scheduler()
+    want.settle_scheduler()
     assert resumed.scheduler.state_dict() == want.scheduler.state_dict()  # type: ignore[union-attr]
 
 
@@ -194,7 +193,7 @@ def test_accumulated_windows_decide_once_per_window() -> None:
     closed = [bool(o.did_update) for o in outs[1::2]]
     assert closed == [True, False, True, True]
     assert not any(bool(o.did_update) for o in outs[0::2])  # mid-window: no update
-    settle_scheduler(state)
+    state.settle_scheduler()
     assert sched.last_epoch == 3 and int(state.skipped_updates) == 1
 
 

@@ -11,7 +11,6 @@ from steplib import (
     amp_wrap,
     clip,
     make_train_step,
-    settle_scheduler,
     skip_nonfinite,
 )
 from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
@@ -69,7 +68,7 @@ def test_gpu_skips_decided_on_the_device_make_no_host_sync() -> None:
             state, _ = step(state, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    settle_scheduler(state)
+    state.settle_scheduler()
     assert int(state.skipped_updates) == 1 and sched.last_epoch == 5
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

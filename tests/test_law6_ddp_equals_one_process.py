@@ -106,7 +106,7 @@ def test_law6_ddp_two_ranks_equal_one_process_on_the_full_batch(flush_last) -> N
 
 def _nan_on_rank1(rank: int, world: int, *, fused: bool = False) -> dict[str, Any]:
     model = DistributedDataParallel(tiny_model(0))
-    # fused=True with a LambdaLR: the skip is decided on the device (steplib.device_skips).
+    # fused=True with a LambdaLR: the skip is decided on the device (steplib.step.device_skips).
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9**n)
     state = TrainState.create(model=model, optimizer=opt, scheduler=sched)

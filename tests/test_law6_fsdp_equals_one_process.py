@@ -17,7 +17,6 @@ from steplib import (
     clip,
     fsdp_wrap,
     make_train_step,
-    settle_scheduler,
     skip_nonfinite,
 )
 from steplib.distributed import apply_fsdp
@@ -130,7 +129,7 @@ def _nan_on_rank1(rank: int, world: int, *, fused: bool) -> dict[str, Any]:
         state, out = step(state, (x, y, mask))
         if state.window_size == 0:
             skipped.append(bool(out.skipped))
-    settle_scheduler(state)
+    state.settle_scheduler()
     params = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
     result = {
         "skipped": skipped,

@@ -8,7 +8,7 @@ Optimizer choice: torch's Adam/AdamW read their CPU step counter with ``.item()`
 with momentum (no such read) and a fused AdamW.
 
 Skipping (a float16 scaler or ``skip_nonfinite``) decides on the device with a fused optimizer
-and no scheduler or a ``LambdaLR`` (``steplib.device_skips``): a step with every wrapper then
+and no scheduler or a ``LambdaLR`` (``steplib.step.device_skips``): a step with every wrapper then
 runs with every read patched. The one read the harness lets through is ``HostCopy.read``, the
 ``max_consecutive`` check, which reads a host copy of the skip counter only once that copy has
 landed (a CUDA event is queried, never waited on; on the CPU the copy is the tensor itself); the
@@ -35,10 +35,9 @@ from steplib import (
     amp_wrap,
     clip,
     make_train_step,
-    settle_scheduler,
     skip_nonfinite,
 )
-from steplib.device_skips import HostCopy
+from steplib.step.device_skips import HostCopy
 from tests.reference import make_batches, tiny_model, token_loss
 
 HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")
@@ -125,7 +124,7 @@ def test_law8_no_host_sync_with_every_wrapper_including_skips(monkeypatch, optim
             state, _ = step(state, batch, close_window=(i == len(batches) - 1))
     assert state.step == 4 and state.micro_step == 11
     assert int(state.skipped_updates) == 1 and int(state.consecutive_skips) == 0
-    settle_scheduler(state)
+    state.settle_scheduler()
     assert sched.last_epoch == 3  # advanced by the 3 applied updates only
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

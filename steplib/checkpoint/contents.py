@@ -30,7 +30,6 @@ import orjson
 import torch
 
 from steplib.data import restore_position
-from steplib.device_skips import settle_scheduler
 from steplib.errors import ConfigError, describe
 from steplib.rng import capture_rng, restore_rng
 from steplib.state import TrainState
@@ -117,7 +116,7 @@ def train_state_tree(
     counters, window, scheduler, scaler, extras, RNG states and the data position."""
     # A LambdaLR whose position lives on the device is brought up to date first (a host read;
     # the save reads everything anyway).
-    settle_scheduler(state)
+    state.settle_scheduler()
     return {
         "counters": {
             "step": state.step,

@@ -27,10 +27,10 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from steplib import device_skips
-from steplib.device_skips import decides_on_device
 from steplib.errors import ConfigError, TooManySkipsError, describe, model_batch_fn
 from steplib.state import StepOutput, TrainState, _evolve
+from steplib.step import device_skips
+from steplib.step.device_skips import decides_on_device
 from steplib.step.loss_output import LossOutput, parse_loss_output
 
 LossFn = Callable[[torch.nn.Module, Any], Any]

@@ -13,7 +13,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 10) -> Step:
     step, ``out.skipped`` is True and ``state.skipped_updates`` / ``consecutive_skips`` count
     it. The check is computed on the device. With a fused optimizer (``fused=True``) and no
     scheduler or a ``LambdaLR``, the decision stays there too (no host sync; see
-    ``steplib.device_skips``); otherwise it is read on the host once per update (a host-side
+    ``steplib.step.device_skips``); otherwise it is read on the host once per update (a host-side
     scheduler must know whether to advance), never on non-final micro-batches.
 
     Args:

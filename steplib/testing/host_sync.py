@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import steplib
-from steplib.device_skips import HostCopy
+from steplib.step.device_skips import HostCopy
 
 # Every way Python code reads a tensor's value on the host. On a GPU each waits for the device
 # to finish the queued work; on a CPU they are free, which is why a CPU run never shows the cost.

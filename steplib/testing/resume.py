@@ -13,7 +13,6 @@ import torch
 
 from steplib.checkpoint import load, save
 from steplib.data import resumable_loader
-from steplib.device_skips import settle_scheduler
 from steplib.errors import ConfigError, describe
 from steplib.loop import iterate
 from steplib.rng import capture_rng
@@ -248,7 +247,7 @@ def _values(call: Call, full: bool) -> Values:
         return values
     state = call.state
     values += parameter_values(state) + optimizer_values(state)
-    settle_scheduler(state)  # a LambdaLR whose position is on the device (fused-optimizer skips)
+    state.settle_scheduler()  # a LambdaLR whose position is on the device (fused-optimizer skips)
     for name in ("scheduler", "scaler"):
         obj = getattr(state, name)
         if obj is not None:

@@ -12,7 +12,7 @@ device when the optimizer and the scheduler allow it:
   a table on the device, one row per position, and the position is a device counter advanced
   only by applied updates; the optimizer's ``lr`` becomes a tensor that is refilled from that
   table. The host-side scheduler object is brought up to date when a checkpoint reads it
-  (:func:`settle_scheduler`);
+  (``TrainState.settle_scheduler``);
 * **the skip counters**: ``skipped_updates`` / ``consecutive_skips`` become device tensors; the
   ``max_consecutive`` limit is checked on a host copy of the counter once that copy has landed
   (:class:`HostCopy`: a CUDA event is queried, never waited on), so on CUDA the error can come
@@ -25,12 +25,9 @@ Any other optimizer or scheduler keeps the host read, once per update (torch's o
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from steplib.state import TrainState
 
 LambdaLR = torch.optim.lr_scheduler.LambdaLR
 
@@ -102,6 +99,32 @@ class DeviceSkips:
     lr_table: torch.Tensor | None
     pending: HostCopy | None
 
+    def settle(self, scheduler: Any) -> None:
+        """Set the host-side ``LambdaLR`` to the position on the device (one host read); what
+        ``TrainState.settle_scheduler`` calls.
+
+        Example:
+            >>> import torch
+            >>> from steplib import TrainState, make_train_step, skip_nonfinite
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+            >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)
+            >>> state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+            >>> step = skip_nonfinite(make_train_step(lambda m, b: m(b).sum()))
+            >>> state, out = step(state, torch.ones(1, 2))
+            >>> sched.last_epoch  # the position is on the device
+            0
+            >>> state.settle_scheduler()
+            >>> sched.last_epoch, sched.get_last_lr()
+            (1, [0.05])
+        """
+        if self.position is None:
+            return
+        position = int(self.position)
+        scheduler.last_epoch = position
+        scheduler._last_lr = lr_row(scheduler, position)
+        scheduler._step_count = position + 1  # a fresh scheduler steps once when it is built
+
 
 def lr_row(scheduler: Any, position: int) -> list[float]:
     """The learning rates ``LambdaLR`` sets at ``position``: its own formula."""
@@ -168,42 +191,6 @@ def advance(
     values = [value.to(lr.dtype) for value, lr in zip(row.unbind(), lrs, strict=True)]
     torch._foreach_copy_(lrs, values)
     return dataclasses.replace(record, position=position, bound=bound, lr_table=table)
-
-
-def settle_scheduler(state: TrainState) -> None:
-    """Bring the state's ``LambdaLR`` up to date on the host when its position lives on the
-    device: ``last_epoch``, ``get_last_lr()`` and ``_step_count`` become what stepping it once
-    per applied update would have left (a no-op otherwise).
-
-    Saving a checkpoint and the end of ``run``/``iterate`` call it; call it yourself before
-    reading the scheduler object in your own loop. It reads one number from the device (a host
-    sync): call it where one is paid anyway. The rate each update used is ``out.lr``.
-
-    Args:
-        state: the state whose scheduler to settle.
-
-    Example:
-        >>> import torch
-        >>> from steplib import TrainState, make_train_step, skip_nonfinite
-        >>> model = torch.nn.Linear(2, 1)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)
-        >>> state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
-        >>> step = skip_nonfinite(make_train_step(lambda m, b: m(b).sum()))
-        >>> state, out = step(state, torch.ones(1, 2))
-        >>> sched.last_epoch  # the position is on the device
-        0
-        >>> settle_scheduler(state)
-        >>> sched.last_epoch, sched.get_last_lr()
-        (1, [0.05])
-    """
-    record, scheduler = state.device_skips, state.scheduler
-    if record is None or record.position is None or scheduler is None:
-        return
-    position = int(record.position)
-    scheduler.last_epoch = position
-    scheduler._last_lr = lr_row(scheduler, position)
-    scheduler._step_count = position + 1  # a fresh scheduler steps once when it is built
 
 
 def check_consecutive(
