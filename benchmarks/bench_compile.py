@@ -50,6 +50,7 @@ from benchmarks.contenders.raw import RawContender
 from benchmarks.contenders.steplib_loop import SteplibContender
 from benchmarks.workloads import WORKLOADS, Setup, Workload
 from steplib import compile_step
+from steplib.step import compile_stats
 
 
 class CompiledContender(SteplibContender):
@@ -65,7 +66,7 @@ class CompiledContender(SteplibContender):
         self.step = compile_step(self.step, **self.compile_kwargs)
 
     def stats(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.step.compile_stats)
+        return dataclasses.asdict(compile_stats(self.step))
 
 
 class TorchCompileContender(RawContender):

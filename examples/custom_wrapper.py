@@ -4,19 +4,19 @@ AGC (Brock et al., 2021, "High-Performance Large-Scale Image Recognition Without
 Normalization") clips each output unit's gradient relative to the norm of its weights: a unit
 whose gradient is larger than ``clipping`` times its weight norm is scaled down to that size.
 
-The wrapper replaces the step's ``optimizer_step`` (the function ``Step.apply`` calls to step
-the optimizer). It is called with the window's final gradients: summed over the micro-batches,
-divided by the window's targets, unscaled (float16), clipped by ``clip``, synchronised across
-ranks (DDP), and only for an update that is not skipped. So AGC composes with every built-in
-wrapper without knowing about any of them. ``docs/custom_wrappers_and_handlers.md`` walks
-through it; ``tests/test_custom_examples.py`` tests it against a plain PyTorch loop.
+The wrapper contributes a gradient transform (``Part(grad_transform=..., rank=...)``), the same
+API the built-in ``clip`` uses. Ranked just after ``CLIP``, it sees the window's final gradients
+whatever order the wrappers were applied in: summed over the micro-batches, divided by the
+window's targets, unscaled (float16), clipped by ``clip``, synchronised across ranks (DDP). So
+AGC composes with every built-in wrapper without knowing about any of them.
+``docs/custom_wrappers_and_handlers.md`` walks through it; ``tests/test_custom_examples.py``
+tests it against a plain PyTorch loop.
 
     python examples/custom_wrapper.py
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steplib import ConfigError, Step, TrainState, accumulate, clip, make_train_step
+from steplib.step import CLIP, FINITE, Gradients, Part, add_part
 
 
 def unitwise_norm(x: torch.Tensor) -> torch.Tensor:
@@ -71,12 +72,8 @@ def adaptive_clip(step: Step, *, clipping: float = 0.01, eps: float = 1e-3) -> S
         [{'wrapper': 'adaptive_clip', 'clipping': 0.05, 'eps': 0.001}]
     """
     # Check everything when the step is built, with the fix in the message: a mistake found
-    # here costs a second, found at the first update it may cost a queue wait.
-    if not isinstance(step, Step):
-        raise ConfigError(
-            f"adaptive_clip expects a Step, got {type(step).__name__}. Build one first: "
-            "step = adaptive_clip(make_train_step(loss_fn), clipping=0.01)."
-        )
+    # here costs a second, found at the first update it may cost a queue wait. (add_part
+    # checks that `step` is a Step, not already wrapped by adaptive_clip, not compiled.)
     for name, value in (("clipping", clipping), ("eps", eps)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ConfigError(
@@ -87,32 +84,21 @@ def adaptive_clip(step: Step, *, clipping: float = 0.01, eps: float = 1e-3) -> S
             raise ConfigError(
                 f"adaptive_clip({name}=...) received {value!r}; pass a finite number."
             )
-    applied = [name for name, _ in step.applied]
-    if "adaptive_clip" in applied:
-        raise ConfigError(
-            "adaptive_clip was applied twice; apply it once with the settings you want."
-        )
-    if "compile_step" in applied:
-        # compile_step captured the optimizer update in a graph: a change after it is ignored.
-        raise ConfigError(
-            "adaptive_clip was applied after compile_step, which already compiled the "
-            "optimizer update. Apply compile_step last: compile_step(adaptive_clip(step))."
-        )
     settings = {"clipping": float(clipping), "eps": float(eps)}
-    inner = step.optimizer_step  # whatever stepped the optimizer so far: keep calling it
 
-    def optimizer_step(optimizer: torch.optim.Optimizer) -> Any:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_unitwise_(params, **settings)
-        return inner(optimizer)
+    def transform(grads: Gradients) -> None:
+        clip_unitwise_(grads.params, **settings)
 
-    # Recording the wrapper in `applied` puts it in step.describe(), which a checkpoint saves
-    # and compares on resume (a run resumed without AGC is refused, not silently different).
-    return dataclasses.replace(
-        step,
-        optimizer_step=optimizer_step,
-        applied=(*step.applied, ("adaptive_clip", settings)),
+    # Between CLIP and FINITE: after norm clipping, before the finiteness check. The name and
+    # settings go into step.describe(), which a checkpoint saves and compares on resume (a run
+    # resumed without AGC is refused, not silently different).
+    part = Part(
+        name="adaptive_clip",
+        settings=settings,
+        grad_transform=transform,
+        rank=(CLIP + FINITE) / 2,
     )
+    return add_part(step, part)
 
 
 def main() -> dict[str, Any]:

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import steplib.step.compile as compile_module
+import steplib.step.compile.graphs as compile_module
 from steplib import ConfigError, TrainState, accumulate, clip, make_train_step, warmup_cosine
-from steplib.step.compile import compile_step
+from steplib.step.compile import compile_stats, compile_step
 
 
 def _mlp(activation: type[nn.Module] = nn.ReLU, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -102,7 +102,7 @@ def test_compiled_step_equals_eager_within_1e5_after_200_updates_without_recompi
     for got, want in zip(model.parameters(), eager_model.parameters(), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), atol=1e-5, rtol=1e-5)
-    stats = compiled.compile_stats
+    stats = compile_stats(compiled)
     # One graph per kind of micro-batch (first of a window, accumulating) and one for the
     # update: no graph break anywhere. (With a cold inductor cache dynamo traces the update
     # twice: its first compile specialises the float64 LR it had traced as a symbolic float,
@@ -120,7 +120,7 @@ def test_compiled_adamw_in_float64_equals_eager_to_1e12_after_200_updates() -> N
     compiled = compile_step(_eager())
     model, _ = _train(compiled, 200, batches, **kwargs)
     assert _max_diff(model, eager_model) < 1e-12
-    assert compiled.compile_stats.recompiles == 0
+    assert compile_stats(compiled).recompiles == 0
 
 
 def test_torch_float32_step_counters_fail_the_float64_check(
@@ -146,7 +146,7 @@ def test_compiled_adamw_in_float32_is_within_1e5_of_eager_after_200_updates() ->
     model, losses = _train(compiled, 200, batches, **kwargs)
     assert _max_diff(model, eager_model) < 1e-5
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), atol=1e-5, rtol=1e-5)
-    assert compiled.compile_stats.recompiles == 0
+    assert compile_stats(compiled).recompiles == 0
 
 
 def _run_both(
@@ -197,7 +197,7 @@ def test_fused_backward_with_token_counts_aux_and_tied_weights_equals_eager() ->
         for _ in range(12)
     ]
     eager_model, model, step, eager_outs, outs = _run_both(_Tied, _token_loss, batches)
-    assert step.compile_stats.fused_backward is True
+    assert compile_stats(step).fused_backward is True
     for got, want in zip(model.parameters(), eager_model.parameters(), strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     for out, eager_out in zip(outs, eager_outs, strict=True):
@@ -214,7 +214,7 @@ def test_a_python_int_target_count_is_carried_out_of_the_graph() -> None:
     eager_model, model, step, eager_outs, outs = _run_both(
         lambda: _mlp(nn.Tanh), sum_loss, _data(8, size=5)
     )
-    assert step.compile_stats.fused_backward is True
+    assert compile_stats(step).fused_backward is True
     assert [out.num_targets for out in outs] == [out.num_targets for out in eager_outs]
     assert _max_diff(model, eager_model) < 1e-6
 
@@ -225,7 +225,7 @@ def test_a_batchnorm_model_falls_back_to_autograd_and_says_why() -> None:
         return nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
 
     eager_model, model, step, _, _ = _run_both(make, _loss, _data(8))
-    stats = step.compile_stats
+    stats = compile_stats(step)
     assert stats.fused_backward is False
     assert stats.why_not_fused  # the in-place update of the running statistics
     assert _max_diff(model, eager_model) < 1e-6
@@ -247,7 +247,7 @@ def test_a_parameter_without_gradient_keeps_the_autograd_path() -> None:
             return out
 
     eager_model, model, step, _, _ = _run_both(Unused, _loss, _data(8))
-    assert step.compile_stats.fused_backward is False
+    assert compile_stats(step).fused_backward is False
     assert model.get_submodule("unused").weight.grad is None
     assert _max_diff(model, eager_model) < 1e-6
 
@@ -268,7 +268,7 @@ def test_a_shorter_last_window_matches_eager_without_recompiling() -> None:
         runs.append((model, step))
     (eager_model, _), (model, step) = runs
     assert _max_diff(model, eager_model) < 1e-6
-    assert step.compile_stats.recompiles == 0
+    assert compile_stats(step).recompiles == 0
 
 
 def test_a_new_input_shape_after_warm_up_is_counted_as_a_recompile() -> None:
@@ -277,9 +277,9 @@ def test_a_new_input_shape_after_warm_up_is_counted_as_a_recompile() -> None:
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     for batch in _data(4):
         state, _ = step(state, batch)
-    assert step.compile_stats.warm and step.compile_stats.recompiles == 0
+    assert compile_stats(step).warm and compile_stats(step).recompiles == 0
     state, _ = step(state, _data(1, size=7)[0])
-    assert step.compile_stats.recompiles >= 1
+    assert compile_stats(step).recompiles >= 1
 
 
 def test_wrapping_after_compile_step_is_refused_with_the_fix() -> None:
@@ -325,7 +325,7 @@ def test_compiled_skips_decided_on_the_device_match_eager() -> None:
         state.settle_scheduler()
         results.append((state, [p.detach().clone() for p in model.parameters()]))
     (eager, eager_params), (comp, comp_params) = results
-    assert step.compile_stats.graphs > 0 and step.compile_stats.recompiles == 0
+    assert compile_stats(step).graphs > 0 and compile_stats(step).recompiles == 0
     assert int(eager.skipped_updates) == int(comp.skipped_updates) == 1
     assert eager.scheduler.last_epoch == comp.scheduler.last_epoch == 5  # type: ignore[union-attr]
     for a, b in zip(eager_params, comp_params, strict=True):

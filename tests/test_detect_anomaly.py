@@ -14,14 +14,14 @@ import torch
 
 from steplib import (
     ConfigError,
-    GradSync,
     TrainState,
     accumulate,
     clip,
     compile_step,
     make_train_step,
 )
-from steplib.step.anomaly import AnomalyError, AnomalySync, detect_anomaly
+from steplib.step import GradSync, Part, add_part
+from steplib.step.anomaly import AnomalyError, detect_anomaly
 from tests.reference import make_batches, tiny_model, token_loss
 
 
@@ -144,20 +144,21 @@ class _RecordingSync(GradSync):
         return {"recording": True}
 
 
-def test_the_wrapped_sync_still_runs_around_anomaly_mode() -> None:
+def test_the_distributed_part_still_runs_around_anomaly_mode() -> None:
     inner = _RecordingSync()
-    base = dataclasses.replace(accumulate(make_train_step(token_loss), 3), grad_sync=inner)
+    # What ddp_wrap contributes, recorded: a micro-batch context and a gradient sync.
+    recording = Part(name="recording", micro_context=inner.micro_context, sync=inner)
+    base = add_part(accumulate(make_train_step(token_loss), 3), recording)
     step = detect_anomaly(base)
-    assert isinstance(step.grad_sync, AnomalySync) and step.grad_sync.inner is inner
-    assert step.grad_sync.describe() == {"recording": True}
+    assert step.plan.sync is inner
     state = _state(tiny_model(0))
     batches = make_batches(2, [2, 3], seed=1)
     for batch in batches:
         state, _ = step(state, batch)
     state, out = step.flush(state)
     assert out is not None and bool(out.did_update)
-    # The inner context is entered first (DDP's no_sync must hold for forward and backward),
-    # anomaly mode is turned on inside it.
+    # The distributed context is entered first (DDP's no_sync must hold for forward and
+    # backward), anomaly mode is turned on inside it.
     assert inner.calls == [
         ("enter", False, False),
         ("exit", False),
@@ -185,11 +186,16 @@ def _ddp_with_and_without_anomaly(rank: int, world: int) -> list[list[torch.Tens
     from steplib.distributed import apply_ddp
 
     finals = []
-    for wrap in (lambda s: s, detect_anomaly):
+    builds = (
+        lambda s: ddp_wrap(s),
+        lambda s: detect_anomaly(ddp_wrap(s)),
+        # the other order composes too: both are micro-batch contexts (no_sync outermost)
+        lambda s: ddp_wrap(detect_anomaly(s)),
+    )
+    for build in builds:
         model = apply_ddp(tiny_model(0))
         state = _state(model)
-        # detect_anomaly after ddp_wrap: it wraps DDP's sync (no_sync on the first micro-batch)
-        step = wrap(ddp_wrap(accumulate(make_train_step(token_loss), 2)))
+        step = build(accumulate(make_train_step(token_loss), 2))
         for batch in make_batches(4, [2, 3, 1, 4], seed=10 + rank):
             state, _ = step(state, batch)
         finals.append([p.detach().clone() for p in model.parameters()])
@@ -197,10 +203,13 @@ def _ddp_with_and_without_anomaly(rank: int, world: int) -> list[list[torch.Tens
     return finals
 
 
-def test_after_ddp_wrap_two_ranks_stay_in_sync_and_bit_equal_to_plain_ddp() -> None:
+def test_with_ddp_wrap_in_either_order_two_ranks_stay_in_sync_and_bit_equal_to_plain_ddp() -> None:
     from steplib.testing import run_ranks
 
-    (plain0, anomaly0), (plain1, anomaly1) = run_ranks(_ddp_with_and_without_anomaly)
-    for a, b, c, d in zip(plain0, anomaly0, plain1, anomaly1, strict=True):
+    (plain0, anomaly0, first0), (plain1, anomaly1, first1) = run_ranks(
+        _ddp_with_and_without_anomaly
+    )
+    for a, b, c, d, e, f in zip(plain0, anomaly0, plain1, anomaly1, first0, first1, strict=True):
         assert torch.equal(a, b) and torch.equal(c, d)  # anomaly mode changes no number
         assert torch.equal(b, d)  # the ranks' gradients were averaged: same parameters
+        assert torch.equal(a, e) and torch.equal(c, f)  # in either order of the wrappers

@@ -17,7 +17,6 @@ from steplib import (
     accumulate,
     clip,
     ddp_wrap,
-    detect_anomaly,
     make_train_step,
     skip_nonfinite,
 )
@@ -187,16 +186,3 @@ def _static_graph(rank: int, world: int) -> str:
 def test_apply_ddp_refuses_static_graph_which_breaks_no_sync() -> None:
     for message in run_ranks(_static_graph):
         assert "static_graph=True) is refused" in message and "Drop it" in message
-
-
-def _after_anomaly(rank: int, world: int) -> str:
-    try:
-        ddp_wrap(detect_anomaly(make_train_step(token_loss)))
-    except ConfigError as err:
-        return str(err)
-    return "no error"
-
-
-def test_ddp_wrap_after_detect_anomaly_is_refused_with_the_order_that_works() -> None:
-    for message in run_ranks(_after_anomaly):
-        assert "detect_anomaly(ddp_wrap(step))" in message

@@ -28,7 +28,7 @@ from steplib import (
 )
 from steplib.checkpoint import load, save
 from steplib.distributed.pipeline_split import split_model
-from steplib.step.pipeline import make_pipeline_step
+from steplib.step.pipeline import make_pipeline_step, pipeline_stage
 from steplib.testing import run_ranks
 
 CLASSES = 3
@@ -69,8 +69,8 @@ def _build(schedule: str, seed: int = 0, hooks: list[str] | None = None) -> tupl
         after_backward=lambda state: calls.append("after_backward"),
         before_update=lambda state: calls.append("before_update"),
     )
-    opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1, momentum=0.9)
-    return step, TrainState.create(model=pipe.module, optimizer=opt)
+    opt = torch.optim.SGD(pipeline_stage(pipe).module.parameters(), lr=0.1, momentum=0.9)
+    return step, TrainState.create(model=pipeline_stage(pipe).module, optimizer=opt)
 
 
 def _train(rank: int, world: int, *, schedule: str, root: str) -> dict[str, Any]:
@@ -82,18 +82,22 @@ def _train(rank: int, world: int, *, schedule: str, root: str) -> dict[str, Any]
         "step_end", lambda e: seen.append((e.output.loss.item(), e.output.grad_norm.item()))
     )
     state = run(step, state, data[:2], events=events)  # one epoch of 2 batches
-    url = save(state, f"{root}/stage-{step.stage_index}", step=step)  # each stage its own part
+    url = save(
+        state, f"{root}/stage-{pipeline_stage(step).stage_index}", step=step
+    )  # each stage its own part
     for batch in data[2:]:
         state, out = step(state, batch)
         seen.append((out.loss.item(), out.grad_norm.item()))
-    params = {k: v.detach().clone() for k, v in step.module.state_dict().items()}
+    params = {k: v.detach().clone() for k, v in pipeline_stage(step).module.state_dict().items()}
 
     # Resume from the checkpoint into freshly built (differently initialised) stages.
     resumed_step, resumed = _build(schedule, seed=7)
     resumed = load(url, resumed, step=resumed_step)
     for batch in data[2:]:
         resumed, _ = resumed_step(resumed, batch)
-    resumed_params = {k: v.detach().clone() for k, v in resumed_step.module.state_dict().items()}
+    resumed_params = {
+        k: v.detach().clone() for k, v in pipeline_stage(resumed_step).module.state_dict().items()
+    }
     return {
         "params": params,
         "resumed": resumed_params,
@@ -185,8 +189,8 @@ def _bad_input(rank: int, world: int) -> list[str]:
             messages.append(str(error))
         else:
             messages.append("no error")
-    opt = torch.optim.SGD(step.module.parameters(), lr=0.1)
-    state = TrainState.create(model=step.module, optimizer=opt)
+    opt = torch.optim.SGD(pipeline_stage(step).module.parameters(), lr=0.1)
+    state = TrainState.create(model=pipeline_stage(step).module, optimizer=opt)
     x, y = _batches(1)[0]
     state, _ = step(state, (x, y))
     for batch in ((x[:6], y[:6]), (x[:4], y[:4]), x):

@@ -33,7 +33,8 @@ import pytest
 
 import steplib
 
-SUBPACKAGES = ("steplib.distributed", "steplib.testing")  # public, but not in steplib.__all__
+# public, but not in steplib.__all__
+SUBPACKAGES = ("steplib.distributed", "steplib.step", "steplib.testing")
 
 KNOWN_GAPS: dict[str, set[str]] = {}
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from steplib import ConfigError, TrainState, accumulate, make_train_step, skip_nonfinite, tap
-from steplib.step.tap import HOOK_NAMES
+from steplib.step import HOOK_POINTS as HOOK_NAMES
 from tests.reference import make_batches, params_of, tiny_model, token_loss
 
 
@@ -62,7 +62,7 @@ def test_before_update_sees_the_final_gradients_and_after_update_the_new_paramet
 
 
 def test_a_step_without_tap_carries_no_hooks() -> None:
-    assert make_train_step(token_loss).hooks is None
+    assert make_train_step(token_loss).plan.hooks == {}
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from steplib.errors import ConfigError, describe
-from steplib.step.core import Step, add_wrapper
+from steplib.step.core import Step, add_part
+from steplib.step.parts import Part
 
 
 def accumulate(step: Step, k: int) -> Step:
@@ -44,4 +45,4 @@ def accumulate(step: Step, k: int) -> Step:
             f"accumulate(step, k) received k={describe(k)}; k is the number of micro-batches "
             "per optimizer update and must be an int >= 1, e.g. accumulate(step, 4)."
         )
-    return add_wrapper(step, "accumulate", {"k": k}, accumulation=k)
+    return add_part(step, Part(name="accumulate", settings={"k": k}, window=k))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
+
 import torch
 
 from steplib.errors import ConfigError, describe
-from steplib.step.core import AmpConfig, Step, add_wrapper
+from steplib.state import TrainState
+from steplib.step.core import Step, add_part
+from steplib.step.parts import Part
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -42,4 +47,16 @@ def amp_wrap(step: Step, *, dtype: torch.dtype = torch.bfloat16) -> Step:
             "torch.bfloat16 (no scaler needed) and torch.float16 (needs a GradScaler in the "
             "state). For full float32 precision, do not wrap the step."
         )
-    return add_wrapper(step, "amp_wrap", {"dtype": str(dtype)}, amp=AmpConfig(dtype=dtype))
+
+    def autocast(state: TrainState) -> ContextManager[Any]:
+        if dtype == torch.float16 and state.scaler is None:
+            raise ConfigError(
+                "amp_wrap(dtype=torch.float16) needs a GradScaler in the state: float16 "
+                "gradients underflow without loss scaling. Create the state with "
+                f"TrainState.create(..., scaler=torch.amp.GradScaler({state.device.type!r})), "
+                "or use dtype=torch.bfloat16, which needs no scaler."
+            )
+        return torch.autocast(state.device.type, dtype=dtype)
+
+    settings = {"dtype": str(dtype)}
+    return add_part(step, Part(name="amp_wrap", settings=settings, forward_context=autocast))

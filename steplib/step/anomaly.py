@@ -5,10 +5,9 @@ autograd operation of the forward pass and, with ``check_nan``, scans every grad
 backward pass produces for NaN (a device sync per operation on a GPU). Expect several times
 slower steps; turn it on to find an operation, then off.
 
-Why through the ``GradSync`` and not around ``loss_fn``: the step runs forward *and* backward
-inside ``grad_sync.micro_context``, and anomaly mode must be on during both (forward records
-the tracebacks, backward checks the gradients). :class:`AnomalySync` wraps the step's sync and
-delegates everything else to it, so the distributed behaviour (``no_sync``, reductions) is kept.
+Why a micro-batch context and not around ``loss_fn``: anomaly mode must be on during forward
+*and* backward (forward records the tracebacks, backward checks the gradients). Contexts of
+several parts nest, so the distributed ones (``no_sync``) keep doing their job around it.
 
 When backward fails, torch reports the forward traceback as a warning and raises a bare
 ``RuntimeError``; the wrapper puts that traceback into the error it raises
@@ -30,7 +29,8 @@ import torch
 
 from steplib.errors import ConfigError, StepLibError, describe
 from steplib.state import TrainState
-from steplib.step.core import LOCAL, GradSync, Step, add_wrapper
+from steplib.step.core import Step, add_part
+from steplib.step.parts import Part
 
 _TRACE_PREFIX = "Error detected in "  # torch's warning with the forward traceback
 _TRIGGERED = " (Triggered internally at"  # the C++ location torch appends to it
@@ -41,38 +41,10 @@ class AnomalyError(StepLibError, RuntimeError):
     traceback of the operation whose backward failed."""
 
 
-class AnomalySync(GradSync):
-    """The ``GradSync`` of ``detect_anomaly``: the wrapped sync's micro-step context with
-    anomaly mode on inside it; every other call goes to the wrapped sync.
-
-    Args:
-        inner: the step's sync before ``detect_anomaly`` (local, DDP or FSDP2).
-        check_nan: check every backward output for NaN.
-    """
-
-    def __init__(self, inner: GradSync, *, check_nan: bool) -> None:
-        self.inner = inner
-        self.check_nan = check_nan
-
-    def micro_context(self, state: TrainState, sync: bool) -> ContextManager[Any]:
-        return _anomaly_mode(self.inner.micro_context(state, sync), check_nan=self.check_nan)
-
-    def reduce_window(
-        self, state: TrainState, loss_sum: torch.Tensor, targets: torch.Tensor | int
-    ) -> tuple[torch.Tensor, torch.Tensor | int, int]:
-        return self.inner.reduce_window(state, loss_sum, targets)
-
-    def sync_unsynced(self, state: TrainState) -> None:
-        self.inner.sync_unsynced(state)
-
-    def describe(self) -> dict[str, Any]:
-        return self.inner.describe()
-
-
 @contextlib.contextmanager
-def _anomaly_mode(inner: ContextManager[Any], *, check_nan: bool) -> Iterator[None]:
+def _anomaly_mode(check_nan: bool) -> Iterator[None]:
     traces: list[str] = []
-    with inner, warnings.catch_warnings():  # the filters and showwarning below are undone after
+    with warnings.catch_warnings():  # the filters and showwarning below are undone after
         show = warnings.showwarning
 
         def keep_traces(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
@@ -117,9 +89,9 @@ def detect_anomaly(step: Step, *, check_nan: bool = True) -> Step:
     whose message holds the forward traceback of the operation that caused it. Numerics are
     unchanged: a step that does not fail gives the same parameters as without the wrapper.
 
-    Apply it after ``ddp_wrap`` / ``fsdp_wrap``: they set the gradient sync this wraps, and
-    one applied later replaces it. Debug the eager step, without ``compile_step``: compiled
-    graphs run, but their tracebacks point into the graph rather than at your code.
+    It composes with ``ddp_wrap`` / ``fsdp_wrap`` in any order. Debug the eager step, without
+    ``compile_step``: compiled graphs run, but their tracebacks point into the graph rather
+    than at your code.
 
     Args:
         step: the step to wrap.
@@ -152,6 +124,10 @@ def detect_anomaly(step: Step, *, check_nan: bool = True) -> Step:
             f"detect_anomaly(check_nan=...) received {describe(check_nan)}; pass True (raise "
             "on a NaN gradient) or False (only add tracebacks to other backward errors)."
         )
-    inner = step.grad_sync if isinstance(step, Step) else LOCAL  # add_wrapper refuses a non-Step
-    sync = AnomalySync(inner, check_nan=check_nan)
-    return add_wrapper(step, "detect_anomaly", {"check_nan": check_nan}, grad_sync=sync)
+
+    def anomaly_mode(state: TrainState, sync: bool) -> ContextManager[Any]:
+        return _anomaly_mode(check_nan)
+
+    settings = {"check_nan": check_nan}
+    part = Part(name="detect_anomaly", settings=settings, micro_context=anomaly_mode)
+    return add_part(step, part)

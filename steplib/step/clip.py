@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from steplib.errors import ConfigError, describe
-from steplib.step.core import ClipConfig, Step, add_wrapper
+from steplib.step.core import Step, add_part
+from steplib.step.parts import CLIP, Gradients, Part
 
 
 def clip(
@@ -53,14 +56,34 @@ def clip(
             f"clip(norm_type=...) received {describe(norm_type)}; it must be a number > 0 or "
             "math.inf (2.0 is the usual L2 norm)."
         )
-    config = ClipConfig(
-        max_norm=None if max_norm is None else float(max_norm),
-        norm_type=float(norm_type),
-        max_value=None if max_value is None else float(max_value),
+    limit = None if max_norm is None else float(max_norm)
+    value = None if max_value is None else float(max_value)
+    order = float(norm_type)
+
+    def clip_grads(grads: Gradients) -> None:
+        if value is not None:  # value limits apply first, to the normalised gradients
+            torch.nn.utils.clip_grad_value_(grads.params, value)
+        if limit is not None:
+            grads.grad_norm = norm = grads.norm(order)
+            clip_with_norm(grads.params, grads.grads, limit, norm)
+
+    settings = {"max_norm": limit, "norm_type": order, "max_value": value}
+    return add_part(
+        step, Part(name="clip", settings=settings, grad_transform=clip_grads, rank=CLIP)
     )
-    settings = {"max_norm": config.max_norm, "norm_type": config.norm_type}
-    settings["max_value"] = config.max_value
-    return add_wrapper(step, "clip", settings, clip=config)
+
+
+def clip_with_norm(
+    params: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor
+) -> None:
+    """Scale the gradients by ``max_norm / (norm + 1e-6)`` when below 1: the second half of
+    ``torch.nn.utils.clip_grad_norm_``, given the norm (which may span several processes)."""
+    clip_grads_with_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
+    if clip_grads_with_norm is not None:
+        clip_grads_with_norm(params, max_norm, norm)
+    elif grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
 def _check_positive(name: str, value: float | None) -> None:

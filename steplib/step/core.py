@@ -1,16 +1,17 @@
-"""The ``Step`` record and ``make_train_step``.
+"""The ``Step`` record, ``make_train_step``, ``add_part`` and the phase order, written once.
 
-A step is a frozen record: the user's ``loss_fn`` plus the settings the wrappers captured when
-it was built. Its three phases are written once, in the order DESIGN.md §5.4 fixes:
+A step is a frozen record: the user's ``loss_fn`` and the parts the wrappers added
+(:class:`~steplib.step.parts.Part`). Its three phases run every part's contributions in the order
+DESIGN.md §5.4 fixes, whatever order the wrappers were applied in:
 
-1. ``forward_backward``: autocast -> forward -> (scaled) backward of the loss *sum*, under the
-   gradient-sync context (DDP's ``no_sync`` on non-final micro-batches).
-2. ``process_grads``: unscale -> divide by the window's target count -> clip -> finiteness.
-3. ``apply``: optimizer step (unless skipped) -> scaler update -> zero_grad -> scheduler.
+1. ``forward_backward``: micro-batch contexts -> forward contexts -> ``loss_fn`` -> backward of the
+   (scaled) loss *sum*.
+2. ``process_grads``: the window's sums over the processes, then the gradient transforms by rank
+   (unscale -> normalise by the window's count -> yours -> clip -> finiteness).
+3. ``apply``: the optimizer update (unless skipped) inside the parts' update functions -> scaler
+   update -> zero_grad -> scheduler.
 
-Wrappers never re-implement a phase; they set the settings the phases read. That is why any
-order of the built-in wrappers gives the same step (``clip(amp_wrap(s)) == amp_wrap(clip(s))``):
-clipping always sees unscaled, normalised gradients.
+This module names no wrapper: a wrapper is a part, and a new wrapper changes no file here.
 
 Why the gradient of the *sum* is accumulated and divided once per window: the target count of
 a window is only known when it closes (and across ranks only after a reduction), so dividing
@@ -23,59 +24,32 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
 from steplib.errors import ConfigError, TooManySkipsError, describe, model_batch_fn
-from steplib.state import StepOutput, TrainState, _evolve
+from steplib.state import StepOutput, TrainState
 from steplib.step import device_skips
-from steplib.step.device_skips import decides_on_device
 from steplib.step.loss_output import LossOutput, parse_loss_output
+from steplib.step.parts import Gradients, Part, Update, plain
+from steplib.step.plan import Plan, check_composition, scaler_active
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AmpConfig:
-    """Settings captured by ``amp_wrap``."""
-
-    dtype: torch.dtype
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClipConfig:
-    """Settings captured by ``clip``; ``None`` disables that kind of clipping."""
-
-    max_norm: float | None
-    norm_type: float
-    max_value: float | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SkipConfig:
-    """Settings captured by ``skip_nonfinite``."""
-
-    max_consecutive: int | None
-
-
-Hook = Callable[[TrainState], Any]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PhaseHooks:
-    """User functions ``fn(state)`` called at the step's phase boundaries (set by ``tap``)."""
-
-    before_backward: Hook | None = None
-    after_backward: Hook | None = None
-    before_update: Hook | None = None
-    after_update: Hook | None = None
-    after_zero_grad: Hook | None = None
+# A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
+_NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
 
 
 class GradReport(NamedTuple):
-    """What ``process_grads`` measured, all on the device: the window's loss sum and target
-    count over every process, the pre-clip gradient norm, and the non-finite flag."""
+    """What ``process_grads`` measured, all on the device.
+
+    Attributes:
+        loss_sum: the window's loss sum over every process.
+        num_targets: the window's target count over every process.
+        grad_norm: the total gradient norm before clipping, if a transform measured it.
+        nonfinite: a bool tensor, True when the update must be skipped, else ``None``.
+    """
 
     loss_sum: torch.Tensor
     num_targets: torch.Tensor | int
@@ -83,40 +57,27 @@ class GradReport(NamedTuple):
     nonfinite: torch.Tensor | None
 
 
-def _step_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    optimizer.step()
+class Runner:
+    """How a step's phases run. This one runs them eagerly; ``compile_step`` and the pipeline
+    step contribute others (``Part(runner=...)``) that run the same record differently."""
+
+    def forward_backward(
+        self, step: Step, state: TrainState, batch: Any, *, sync: bool
+    ) -> LossOutput:
+        return forward_backward(step, state, batch, sync=sync)
+
+    def process_grads(self, step: Step, state: TrainState) -> GradReport:
+        return process_grads(step, state)
+
+    def optimizer_step(self, step: Step, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def refuse(self, part: Part) -> str | None:
+        """Why this runner cannot run ``part`` (the message of the error), else ``None``."""
+        return None
 
 
-# A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
-_NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
-
-
-class GradSync:
-    """How gradients and window counts are shared across processes: the hook ``ddp_wrap`` and
-    ``fsdp_wrap`` fill in. This base class is the single-process strategy and does nothing.
-    """
-
-    def micro_context(self, state: TrainState, sync: bool) -> ContextManager[Any]:
-        """Entered around forward *and* backward of a micro-batch; ``sync`` is False on
-        micro-batches whose gradients must stay local (DDP ``no_sync``)."""
-        return _NO_CONTEXT
-
-    def reduce_window(
-        self, state: TrainState, loss_sum: torch.Tensor, targets: torch.Tensor | int
-    ) -> tuple[torch.Tensor, torch.Tensor | int, int]:
-        """The window's loss sum and target count over all processes, and by how many
-        processes the gradients were averaged (the gradient divisor is ``targets / that``)."""
-        return loss_sum, targets, 1
-
-    def sync_unsynced(self, state: TrainState) -> None:
-        """Synchronise gradients whose last backward ran with ``sync=False`` (a window closed by
-        ``flush`` after the data ended)."""
-
-    def describe(self) -> dict[str, Any]:
-        return {}
-
-
-LOCAL = GradSync()
+EAGER = Runner()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,29 +87,16 @@ class Step:
 
     Attributes:
         loss_fn: the user's ``loss_fn(model, batch)``.
-        accumulation: micro-batches per optimizer update.
-        amp: autocast settings, or ``None`` for full precision.
-        clip: clipping settings, or ``None``.
-        skip: non-finite skipping settings, or ``None``.
-        grad_sync: how gradients and window counts are shared across processes
-            (:class:`GradSync`; ``ddp_wrap`` / ``fsdp_wrap`` set it).
-        applied: the wrappers applied, in order, with their settings (the step's fingerprint).
-        optimizer_step: how the optimizer is stepped (``compile_step`` compiles it).
-        hooks: user functions called at the phase boundaries (``tap``), else ``None``.
-        compile_stats: graph and recompile counts of a compiled step (``compile_step``), else
-            ``None``.
+        parts: what the wrappers added, in the order they were applied.
+        plan: what the parts add up to (:class:`Plan`), computed when the step is built.
     """
 
     loss_fn: LossFn
-    accumulation: int = 1
-    amp: AmpConfig | None = None
-    clip: ClipConfig | None = None
-    skip: SkipConfig | None = None
-    grad_sync: GradSync = LOCAL
-    applied: tuple[tuple[str, Mapping[str, Any]], ...] = ()
-    optimizer_step: Callable[[torch.optim.Optimizer], Any] = _step_optimizer
-    compile_stats: Any = None
-    hooks: PhaseHooks | None = None
+    parts: tuple[Part, ...] = ()
+    plan: Plan = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan", Plan.of(self.parts, default_runner=EAGER))
 
     def __call__(
         self, state: TrainState, batch: Any, *, close_window: bool = False
@@ -160,26 +108,23 @@ class Step:
                 place).
             batch: whatever ``loss_fn`` consumes.
             close_window: close the window after this micro-batch even if it holds fewer than
-                ``accumulation`` micro-batches (the last batch of an epoch); the update is then
+                the window's micro-batches (the last batch of an epoch); the update is then
                 normalised by what the window held.
 
         Returns:
             ``(next_state, output)``.
         """
         size = state.window_size + 1
-        closes = close_window or size >= self.accumulation
-        out = self.forward_backward(state, batch, sync=closes)
+        closes = close_window or size >= self.plan.window
+        out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
         loss_sum = out.loss_sum.detach()
-        state = _evolve(
-            state,
-            {
-                "micro_step": state.micro_step + 1,
-                "window_size": size,
-                # The first micro-batch of a window starts the sum: no add, no zero tensor.
-                "window_loss": loss_sum.float() if size == 1 else state.window_loss + loss_sum,
-                # int + int stays on the host; a tensor count makes it a device tensor.
-                "window_targets": state.window_targets + out.num_targets,
-            },
+        state = state.replace(
+            micro_step=state.micro_step + 1,
+            window_size=size,
+            # The first micro-batch of a window starts the sum: no add, no zero tensor.
+            window_loss=loss_sum.float() if size == 1 else state.window_loss + loss_sum,
+            # int + int stays on the host; a tensor count makes it a device tensor.
+            window_targets=state.window_targets + out.num_targets,
         )
         if closes:
             return self._close(state, out.aux)
@@ -194,7 +139,7 @@ class Step:
         )
 
     def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
-        """Close an open, shorter window (the data ended before ``accumulation`` micro-batches).
+        """Close an open, shorter window (the data ended before the window was full).
 
         Prefer ``step(state, batch, close_window=True)`` on the last batch when you know it is
         the last: with DDP that batch's backward then all-reduces directly.
@@ -205,164 +150,13 @@ class Step:
         """
         if state.window_size == 0:
             return state, None
-        self.grad_sync.sync_unsynced(state)  # its last backward ran without gradient sync
+        self.plan.sync.sync_unsynced(state)  # its last backward ran without gradient sync
         return self._close(state, {})
 
-    def forward_backward(self, state: TrainState, batch: Any, *, sync: bool) -> LossOutput:
-        """Phase 1: forward under autocast, backward of the (scaled) loss sum.
-
-        ``sync`` is False on micro-batches whose gradients must stay local (DDP ``no_sync``):
-        the forward pass is inside the same context, as DDP requires.
-        """
-        autocast = (
-            torch.autocast(state.device.type, dtype=self.amp.dtype)
-            if self.amp is not None
-            else _NO_CONTEXT
-        )
-        with self.grad_sync.micro_context(state, sync):
-            with autocast:
-                out = parse_loss_output(self.loss_fn(state.model, batch))
-            loss = out.loss_sum
-            if state.scaler is not None or self.amp is not None:  # skip the call when plain
-                loss = _scaled(self, state, loss)
-            hooks = self.hooks
-            if hooks is not None and hooks.before_backward is not None:
-                hooks.before_backward(state)
-            loss.backward()
-            if hooks is not None and hooks.after_backward is not None:
-                hooks.after_backward(state)
-        return out
-
-    def process_grads(self, state: TrainState) -> GradReport:
-        """Phase 2: unscale, divide by the window's targets, clip, check finiteness.
-
-        Every operation stays on the device; the non-finite flag is a tensor.
-        """
-        window_loss: torch.Tensor = state.window_loss  # type: ignore[assignment]  # non-empty
-        loss_sum, targets, averaged = self.grad_sync.reduce_window(
-            state, window_loss, state.window_targets
-        )
-        # The optimizer's parameters: what it will update (and cheaper to list than a module).
-        params = [
-            p for g in state.optimizer.param_groups for p in g["params"] if p.grad is not None
-        ]
-        grads: list[torch.Tensor] = [p.grad for p in params]
-        nonfinite: torch.Tensor | None = None
-        if _scaler_active(self, state):
-            scaler, optimizer = state.scaler, state.optimizer
-            scaler.unscale_(optimizer)  # type: ignore[union-attr]
-            found = scaler._found_inf_per_device(optimizer).values()  # type: ignore[union-attr]
-            nonfinite = torch.stack([f.to(state.device) for f in found]).sum() > 0
-        # DDP already averaged the gradients over `averaged` processes: divide by the rest.
-        divisor = targets if averaged == 1 else targets / averaged
-        grad_norm: torch.Tensor | None = None
-        clip = self.clip
-        if clip is not None and clip.max_value is not None:
-            _normalise(grads, divisor)  # value limits apply to the normalised gradients
-            divisor = 1
-            torch.nn.utils.clip_grad_value_(params, clip.max_value)
-        if clip is not None and clip.max_norm is not None:
-            grad_norm = _clip_norm(params, grads, clip.max_norm, clip.norm_type, divisor)
-        else:
-            _normalise(grads, divisor)
-        if self.skip is not None and grad_norm is None:
-            grad_norm = _total_norm(grads, state.device)
-        if grad_norm is not None:
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()  # FSDP2's norm is a DTensor; output a plain one
-            if self.skip is not None:
-                # The global loss and the synchronised gradients: every rank decides alike.
-                bad = ~torch.isfinite(grad_norm) | ~torch.isfinite(loss_sum)
-                nonfinite = bad if nonfinite is None else nonfinite | bad
-        return GradReport(loss_sum, targets, grad_norm, nonfinite)
-
-    def apply(
-        self, state: TrainState, report: GradReport
-    ) -> tuple[TrainState, bool | torch.Tensor]:
-        """Phase 3: optimizer step unless skipped, scaler update, zero_grad, scheduler.
-
-        A skip decision stays on the device when the optimizer can skip inside its kernel (a
-        fused optimizer) and the scheduler is ``None`` or a ``LambdaLR`` (see
-        ``steplib.device_skips``); otherwise it is read on the host, once per update.
-
-        Returns:
-            The state with the window reset and the counters advanced, and whether the update
-            was applied: a bool, or a bool device tensor when the decision stayed there.
-
-        Raises:
-            TooManySkipsError: ``skip_nonfinite(max_consecutive=n)`` saw more than n skips in a
-                row.
-        """
-        nonfinite = report.nonfinite
-        on_device = nonfinite is not None and decides_on_device(state.optimizer, state.scheduler)
-        applied: bool | torch.Tensor = True
-        if nonfinite is not None:
-            # The host read, when the decision cannot stay on the device: a host-side
-            # scheduler must know whether to advance. Once per update, never mid-window.
-            applied = ~nonfinite if on_device else not bool(nonfinite)
-        hooks = self.hooks
-        if applied is not False:
-            if hooks is not None and hooks.before_update is not None:
-                hooks.before_update(state)  # the final, unscaled, normalised, clipped gradients
-            optimizer = state.optimizer
-            if on_device:
-                # What GradScaler.step does for fused optimizers: the kernel skips the update
-                # (step counters included) when found_inf is 1.
-                optimizer.found_inf = nonfinite.float()  # type: ignore[attr-defined,union-attr]
-                optimizer.grad_scale = None  # type: ignore[attr-defined]
-                try:
-                    self.optimizer_step(optimizer)
-                finally:
-                    del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
-            else:
-                self.optimizer_step(optimizer)
-            if hooks is not None and hooks.after_update is not None:
-                hooks.after_update(state)
-        if _scaler_active(self, state):
-            state.scaler.update()  # type: ignore[union-attr]
-        state.optimizer.zero_grad(set_to_none=True)
-        if hooks is not None and hooks.after_zero_grad is not None:
-            hooks.after_zero_grad(state)
-        limit = self.skip.max_consecutive if self.skip is not None else None
-        changes: dict[str, Any] = {
-            "step": state.step + 1,
-            "window_size": 0,
-            "window_loss": 0.0,
-            "window_targets": 0,
-        }
-        if isinstance(applied, torch.Tensor):
-            changes.update(self._count_on_device(state, applied, limit))
-            return _evolve(state, changes), applied
-        if applied and state.scheduler is not None:
-            state.scheduler.step()
-        consecutive = 0 if applied else state.consecutive_skips + 1
-        if limit is not None and consecutive > limit:  # host-decided: an int
-            _too_many_skips(int(consecutive), limit, state.step)
-        changes["skipped_updates"] = state.skipped_updates + (0 if applied else 1)
-        changes["consecutive_skips"] = consecutive
-        return _evolve(state, changes), applied
-
-    def _count_on_device(
-        self, state: TrainState, applied: torch.Tensor, limit: int | None
-    ) -> dict[str, Any]:
-        """The counters and the scheduler's position after an update decided on the device."""
-        record = state.device_skips or device_skips.start(
-            state.optimizer, state.scheduler, state.device
-        )
-        record = device_skips.advance(
-            record, optimizer=state.optimizer, scheduler=state.scheduler, applied=applied
-        )
-        skipped = (~applied).to(torch.int64)
-        consecutive = (state.consecutive_skips + skipped) * skipped
-        if limit is not None:
-            record, seen = device_skips.check_consecutive(record, consecutive, limit)
-            if seen is not None:
-                _too_many_skips(seen, limit, state.step)
-        return {
-            "skipped_updates": state.skipped_updates + skipped,
-            "consecutive_skips": consecutive,
-            "device_skips": record,
-        }
+    @property
+    def applied(self) -> tuple[tuple[str, Mapping[str, Any]], ...]:
+        """``((name, settings), ...)`` of the parts, in the order they were applied."""
+        return tuple((p.name, p.settings) for p in self.parts)
 
     def describe(self) -> list[dict[str, Any]]:
         """The composition as plain data: ``[{"wrapper": name, **settings}, ...]`` in order."""
@@ -371,21 +165,151 @@ class Step:
     def _close(
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
-        lr = _lr_now(state)  # before the scheduler moves it
+        runner = self.plan.runner
         # An async checkpoint may still be copying the parameters and optimizer state in the
-        # background; this update changes them. (Phase 2 may run the update: compile_step.)
+        # background; this update changes them. (A runner may run the update in phase 2.)
         state.fence.wait()
-        report = self.process_grads(state)
-        state, applied = self.apply(state, report)
+        report = runner.process_grads(self, state)
+        state, applied, lr = apply(self, state, report)
+        grad_norm = report.grad_norm
         return state, StepOutput(
             loss_sum=report.loss_sum,
             num_targets=report.num_targets,
             did_update=applied,
             skipped=~applied if isinstance(applied, torch.Tensor) else not applied,
-            grad_norm=report.grad_norm,
+            grad_norm=None if grad_norm is None else plain(grad_norm),
             lr=lr,
             aux=aux,
         )
+
+
+def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -> LossOutput:
+    """Phase 1: forward under the forward contexts, backward of the (scaled) loss sum, both
+    inside the micro-batch contexts (``sync`` False: DDP's ``no_sync``, which must hold for the
+    forward pass too)."""
+    plan = step.plan
+    with contextlib.ExitStack() if plan.micro_contexts else _NO_CONTEXT as stack:
+        for enter in plan.micro_contexts:
+            stack.enter_context(enter(state, sync))
+        if plan.forward_contexts:
+            with contextlib.ExitStack() as inner:
+                for enter_forward in plan.forward_contexts:
+                    inner.enter_context(enter_forward(state))
+                out = parse_loss_output(step.loss_fn(state.model, batch))
+        else:
+            out = parse_loss_output(step.loss_fn(state.model, batch))
+        loss = out.loss_sum
+        if state.scaler is not None and state.scaler.is_enabled():
+            loss = state.scaler.scale(loss)
+        _call(plan, "before_backward", state)
+        loss.backward()
+        _call(plan, "after_backward", state)
+    return out
+
+
+def process_grads(step: Step, state: TrainState) -> GradReport:
+    """Phase 2: the window's sums over the processes, then every gradient transform in rank
+    order. Every operation stays on the device; the non-finite flag is a tensor."""
+    plan = step.plan
+    window_loss: torch.Tensor = state.window_loss  # type: ignore[assignment]  # non-empty
+    loss_sum, targets, averaged = plan.sync.reduce_window(state, window_loss, state.window_targets)
+    # DDP already averaged the gradients over `averaged` processes: divide by the rest.
+    grads = Gradients(
+        state,
+        loss_sum=loss_sum,
+        num_targets=targets,
+        divisor=targets if averaged == 1 else targets / averaged,
+        sync=plan.sync,
+    )
+    for transform in plan.transforms:
+        transform(grads)
+    return GradReport(loss_sum, targets, grads.grad_norm, grads.nonfinite)
+
+
+def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState, Any, Any]:
+    """Phase 3: the optimizer update unless skipped, scaler update, zero_grad, scheduler.
+
+    A skip decision stays on the device when the optimizer can skip inside its kernel (a
+    fused optimizer) and the scheduler is ``None`` or a ``LambdaLR`` (see
+    ``steplib.step.device_skips``); otherwise it is read on the host, once per update.
+
+    Returns:
+        The state with the window reset and the counters advanced; whether the update was
+        applied: a bool, or a bool device tensor when the decision stayed there; and the
+        learning rate it used (read after the ``before_update`` hooks, which may set it).
+
+    Raises:
+        TooManySkipsError: more skipped updates in a row than a part's
+            ``max_consecutive_skips``.
+    """
+    plan, nonfinite = step.plan, report.nonfinite
+    optimizer = state.optimizer
+    on_device = nonfinite is not None and device_skips.decides_on_device(optimizer, state.scheduler)
+    applied: bool | torch.Tensor = True
+    if nonfinite is not None:
+        # The host read, when the decision cannot stay on the device: a host-side
+        # scheduler must know whether to advance. Once per update, never mid-window.
+        applied = ~nonfinite if on_device else not bool(nonfinite)
+    if applied is not False:
+        _call(plan, "before_update", state)  # the final, unscaled, normalised, clipped grads
+    lr = _lr_now(state)
+    if applied is not False:
+        update = _update_call(step, state, nonfinite if on_device else None)
+        for outer in reversed(plan.updates):
+            update = _around(outer, state, update)
+        update()
+        _call(plan, "after_update", state)
+    if scaler_active(state):
+        state.scaler.update()  # type: ignore[union-attr]
+    optimizer.zero_grad(set_to_none=True)
+    _call(plan, "after_zero_grad", state)
+    limit = plan.max_consecutive_skips
+    changes: dict[str, Any] = {"step": state.step + 1, "window_size": 0}
+    changes.update(window_loss=0.0, window_targets=0)
+    if isinstance(applied, torch.Tensor):
+        record, counters, seen = device_skips.count(state, applied, limit)
+        if seen is not None:
+            _too_many_skips(seen, limit, state.step)  # type: ignore[arg-type]
+        return state.replace(**changes, **counters, device_skips=record), applied, lr
+    if applied and state.scheduler is not None:
+        state.scheduler.step()
+    consecutive = 0 if applied else state.consecutive_skips + 1
+    if limit is not None and consecutive > limit:  # host-decided: an int
+        _too_many_skips(int(consecutive), limit, state.step)
+    changes["skipped_updates"] = state.skipped_updates + (0 if applied else 1)
+    changes["consecutive_skips"] = consecutive
+    return state.replace(**changes), applied, lr
+
+
+def _update_call(
+    step: Step, state: TrainState, found_inf: torch.Tensor | None
+) -> Callable[[], None]:
+    runner, optimizer = step.plan.runner, state.optimizer
+    if found_inf is None:
+        return lambda: runner.optimizer_step(step, optimizer)
+
+    def skip_in_kernel() -> None:
+        # What GradScaler.step does for fused optimizers: the kernel skips the update (step
+        # counters included) when found_inf is 1.
+        optimizer.found_inf = found_inf.float()  # type: ignore[attr-defined]
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        try:
+            runner.optimizer_step(step, optimizer)
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+
+    return skip_in_kernel
+
+
+def _around(outer: Update, state: TrainState, inner: Callable[[], None]) -> Callable[[], None]:
+    return lambda: outer(state, inner)
+
+
+def _call(plan: Plan, point: str, state: TrainState) -> None:
+    hooks = plan.hooks.get(point)
+    if hooks is not None:
+        for hook in hooks:
+            hook(state)
 
 
 def make_train_step(loss_fn: LossFn) -> Step:
@@ -420,28 +344,43 @@ def make_train_step(loss_fn: LossFn) -> Step:
     return Step(loss_fn=loss_fn)
 
 
-def add_wrapper(step: Any, name: str, settings: Mapping[str, Any], **changes: Any) -> Step:
-    """The one way a built-in wrapper derives a new step: check the input is a ``Step`` not
-    already wrapped by ``name``, record ``name`` and its settings, apply ``changes``."""
+def add_part(step: Any, part: Part) -> Step:
+    """The one way a wrapper derives a new step: ``step`` with ``part`` added, after the one
+    declared rule on composition: each name once; at most one part shares gradients across
+    processes and one replaces the runner; nothing after a part marked ``last``; and the runner
+    accepts every part.
+
+    Args:
+        step: the step to wrap.
+        part: what the wrapper contributes.
+
+    Returns:
+        A new :class:`Step` (``step`` is not changed).
+
+    Raises:
+        ConfigError: ``step`` is not a Step, or the composition breaks the rule (the message
+            says which part, why, and the fix).
+
+    Example:
+        >>> from steplib.step import Part
+        >>> step = add_part(make_train_step(lambda m, b: m(b).sum()), Part(name="mine"))
+        >>> step.describe()
+        [{'wrapper': 'mine'}]
+    """
+    if not isinstance(part, Part):
+        raise ConfigError(
+            f"add_part(step, part) received part={describe(part)}; build one with "
+            "steplib.step.Part(name=..., ...)."
+        )
+    name = part.name
     if not isinstance(step, Step):
         raise ConfigError(
             f"{name}() expects a Step, got {describe(step)}. Build one first: "
             f"step = make_train_step(loss_fn); step = {name}(step, ...)."
         )
-    for done, done_settings in step.applied:
-        if done == "compile_step":
-            raise ConfigError(
-                f"{name} was applied after compile_step, whose graphs already captured the "
-                f"step's settings, so {name} would be silently ignored. Apply compile_step "
-                f"last: compile_step({name}(step, ...))."
-            )
-        if done == name:
-            raise ConfigError(
-                f"{name} was applied twice (first with {dict(done_settings)}, now with "
-                f"{dict(settings)}); a second {name} cannot be combined with the first. Apply "
-                f"it once with the settings you want."
-            )
-    return dataclasses.replace(step, applied=(*step.applied, (name, dict(settings))), **changes)
+    parts = (*step.parts, part)
+    check_composition(parts)
+    return dataclasses.replace(step, parts=parts)
 
 
 def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
@@ -453,72 +392,7 @@ def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
     )
 
 
-def _scaler_active(step: Step, state: TrainState) -> bool:
-    scaler = state.scaler
-    if scaler is None:
-        if step.amp is not None and step.amp.dtype == torch.float16:
-            raise ConfigError(
-                "amp_wrap(dtype=torch.float16) needs a GradScaler in the state: float16 "
-                "gradients underflow without loss scaling. Create the state with "
-                f"TrainState.create(..., scaler=torch.amp.GradScaler({state.device.type!r})), "
-                "or use dtype=torch.bfloat16, which needs no scaler."
-            )
-        return False
-    return scaler.is_enabled()
-
-
-def _scaled(step: Step, state: TrainState, loss: torch.Tensor) -> torch.Tensor:
-    return state.scaler.scale(loss) if _scaler_active(step, state) else loss  # type: ignore[union-attr]
-
-
 def _lr_now(state: TrainState) -> torch.Tensor | float:
     lr = state.optimizer.param_groups[0]["lr"]
     # A tensor LR is updated in place by its scheduler: an output keeps this call's value.
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
-
-
-def _clip_norm(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    max_norm: float,
-    norm_type: float,
-    divisor: Any,
-) -> torch.Tensor:
-    """``clip_grad_norm_`` of ``grads / divisor``, returning its norm.
-
-    With a host-number divisor (the usual case: counts from a plain loss) the division rides on
-    the clip's multiply: one pass over the gradients instead of two. It is torch's formula
-    (coef = max_norm / (norm + 1e-6), clamped to 1); for a power-of-two divisor the result is
-    bit-identical to dividing first, otherwise within a rounding.
-    """
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if get_total_norm is None or isinstance(divisor, torch.Tensor) or divisor in (0, 1):
-        _normalise(grads, divisor)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    norm: torch.Tensor = get_total_norm(grads, norm_type) / divisor
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, (coef / divisor).to(grads[0].device))
-    return norm
-
-
-def _normalise(grads: list[torch.Tensor], targets: torch.Tensor | float) -> None:
-    """Divide the window's summed gradients by its target count, on the device."""
-    # A window with zero targets has zero gradients: divide by 1 rather than by 0. Dividing by
-    # 1 (one scalar-loss micro-batch) changes nothing, so it is skipped.
-    if isinstance(targets, int | float):
-        if targets not in (0, 1):
-            torch._foreach_div_(grads, targets)
-        return
-    divisor = torch.where(targets > 0, targets, torch.ones_like(targets))
-    if grads:
-        torch._foreach_div_(grads, divisor)
-
-
-def _total_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), device=device)
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    if get_total_norm is not None:  # torch >= 2.6; also reduces sharded (DTensor) gradients
-        return cast(torch.Tensor, get_total_norm(grads, 2.0))
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)

@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from steplib.distributed.collectives import sum_window
 from steplib.errors import ConfigError
 from steplib.state import TrainState
-from steplib.step.core import GradSync, Step, add_wrapper
+from steplib.step.core import Step, add_part
+from steplib.step.parts import GradSync, Part
 
 
 class RankSync(GradSync):
@@ -31,28 +33,15 @@ class RankSync(GradSync):
     def reduce_window(
         self, state: TrainState, loss_sum: torch.Tensor, targets: torch.Tensor | int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        counts = (
-            targets.to(loss_sum.device, torch.float32)
-            if isinstance(targets, torch.Tensor)
-            else torch.full((), float(targets), device=loss_sum.device)  # a fill, not a copy
-        )
-        packed = torch.stack([loss_sum.float(), counts])
-        dist.all_reduce(packed)  # one collective for both numbers, stays on the device
-        return packed[0], packed[1], dist.get_world_size()
+        total, count = sum_window(loss_sum, targets)
+        return total, count, dist.get_world_size()
 
     def describe(self) -> dict[str, Any]:
         return {"world_size": dist.get_world_size()}
 
 
 class DdpSync(RankSync):
-    """The ``GradSync`` of ``ddp_wrap``: ``no_sync`` on non-final micro-batches, and a manual
-    all-reduce for a window closed by ``flush``."""
-
-    def micro_context(
-        self, state: TrainState, sync: bool
-    ) -> contextlib.AbstractContextManager[Any]:
-        model = _ddp_model(state)
-        return contextlib.nullcontext() if sync else model.no_sync()
+    """The ``GradSync`` of ``ddp_wrap``: a manual all-reduce for a window closed by ``flush``."""
 
     def sync_unsynced(self, state: TrainState) -> None:
         # The data ended mid-window: the last backward ran under no_sync. Average the gradients
@@ -69,6 +58,12 @@ class DdpSync(RankSync):
             grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
         ):
             grad.copy_(synced)  # type: ignore[union-attr]
+
+
+def _no_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    # Around forward *and* backward: DDP's reducer must see both inside no_sync.
+    model = _ddp_model(state)
+    return contextlib.nullcontext() if sync else model.no_sync()
 
 
 def ddp_wrap(step: Step) -> Step:
@@ -110,41 +105,32 @@ def ddp_wrap(step: Step) -> Step:
         >>> state = TrainState.create(model=model, optimizer=optimizer)  # doctest: +SKIP
         >>> step = ddp_wrap(clip(make_train_step(loss_fn), max_norm=1.0))  # doctest: +SKIP
     """
-    check_distributed_step(step, "ddp_wrap")
-    return add_wrapper(step, "ddp_wrap", {}, grad_sync=DdpSync())
+    part = Part(name="ddp_wrap", micro_context=_no_sync, sync=DdpSync())
+    return check_distributed_step(step, part)
 
 
-def check_distributed_step(step: Step, name: str) -> None:
-    """Build-time checks shared by ``ddp_wrap`` and ``fsdp_wrap``: a process group exists,
-    the step is not distributed twice, and every rank built the same composition."""
+def check_distributed_step(step: Step, part: Part) -> Step:
+    """``step`` with ``part`` added, once every rank is known to have built the same
+    composition (one collective at build time; a mismatch would otherwise hang or silently
+    diverge). Shared by ``ddp_wrap`` and ``fsdp_wrap``."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
-            f"{name} needs an initialised default process group, and none is. Launch with "
+            f"{part.name} needs an initialised default process group, and none is. Launch with "
             "torchrun and call steplib.distributed.init_distributed() (or "
             "torch.distributed.init_process_group(...)) before building the step."
         )
-    for done, _ in step.applied:
-        if done == "detect_anomaly":
-            raise ConfigError(
-                f"{name} was applied after detect_anomaly; it replaces the gradient-sync hook "
-                f"detect_anomaly wraps, so anomaly detection would be silently lost. Apply "
-                f"detect_anomaly last: detect_anomaly({name}(step))."
-            )
-        if done in ("ddp_wrap", "fsdp_wrap"):
-            raise ConfigError(
-                f"{name} was given a step already wrapped by {done}; a step is distributed "
-                "once. Remove one of the two."
-            )
-    mine = step.describe()
+    wrapped = add_part(step, part)
+    mine = wrapped.describe()
     compositions: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(compositions, mine)  # once, at build time: a host sync is fine here
     for rank, theirs in enumerate(compositions):
         if theirs != mine:
             raise ConfigError(
-                f"{name}: rank {dist.get_rank()} built the step {mine} but rank {rank} built "
-                f"{theirs}. Every rank must compose the same wrappers with the same settings "
-                "(build the step from the same code and configuration on every rank)."
+                f"{part.name}: rank {dist.get_rank()} built the step {mine} but rank {rank} "
+                f"built {theirs}. Every rank must compose the same wrappers with the same "
+                "settings (build the step from the same code and configuration on every rank)."
             )
+    return wrapped
 
 
 def _ddp_model(state: TrainState) -> DistributedDataParallel:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from steplib.state import TrainState
+
 LambdaLR = torch.optim.lr_scheduler.LambdaLR
 
 
@@ -211,3 +213,23 @@ def check_consecutive(
         seen = pending.read()
         return dataclasses.replace(record, pending=None), (seen if seen > limit else None)
     return dataclasses.replace(record, pending=pending), None
+
+
+def count(
+    state: TrainState, applied: torch.Tensor, limit: int | None
+) -> tuple[DeviceSkips, dict[str, Any], int | None]:
+    """After an update decided on the device: the new record (the scheduler's position moved
+    by ``applied``), the skip counters as device tensors, and a consecutive-skip count read
+    back that exceeds ``limit`` (else ``None``)."""
+    record = state.device_skips or start(state.optimizer, state.scheduler, state.device)
+    record = advance(record, optimizer=state.optimizer, scheduler=state.scheduler, applied=applied)
+    skipped = (~applied).to(torch.int64)
+    consecutive = (state.consecutive_skips + skipped) * skipped
+    seen = None
+    if limit is not None:
+        record, seen = check_consecutive(record, consecutive, limit)
+    counters = {
+        "skipped_updates": state.skipped_updates + skipped,
+        "consecutive_skips": consecutive,
+    }
+    return record, counters, seen

@@ -15,19 +15,19 @@ from typing import Any
 
 from steplib.errors import ConfigError
 from steplib.state import TrainState
-from steplib.step.core import Step, add_wrapper
+from steplib.step.core import Step
 from steplib.step.ddp import RankSync, check_distributed_step
+from steplib.step.parts import Part
+
+
+def _gradient_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    # A setting, not a context: each micro-batch sets it, so the last one turns sync back on.
+    _fsdp_model(state).set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
 
 
 class FsdpSync(RankSync):
     """The ``GradSync`` of ``fsdp_wrap``."""
-
-    def micro_context(
-        self, state: TrainState, sync: bool
-    ) -> contextlib.AbstractContextManager[Any]:
-        # A setting, not a context: each micro-batch sets it, so the last one turns sync back on.
-        _fsdp_model(state).set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
 
     def sync_unsynced(self, state: TrainState) -> None:
         raise ConfigError(
@@ -75,8 +75,8 @@ def fsdp_wrap(step: Step) -> Step:
         >>> state = TrainState.create(model=model, optimizer=optimizer)  # doctest: +SKIP
         >>> step = fsdp_wrap(clip(make_train_step(loss_fn), max_norm=1.0))  # doctest: +SKIP
     """
-    check_distributed_step(step, "fsdp_wrap")
-    return add_wrapper(step, "fsdp_wrap", {}, grad_sync=FsdpSync())
+    part = Part(name="fsdp_wrap", micro_context=_gradient_sync, sync=FsdpSync())
+    return check_distributed_step(step, part)
 
 
 def _fsdp_model(state: TrainState) -> Any:

@@ -19,7 +19,7 @@ _FORMS = (
 )
 
 
-_NO_AUX: Mapping[str, torch.Tensor] = types.MappingProxyType({})
+NO_AUX: Mapping[str, torch.Tensor] = types.MappingProxyType({})
 
 
 class LossOutput(NamedTuple):
@@ -40,8 +40,8 @@ def parse_loss_output(result: Any) -> LossOutput:
     """
     if isinstance(result, torch.Tensor):  # the common case first: a plain scalar loss
         _check_loss(result)
-        return LossOutput(result, 1, _NO_AUX)
-    aux: Any = _NO_AUX
+        return LossOutput(result, 1, NO_AUX)
+    aux: Any = NO_AUX
     count: Any = 1
     if isinstance(result, tuple | list) and len(result) == 2:
         loss, second = result
@@ -57,7 +57,7 @@ def parse_loss_output(result: Any) -> LossOutput:
         loss = result  # let _check_loss say what is wrong with it (e.g. a float from .item())
     _check_loss(loss)
     _check_count(count)
-    if aux is not _NO_AUX:
+    if aux is not NO_AUX:
         _check_aux(aux)
     return LossOutput(loss, count, aux)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from steplib.errors import ConfigError, describe
-from steplib.step.core import SkipConfig, Step, add_wrapper
+from steplib.step.core import Step, add_part
+from steplib.step.parts import FINITE, Gradients, Part, plain
 
 
 def skip_nonfinite(step: Step, *, max_consecutive: int | None = 10) -> Step:
@@ -44,9 +47,19 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 10) -> Step:
             f"skip_nonfinite(max_consecutive=...) received {describe(max_consecutive)}; it must "
             "be an int >= 1 (how many skipped updates in a row are tolerated) or None."
         )
-    return add_wrapper(
-        step,
-        "skip_nonfinite",
-        {"max_consecutive": max_consecutive},
-        skip=SkipConfig(max_consecutive=max_consecutive),
+
+    def check_finite(grads: Gradients) -> None:
+        if grads.grad_norm is None:  # clipping measured it already, before clipping
+            grads.grad_norm = grads.norm()
+        # The global loss and the synchronised gradients: every rank decides alike.
+        bad = ~torch.isfinite(plain(grads.grad_norm)) | ~torch.isfinite(grads.loss_sum)
+        grads.flag_nonfinite(bad)
+
+    part = Part(
+        name="skip_nonfinite",
+        settings={"max_consecutive": max_consecutive},
+        grad_transform=check_finite,
+        rank=FINITE,
+        max_consecutive_skips=max_consecutive,
     )
+    return add_part(step, part)

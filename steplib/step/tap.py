@@ -1,19 +1,18 @@
 """``tap``: call user functions at the step's phase boundaries.
 
 Classic trainers expose these as callbacks (``on_before_backward``, ``on_after_backward``,
-``on_before_optimizer_step``, ``on_before_zero_grad``...). Here they are a wrapper: a step built
-without ``tap`` carries ``hooks=None`` and pays one ``is None`` check per boundary.
+``on_before_optimizer_step``, ``on_before_zero_grad``...). Here they are a wrapper whose part
+hooks the step's phase points (``Part(hooks=...)``, which your own wrappers can use too); a step
+built without hooks pays one dictionary lookup per point.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from steplib.errors import ConfigError, describe
-from steplib.step.core import PhaseHooks, Step, add_wrapper
-
-HOOK_NAMES = tuple(f.name for f in dataclasses.fields(PhaseHooks))
+from steplib.step.core import Step, add_part
+from steplib.step.parts import HOOK_POINTS, Part
 
 
 def tap(step: Step, **hooks: Any) -> Step:
@@ -53,14 +52,14 @@ def tap(step: Step, **hooks: Any) -> Step:
     """
     if not hooks:
         raise ConfigError(
-            f"tap(step) received no hook. Pass one or more of {', '.join(HOOK_NAMES)}, e.g. "
+            f"tap(step) received no hook. Pass one or more of {', '.join(HOOK_POINTS)}, e.g. "
             "tap(step, after_backward=lambda state: ...)."
         )
-    unknown = sorted(set(hooks) - set(HOOK_NAMES))
+    unknown = sorted(set(hooks) - set(HOOK_POINTS))
     if unknown:
         raise ConfigError(
             f"tap received the unknown hook name(s) {unknown}. The hooks are: "
-            f"{', '.join(HOOK_NAMES)}."
+            f"{', '.join(HOOK_POINTS)}."
         )
     for name, hook in hooks.items():
         if not callable(hook):
@@ -71,4 +70,4 @@ def tap(step: Step, **hooks: Any) -> Step:
     settings = {
         name: getattr(hook, "__name__", type(hook).__name__) for name, hook in hooks.items()
     }
-    return add_wrapper(step, "tap", settings, hooks=PhaseHooks(**hooks))
+    return add_part(step, Part(name="tap", settings=settings, hooks=hooks))

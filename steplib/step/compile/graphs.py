@@ -1,0 +1,296 @@
+"""The pieces ``compile_step``'s runner compiles: the fused forward/backward of one micro-batch,
+the optimizer update without its decorators' graph breaks, the optimizer's preparation (an LR
+tensor, widened step counters), and the regions that count the graphs they compile.
+
+See :mod:`steplib.step.compile.runner` for what runs where and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from steplib.errors import ConfigError
+from steplib.step.loss_output import NO_AUX, parse_loss_output
+
+
+@dataclasses.dataclass
+class CompileStats:
+    """Counts of graphs compiled for one compiled step (mutable: the backend updates it).
+
+    Attributes:
+        graphs: every graph compiled so far (graph breaks give several per function).
+        recompiles: graphs compiled for a function of the step that had already run compiled
+            code, i.e. because a guard failed (a new shape, dtype, or a Python value a graph
+            depended on) rather than for warm-up. Zero in a healthy run.
+        updates: optimizer updates made through the compiled step.
+        fused_backward: whether micro-batches run as one forward+backward graph (``None`` until
+            the first update decided it; ``False``: ``loss_fn`` compiled, backward by autograd).
+        why_not_fused: when tracing the fused graph failed, the error (the step then uses
+            autograd; e.g. a buffer updated in place inside the forward, as BatchNorm does).
+    """
+
+    graphs: int = 0
+    recompiles: int = 0
+    updates: int = 0
+    fused_backward: bool | None = None
+    why_not_fused: str | None = None
+
+    @property
+    def warm(self) -> bool:
+        """Two updates done: the first runs eagerly, the second compiles the graphs."""
+        return self.updates >= 2
+
+
+class LossModule(nn.Module):
+    """``loss_fn(model, batch)`` as a module, so that ``functional_call`` can swap in the
+    parameters."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> None:
+        super().__init__()
+        self.model = model
+        # A plain attribute: a criterion that is an nn.Module must not become a submodule.
+        object.__setattr__(self, "loss_fn", loss_fn)
+
+    def forward(self, batch: Any) -> Any:
+        return self.loss_fn(self.model, batch)  # type: ignore[operator]
+
+
+@dataclasses.dataclass(eq=False)
+class FusedPlan:
+    """What the fused forward/backward graph of one model and optimizer needs."""
+
+    model: nn.Module
+    module: LossModule
+    names: tuple[str, ...]  # every name of every parameter (a tied weight has several)
+    slots: tuple[int, ...]  # for each name, its parameter's index in ``params``
+    params: tuple[torch.Tensor, ...]
+    checked: bool = False  # its first micro-batch ran
+
+
+def make_fused_plan(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any]
+) -> FusedPlan | None:
+    params: list[torch.Tensor] = []
+    slot_of: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in slot_of:
+                if not p.requires_grad:
+                    return None
+                slot_of[id(p)] = len(params)
+                params.append(p)
+    names: list[str] = []
+    slots: list[int] = []
+    # Every alias of a tied weight is named, so functional_call needs no untying pass.
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in slot_of:
+            names.append("model." + name)
+            slots.append(slot_of[id(p)])
+    if set(slots) != set(range(len(params))):
+        return None  # a parameter of the optimizer that is not the model's
+    return FusedPlan(model, LossModule(model, loss_fn), tuple(names), tuple(slots), tuple(params))
+
+
+# --- the traced functions ------------------------------------------------------------------
+
+
+def _grads_and_loss(plan: FusedPlan, batch: Any) -> tuple[Any, torch.Tensor, Any, dict[str, Any]]:
+    counts: list[Any] = []  # a Python number count: the transform's aux takes only tensors
+
+    def loss_of(values: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        swapped = {name: values[i] for name, i in zip(plan.names, plan.slots, strict=True)}
+        result = torch.func.functional_call(plan.module, swapped, (batch,), tie_weights=False)
+        out = parse_loss_output(result)
+        count, aux = out.num_targets, {} if out.aux is NO_AUX else dict(out.aux)
+        if isinstance(count, torch.Tensor):
+            return out.loss_sum, ((count,), aux)
+        counts.append(count)
+        return out.loss_sum, ((), aux)
+
+    # no_grad outside, grad_and_value inside: the graph is an inference graph to AOTAutograd
+    # (no autograd bookkeeping of its own), and the transform still differentiates.
+    with torch.no_grad():
+        values = [p.detach() for p in plan.params]
+        grads, (loss_sum, (tensor_count, aux)) = torch.func.grad_and_value(loss_of, has_aux=True)(
+            values
+        )
+    return grads, loss_sum, tensor_count[0] if tensor_count else counts[0], aux
+
+
+def micro_first(plan: FusedPlan, batch: Any) -> tuple[Any, torch.Tensor, Any, dict[str, Any]]:
+    return _grads_and_loss(plan, batch)
+
+
+def micro_acc(
+    plan: FusedPlan, accumulated: list[torch.Tensor], batch: Any
+) -> tuple[torch.Tensor, Any, dict[str, Any]]:
+    grads, loss_sum, count, aux = _grads_and_loss(plan, batch)
+    with torch.no_grad():
+        torch._foreach_add_(accumulated, list(grads))
+    return loss_sum, count, aux
+
+
+def update(raw_step: Callable[..., Any], optimizer: torch.optim.Optimizer) -> None:
+    # The body of the optimizer's step, under the no_grad its decorator would set, without the
+    # decorator's graph breaks: one graph.
+    with torch.no_grad():
+        raw_step(optimizer)
+
+
+def hooked_update(optimizer: torch.optim.Optimizer) -> None:
+    # The class's step (with its step hooks), not the instance attribute an LR scheduler
+    # installs, which dynamo refuses to trace.
+    type(optimizer).step(optimizer)
+
+
+# --- the optimizer -------------------------------------------------------------------------
+
+
+def plain_step(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the optimizer's step has no hooks to run and is not differentiable."""
+    from torch.optim import optimizer as optim_module
+
+    return not (
+        getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        or getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or getattr(optim_module, "_global_optimizer_pre_hooks", None)
+        or getattr(optim_module, "_global_optimizer_post_hooks", None)
+        or optimizer.defaults.get("differentiable", False)
+    )
+
+
+def _widens_counters(group: Mapping[str, Any]) -> bool:
+    # fused / capturable optimizers keep float32 counters on the device by design.
+    return not (group.get("fused") or group.get("capturable"))
+
+
+def needs_prepare(optimizer: torch.optim.Optimizer) -> bool:
+    group = optimizer.param_groups[0]
+    if not isinstance(group["lr"], torch.Tensor):
+        return True
+    if not _widens_counters(group) or not group["params"]:
+        return False
+    step = optimizer.state.get(group["params"][0], {}).get("step")
+    return isinstance(step, torch.Tensor) and step.dtype == torch.float32
+
+
+def prepare(optimizer: torch.optim.Optimizer) -> None:
+    """LR as a tensor; float32 CPU step counters widened to float64 (see the module doc)."""
+    for group in optimizer.param_groups:
+        _lr_as_tensor(group)
+        if not _widens_counters(group):
+            continue
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            step = state.get("step") if state else None
+            if (
+                isinstance(step, torch.Tensor)
+                and step.dtype == torch.float32
+                and step.device.type == "cpu"
+                and step.ndim == 0
+            ):
+                state["step"] = step.to(torch.float64)  # type: ignore[index]
+
+
+def _lr_as_tensor(group: dict[str, Any]) -> None:
+    if not isinstance(group["lr"], torch.Tensor):
+        # 0-dim, on the parameters' device (schedulers fill it in place), and float64: the
+        # exact value eager code gets from a Python float. A float32 LR differs by ~5e-8
+        # relative, which Adam amplifies near eps into visible divergence.
+        group["lr"] = torch.tensor(
+            group["lr"], dtype=torch.float64, device=group["params"][0].device
+        )
+
+
+# --- guards and counting -------------------------------------------------------------------
+
+# Globals of torch and steplib, as dynamo names them when it guards on them: torch's modules
+# (``G['__import_torch_dot_...']``, ``__import__('torch')``), steplib's, the builtins, and the
+# globals of the steplib module a graph starts in (``G['Step']``, ``G['torch']``, ...).
+_OWN_GLOBAL = re.compile(
+    r"^(?:dict\()?(?:G\['(?:__import_(?:torch|steplib)(?:_dot_\w*)?|__builtins_dict___\d+|"
+    r"(?!__import_|___)\w+)'\]|__import__\('torch'\))"
+)
+
+
+def keep_guards(entries: Sequence[Any]) -> list[bool]:
+    """Dynamo's guard filter for the graphs that start in steplib's code: drop the guards on
+    torch's and steplib's own functions and constants (one lookup each, every call: ~20% of a
+    small step's time), which do not change while a process trains. Every guard on the user's
+    code and globals, the model, the batch, the optimizer and the global grad/autocast state is
+    kept."""
+    return [not (entry.is_global and _OWN_GLOBAL.match(entry.name)) for entry in entries]
+
+
+def inner_backend(
+    backend: Any, *, mode: str | None, options: dict[str, Any] | None, dynamic: bool | None
+) -> Any:
+    """The backend ``torch.compile(backend=..., mode=..., options=...)`` would use."""
+    if mode is not None and options is not None:
+        raise ConfigError(
+            "compile_step received both mode= and options=; torch.compile takes one of them. "
+            "Put the mode's settings into options, or drop options."
+        )
+    if backend == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+    return torch._TorchCompileWrapper(backend, mode, options, dynamic)
+
+
+class Region:
+    """One function of the step under ``torch.compile``, counting the graphs it compiles in
+    :class:`CompileStats`: a graph compiled after the function has run once is a recompile
+    (a guard failed: a new shape, dtype or Python value)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        inner: Any,
+        stats: CompileStats,
+        kwargs: dict[str, Any],
+        *,
+        guard_filter: Callable[..., list[bool]] | None,
+    ) -> None:
+        self.ran = False
+        self.stats = stats
+        # isolate_recompiles: this step's graphs neither count against nor reuse another
+        # compiled step's entries for the same function (several steps in one process).
+        self.fn = torch.compile(  # type: ignore[call-overload]
+            fn,
+            backend=_CountingBackend(inner, self),
+            isolate_recompiles=True,
+            options=None if guard_filter is None else {"guard_filter_fn": guard_filter},
+            **kwargs,
+        )
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        self.ran = True
+        return out
+
+
+class _CountingBackend:
+    """The dynamo backend of one :class:`Region`: counts, then compiles with the real one."""
+
+    def __init__(self, inner: Any, region: Region) -> None:
+        self.inner = inner
+        self.region = region
+        self.__name__ = "steplib_counting"
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        stats = self.region.stats
+        stats.graphs += 1
+        if self.region.ran:
+            stats.recompiles += 1
+        return self.inner(graph, example_inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        # e.g. get_compiler_config, which dynamo asks the inductor wrapper for
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -1,0 +1,186 @@
+"""``make_pipeline_step``: build this process's pipeline step, after checks that every process
+runs (and agrees on) before the first point-to-point transfer."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steplib.errors import ConfigError, describe
+from steplib.step.core import Step, add_part
+from steplib.step.parts import Part
+from steplib.step.pipeline.runner import PipelineLossFn, PipelineRunner, PipelineSync, pair
+
+_SCHEDULES = ("gpipe", "1f1b")
+
+
+def make_pipeline_step(
+    loss_fn: PipelineLossFn,
+    stages: Sequence[nn.Module | None],
+    *,
+    n_microbatches: int,
+    schedule: str = "1f1b",
+    inputs_and_target: Callable[[Any], tuple[Any, torch.Tensor]] | None = None,
+    group: Any = None,
+) -> Step:
+    """Build this process's pipeline step; every process of the pipeline group calls it.
+
+    Args:
+        loss_fn: ``loss_fn(output, target)`` on the last stage, per micro-batch, returning a
+            scalar loss or ``(loss_sum, num_targets)`` (optionally with an aux dict), as a
+            steplib ``loss_fn`` does. With a plain mean loss, each micro-batch counts 1.
+        stages: the stage modules in pipeline order, one per process of ``group``
+            (:func:`steplib.distributed.split_model` makes them); this process takes entry
+            ``rank in group``. Entries of other processes may be ``None`` (build only yours).
+        n_microbatches: micro-batches per batch (and per optimizer update); 1F1B needs at
+            least as many as there are stages.
+        schedule: ``"1f1b"`` (less activation memory) or ``"gpipe"`` (all forwards, then all
+            backwards).
+        inputs_and_target: ``batch -> (inputs, target)``; by default the batch is the pair.
+            The first stage receives ``inputs`` (a tensor or a tuple of tensors), the last
+            stage passes ``target`` to ``loss_fn``; both are cut along dimension 0.
+        group: the pipeline's process group (default: all processes).
+
+    Returns:
+        A :class:`~steplib.step.Step` whose runner is a :class:`PipelineRunner`;
+        ``pipeline_stage(step).module`` is this process's stage (``stages[rank]``), to build
+        the optimizer and ``TrainState.create(model=..., ...)`` from.
+
+    Raises:
+        ConfigError: no process group; a number of stages other than the group's size; this
+            process's stage missing; a bad ``loss_fn``, ``n_microbatches`` or ``schedule``;
+            processes that disagree on the settings (checked with one collective, after
+            which every process raises the same error instead of one hanging).
+
+    Example:
+        In one process without a process group, building the step is refused at once:
+
+        >>> import torch
+        >>> stages = [torch.nn.Linear(4, 2)]
+        >>> make_pipeline_step(  # doctest: +ELLIPSIS
+        ...     lambda output, target: torch.nn.functional.mse_loss(output, target),
+        ...     stages,
+        ...     n_microbatches=2,
+        ... )
+        Traceback (most recent call last):
+        steplib.errors.ConfigError: make_pipeline_step needs an initialised process group ...
+
+        Under ``torchrun --nproc-per-node=2`` (one process per stage; see
+        ``tests/test_pipeline.py``):
+
+        >>> stages = split_model(model, split_points=["3"])  # doctest: +SKIP
+        >>> step = clip(make_pipeline_step(loss_fn, stages, n_microbatches=4),
+        ...             max_norm=1.0)  # doctest: +SKIP
+        >>> module = pipeline_stage(step).module  # doctest: +SKIP
+        >>> opt = torch.optim.AdamW(module.parameters())  # doctest: +SKIP
+        >>> state = TrainState.create(model=module, optimizer=opt)  # doctest: +SKIP
+        >>> state = run(step, state, loader)  # doctest: +SKIP
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "make_pipeline_step needs an initialised process group (one process per stage), "
+            "and none is. Launch with torchrun --nproc-per-node=<stages> and call "
+            "steplib.distributed.init_distributed() before building the step."
+        )
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    settings = {
+        "schedule": schedule,
+        "n_microbatches": n_microbatches,
+        "stages": len(stages) if isinstance(stages, Sequence) else None,
+    }
+    problem = _local_problem(loss_fn, stages, rank, size, n_microbatches, schedule)
+    views: list[Any] = [None] * size
+    # Once, at build time: a host sync is fine. Gathering the problems too means a process
+    # that found one does not leave the others waiting in the first point-to-point transfer.
+    dist.all_gather_object(views, (settings, problem), group=group)
+    for other, (theirs, their_problem) in enumerate(views):
+        if their_problem is not None:
+            raise ConfigError(their_problem if other == rank else f"rank {other}: {their_problem}")
+        if theirs != settings:
+            raise ConfigError(
+                f"make_pipeline_step: rank {rank} was given {settings} but rank {other} "
+                f"{theirs}. Every process must build the pipeline with the same settings."
+            )
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    module = stages[rank]
+    assert module is not None  # _local_problem checked it
+    first = next(iter(module.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    runtime = PipelineRunner(
+        module=module,
+        schedule=None,
+        stage_index=rank,
+        num_stages=size,
+        n_microbatches=n_microbatches,
+        inputs_and_target=inputs_and_target or pair,
+    )
+    stage = PipelineStage(module, rank, size, device, group=group)
+    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    # scale_grads=False: the loss is a sum; steplib divides by the target count once.
+    runtime.schedule = kind(stage, n_microbatches, loss_fn=runtime.loss(loss_fn), scale_grads=False)
+    part = Part(name="pipeline", settings=settings, sync=PipelineSync(group, size), runner=runtime)
+    # Step(...) directly: this loss_fn is loss_fn(output, target), checked above.
+    return add_part(Step(loss_fn=loss_fn), part)
+
+
+def _local_problem(
+    loss_fn: Any, stages: Any, rank: int, size: int, n_microbatches: Any, schedule: Any
+) -> str | None:
+    """This process's build-time problem, as the message of the error to raise, else None."""
+    if not callable(loss_fn):
+        return (
+            f"make_pipeline_step received loss_fn={describe(loss_fn)}, which is not callable. "
+            "Pass def loss_fn(output, target): return F.cross_entropy(output, target)."
+        )
+    try:
+        inspect.signature(loss_fn).bind(object(), object())
+    except TypeError as err:
+        return (
+            f"make_pipeline_step: loss_fn cannot be called as loss_fn(output, target) ({err}); "
+            "in a pipeline the loss sees the last stage's output and the target, not the model."
+        )
+    except ValueError:
+        pass  # builtins without a signature
+    if isinstance(stages, nn.Module) or not isinstance(stages, Sequence):
+        return (
+            f"make_pipeline_step received stages={describe(stages)}; pass the list of stage "
+            "modules in pipeline order, e.g. split_model(model, split_points=['3'])."
+        )
+    if len(stages) != size:
+        return (
+            f"make_pipeline_step received {len(stages)} stages for a pipeline group of {size} "
+            f"processes; there must be one stage per process. Split the model into {size} "
+            f"stages (split_model(model, split_points=[...]) with {size - 1} child name(s)) "
+            f"or launch {len(stages)} processes (torchrun --nproc-per-node={len(stages)})."
+        )
+    if not isinstance(stages[rank], nn.Module):
+        return (
+            f"make_pipeline_step: stages[{rank}] (this process's stage) is "
+            f"{describe(stages[rank])}, not an nn.Module. Pass this process's stage module."
+        )
+    if (
+        isinstance(n_microbatches, bool)
+        or not isinstance(n_microbatches, int)
+        or n_microbatches < 1
+    ):
+        return (
+            f"make_pipeline_step(n_microbatches=...) received {describe(n_microbatches)}; pass "
+            "an int >= 1 (the micro-batches each batch is cut into), e.g. n_microbatches=4."
+        )
+    if schedule not in _SCHEDULES:
+        return (
+            f"make_pipeline_step(schedule=...) received {describe(schedule)}; the schedules "
+            f"are {list(_SCHEDULES)}."
+        )
+    if schedule == "1f1b" and n_microbatches < size:
+        return (
+            f"make_pipeline_step: 1F1B with n_microbatches={n_microbatches} and {size} stages "
+            f"leaves a stage idle; pass n_microbatches >= {size}, or schedule='gpipe'."
+        )
+    return None
