@@ -251,3 +251,26 @@ def test_split_stages_chain_to_the_model() -> None:
 def test_make_pipeline_step_without_a_process_group_says_what_to_call() -> None:
     with pytest.raises(ConfigError, match="init_distributed"):
         make_pipeline_step(_loss, split_model(_model(), split_points=["2"]), n_microbatches=2)
+
+
+def _default_float64(rank: int, world: int) -> list[float]:
+    # Every tensor made without a dtype is float64: the stages' window sums must still travel
+    # in one dtype (a float32 count on the last stage against float64 elsewhere aborted gloo).
+    torch.set_default_dtype(torch.float64)
+    try:
+        stages = split_model(_model(), split_points=["2"])
+        step = clip(make_pipeline_step(_loss, stages, n_microbatches=MICRO), max_norm=0.5)
+        module = pipeline_stage(step).module
+        state = TrainState.create(model=module, optimizer=torch.optim.SGD(module.parameters()))
+        losses = []
+        for batch in _batches(2):
+            state, out = step(state, batch)
+            losses.append(out.loss.item())
+        return losses
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_pipeline_trains_under_a_float64_default_dtype() -> None:
+    first, second = run_ranks(_default_float64)
+    assert first == second and all(loss > 0 for loss in first)  # every stage reports the loss

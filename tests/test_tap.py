@@ -77,3 +77,18 @@ def test_bad_hooks_are_refused_at_build_time(hooks, message) -> None:
     with pytest.raises(ConfigError) as err:
         tap(make_train_step(token_loss), **hooks)
     assert message in str(err.value)
+
+
+def test_out_lr_is_the_rate_the_update_used_when_a_hook_sets_it() -> None:
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState.create(model=model, optimizer=opt)
+
+    def set_lr(state: TrainState) -> None:
+        for group in state.optimizer.param_groups:
+            group["lr"] = 0.01 * (state.step + 1)
+
+    step = tap(make_train_step(token_loss), before_update=set_lr)
+    for n, batch in enumerate(make_batches(3, [2, 3, 4])):
+        state, out = step(state, batch)
+        assert out.lr.item() == pytest.approx(0.01 * (n + 1))
