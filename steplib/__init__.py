@@ -1,7 +1,6 @@
 """steplib: a functional, composable training toolkit for PyTorch."""
 
 from steplib import checkpoint, data, export, seeding
-from steplib.activation_checkpointing import checkpoint_activations
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -22,6 +21,7 @@ from steplib.control import (
     TimeLimit,
 )
 from steplib.data import resumable_loader
+from steplib.distributed.activation_checkpointing import checkpoint_activations
 from steplib.ema import EMA
 from steplib.errors import ConfigError, LossFnError, StepLibError, TooManySkipsError
 from steplib.evaluation import EvalStep, Evaluator, evaluate, make_eval_step

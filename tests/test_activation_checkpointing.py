@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steplib import ConfigError, TrainState, make_train_step
-from steplib.activation_checkpointing import checkpoint_activations
+from steplib.distributed.activation_checkpointing import checkpoint_activations
 
 
 class Block(nn.Module):

@@ -31,7 +31,7 @@ import torch
 
 from steplib.data import restore_position
 from steplib.errors import ConfigError, describe
-from steplib.rng import capture_rng, restore_rng
+from steplib.seeding import capture_rng, restore_rng
 from steplib.state import TrainState
 
 MODEL = "model.pt"

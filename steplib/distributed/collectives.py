@@ -23,6 +23,9 @@ def max_over_ranks(value: float, *, device: torch.device | None = None, group: A
             device); ``None`` is the CPU.
         group: the process group, ``None`` for the default one.
 
+    Returns:
+        The largest value, the same on every rank.
+
     Example:
         >>> max_over_ranks(3.0)  # no process group: the value itself
         3.0
@@ -37,6 +40,14 @@ def max_over_ranks(value: float, *, device: torch.device | None = None, group: A
 def any_rank(flag: bool, *, device: torch.device | None = None, group: Any = None) -> bool:
     """``flag`` OR-ed over the ranks (one small all-reduce; ``flag`` itself in one process).
 
+    Args:
+        flag: this rank's answer.
+        device: where the reduction runs (the state's device under NCCL).
+        group: the process group, ``None`` for the default one.
+
+    Returns:
+        True on every rank when any rank said True.
+
     Example:
         >>> any_rank(True)
         True
@@ -46,6 +57,14 @@ def any_rank(flag: bool, *, device: torch.device | None = None, group: Any = Non
 
 def every_rank(flag: bool, *, device: torch.device | None = None, group: Any = None) -> bool:
     """``flag`` AND-ed over the ranks; also a barrier.
+
+    Args:
+        flag: this rank's answer.
+        device: where the reduction runs (the state's device under NCCL).
+        group: the process group, ``None`` for the default one.
+
+    Returns:
+        True on every rank when every rank said True.
 
     Example:
         >>> every_rank(False)
@@ -62,6 +81,14 @@ def sum_window(
 
     Both travel as float32 whatever the default dtype, so that every rank sends the same
     layout (a rank that counted a Python int and one that counted a tensor agree).
+
+    Args:
+        loss_sum: this rank's window loss sum, a 0-dim tensor.
+        targets: this rank's target count, an int or a 0-dim tensor.
+        group: the process group, ``None`` for the default one.
+
+    Returns:
+        ``(loss_sum, targets)`` over every rank, float32 0-dim tensors on ``loss_sum``'s device.
 
     Example:
         >>> loss, count = sum_window(torch.tensor(6.0), 3)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from steplib.errors import ConfigError, describe
-from steplib.rng import RngState, capture_rng, restore_rng
+from steplib.seeding import RngState, capture_rng, restore_rng
 
-try:  # numpy is optional, as in steplib.rng
+try:  # numpy is optional, as in steplib.seeding
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with the dev extra
     np = None  # type: ignore[assignment]

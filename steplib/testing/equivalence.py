@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from steplib.errors import ConfigError, describe
-from steplib.rng import capture_rng
+from steplib.seeding import capture_rng
 from steplib.step.accumulate import accumulate
 from steplib.testing._runs import (
     Build,

@@ -15,7 +15,7 @@ from steplib.checkpoint import load, save
 from steplib.data import resumable_loader
 from steplib.errors import ConfigError, describe
 from steplib.loop import iterate
-from steplib.rng import capture_rng
+from steplib.seeding import capture_rng
 from steplib.testing._runs import (
     Build,
     Call,
