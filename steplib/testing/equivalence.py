@@ -12,7 +12,7 @@ import torch
 from steplib.errors import ConfigError, describe
 from steplib.seeding import capture_rng
 from steplib.step.accumulate import accumulate
-from steplib.testing._runs import (
+from steplib.testing.runs import (
     Build,
     Call,
     Divergence,

@@ -16,7 +16,7 @@ from steplib.data import resumable_loader
 from steplib.errors import ConfigError, describe
 from steplib.loop import iterate
 from steplib.seeding import capture_rng
-from steplib.testing._runs import (
+from steplib.testing.runs import (
     Build,
     Call,
     Calls,
