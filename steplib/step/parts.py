@@ -22,15 +22,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
-
-if TYPE_CHECKING:  # the runner type only; core imports this module
-    from steplib.step.core import Runner
 
 # The ranks of the gradient transforms; anything between is allowed (ties keep the order in
 # which the wrappers were applied).
@@ -184,7 +181,7 @@ class Part:
     hooks: Mapping[str, Hook] = dataclasses.field(default_factory=dict)
     sync: GradSync | None = None
     max_consecutive_skips: int | None = None
-    runner: Runner | None = None
+    runner: Any = None  # a steplib.step.Runner (core.py, which imports this module)
     last: bool = False
 
     def __post_init__(self) -> None:
