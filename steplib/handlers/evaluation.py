@@ -31,11 +31,11 @@ from torch import nn
 from torchmetrics import Metric, MetricCollection
 
 from steplib import errors
-from steplib.control import BestValue
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, NewState
-from steplib.logging import Log, Logger, event_counters
+from steplib.handlers.logging.base import Log, Logger, event_counters
+from steplib.handlers.stopping import BestValue
 from steplib.state import TrainState
 
 EvalFn = Callable[[nn.Module, Any], Any]
@@ -48,6 +48,12 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """``model.eval()`` inside, and every submodule's own previous mode restored after (a model
     may keep some parts in eval mode on purpose, e.g. frozen batch norms).
+
+    Args:
+        model: the module to put in eval mode.
+
+    Yields:
+        ``model``, in eval mode.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
@@ -144,9 +150,21 @@ def as_metrics(metrics: Any, *, owner: str = "evaluate") -> Metric | MetricColle
     """``metrics`` as one torchmetrics object (a dict becomes a ``MetricCollection``; the
     metrics themselves are not copied).
 
+    Args:
+        metrics: a torchmetrics ``Metric``, ``MetricCollection`` or non-empty dict of ``Metric``.
+        owner: the caller named in the error message.
+
+    Returns:
+        ``metrics`` itself, or a ``MetricCollection`` of the dict's metrics.
+
     Raises:
         ConfigError: something that is not a torchmetrics ``Metric``, ``MetricCollection`` or a
             dict of ``Metric``.
+
+    Example:
+        >>> import torchmetrics
+        >>> type(as_metrics({"mse": torchmetrics.MeanSquaredError()})).__name__
+        'MetricCollection'
     """
     if isinstance(metrics, Metric | MetricCollection):
         return metrics

@@ -22,8 +22,8 @@ writes nothing, so build it after the process group is initialised. A sink flush
 as it writes it, so a crash or a failing destination loses at most the record being written;
 a failure raises :class:`LogWriteError` naming the destination.
 
-Imports ``events``, ``errors``, ``distributed`` and ``_tqdm`` (handlers never import ``loop``
-or ``step``).
+Imports ``events``, ``errors``, ``distributed`` and ``handlers.terminal`` (handlers never import
+``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import fsspec
 import orjson
 import torch
 
-from steplib._tqdm import tqdm_class
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, StepLibError, describe
 from steplib.events import Event
+from steplib.handlers.terminal import tqdm_class
 
 Record = dict[str, Any]
 Source = Callable[[Event], Mapping[str, Any]]
@@ -105,9 +105,15 @@ def event_record(event: Event) -> Record:
 
 
 def event_counters(event: Event) -> Record:
-    """The counters of ``event`` and the time: ``{"step", "epoch", "micro_step", "time"}``.
+    """The counters of ``event`` and the time, the part of a record every record has.
 
-    Reads no tensor. ``time`` is in unix seconds.
+    Reads no tensor, so a handler can call it on any rank at any event without a host sync.
+
+    Args:
+        event: any event.
+
+    Returns:
+        ``{"step", "epoch", "micro_step", "time"}``; ``time`` is in unix seconds.
 
     Example:
         >>> record = event_counters(Event("epoch_end", state=None, step=4, micro_step=8, epoch=1))
@@ -195,7 +201,7 @@ class Log:
         sinks: one :class:`Logger` or a sequence of them.
         sources: functions ``source(event) -> {name: value}``; the default writes the step's
             own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
-            :class:`~steplib.metrics.TrainMetrics` and a :class:`~steplib.throughput.Throughput`.
+            :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
 
     Raises:
         ConfigError: a sink that is not a :class:`Logger`, or a source that is not callable.

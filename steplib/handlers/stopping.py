@@ -1,12 +1,13 @@
 """Handlers that decide whether training goes on, and monitors of the gradient norm and the LR.
 
 * :class:`EarlyStopping`: stop when a monitored value (e.g. ``val_loss`` that
-  :class:`~steplib.evaluation.Evaluator` puts in ``state.extras``) stopped improving.
+  :class:`~steplib.handlers.evaluation.Evaluator` puts in ``state.extras``) stopped improving.
 * :class:`TimeLimit`: stop before a wall-clock budget runs out.
 * :class:`StopFile`: stop when a file appears (``touch runs/exp/STOP``).
 * :class:`NonFiniteAlarm`: raise (or stop) on a NaN/inf loss or gradient norm, naming the step
   and the batch, while reading the device only every ``every`` updates.
-* :class:`GradNormMonitor`, :class:`LRMonitor`: log sources (see :class:`steplib.logging.Log`).
+* :class:`GradNormMonitor`, :class:`LRMonitor`: log sources (see
+  :class:`steplib.handlers.logging.Log`).
 
 Every stop decision is taken jointly when a process group is initialised (one small all-reduce
 on the check's interval): a rank that stops alone leaves the others waiting in a collective.
@@ -89,8 +90,28 @@ class BestValue:
         self.value, self.step = state["value"], state["step"]
 
 
-def _monitored(owner: str, monitor: str, event: Event) -> float:
-    """``event.state.extras[monitor]`` as a float, or a ConfigError naming what is there."""
+def monitored_value(owner: str, monitor: str, event: Event) -> float:
+    """``event.state.extras[monitor]`` as a float: what a handler that watches a value reads
+    (:class:`EarlyStopping`, :func:`~steplib.handlers.export.export_best`).
+
+    Args:
+        owner: the handler's name, for the error message.
+        monitor: the name in ``state.extras``.
+        event: the event whose state holds the value.
+
+    Returns:
+        The value as a float (a one-element tensor is read with ``.item()``).
+
+    Raises:
+        ConfigError: ``monitor`` is not in ``state.extras``; the message lists the numbers that
+            are there.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> event = Event("step_end", state=SimpleNamespace(extras={"val_loss": 0.5}), step=3)
+        >>> monitored_value("EarlyStopping", "val_loss", event)
+        0.5
+    """
     extras: Mapping[str, Any] = getattr(event.state, "extras", None) or {}
     if monitor not in extras:
         available = sorted(k for k, v in extras.items() if _is_number(v))
@@ -155,7 +176,7 @@ class EarlyStopping:
 
     def __call__(self, event: Event) -> Stop | None:
         """Check ``event.state.extras[monitor]`` (a host number: no device read)."""
-        value = _monitored("EarlyStopping", self.monitor, event)
+        value = monitored_value("EarlyStopping", self.monitor, event)
         return self.update(value, step=event.step)
 
     def update(self, value: float, *, step: int) -> Stop | None:
