@@ -16,7 +16,8 @@ from steplib.errors import ConfigError, LossFnError, StepLibError, TooManySkipsE
 from steplib.events import EVENT_NAMES, Event, Events, NewState, Stop
 from steplib.handlers import export
 from steplib.handlers.ema import EMA
-from steplib.handlers.evaluation import EvalStep, Evaluator, evaluate, make_eval_step
+from steplib.handlers.eval_step import EvalStep, evaluate, make_eval_step
+from steplib.handlers.evaluation import Evaluator
 from steplib.handlers.export import ExportBest, ExportError, export_best, export_model
 from steplib.handlers.logging import (
     ConsoleLogger,
@@ -29,18 +30,10 @@ from steplib.handlers.logging import (
     event_record,
 )
 from steplib.handlers.metrics import TrainMetrics
+from steplib.handlers.monitors import GradNormMonitor, LRMonitor, NonFiniteAlarm, NonFiniteError
 from steplib.handlers.profiling import Profiler
 from steplib.handlers.progress import ProgressBar
-from steplib.handlers.stopping import (
-    BestValue,
-    EarlyStopping,
-    GradNormMonitor,
-    LRMonitor,
-    NonFiniteAlarm,
-    NonFiniteError,
-    StopFile,
-    TimeLimit,
-)
+from steplib.handlers.stopping import BestValue, EarlyStopping, StopFile, TimeLimit
 from steplib.handlers.throughput import Throughput, count_flops, flops_per_batch
 from steplib.loop import iterate, run
 from steplib.schedules import accumulation_steps, warmup_constant, warmup_cosine, warmup_linear

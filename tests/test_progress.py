@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import tqdm
 
-import steplib.handlers.logging.base
+import steplib.handlers.logging.console
 import steplib.handlers.progress
 from steplib import ConfigError, Event, Events, TrainState, accumulate, make_train_step, run
 from steplib.handlers import ProgressBar
@@ -208,10 +208,8 @@ def test_progress_in_a_kernel_without_ipywidgets_warns_nothing(
     stream = io.StringIO()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for module in (
-            steplib.handlers.progress,
-            steplib.handlers.logging.base,
-        ):  # importing them, afresh
+        drawing = (steplib.handlers.progress, steplib.handlers.logging.console)
+        for module in drawing:  # importing them, afresh
             assert module.__file__ is not None
             spec = importlib.util.spec_from_file_location(
                 f"_fresh_{module.__name__}", module.__file__
@@ -221,7 +219,7 @@ def test_progress_in_a_kernel_without_ipywidgets_warns_nothing(
         bar = ProgressBar(total=4, every=2, file=stream)
         run(step, state, batches, events=bar.attach(Events()))
         bar.write("a line above the bar")
-        steplib.handlers.logging.base.ConsoleLogger(file=stream).write({"step": 4, "loss": 1.0})
+        steplib.handlers.logging.console.ConsoleLogger(file=stream).write({"step": 4, "loss": 1.0})
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
     assert "tqdm.auto" not in sys.modules  # the text bar, chosen without asking tqdm.auto
     text = stream.getvalue()

@@ -1,8 +1,9 @@
 """Handlers: plain callables of one :class:`~steplib.events.Event`, registered on an emitter.
 
-Every handler of steplib is here, one concept per module: evaluation (``eval_step``,
-``evaluation``), training metrics (``metrics``), logs (``logging/``), the progress bar
-(``progress``), stopping rules (``stopping``), monitors of the gradient norm, the LR and
+Every handler of steplib is here, one concept per module: evaluation (``eval_step``: the eval
+step and ``evaluate``; ``evaluation``: the ``Evaluator`` handler), training metrics
+(``metrics``), logs (``logging/``), the progress bar (``progress``, drawn with the tqdm class of
+``terminal``), stopping rules (``stopping``), monitors of the gradient norm, the LR and
 non-finite values (``monitors``), ``throughput``, ``profiling``, ``ema`` and ``export``.
 
 Handlers import ``events``, ``state``, ``errors``, ``distributed`` and ``checkpoint``; never
@@ -10,14 +11,8 @@ Handlers import ``events``, ``state``, ``errors``, ``distributed`` and ``checkpo
 """
 
 from steplib.handlers.ema import EMA
-from steplib.handlers.evaluation import (
-    EvalStep,
-    Evaluator,
-    as_metrics,
-    eval_mode,
-    evaluate,
-    make_eval_step,
-)
+from steplib.handlers.eval_step import EvalStep, as_metrics, eval_mode, evaluate, make_eval_step
+from steplib.handlers.evaluation import Evaluator
 from steplib.handlers.export import (
     ExportBest,
     ExportError,
@@ -39,18 +34,10 @@ from steplib.handlers.logging import (
     event_record,
 )
 from steplib.handlers.metrics import TrainMetrics
+from steplib.handlers.monitors import GradNormMonitor, LRMonitor, NonFiniteAlarm, NonFiniteError
 from steplib.handlers.profiling import Profiler
 from steplib.handlers.progress import ProgressBar
-from steplib.handlers.stopping import (
-    BestValue,
-    EarlyStopping,
-    GradNormMonitor,
-    LRMonitor,
-    NonFiniteAlarm,
-    NonFiniteError,
-    StopFile,
-    TimeLimit,
-)
+from steplib.handlers.stopping import BestValue, EarlyStopping, StopFile, TimeLimit
 from steplib.handlers.throughput import Throughput, count_flops, flops_per_batch
 
 __all__ = [

@@ -14,7 +14,7 @@ position, possibly sharded. An export is for using the model: one file holding
 :func:`export_best` is the handler that exports only when a monitored value improves, next to
 (and independent of) ``checkpoint_every``'s own retention.
 
-Imports ``state``, ``events``, ``control``, ``distributed`` and the checkpoint package's
+Imports ``state``, ``events``, ``handlers.stopping``, ``distributed`` and the checkpoint package's
 storage (never ``loop`` or ``step``).
 """
 

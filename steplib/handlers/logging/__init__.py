@@ -1,27 +1,29 @@
 """Metric logs: :class:`Log` and its sinks (JSONL, CSV, TensorBoard, console, W&B, MLflow).
 
 ``base`` holds what every sink shares (:class:`Logger`, :class:`Log`, :func:`event_record`);
-each other module is one kind of destination.
+``file_sink`` the base of the sinks that write one file; each other module is one destination.
 """
 
 from steplib.handlers.logging.base import (
-    ConsoleLogger,
-    CSVLogger,
-    JsonlLogger,
     Log,
     Logger,
     LogWriteError,
     Record,
     Source,
-    TensorBoardLogger,
     event_counters,
     event_record,
 )
+from steplib.handlers.logging.console import ConsoleLogger
+from steplib.handlers.logging.csv import CSVLogger
+from steplib.handlers.logging.file_sink import FileSink
+from steplib.handlers.logging.jsonl import JsonlLogger
+from steplib.handlers.logging.tensorboard import TensorBoardLogger
 from steplib.handlers.logging.trackers import MLflowLogger, WandbLogger
 
 __all__ = [
     "CSVLogger",
     "ConsoleLogger",
+    "FileSink",
     "JsonlLogger",
     "Log",
     "LogWriteError",
