@@ -58,11 +58,17 @@ from steplib import (
 )
 from steplib.checkpoint import checkpoint_every, list_checkpoints, preemption, resume_from
 from steplib.data import resumable_loader
-from steplib.evaluation import Evaluator, make_eval_step
-from steplib.logging import ConsoleLogger, JsonlLogger, Log
-from steplib.metrics import TrainMetrics
-from steplib.progress import ProgressBar
-from steplib.throughput import Throughput, flops_per_batch
+from steplib.handlers import (
+    ConsoleLogger,
+    Evaluator,
+    JsonlLogger,
+    Log,
+    ProgressBar,
+    Throughput,
+    TrainMetrics,
+    flops_per_batch,
+    make_eval_step,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Data: the docstrings of the standard library, read from its .py sources with `ast`.

@@ -1,6 +1,6 @@
 """steplib: a functional, composable training toolkit for PyTorch."""
 
-from steplib import checkpoint, data, export, seeding
+from steplib import checkpoint, data, seeding
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -10,24 +10,16 @@ from steplib.checkpoint import (
     preemption,
     resume_from,
 )
-from steplib.control import (
-    BestValue,
-    EarlyStopping,
-    GradNormMonitor,
-    LRMonitor,
-    NonFiniteAlarm,
-    NonFiniteError,
-    StopFile,
-    TimeLimit,
-)
 from steplib.data import resumable_loader
 from steplib.distributed.activation_checkpointing import checkpoint_activations
-from steplib.ema import EMA
 from steplib.errors import ConfigError, LossFnError, StepLibError, TooManySkipsError
-from steplib.evaluation import EvalStep, Evaluator, evaluate, make_eval_step
 from steplib.events import EVENT_NAMES, Event, Events, NewState, Stop
-from steplib.export import ExportBest, ExportError, export_best, export_model
-from steplib.logging import (
+from steplib.handlers import export
+from steplib.handlers.ema import EMA
+from steplib.handlers.eval_step import EvalStep, evaluate, make_eval_step
+from steplib.handlers.evaluation import Evaluator
+from steplib.handlers.export import ExportBest, ExportError, export_best, export_model
+from steplib.handlers.logging import (
     ConsoleLogger,
     CSVLogger,
     JsonlLogger,
@@ -37,10 +29,13 @@ from steplib.logging import (
     TensorBoardLogger,
     event_record,
 )
+from steplib.handlers.metrics import TrainMetrics
+from steplib.handlers.monitors import GradNormMonitor, LRMonitor, NonFiniteAlarm, NonFiniteError
+from steplib.handlers.profiling import Profiler
+from steplib.handlers.progress import ProgressBar
+from steplib.handlers.stopping import BestValue, EarlyStopping, StopFile, TimeLimit
+from steplib.handlers.throughput import Throughput, count_flops, flops_per_batch
 from steplib.loop import iterate, run
-from steplib.metrics import TrainMetrics
-from steplib.profiling import Profiler
-from steplib.progress import ProgressBar
 from steplib.schedules import accumulation_steps, warmup_constant, warmup_cosine, warmup_linear
 from steplib.seeding import loader_generator, seed_everything, seeded_worker_init_fn
 from steplib.state import StepOutput, TrainState
@@ -61,7 +56,6 @@ from steplib.step import (
     skip_nonfinite,
     tap,
 )
-from steplib.throughput import Throughput, count_flops, flops_per_batch
 
 __version__ = "0.1.0"
 

@@ -23,17 +23,18 @@ from steplib import (
     run,
     skip_nonfinite,
 )
-from steplib.control import (
+from steplib.handlers import (
     BestValue,
     EarlyStopping,
+    Evaluator,
     GradNormMonitor,
     LRMonitor,
     NonFiniteAlarm,
     NonFiniteError,
     StopFile,
     TimeLimit,
+    make_eval_step,
 )
-from steplib.evaluation import Evaluator, make_eval_step
 
 
 def _setup(n: int = 12, *, nan_at: int | None = None, lr: float = 0.1):

@@ -21,8 +21,7 @@ from steplib import (
     skip_nonfinite,
 )
 from steplib.checkpoint import load, save
-from steplib.ema import EMA
-from steplib.evaluation import evaluate, make_eval_step
+from steplib.handlers import EMA, evaluate, make_eval_step
 
 
 def _setup(n: int = 8, *, nan_at: int | None = None, batch_norm: bool = False):

@@ -14,8 +14,7 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from steplib import ConfigError, EarlyStopping, Events, TrainState, make_train_step, run
-from steplib.evaluation import Evaluator, evaluate, make_eval_step
-from steplib.logging import JsonlLogger
+from steplib.handlers import Evaluator, JsonlLogger, evaluate, make_eval_step
 
 
 def _model(seed: int = 0) -> torch.nn.Sequential:

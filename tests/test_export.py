@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from steplib import ConfigError, Events, NewState, TrainState, make_train_step, run
-from steplib.export import ExportError, export_best, export_model, full_state_dict
+from steplib.handlers import ExportError, export_best, export_model, full_state_dict
 from steplib.testing import run_ranks
 
 # Runs in a fresh interpreter: builds the architecture with other initial weights, loads each
@@ -224,16 +224,16 @@ def _extras_from(values: list[float]):
 def test_export_best_writes_only_when_the_monitored_value_improves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import steplib.export
+    import steplib.handlers.export
 
     exported: list[int] = []
-    original = steplib.export.export_model
+    original = steplib.handlers.export.export_model
 
     def counting(state: TrainState, url: str, **kwargs: Any) -> str:
         exported.append(state.step)
         return original(state, url, **kwargs)
 
-    monkeypatch.setattr(steplib.export, "export_model", counting)
+    monkeypatch.setattr(steplib.handlers.export, "export_model", counting)
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
     model = _model()
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -14,9 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import steplib.logging
+import steplib.handlers.logging.base
+import steplib.handlers.logging.console
+import steplib.handlers.logging.file_sink
+import steplib.handlers.logging.tensorboard
 from steplib import ConfigError, Event, Events, TrainState, accumulate, clip, make_train_step, run
-from steplib.logging import (
+from steplib.handlers import (
     ConsoleLogger,
     CSVLogger,
     JsonlLogger,
@@ -415,7 +418,10 @@ def test_log_checks_its_sinks_and_sources() -> None:
 
 
 def test_sinks_write_nothing_on_ranks_other_than_zero(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(steplib.logging, "is_main", lambda: False)
+    logging = steplib.handlers.logging
+    # Log and each kind of sink ask for the rank in their own module.
+    for module in (logging.base, logging.file_sink, logging.tensorboard, logging.console):
+        monkeypatch.setattr(module, "is_main", lambda: False)
     paths = [tmp_path / "m.jsonl", tmp_path / "m.csv"]
     sinks: list = [JsonlLogger(str(paths[0])), CSVLogger(str(paths[1])), ConsoleLogger()]
     sinks.append(TensorBoardLogger(str(tmp_path / "tb")))

@@ -13,13 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from steplib import Event, Events, TrainState, accumulate, clip, make_train_step, run
-from steplib.control import GradNormMonitor, NonFiniteAlarm
-from steplib.ema import EMA
-from steplib.logging import Log, Logger
-from steplib.metrics import TrainMetrics
-from steplib.progress import ProgressBar
+from steplib.handlers import (
+    EMA,
+    GradNormMonitor,
+    Log,
+    Logger,
+    NonFiniteAlarm,
+    ProgressBar,
+    Throughput,
+    TrainMetrics,
+)
 from steplib.testing import run_ranks
-from steplib.throughput import Throughput
 from tests.host_reads import on_host_read
 from tests.reference import make_batches, tiny_model, token_loss
 
@@ -151,8 +155,7 @@ def test_the_harness_catches_a_handler_that_reads_every_step() -> None:
 
 
 def _two_ranks(rank: int, world: int) -> dict:
-    from steplib.control import StopFile
-    from steplib.logging import JsonlLogger
+    from steplib.handlers import JsonlLogger, StopFile
 
     model = tiny_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

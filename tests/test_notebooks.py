@@ -87,7 +87,8 @@ def kernel_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # Warnings a user sees today that are not the notebooks' doing; each names what removes it.
 KNOWN_WARNINGS: tuple[str, ...] = (
     # None today. (tqdm's "IProgress not found", printed in a kernel without ipywidgets, is
-    # gone: steplib uses tqdm.std there, steplib._tqdm; tests/test_progress.py checks it.)
+    # gone: steplib uses tqdm.std there, steplib.handlers.terminal; tests/test_progress.py
+    # checks it.)
 )
 
 

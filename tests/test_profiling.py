@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from steplib import ConfigError, Events, TrainState, make_train_step, run
-from steplib.profiling import Profiler
+from steplib.handlers import Profiler
 
 
 def _run(profiler: Profiler, n: int, *, fail_at: int | None = None) -> TrainState:

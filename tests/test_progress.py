@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 import tqdm
 
-import steplib.logging
-import steplib.progress
+import steplib.handlers.logging.console
+import steplib.handlers.progress
 from steplib import ConfigError, Event, Events, TrainState, accumulate, make_train_step, run
-from steplib._tqdm import tqdm_class
-from steplib.progress import ProgressBar
+from steplib.handlers import ProgressBar
+from steplib.handlers.terminal import tqdm_class
 from tests.host_reads import on_host_read
 
 
@@ -153,10 +153,8 @@ def test_bad_settings_are_config_errors(kwargs: dict) -> None:
 
 
 def test_bar_draws_on_rank_zero_only_by_default(monkeypatch) -> None:
-    import steplib.progress
-
     assert not ProgressBar(file=io.StringIO()).disable  # no process group: rank 0
-    monkeypatch.setattr(steplib.progress, "is_main", lambda: False)
+    monkeypatch.setattr(steplib.handlers.progress, "is_main", lambda: False)
     state, step, batches = _setup(4)
     stream = io.StringIO()
     where = ["run"]
@@ -210,7 +208,8 @@ def test_progress_in_a_kernel_without_ipywidgets_warns_nothing(
     stream = io.StringIO()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for module in (steplib.progress, steplib.logging):  # importing them, afresh
+        drawing = (steplib.handlers.progress, steplib.handlers.logging.console)
+        for module in drawing:  # importing them, afresh
             assert module.__file__ is not None
             spec = importlib.util.spec_from_file_location(
                 f"_fresh_{module.__name__}", module.__file__
@@ -220,7 +219,7 @@ def test_progress_in_a_kernel_without_ipywidgets_warns_nothing(
         bar = ProgressBar(total=4, every=2, file=stream)
         run(step, state, batches, events=bar.attach(Events()))
         bar.write("a line above the bar")
-        steplib.logging.ConsoleLogger(file=stream).write({"step": 4, "loss": 1.0})
+        steplib.handlers.logging.console.ConsoleLogger(file=stream).write({"step": 4, "loss": 1.0})
     assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
     assert "tqdm.auto" not in sys.modules  # the text bar, chosen without asking tqdm.auto
     text = stream.getvalue()

@@ -2,7 +2,8 @@
 class) and, for a function, an example that doctest runs.
 
 The public names are ``steplib.__all__``, and the ``__all__`` of the subpackages a user imports
-from (``steplib.checkpoint``, ``steplib.data``, ``steplib.distributed``, ``steplib.testing``, ...).
+from (``steplib.checkpoint``, ``steplib.data``, ``steplib.distributed``, ``steplib.handlers``,
+``steplib.testing``, ...).
 ``make test`` runs the examples themselves (``pytest --doctest-modules steplib``); this test
 checks that they exist.
 
@@ -33,8 +34,14 @@ import pytest
 
 import steplib
 
-# public, but not in steplib.__all__
-SUBPACKAGES = ("steplib.distributed", "steplib.step", "steplib.testing")
+# Public, but not (or not all of them) in steplib.__all__.
+SUBPACKAGES = (
+    "steplib.distributed",
+    "steplib.handlers",
+    "steplib.handlers.logging",
+    "steplib.step",
+    "steplib.testing",
+)
 
 KNOWN_GAPS: dict[str, set[str]] = {}
 

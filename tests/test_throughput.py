@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from steplib import ConfigError, Events, TrainState, accumulate, make_train_step, run
-from steplib.logging import Log, Logger
-from steplib.throughput import Throughput, count_flops, flops_per_batch
+from steplib.handlers import Log, Logger, Throughput, count_flops, flops_per_batch
 
 
 class ListLogger(Logger):

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from steplib import ConfigError, Events, TrainState, accumulate, clip, make_train_step, run
-from steplib.logging import Log, Logger, LogWriteError
-from steplib.trackers import MLflowLogger, WandbLogger
+from steplib.handlers import Log, Logger, LogWriteError, MLflowLogger, WandbLogger
 
 
 @pytest.fixture
@@ -278,7 +277,7 @@ def test_mlflow_unreachable_store_is_a_log_write_error(
 def test_trackers_write_nothing_off_rank_zero(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    trackers = importlib.import_module("steplib.trackers")
+    trackers = importlib.import_module("steplib.handlers.logging.trackers")
     monkeypatch.setattr(trackers, "is_main", lambda: False)
     # Not even imported: a rank that is not 0 needs neither package.
     monkeypatch.setattr(trackers, "_import", lambda *a: pytest.fail("imported off rank 0"))

@@ -1,7 +1,8 @@
 """Experiment trackers as log sinks: Weights & Biases and MLflow (optional extras).
 
-Both are :class:`~steplib.logging.Logger` sinks, so they take the same records as the JSONL,
-CSV and TensorBoard sinks and compose with them in one :class:`~steplib.logging.Log`::
+Both are :class:`~steplib.handlers.logging.Logger` sinks, so they take the same records as the
+JSONL, CSV and TensorBoard sinks and compose with them in one
+:class:`~steplib.handlers.logging.Log`::
 
     with WandbLogger(project="exp", config=cfg) as wb, MLflowLogger(
         tracking_uri="sqlite:///runs/mlflow.db", experiment="exp"
@@ -32,7 +33,7 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
-from steplib.logging import Logger, LogWriteError, Record
+from steplib.handlers.logging.base import Logger, LogWriteError, Record
 
 # Counters every record holds that are the x axis or the timestamp, not a curve.
 _NOT_PLOTTED = ("step", "micro_step", "time")

@@ -8,10 +8,10 @@ plain scalar loss, so the rate is then micro-batches/s).
 
 The bar is ``tqdm.auto``'s: a widget in Jupyter and a text bar in a terminal or a log file;
 in a Jupyter kernel without ipywidgets, ``tqdm.std``'s text bar, chosen before ``tqdm.auto``
-would warn "IProgress not found" (``steplib._tqdm``).
+would warn "IProgress not found" (:func:`steplib.handlers.terminal.tqdm_class`).
 
-Imports ``events``, ``errors``, ``distributed`` and ``_tqdm`` (handlers never import ``loop``
-or ``step``).
+Imports ``events``, ``errors``, ``distributed`` and ``handlers.terminal`` (handlers never import
+``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import IO, Any
 
 import torch
 
-from steplib._tqdm import tqdm_class
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
+from steplib.handlers.terminal import tqdm_class
 
 
 class ProgressBar:

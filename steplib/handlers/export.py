@@ -14,7 +14,7 @@ position, possibly sharded. An export is for using the model: one file holding
 :func:`export_best` is the handler that exports only when a monitored value improves, next to
 (and independent of) ``checkpoint_every``'s own retention.
 
-Imports ``state``, ``events``, ``control``, ``distributed`` and the checkpoint package's
+Imports ``state``, ``events``, ``handlers.stopping``, ``distributed`` and the checkpoint package's
 storage (never ``loop`` or ``step``).
 """
 
@@ -32,11 +32,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from steplib import errors
 from steplib.checkpoint.storage import Location, resolve
-from steplib.control import BestValue, _monitored
 from steplib.distributed import rank, world_size
 from steplib.distributed.collectives import every_rank
 from steplib.errors import ConfigError, StepLibError, describe
 from steplib.events import Event
+from steplib.handlers.stopping import BestValue, monitored_value
 from steplib.state import TrainState
 
 FORMATS = ("torch", "safetensors")
@@ -115,6 +115,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     FSDP2-sharded parameters are gathered with
     ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (a collective: call it on
     every rank); replicated (DDP) or plain models are read on rank 0 only.
+
+    Args:
+        model: the module (DDP's and ``torch.compile``'s wrappers are looked through).
+
+    Returns:
+        ``{name: tensor}`` with detached CPU tensors on rank 0; ``{}`` on the other ranks.
 
     Example:
         >>> sorted(full_state_dict(torch.nn.BatchNorm1d(2)))
@@ -273,7 +279,7 @@ class ExportBest:
 
     def __call__(self, event: Event) -> None:
         """Export ``event.state`` if the monitored value improved on the best so far."""
-        value = _monitored("export_best", self.monitor, event)
+        value = monitored_value("export_best", self.monitor, event)
         # Rank 0's value decides on every rank: under FSDP2 the export is a collective, and
         # a rank that decided otherwise would leave the others waiting in it.
         value = _from_rank0(value, getattr(event.state, "device", torch.device("cpu")))

@@ -13,7 +13,7 @@ same normalisation the step uses, and leaves out updates that were skipped as no
 aux value is averaged over the updates that reported it. With a process group, the aux sums
 are all-reduced at read time (the loss and target counts of a step are already global).
 
-For evaluation metrics use torchmetrics (:func:`steplib.evaluation.evaluate`).
+For evaluation metrics use torchmetrics (:func:`steplib.handlers.evaluate`).
 
 Imports ``events`` only (handlers never import ``loop`` or ``step``).
 """

@@ -17,7 +17,17 @@ from typing import Any
 
 
 def tqdm_class() -> Any:
-    """``tqdm.auto.tqdm`` when ipywidgets can be imported, else ``tqdm.std.tqdm``."""
+    """The tqdm class to draw with now: the progress bar and the console sink share it, so
+    that a logged line is written above the bar (``tqdm_class().write(line)``), not through it.
+
+    Returns:
+        ``tqdm.auto.tqdm`` when ipywidgets can be imported, else ``tqdm.std.tqdm``.
+
+    Example:
+        >>> import tqdm
+        >>> issubclass(tqdm_class(), tqdm.std.tqdm)
+        True
+    """
     if _ipywidgets_found():
         from tqdm.auto import tqdm
     else:

@@ -1,0 +1,241 @@
+"""The :class:`Evaluator` handler: evaluate during training, on a schedule, into the state.
+
+Every N updates and/or at epoch end, a sanity evaluation of a few batches before training,
+best-value tracking, one or several named validation sets (``data={"val": ..., "ood": ...}``
+gives ``val_loss`` and ``ood_loss``). It writes the values into ``state.extras`` (so
+``EarlyStopping`` and the checkpoint's best-N retention see them) and to log sinks. The
+evaluation itself is :func:`~steplib.handlers.eval_step.evaluate`.
+
+Imports ``events``, ``state``, ``errors``, ``distributed`` and other handlers (never ``loop`` or
+``step``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from steplib import errors
+from steplib.distributed import is_main
+from steplib.errors import ConfigError, describe
+from steplib.events import Event, Events, NewState
+from steplib.handlers.eval_step import Metrics, as_metrics, evaluate
+from steplib.handlers.logging.base import Log, Logger, event_counters
+from steplib.handlers.stopping import BestValue
+from steplib.state import TrainState
+
+
+class Evaluator:
+    """Evaluate during training, as an event handler; register it with :meth:`attach`.
+
+    On each evaluation the values (named ``prefix + name``: ``val_loss``) go into
+    ``state.extras`` (the handler returns a ``NewState``), into :attr:`history`, and to the
+    ``sinks``. With ``monitor``, the best value is tracked (:attr:`best`, :attr:`improved`) and
+    ``best_<monitor>`` is added to the extras.
+
+    Several validation sets: pass ``data={"val": val_loader, "ood": ood_loader}``. Each set is
+    evaluated with the same metrics (reset between sets) and its values are named
+    ``<set>_<metric>`` (``val_loss``, ``ood_loss``); ``monitor="ood_loss"`` tracks that one,
+    and ``EarlyStopping("ood_loss")`` or ``export_best(monitor="ood_loss")`` watch it in the
+    extras. One evaluation gives one history entry and one log record with every set's values.
+
+    Args:
+        eval_step: from :func:`~steplib.handlers.eval_step.make_eval_step`.
+        data: the held-out batches (re-iterable), or a mapping ``{name: batches}`` of several
+            sets.
+        metrics: a torchmetrics ``Metric``, ``MetricCollection`` or dict of ``Metric``.
+        every: evaluate every this many optimizer updates.
+        at_epoch_end: evaluate at the end of each epoch (skipped when the last update was
+            just evaluated).
+        at_fit_end: evaluate when the run ends (skipped when the last update was just
+            evaluated): the final weights always get a value.
+        limit_batches: at most this many batches per evaluation.
+        sanity_batches: at ``fit_start``, evaluate this many batches and discard the values,
+            so that a broken eval step or a wrong ``monitor`` fails before the first update
+            (0: no sanity evaluation). Avoid a shuffling loader here without its own generator:
+            starting its iteration draws from the global RNG.
+        prefix: put in front of every name; by default ``"val_"`` for one set and ``""`` for
+            a mapping (whose set names already say which set a value is from).
+        monitor: the (prefixed) name whose best value to track, e.g. ``"val_loss"``.
+        mode: ``"min"`` or ``"max"``, for ``monitor``.
+        model: evaluate this module instead of ``state.model`` (e.g. ``ema.module``).
+        sinks: loggers that get ``{step, epoch, micro_step, time, values...}`` (rank 0).
+
+    Raises:
+        ConfigError: a bad argument: non-Metric metrics, ``every`` <= 0, neither ``every``
+            nor ``at_epoch_end``, a ``mode`` other than min/max, an empty ``data`` mapping or
+            one with a name that is not a non-empty string; at the first (sanity)
+            evaluation, a ``monitor`` that is not among the values (the message lists them).
+
+    Example:
+        >>> import torch, torchmetrics
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> from steplib.handlers import make_eval_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
+        >>> evaluator = Evaluator(
+        ...     make_eval_step(lambda m, b: m(b).pow(2)), [torch.ones(2, 2)],
+        ...     metrics={"loss": torchmetrics.MeanMetric()}, every=2, monitor="val_loss")
+        >>> state = run(step, state, [torch.ones(2, 2)] * 4, events=evaluator.attach(Events()))
+        >>> [s for s, _ in evaluator.history], sorted(state.extras)
+        ([2, 4], ['best_val_loss', 'val_loss'])
+    """
+
+    def __init__(
+        self,
+        eval_step: Callable[[Any, Any], Any],
+        data: Iterable[Any],
+        *,
+        metrics: Metrics,
+        every: int | None = None,
+        at_epoch_end: bool = False,
+        at_fit_end: bool = False,
+        limit_batches: int | None = None,
+        sanity_batches: int = 2,
+        prefix: str | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        model: nn.Module | None = None,
+        sinks: Logger | Sequence[Logger] = (),
+    ) -> None:
+        self.metrics = as_metrics(metrics, owner="Evaluator")
+        self.every = errors.optional_positive_int("Evaluator", "every", every)
+        if self.every is None and not at_epoch_end and not at_fit_end:
+            raise ConfigError(
+                "Evaluator received neither every=... nor at_epoch_end=True nor "
+                "at_fit_end=True, so it would never evaluate. Pass Evaluator(..., every=500) "
+                "and/or at_epoch_end=True."
+            )
+        errors.optional_positive_int("Evaluator", "limit_batches", limit_batches)
+        if isinstance(sanity_batches, bool) or not isinstance(sanity_batches, int):
+            raise ConfigError(
+                f"Evaluator(sanity_batches=...) received {describe(sanity_batches)}; pass an "
+                "int >= 0 (0 turns the sanity evaluation off)."
+            )
+        if sanity_batches < 0:
+            raise ConfigError(f"Evaluator(sanity_batches={sanity_batches}) must be >= 0.")
+        if not callable(eval_step):
+            raise ConfigError(
+                f"Evaluator(eval_step) received {describe(eval_step)}; build one with "
+                "make_eval_step(fn)."
+            )
+        if model is not None and not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"Evaluator(model=...) received {describe(model)}; pass a module (e.g. "
+                "ema.module) or None to evaluate state.model."
+            )
+        self.eval_step = eval_step
+        self.data = data
+        # Named sets: their names say which set a value is from, so no "val_" by default.
+        self.prefix = (
+            prefix if prefix is not None else ("" if isinstance(data, Mapping) else "val_")
+        )
+        # Label -> set: the label goes in front of the metric names ("val_", "ood_").
+        self.datasets = _named_datasets(data, self.prefix)
+        self.at_epoch_end = at_epoch_end
+        self.at_fit_end = at_fit_end
+        self.limit_batches = limit_batches
+        self.sanity_batches = sanity_batches
+        self.monitor = monitor
+        self.best = BestValue(mode=mode)
+        self.improved = False
+        self.model = model
+        self._log = Log(sinks, sources=())
+        self.history: list[tuple[int, dict[str, Any]]] = []
+        self.sanity_values: dict[str, Any] | None = None
+        self._evaluated_step: int | None = None
+
+    def attach(self, events: Events) -> Events:
+        """Register on ``fit_start`` (sanity), ``step_end`` (``every``), ``epoch_end`` and
+        ``fit_end``, as configured.
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        if self.sanity_batches:
+            events.on("fit_start", self.sanity_check)
+        if self.every is not None:
+            events.on("step_end", self, every=self.every)
+        if self.at_epoch_end:
+            events.on("epoch_end", self.unless_evaluated)
+        if self.at_fit_end:
+            events.on("fit_end", self.unless_evaluated)
+        return events
+
+    def run(self, state: TrainState, *, limit_batches: int | None = None) -> dict[str, Any]:
+        """Evaluate every set now and return the prefixed values (no state change, no
+        logging)."""
+        target = self.model if self.model is not None else state
+        values: dict[str, Any] = {}
+        for label, data in self.datasets.items():
+            computed = evaluate(
+                self.eval_step,
+                target,
+                data,
+                metrics=self.metrics,  # evaluate resets them before and after each set
+                limit_batches=limit_batches if limit_batches is not None else self.limit_batches,
+            )
+            values.update({label + name: value for name, value in computed.items()})
+        return values
+
+    def sanity_check(self, event: Event) -> None:
+        """Evaluate ``sanity_batches`` batches; check ``monitor``; keep nothing but
+        :attr:`sanity_values`."""
+        self.sanity_values = self.run(event.state, limit_batches=self.sanity_batches)
+        self._monitored(self.sanity_values)
+
+    def __call__(self, event: Event) -> NewState:
+        """Evaluate, record, log; return the state with the values in its extras."""
+        values = self.run(event.state)
+        self._evaluated_step = event.step
+        self.history.append((event.step, values))
+        extras = dict(event.state.extras)
+        extras.update(values)
+        monitored = self._monitored(values)
+        if monitored is not None:
+            self.improved = self.best.update(monitored, step=event.step)
+            extras[f"best_{self.monitor}"] = self.best.value
+        if is_main():
+            self._log.write({**event_counters(event), **values})
+        return NewState(event.state.replace(extras=types.MappingProxyType(extras)))
+
+    def unless_evaluated(self, event: Event) -> NewState | None:
+        """Evaluate unless this update was evaluated already (e.g. ``every`` divides it)."""
+        if self._evaluated_step == event.step:
+            return None
+        return self(event)
+
+    def close(self) -> None:
+        """Close the sinks."""
+        self._log.close()
+
+    def _monitored(self, values: Mapping[str, Any]) -> float | None:
+        if self.monitor is None:
+            return None
+        if self.monitor not in values:
+            raise ConfigError(
+                f"Evaluator(monitor={self.monitor!r}) is not among the evaluated values; they "
+                f"are: {', '.join(sorted(values))}. Pass one of those (names start with "
+                f"{' or '.join(repr(label) for label in self.datasets)})."
+            )
+        return float(values[self.monitor])
+
+
+def _named_datasets(data: Any, prefix: str) -> dict[str, Any]:
+    """``{label: batches}``: one set labelled ``prefix``, or each set of a mapping labelled
+    ``prefix + name + "_"``."""
+    if not isinstance(data, Mapping):
+        return {prefix: data}
+    bad = [name for name in data if not isinstance(name, str) or not name]
+    if not data or bad:
+        raise ConfigError(
+            f"Evaluator(data=...) received a mapping with the names {list(data)}; several "
+            "validation sets need non-empty string names, which prefix their values. Pass "
+            "e.g. data={'val': val_loader, 'ood': ood_loader} (values val_loss, ood_loss)."
+        )
+    return {f"{prefix}{name}_": batches for name, batches in data.items()}

@@ -1,0 +1,38 @@
+"""Metric logs: :class:`Log` and its sinks (JSONL, CSV, TensorBoard, console, W&B, MLflow).
+
+``base`` holds what every sink shares (:class:`Logger`, :class:`Log`, :func:`event_record`);
+``file_sink`` the base of the sinks that write one file; each other module is one destination.
+"""
+
+from steplib.handlers.logging.base import (
+    Log,
+    Logger,
+    LogWriteError,
+    Record,
+    Source,
+    event_counters,
+    event_record,
+)
+from steplib.handlers.logging.console import ConsoleLogger
+from steplib.handlers.logging.csv import CSVLogger
+from steplib.handlers.logging.file_sink import FileSink
+from steplib.handlers.logging.jsonl import JsonlLogger
+from steplib.handlers.logging.tensorboard import TensorBoardLogger
+from steplib.handlers.logging.trackers import MLflowLogger, WandbLogger
+
+__all__ = [
+    "CSVLogger",
+    "ConsoleLogger",
+    "FileSink",
+    "JsonlLogger",
+    "Log",
+    "LogWriteError",
+    "Logger",
+    "MLflowLogger",
+    "Record",
+    "Source",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "event_counters",
+    "event_record",
+]

@@ -1,0 +1,273 @@
+"""Metric logs as event handlers: one record per event, written to one or more sinks.
+
+A logger is a plain callable of one :class:`~steplib.events.Event`, registered like any other
+handler::
+
+    with JsonlLogger("runs/exp/metrics.jsonl") as log:
+        events.on("step_end", log, every=10)
+        state = run(step, state, loader, events=events, max_steps=1_000)
+
+Reading a tensor (``.item()``) is a host sync. It happens here, in the handler, and only on the
+events the logger is registered for (``every=...``), never inside a step. :func:`event_record`
+turns an event into a flat ``{name: number}`` record; a sink (a :class:`Logger`) only decides
+where the record goes, by implementing ``write`` and ``close``. The sinks are the other modules
+of this package: ``jsonl`` (JSON lines through fsspec), ``csv``, ``tensorboard`` (extra ``tb``),
+``console`` and ``trackers`` (W&B, MLflow); ``file_sink`` is the base of the two file sinks.
+
+:class:`Log` writes one record to several sinks, built from several *sources* (functions of
+the event returning values: :func:`event_record`, ``TrainMetrics.read``, ``Throughput.read``,
+...), so that a line holds the running means and the throughput of the same interval.
+
+Every sink writes on rank 0 only (``rank_zero_only=True``): on other ranks it opens nothing and
+writes nothing, so build it after the process group is initialised. A sink flushes each record
+as it writes it, so a crash or a failing destination loses at most the record being written;
+a failure raises :class:`LogWriteError` naming the destination.
+
+Imports ``events``, ``errors`` and ``distributed`` (handlers never import ``loop`` or ``step``).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+
+from steplib.distributed import is_main
+from steplib.errors import ConfigError, StepLibError, describe
+from steplib.events import Event
+
+Record = dict[str, Any]
+Source = Callable[[Event], Mapping[str, Any]]
+
+# The keys every record may hold; an aux value with one of these names is written as "aux.<name>".
+_RESERVED = ("step", "epoch", "micro_step", "time", "loss", "lr", "grad_norm", "num_targets")
+
+
+class LogWriteError(StepLibError, OSError):
+    """A logger could not open, write or close its destination."""
+
+
+def event_record(event: Event) -> Record:
+    """The numbers of one event as a flat, JSON-ready record.
+
+    Reads every tensor of ``event.output`` (a host sync): call it from a handler, not per step.
+
+    Args:
+        event: a step event (``step_end``, ``micro_step_end``) or any other event, whose record
+            then holds only the counters and the time.
+
+    Returns:
+        ``{"step", "epoch", "micro_step", "time"}`` (``time`` in unix seconds) and, when the
+        event carries a ``StepOutput``: ``loss``, ``lr``, ``num_targets``, ``grad_norm`` (when
+        measured), ``skipped`` (when an update was skipped) and each aux value by its name
+        (``aux.<name>`` if the name is one of the keys above). A one-element tensor becomes a
+        number, a larger one a (nested) list.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState, make_train_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> def loss_fn(model, batch):
+        ...     return model(batch).pow(2).sum(), 8, {"acc": torch.tensor(0.75)}
+        >>> state, out = make_train_step(loss_fn)(state, torch.ones(8, 2))
+        >>> record = event_record(Event("step_end", state, output=out, step=state.step))
+        >>> record["step"], record["lr"], record["num_targets"], record["acc"]
+        (1, 0.1, 8, 0.75)
+    """
+    record = event_counters(event)
+    out = event.output
+    if out is None:
+        return record
+    record["loss"] = _number(out.loss)
+    record["lr"] = _number(out.lr)
+    targets = _number(out.num_targets)
+    # Target counts are whole numbers carried in a float tensor; write 4096, not 4096.0.
+    record["num_targets"] = int(targets) if float(targets).is_integer() else targets
+    if out.grad_norm is not None:
+        record["grad_norm"] = _number(out.grad_norm)
+    if _number(out.skipped):
+        record["skipped"] = True
+    for name, value in out.aux.items():
+        record[f"aux.{name}" if name in _RESERVED or name == "skipped" else name] = _number(value)
+    return record
+
+
+def event_counters(event: Event) -> Record:
+    """The counters of ``event`` and the time, the part of a record every record has.
+
+    Reads no tensor, so a handler can call it on any rank at any event without a host sync.
+
+    Args:
+        event: any event.
+
+    Returns:
+        ``{"step", "epoch", "micro_step", "time"}``; ``time`` is in unix seconds.
+
+    Example:
+        >>> record = event_counters(Event("epoch_end", state=None, step=4, micro_step=8, epoch=1))
+        >>> record["step"], record["epoch"], record["micro_step"]
+        (4, 1, 8)
+    """
+    return {
+        "step": event.step,
+        "epoch": event.epoch,
+        "micro_step": event.micro_step,
+        "time": time.time(),
+    }
+
+
+def _number(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() != 1:
+        return value.tolist()
+    number = value.item()
+    if value.dtype in _SHORT_FLOATS:
+        return _shortest_float32(number)
+    return number
+
+
+_SHORT_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _shortest_float32(number: float) -> float:
+    # A float32 read as a Python float prints as e.g. 0.10000000149011612; write the shortest
+    # decimal that is the same float32 (0.1), as numpy prints it. Non-finite values pass as is
+    # (orjson writes NaN and inf as null).
+    if not math.isfinite(number):
+        return number
+    exact = struct.pack("<f", number)
+    for digits in range(6, 10):
+        short = float(f"{number:.{digits}g}")
+        if struct.pack("<f", short) == exact:
+            return short
+    return number
+
+
+_L = TypeVar("_L", bound="Logger")
+
+
+class Logger:
+    """Base of the sinks: a handler that writes :func:`event_record` of each event it gets.
+
+    A sink implements :meth:`write` and :meth:`close`; the handler call, the context manager and
+    the record format are shared, so every sink logs the same fields.
+    """
+
+    def __call__(self, event: Event) -> None:
+        self.write(event_record(event))
+
+    def write(self, record: Record) -> None:
+        """Write one record (a flat mapping of names to numbers)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush and release the destination; calling it twice is harmless."""
+        raise NotImplementedError
+
+    def __enter__(self: _L) -> _L:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Log:
+    """A handler that writes one record per call to every sink: the event's counters, then the
+    values of each source, merged in order (a later source wins on a shared name).
+
+    Sources are called on every rank (a source may all-reduce, which every rank must join);
+    the record is written on rank 0 only. If a sink fails, the others still get the record and
+    the first error is raised after.
+
+    Args:
+        sinks: one :class:`Logger` or a sequence of them.
+        sources: functions ``source(event) -> {name: value}``; the default writes the step's
+            own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
+            :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
+
+    Raises:
+        ConfigError: a sink that is not a :class:`Logger`, or a source that is not callable.
+
+    Example:
+        >>> import fsspec, orjson
+        >>> from steplib import Event
+        >>> from steplib.handlers.logging import JsonlLogger
+        >>> log = Log(JsonlLogger("memory://doc/log.jsonl", append=False),
+        ...           sources=[lambda event: {"answer": 42}])
+        >>> log(Event("step_end", state=None, step=3))
+        >>> log.close()
+        >>> line = orjson.loads(fsspec.open("memory://doc/log.jsonl").open().readline())
+        >>> line["step"], line["answer"]
+        (3, 42)
+    """
+
+    def __init__(
+        self, sinks: Logger | Sequence[Logger], *, sources: Sequence[Source] = (event_record,)
+    ) -> None:
+        sinks = [sinks] if isinstance(sinks, Logger) else list(sinks)
+        for sink in sinks:
+            if not isinstance(sink, Logger):
+                raise ConfigError(
+                    f"Log(sinks) received {describe(sink)}, which is not a Logger. Pass sinks "
+                    "such as JsonlLogger('runs/exp/metrics.jsonl') or CSVLogger(...)."
+                )
+        for source in sources:
+            if not callable(source):
+                raise ConfigError(
+                    f"Log(sources=...) received {describe(source)}, which is not callable. Pass "
+                    "functions of the event, e.g. sources=[event_record, train_metrics.read]."
+                )
+        self.sinks = sinks
+        self.sources = tuple(sources)
+
+    def __call__(self, event: Event) -> None:
+        record = event_counters(event)
+        for source in self.sources:
+            record.update(source(event))
+        if is_main():
+            self.write(record)
+
+    def write(self, record: Record) -> None:
+        """Write ``record`` to every sink.
+
+        Raises:
+            LogWriteError: a sink failed (after every sink was tried).
+        """
+        failure: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink.write(record)
+            except Exception as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        """Close every sink (each is tried; the first error is raised after)."""
+        failure: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def __enter__(self) -> Log:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

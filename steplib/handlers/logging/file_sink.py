@@ -1,0 +1,132 @@
+"""The shared base of the sinks that write one file through fsspec (JSONL, CSV).
+
+Opening when the sink is built (so that a bad destination fails before training), flushing each
+write (so that a crash loses at most the record being written), and the error messages that
+name the URL are written once, here.
+"""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+import fsspec
+
+from steplib.distributed import is_main
+from steplib.errors import ConfigError, describe
+from steplib.handlers.logging.base import Logger, LogWriteError, Record
+
+
+class FileSink(Logger):
+    """Base of the sinks that append bytes to one file through fsspec, flushing each write
+    (:class:`~steplib.handlers.logging.jsonl.JsonlLogger`,
+    :class:`~steplib.handlers.logging.csv.CSVLogger`).
+
+    A subclass calls :meth:`open_file` from its constructor and :meth:`write_bytes` from its
+    ``write``; ``close`` and ``repr`` are shared. The file is opened when the sink is built, so a
+    bad destination fails before training starts.
+
+    Attributes:
+        url: the destination, a local path or fsspec URL.
+        active: whether this rank writes (rank 0, or every rank with ``rank_zero_only=False``).
+
+    Example:
+        >>> class TextSink(FileSink):
+        ...     def __init__(self, url):
+        ...         self.open_file(url, append=False, rank_zero_only=True, example="log.txt")
+        ...     def write(self, record):
+        ...         self.write_bytes(f"{record}\\n".encode(), record)
+        >>> with TextSink("memory://doc/log.txt") as sink:
+        ...     sink.write({"step": 1})
+        >>> sink
+        TextSink('memory://doc/log.txt', closed)
+    """
+
+    _file: IO[bytes] | None
+
+    def open_file(self, url: Any, *, append: bool, rank_zero_only: bool, example: str) -> None:
+        """Check ``url`` and open it for appending (or writing) on the ranks that write.
+
+        Args:
+            url: a local path (parent directories are created) or fsspec URL.
+            append: keep what the file holds; ``False`` starts it afresh.
+            rank_zero_only: open and write on rank 0 only.
+            example: a file name for the error message's example.
+
+        Raises:
+            ConfigError: ``url`` is not a non-empty string.
+            LogWriteError: the destination cannot be opened.
+        """
+        name = type(self).__name__
+        if not isinstance(url, str) or not url:
+            raise ConfigError(
+                f"{name}(url) received {describe(url)}; pass a path or fsspec URL, e.g. "
+                f"{name}('runs/exp/{example}') or {name}('memory://{example}')."
+            )
+        self.url = url
+        self.active = is_main() or not rank_zero_only
+        self._file = None
+        if not self.active:
+            return
+        try:
+            self._fs, self._path = fsspec.core.url_to_fs(url)
+            parent = self._fs._parent(self._path)
+            if parent:
+                self._fs.makedirs(parent, exist_ok=True)
+            self.before_open(append)
+            self._file = self._fs.open(self._path, "ab" if append else "wb")
+        except Exception as error:
+            raise LogWriteError(
+                f"{name} could not open {url!r} for writing: {error!r}. Check that the "
+                "location exists and is writable (and, for a remote URL, that its filesystem "
+                "supports appending, or pass append=False)."
+            ) from error
+
+    def before_open(self, append: bool) -> None:
+        """Read what the sink needs from an existing file (a CSV header) before appending."""
+
+    def write_bytes(self, data: bytes, record: Record) -> None:
+        """Append ``data`` (the encoding of ``record``) and flush it.
+
+        Args:
+            data: the bytes to append.
+            record: the record they encode, named in the error message.
+
+        Raises:
+            LogWriteError: the sink is closed, or the write fails; the message names the URL.
+        """
+        if self._file is None:
+            raise LogWriteError(
+                f"{type(self).__name__}({self.url!r}) is closed; it cannot write {record!r}. "
+                f"Create a new logger, or keep the `with {type(self).__name__}(...)` block open "
+                "around the run."
+            )
+        try:
+            self._file.write(data)
+            self._file.flush()
+        except Exception as error:
+            raise LogWriteError(
+                f"{type(self).__name__} could not write to {self.url!r}: {error!r}. Check that "
+                "the location is still writable (disk space, permissions, network); the lines "
+                "written before are kept."
+            ) from error
+
+    def close(self) -> None:
+        """Flush and close the file; calling it again does nothing.
+
+        Raises:
+            LogWriteError: the final flush or close fails; the message names the URL.
+        """
+        file, self._file = self._file, None
+        if file is None:
+            return
+        try:
+            file.close()
+        except Exception as error:
+            raise LogWriteError(
+                f"{type(self).__name__} could not close {self.url!r}: {error!r}; the last lines "
+                "may be lost. Check that the location is still writable."
+            ) from error
+
+    def __repr__(self) -> str:
+        status = "inactive" if not self.active else "closed" if self._file is None else "open"
+        return f"{type(self).__name__}({self.url!r}, {status})"

@@ -1,0 +1,57 @@
+"""A sink that writes one JSON object per line (orjson), through fsspec."""
+
+from __future__ import annotations
+
+import orjson
+
+from steplib.handlers.logging.base import LogWriteError, Record
+from steplib.handlers.logging.file_sink import FileSink
+
+
+class JsonlLogger(FileSink):
+    """Append one JSON object per line (orjson) to ``url``, through fsspec.
+
+    The file is opened when the logger is built, so a bad destination fails before training
+    starts, and each line is flushed as it is written, so a crash loses at most the line being
+    written. ``url`` is anything fsspec opens: a local path (parent directories are created),
+    ``memory://...``, ``file://...``, or a remote filesystem that supports appending.
+
+    Args:
+        url: where to write.
+        append: keep the lines already there (a resumed run continues its log); ``False``
+            starts the file afresh.
+        rank_zero_only: write on rank 0 only (other ranks open nothing and write nothing).
+
+    Raises:
+        ConfigError: ``url`` is not a non-empty string.
+        LogWriteError: the destination cannot be opened, written or closed; the message names
+            the URL.
+
+    Example:
+        >>> import fsspec, orjson
+        >>> with JsonlLogger("memory://doc/metrics.jsonl", append=False) as log:
+        ...     log.write({"step": 1, "loss": 2.0})
+        >>> orjson.loads(fsspec.open("memory://doc/metrics.jsonl").open().readline())
+        {'step': 1, 'loss': 2.0}
+    """
+
+    def __init__(self, url: str, *, append: bool = True, rank_zero_only: bool = True) -> None:
+        self.open_file(url, append=append, rank_zero_only=rank_zero_only, example="metrics.jsonl")
+
+    def write(self, record: Record) -> None:
+        """Write ``record`` as one JSON line and flush it.
+
+        Raises:
+            LogWriteError: the logger is closed, a value is not JSON-serialisable, or the write
+                fails; the message names the URL.
+        """
+        if not self.active:
+            return
+        try:
+            line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        except TypeError as error:
+            raise LogWriteError(
+                f"JsonlLogger({self.url!r}) cannot write a value of {record!r} as JSON: {error}. "
+                "Log numbers, strings, lists or tensors' .item() values."
+            ) from error
+        self.write_bytes(line, record)

@@ -1,0 +1,101 @@
+"""A sink that writes each number of a record as a TensorBoard scalar (the ``tb`` extra)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steplib.distributed import is_main
+from steplib.errors import ConfigError, describe
+from steplib.handlers.logging.base import Logger, LogWriteError, Record
+
+# Counters that every record holds and a scalar plot does not need.
+_NOT_PLOTTED = ("step", "micro_step", "time")
+
+
+class TensorBoardLogger(Logger):
+    """Write every number of a record as a TensorBoard scalar at the record's ``step``.
+
+    Needs the ``tb`` extra (``pip install 'steplib[tb]'``, i.e. ``tensorboard``); the events are
+    written by ``torch.utils.tensorboard.SummaryWriter`` and flushed after each record. ``step``,
+    ``micro_step`` and ``time`` are not plotted (``time`` is the wall time of the points);
+    non-numbers (lists, strings) are skipped.
+
+    Args:
+        log_dir: the run's directory (``tensorboard --logdir`` its parent).
+        rank_zero_only: write on rank 0 only.
+
+    Raises:
+        ConfigError: ``log_dir`` is not a non-empty string, or tensorboard is not installed.
+        LogWriteError: the directory cannot be created or written.
+
+    Example:
+        >>> import tempfile
+        >>> with TensorBoardLogger(tempfile.mkdtemp()) as tb:
+        ...     tb.write({"step": 1, "loss": 2.0})
+    """
+
+    def __init__(self, log_dir: str, *, rank_zero_only: bool = True) -> None:
+        if not isinstance(log_dir, str) or not log_dir:
+            raise ConfigError(
+                f"TensorBoardLogger(log_dir) received {describe(log_dir)}; pass a directory, "
+                "e.g. TensorBoardLogger('runs/exp/tb')."
+            )
+        self.log_dir = log_dir
+        self.active = is_main() or not rank_zero_only
+        self._writer: Any = None
+        if not self.active:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ConfigError(
+                f"TensorBoardLogger needs the tensorboard package ({error}). Install the extra: "
+                "pip install 'steplib[tb]' (or pip install tensorboard)."
+            ) from error
+        try:
+            self._writer = SummaryWriter(log_dir=log_dir)
+        except Exception as error:
+            raise LogWriteError(
+                f"TensorBoardLogger could not open {log_dir!r}: {error!r}. Check that the "
+                "directory can be created and written."
+            ) from error
+
+    def write(self, record: Record) -> None:
+        """Add each number of ``record`` as a scalar and flush.
+
+        Raises:
+            LogWriteError: closed, or the write fails; the message names the directory.
+        """
+        if not self.active:
+            return
+        if self._writer is None:
+            raise LogWriteError(
+                f"TensorBoardLogger({self.log_dir!r}) is closed; it cannot write {record!r}. "
+                "Create a new logger, or keep the `with` block open around the run."
+            )
+        step = int(record.get("step", 0))
+        wall_time = record.get("time")
+        try:
+            for name, value in record.items():
+                if name in _NOT_PLOTTED or isinstance(value, bool):
+                    continue
+                if isinstance(value, int | float):
+                    self._writer.add_scalar(name, value, global_step=step, walltime=wall_time)
+            self._writer.flush()
+        except Exception as error:
+            raise LogWriteError(
+                f"TensorBoardLogger could not write to {self.log_dir!r}: {error!r}. Check that "
+                "the directory is still writable; the records flushed before are kept."
+            ) from error
+
+    def close(self) -> None:
+        """Flush and close the event file; calling it again does nothing."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except Exception as error:
+            raise LogWriteError(
+                f"TensorBoardLogger could not close {self.log_dir!r}: {error!r}."
+            ) from error

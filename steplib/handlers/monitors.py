@@ -1,0 +1,226 @@
+"""Monitors: an alarm on non-finite losses and gradient norms, and log sources for the gradient
+norm and the learning rate.
+
+* :class:`NonFiniteAlarm`: raise (or stop) on a NaN/inf loss or gradient norm, naming the step
+  and the batch, while reading the device only every ``every`` updates.
+* :class:`GradNormMonitor`, :class:`LRMonitor`: log sources (see
+  :class:`steplib.handlers.logging.Log`).
+
+Imports ``events`` and ``errors`` (handlers never import ``loop`` or ``step``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from steplib import errors
+from steplib.errors import ConfigError, StepLibError, describe
+from steplib.events import Event, Events, Stop
+
+
+class NonFiniteError(StepLibError, FloatingPointError):
+    """:class:`NonFiniteAlarm` saw a NaN or infinite loss or gradient norm."""
+
+
+# Where a micro-batch was: step, epoch, batch index in the epoch, micro-step.
+_Where = tuple[int, int, int | None, int]
+
+
+class NonFiniteAlarm:
+    """Raise :class:`NonFiniteError` (or stop) when a loss or gradient norm is NaN or infinite,
+    naming the first step, epoch and batch index where it happened.
+
+    Each micro-batch's finiteness is kept as a tensor on the device; the flags are read in one
+    host transfer every ``every`` updates, so the alarm names the exact batch without a host sync
+    per step. With accumulation, a non-final micro-batch is judged by its own loss, the final
+    one by the window's loss and gradient norm.
+
+    Args:
+        every: read the flags every this many updates (and at ``fit_end``).
+        include_skipped: also alarm for windows that ``skip_nonfinite`` or a float16 scaler
+            skipped (their update was not applied, so by default they are not an alarm).
+        action: ``"raise"`` or ``"stop"`` (return a :class:`Stop` with the same message).
+
+    Raises:
+        ConfigError: bad arguments.
+
+    Example:
+        >>> from steplib import Events
+        >>> alarm = NonFiniteAlarm(every=50)
+        >>> events = alarm.attach(Events())
+        >>> alarm.action
+        'raise'
+    """
+
+    def __init__(
+        self, *, every: int = 10, include_skipped: bool = False, action: str = "raise"
+    ) -> None:
+        self.every = errors.positive_int("NonFiniteAlarm", "every", every)
+        if action not in ("raise", "stop"):
+            raise ConfigError(
+                f"NonFiniteAlarm(action=...) received {describe(action)}; pass 'raise' (stop "
+                "the run with NonFiniteError) or 'stop' (end it cleanly with a Stop)."
+            )
+        self.include_skipped = include_skipped
+        self.action = action
+        # Per micro-batch of the open window, then of the closed windows not read yet: a device
+        # flag pair [loss bad, grad norm bad] and where it was (step, epoch, batch, micro-step).
+        self._window: list[torch.Tensor] = []
+        self._window_where: list[_Where] = []
+        self._pending: list[torch.Tensor] = []
+        self._pending_where: list[_Where] = []
+
+    def attach(self, events: Events) -> Events:
+        """Register on ``micro_step_end`` (flag), ``step_end`` (close the window, read every
+        ``every``) and ``fit_end`` (read what is left)."""
+        events.on("micro_step_end", self.on_micro_step_end)
+        events.on("step_end", self.on_step_end)
+        events.on("fit_end", self.check)
+        return events
+
+    def on_micro_step_end(self, event: Event) -> None:
+        """Flag this micro-batch's loss (device ops only)."""
+        bad = ~torch.isfinite(event.output.loss.detach())
+        self._window.append(torch.stack((bad, torch.zeros_like(bad))))
+        # The update this micro-batch belongs to: while its window is open, the next one.
+        window_open = getattr(event.state, "window_size", 0) > 0
+        step = event.step + 1 if window_open else event.step
+        self._window_where.append((step, event.epoch, event.batch_index, event.micro_step))
+
+    def on_step_end(self, event: Event) -> Stop | None:
+        """Close the window (gradient norm, skipped mask); read the flags on the interval."""
+        out = event.output
+        if not self._window:  # a window the loop flushed, with no micro-step event of its own
+            self.on_micro_step_end(event)
+        window = self._window
+        if out.grad_norm is not None:
+            grad_bad = ~torch.isfinite(out.grad_norm.detach()).to(window[-1].device)
+            window[-1] = window[-1] | torch.stack((torch.zeros_like(grad_bad), grad_bad))
+        if not self.include_skipped:
+            keep = ~out.skipped.to(window[-1].device)
+            window = [flags & keep for flags in window]
+        self._pending.extend(window)
+        self._pending_where.extend(self._window_where)
+        self._window, self._window_where = [], []
+        if event.step % self.every == 0:
+            return self.check(event)
+        return None
+
+    def check(self, event: Event | None = None) -> Stop | None:
+        """Read the pending flags (one host transfer); raise or stop at the first bad one."""
+        pending, where = self._pending, self._pending_where
+        self._pending, self._pending_where = [], []
+        if not pending:
+            return None
+        flags = torch.stack(pending).tolist()  # the one host read
+        for (loss_bad, grad_bad), (step, epoch, batch, micro) in zip(flags, where, strict=True):
+            if not (loss_bad or grad_bad):
+                continue
+            what = "loss" if loss_bad else "gradient norm"
+            message = (
+                f"non-finite {what} (NaN or inf) at step {step} (epoch {epoch}, batch index "
+                f"{batch}, micro-step {micro}). Look at that batch for NaN/inf or extreme "
+                "values; lower the learning rate; add clip(step, max_norm=1.0); or wrap the "
+                "step in skip_nonfinite to skip such updates."
+            )
+            if self.action == "stop":
+                return Stop(message)
+            raise NonFiniteError(message)
+        return None
+
+
+class GradNormMonitor:
+    """A log source: mean and max of the gradient norm over the updates since the last read.
+
+    The norm is the one the step measured (``StepOutput.grad_norm``): wrap the step with
+    ``clip(step, max_norm=...)`` or ``skip_nonfinite(step)``. Sums stay on the device; one host
+    read per :meth:`read`. Skipped updates are left out.
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from steplib import Event
+        >>> monitor = GradNormMonitor()
+        >>> for norm in (1.0, 3.0):
+        ...     out = SimpleNamespace(grad_norm=torch.tensor(norm), skipped=torch.tensor(False))
+        ...     monitor.update(Event("step_end", state=None, output=out))
+        >>> monitor.read(Event("step_end", state=None))
+        {'grad_norm_mean': 2.0, 'grad_norm_max': 3.0}
+    """
+
+    def __init__(self) -> None:
+        self._sum: torch.Tensor | None = None
+        self._max: torch.Tensor | None = None
+        self._count: torch.Tensor | None = None
+        self._last: Any = None
+
+    def attach(self, events: Events) -> Events:
+        """Register :meth:`update` on every ``step_end``."""
+        return events.on("step_end", self.update)
+
+    def update(self, event: Event) -> None:
+        """Add this update's norm (device ops only).
+
+        Raises:
+            ConfigError: the step does not measure the gradient norm.
+        """
+        out = event.output
+        if out is None or out is self._last:
+            return
+        self._last = out
+        if out.grad_norm is None:
+            raise ConfigError(
+                "GradNormMonitor: the step reports no gradient norm (StepOutput.grad_norm is "
+                "None), so there is nothing to monitor. Build the step with clip(step, "
+                "max_norm=1.0) or skip_nonfinite(step), which measure it."
+            )
+        keep = ~out.skipped.to(out.grad_norm.device)
+        norm = torch.where(keep, out.grad_norm.detach().float(), 0.0)
+        count = keep.float()
+        if self._sum is None or self._max is None or self._count is None:
+            self._sum, self._max, self._count = norm, norm, count
+        else:
+            self._sum, self._count = self._sum + norm, self._count + count
+            self._max = torch.maximum(self._max, norm)
+
+    def read(self, event: Event | None) -> dict[str, float]:
+        """The mean and max since the last read (empty when no update was seen); resets.
+
+        ``event``'s own output is added first if :meth:`update` has not seen it.
+        """
+        if event is not None:
+            self.update(event)
+        if self._sum is None or self._max is None or self._count is None:
+            return {}
+        total, largest, count = torch.stack((self._sum, self._max, self._count)).tolist()
+        self._sum = self._max = self._count = None
+        if count == 0:
+            return {}
+        return {"grad_norm_mean": total / count, "grad_norm_max": largest}
+
+
+class LRMonitor:
+    """A log source: the learning rate of each parameter group, read from the optimizer.
+
+    The optimizer keeps a float LR on the host, so reading it costs no device sync (a tensor LR
+    is read with ``float``). One group is logged as ``lr``, several as ``lr/group0``, ...
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from steplib import Event
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+        >>> LRMonitor().read(Event("step_end", state=SimpleNamespace(optimizer=opt)))
+        {'lr/group0': 0.1, 'lr/group1': 0.1}
+    """
+
+    def read(self, event: Event) -> dict[str, float]:
+        """The current LR of every group (after this update's scheduler step)."""
+        groups = event.state.optimizer.param_groups
+        rates = [float(group["lr"]) for group in groups]
+        if len(rates) == 1:
+            return {"lr": rates[0]}
+        return {f"lr/group{i}": rate for i, rate in enumerate(rates)}
