@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from steplib import (
     Events,
     JsonlLogger,
-    Log,
     TrainMetrics,
     TrainState,
     accumulate,
@@ -40,6 +39,7 @@ from steplib import (
 )
 from steplib.data import resumable_loader
 from steplib.distributed import apply_ddp, init_distributed, is_main, shutdown
+from steplib.handlers import Log
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from steplib import (
-    BestValue,
     Evaluator,
     Event,
     Events,
@@ -38,6 +37,7 @@ from steplib import (
     run,
     warmup_cosine,
 )
+from steplib.handlers import BestValue
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

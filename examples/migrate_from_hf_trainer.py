@@ -32,8 +32,6 @@ from steplib import (
     Evaluator,
     Events,
     JsonlLogger,
-    Log,
-    LRMonitor,
     TrainMetrics,
     TrainState,
     accumulate,
@@ -48,6 +46,7 @@ from steplib import (
 )
 from steplib.checkpoint import list_checkpoints, load
 from steplib.data import resumable_loader
+from steplib.handlers import Log, LRMonitor
 
 VOCAB = 32
 IGNORE = -100  # the label HF models and collators use for padding

@@ -26,7 +26,6 @@ from steplib import (
     EarlyStopping,
     Evaluator,
     Events,
-    Log,
     TrainMetrics,
     TrainState,
     accumulate,
@@ -40,6 +39,7 @@ from steplib import (
     warmup_cosine,
 )
 from steplib.data import resumable_loader
+from steplib.handlers import Log
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 CLASSES = 4

@@ -204,8 +204,9 @@ def test_load_into_a_state_built_differently(memory_dir: str) -> None:
 
 
 def test_resume_may_add_or_drop_observation_only_wrappers(tmp_path) -> None:
-    from steplib import TrainState, accumulate, detect_anomaly, make_train_step, tap
+    from steplib import TrainState, accumulate, make_train_step, tap
     from steplib.checkpoint import load, save
+    from steplib.step import detect_anomaly
     from tests.reference import make_batches, tiny_model, token_loss
 
     model = tiny_model(0)

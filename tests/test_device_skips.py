@@ -11,7 +11,6 @@ import torch
 
 from steplib import (
     Events,
-    TooManySkipsError,
     TrainState,
     accumulate,
     amp_wrap,
@@ -21,6 +20,7 @@ from steplib import (
     skip_nonfinite,
 )
 from steplib.checkpoint import load, save
+from steplib.errors import TooManySkipsError
 from steplib.step.device_skips import decides_on_device
 from tests.checkpoint_helpers import memory_dir
 from tests.reference import make_batches, mean_loss, reference_loop, tiny_model

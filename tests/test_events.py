@@ -10,17 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steplib import (
-    EVENT_NAMES,
-    Event,
-    Events,
-    NewState,
-    Stop,
-    TrainState,
-    accumulate,
-    make_train_step,
-    run,
-)
+from steplib import Event, Events, NewState, Stop, TrainState, accumulate, make_train_step, run
+from steplib.events import EVENT_NAMES
 
 
 def _state() -> TrainState:

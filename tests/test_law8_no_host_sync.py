@@ -28,15 +28,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from steplib import (
-    TooManySkipsError,
-    TrainState,
-    accumulate,
-    amp_wrap,
-    clip,
-    make_train_step,
-    skip_nonfinite,
-)
+from steplib import TrainState, accumulate, amp_wrap, clip, make_train_step, skip_nonfinite
+from steplib.errors import TooManySkipsError
 from steplib.step.device_skips import HostCopy
 from tests.reference import make_batches, tiny_model, token_loss
 

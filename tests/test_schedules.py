@@ -17,13 +17,12 @@ from steplib import (
     Events,
     TrainState,
     accumulate,
-    accumulation_steps,
     make_train_step,
     run,
-    warmup_constant,
     warmup_cosine,
     warmup_linear,
 )
+from steplib.schedules import accumulation_steps, warmup_constant
 
 # --- values at key points ---------------------------------------------------------------------
 
