@@ -5,7 +5,8 @@
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
 
 The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when the
-state's model is DDP or FSDP2 and a process group is initialised; see ``sharded.py``.
+state's model is DDP or FSDP2 or holds DTensor parameters (tensor parallel) and a process group
+is initialised; see ``sharded.py``.
 """
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot

@@ -18,8 +18,8 @@ A tensor that something other than the optimizer changes in place while the back
 runs (``Tensor._version`` tells) fails that checkpoint loudly rather than committing a torn
 copy: call :func:`wait_snapshot` before such a change.
 
-A DDP or FSDP2 state is saved as a sharded (DCP) checkpoint (``sharded.py``): every rank
-snapshots its part, and the background threads of all ranks write and commit it together on a
+A DDP, FSDP2 or DTensor state is saved as a sharded (DCP) checkpoint (``sharded.py``): every
+rank snapshots its part, and the background threads of all ranks write and commit it together on a
 process group of their own (see ``AsyncSaver._checkpoint_group``).
 
 A second save waits for the first (the buffers are reused, and two commits in flight could

@@ -76,7 +76,8 @@ def save(
 ) -> str:
     """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
 
-    With a DDP or FSDP2 model and an initialised process group it is a sharded checkpoint
+    With a DDP or FSDP2 model, or one holding DTensor parameters (``apply_tp``), and an
+    initialised process group it is a sharded checkpoint
     (torch.distributed.checkpoint): call it on every rank at the same update (it is a
     collective); each rank writes its shard, rank 0 the manifest. See ``sharded.py``.
 
@@ -121,8 +122,8 @@ def save(
         'memory://doctest-save/ckpt/step-00000000'
     """
     check_durable(durable, "save")
-    # A DDP or FSDP2 state with a process group: a sharded (DCP) checkpoint, written by every
-    # rank together; see sharded.py.
+    # A DDP, FSDP2 or DTensor state with a process group: a sharded (DCP) checkpoint, written
+    # by every rank together; see sharded.py.
     if sharded.is_sharded(state):
         sharded_plan = sharded.prepare_sharded(
             state,
@@ -166,8 +167,9 @@ def load(
     are set, and a new state with the saved counters and extras is returned. Files are read
     with ``torch.load(..., weights_only=True)``: loading never runs pickled code.
 
-    A sharded checkpoint (saved by DDP or FSDP2 ranks) loads into any number of ranks and
-    into a plain module (DCP reshards); a DDP or FSDP2 state loads it on every rank together.
+    A sharded checkpoint (saved by DDP, FSDP2 or tensor-parallel ranks) loads into any number
+    of ranks and into a plain module (DCP reshards); such a state loads it on every rank
+    together.
     DCP reads its own ``.metadata`` file with pickle, after its checksum has passed.
 
     Args:

@@ -1,10 +1,10 @@
-"""Sharded checkpoints: the model and optimizer of a DDP or FSDP2 state through
+"""Sharded checkpoints: the model and optimizer of a DDP, FSDP2 or tensor-parallel state through
 torch.distributed.checkpoint (DCP) and fsspec, with the guarantees of the single-process ones.
 
 ``steplib.checkpoint.save`` / ``load`` / ``AsyncSaver`` come here by themselves when the state's
-model is DDP or FSDP2 and a process group is initialised; every rank must call them (they are
-collectives). A sharded checkpoint is a directory like any other (same names, same listing,
-same retention), holding::
+model is DDP or FSDP2 or holds DTensor parameters (``apply_tp``, FSDP2 x TP) and a process
+group is initialised; every rank must call them (they are collectives). A sharded checkpoint
+is a directory like any other (same names, same listing, same retention), holding::
 
     step-00000120/
       dcp/.metadata, dcp/__0_0.distcp, ...  DCP: model and optimizer tensors; each rank writes
@@ -75,15 +75,38 @@ def rank_file(rank: int) -> str:
 
 
 def is_sharded(state: Any) -> bool:
-    """Whether ``state`` is saved as a sharded checkpoint: its model is DDP or FSDP2 and a
-    process group is initialised."""
+    """Whether ``state`` is saved as a sharded checkpoint: a process group is initialised and
+    its model is DDP or FSDP2, or holds DTensor parameters (``apply_tp``, FSDP2 x TP).
+
+    A DTensor parameter is one rank's shard: written as a plain ``model.pt`` by every rank,
+    the last writer's shards would win and load into every rank. So every DTensor state is
+    sharded, and one without a process group (destroyed) is refused.
+
+    Raises:
+        ConfigError: the model holds DTensor parameters but no process group is initialised.
+    """
     model = getattr(state, "model", None)
-    return (
-        isinstance(model, torch.nn.Module)
-        and dist.is_available()
-        and dist.is_initialized()
-        and is_parallel_model(model)
-    )
+    if not isinstance(model, torch.nn.Module):
+        return False
+    grouped = dist.is_available() and dist.is_initialized()
+    if holds_dtensor_parameters(model):
+        if not grouped:
+            raise ConfigError(
+                f"the state's model ({type(model).__name__}) holds DTensor parameters "
+                "(tensor parallel or FSDP2), each rank's shard, but no process group is "
+                "initialised, so the shards cannot be written or read together. Save and load "
+                "on every rank before dist.destroy_process_group(); to use the weights in one "
+                "process, load the checkpoint into a plain (unsharded) model."
+            )
+        return True
+    return grouped and is_parallel_model(model)
+
+
+def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (a shard or a replica on a mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,9 +160,11 @@ def prepare_sharded(
         if not isinstance(model, DistributedDataParallel):
             # FSDP2 keeps the window's gradients unsharded inside its parameter groups, with
             # no public way to read them back; saving without them would resume wrongly.
+            # A tensor-parallel model's are DTensors, bound to this run's mesh: not saved either.
+            kind = "an FSDP2" if is_parallel_model(model) else "a tensor-parallel (DTensor)"
             raise ConfigError(
                 f"{caller}: the state is inside an open accumulation window "
-                f"({state.window_size} micro-batches done) of an FSDP2 model, whose "
+                f"({state.window_size} micro-batches done) of {kind} model, whose "
                 "unsynchronised gradients cannot be saved. Save between windows: "
                 "checkpoint_every and preemption() do; or save when out.did_update is True."
             )

@@ -58,7 +58,7 @@ def load_sharded(
 ) -> TrainState:
     """Load a verified sharded checkpoint into ``state`` (see ``steplib.checkpoint.load``).
 
-    For a DDP or FSDP2 state every rank must call it (it is a collective); a plain module
+    For a DDP, FSDP2 or DTensor state every rank must call it (it is a collective); a plain module
     loads in this process alone.
 
     Raises:
@@ -69,7 +69,7 @@ def load_sharded(
     """
     url = location.url
     check_fingerprint(manifest.fingerprint, step, checkpoint=url, ignore=DISTRIBUTION_WRAPPERS)
-    # Collectives only for a DDP/FSDP2 state, whose ranks all load together; a plain module
+    # Collectives only for a DDP/FSDP2/DTensor state, whose ranks all load together; a plain module
     # loads alone (e.g. on rank 0 only, for evaluation), even inside a distributed job.
     distributed = is_sharded(state)
     me = dist.get_rank() if distributed else 0
