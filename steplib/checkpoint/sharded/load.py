@@ -1,6 +1,6 @@
-"""Loading a sharded checkpoint (see ``sharded.py`` for what it holds): verified by all ranks
-together, checked against the state before anything changes, resharded by DCP into any world
-size or a plain module.
+"""Loading a sharded checkpoint (see ``steplib.checkpoint.sharded`` for what it holds):
+verified by all ranks together, checked against the state before anything changes, resharded
+by DCP into any world size or a plain module.
 """
 
 from __future__ import annotations
@@ -23,23 +23,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from steplib.checkpoint import storage
-from steplib.checkpoint.contents import (
+from steplib.checkpoint import checksummed, storage
+from steplib.checkpoint.errors import CorruptCheckpointError
+from steplib.checkpoint.manifest import Manifest
+from steplib.checkpoint.restore import (
     check_fingerprint,
     check_model,
     check_optimizer,
     check_train_state,
     restore_train_state,
 )
-from steplib.checkpoint.errors import CorruptCheckpointError
-from steplib.checkpoint.manifest import Manifest
-from steplib.checkpoint.sharded import DCP_DIR, DISTRIBUTION_WRAPPERS, is_sharded, rank_file
-from steplib.checkpoint.sharded_io import (
+from steplib.checkpoint.sharded.dcp_io import (
     MetadataReader,
     dcp_errors,
     merge,
     no_dist_warning_silenced,
     split,
+)
+from steplib.checkpoint.sharded.layout import (
+    DCP_DIR,
+    DISTRIBUTION_WRAPPERS,
+    is_sharded,
+    rank_file,
 )
 from steplib.checkpoint.storage import Location
 from steplib.errors import ConfigError
@@ -143,7 +148,7 @@ def _verify(location: Location, manifest: Manifest, *, me: int, world: int) -> N
     error = None
     for name in names[me::world]:
         try:
-            storage.verify(location.child(name), manifest.files[name], checkpoint=location.url)
+            checksummed.verify(location.child(name), manifest.files[name], checkpoint=location.url)
         except CorruptCheckpointError as err:
             error = str(err)
             break
