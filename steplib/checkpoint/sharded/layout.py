@@ -3,6 +3,7 @@ every save asks, also a single-process one)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ def is_sharded(state: Any) -> bool:
     if not isinstance(model, torch.nn.Module):
         return False
     grouped = dist.is_available() and dist.is_initialized()
+    if grouped and is_parallel_model(model):
+        return True
     if holds_dtensor_parameters(model):
         if not grouped:
             raise ConfigError(
@@ -46,14 +49,14 @@ def is_sharded(state: Any) -> bool:
                 "process, load the checkpoint into a plain (unsharded) model."
             )
         return True
-    return grouped and is_parallel_model(model)
+    return False
 
 
 def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor (a shard or a replica on a mesh)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    # No DTensor exists before its module is imported: a single-process save need not import it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
 
 
 def prunes_here(state: Any) -> bool:
