@@ -8,6 +8,7 @@ with that state: how a resume handler swaps in a loaded state).
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +23,14 @@ EVENT_NAMES = (
 )
 
 # The counter that `every` and `once` count for each event; the others fire every time.
-_COUNTER = {
-    "micro_step_end": "micro_step",
-    "step_end": "step",
-    "epoch_start": "epoch",
-    "epoch_end": "epoch",
-}
+_COUNTER = types.MappingProxyType(
+    {
+        "micro_step_end": "micro_step",
+        "step_end": "step",
+        "epoch_start": "epoch",
+        "epoch_end": "epoch",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

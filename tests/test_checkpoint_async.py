@@ -20,12 +20,12 @@ from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
     checkpoint_every,
+    checksummed,
     latest,
     list_checkpoints,
     load,
     save,
 )
-from steplib.checkpoint import storage as storage_module
 from steplib.checkpoint.copying import copy_tensors
 from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
 from tests.reference import make_batches, mean_loss
@@ -44,7 +44,7 @@ def _files(url: str) -> dict[str, Any]:
 def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The first write of each checkpoint file stalls 100 ms (the event is set then)."""
     started = threading.Event()
-    write = storage_module._ChecksumWriter.write
+    write = checksummed._ChecksumWriter.write
 
     def slow_write(self: Any, data: Any) -> int:
         if self.size == 0:
@@ -52,7 +52,7 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
             time.sleep(0.1)
         return write(self, data)
 
-    monkeypatch.setattr(storage_module._ChecksumWriter, "write", slow_write)
+    monkeypatch.setattr(checksummed._ChecksumWriter, "write", slow_write)
     return started
 
 
@@ -185,13 +185,13 @@ def test_the_writer_runs_at_the_lowest_cpu_priority_and_training_keeps_its_own(
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     seen: list[tuple[str, int]] = []
-    write = storage_module.write_tensors
+    write = checksummed.write_tensors
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append((threading.current_thread().name, priority()))
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(storage_module, "write_tensors", spy)
+    monkeypatch.setattr(checksummed, "write_tensors", spy)
     training = priority()
     with AsyncSaver() as saver:
         saver.save(make_state(), str(tmp_path))

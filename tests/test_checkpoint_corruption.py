@@ -17,12 +17,12 @@ from steplib.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     CorruptCheckpointError,
+    checksummed,
     latest,
     list_checkpoints,
     load,
     resume_from,
     save,
-    storage,
 )
 from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
 
@@ -135,7 +135,7 @@ def test_large_tensors_checksummed_beside_the_write_match_the_file(
     directory = str(tmp_path) if where == "local" else memory_dir
     model = torch.nn.Sequential(torch.nn.Linear(1024, 600), torch.nn.Linear(600, 3))
     weight = model.get_parameter("0.weight")
-    assert weight.numel() * 4 >= 2 * storage.OVERLAP_BYTES  # the helper-thread path
+    assert weight.numel() * 4 >= 2 * checksummed.OVERLAP_BYTES  # the helper-thread path
     state = TrainState.create(model=model, optimizer=torch.optim.AdamW(model.parameters()))
     url = save(state, directory)
     fs, root = fsspec.core.url_to_fs(url)

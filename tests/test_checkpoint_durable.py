@@ -22,6 +22,7 @@ from steplib.checkpoint import (
     AsyncSaver,
     CheckpointWarning,
     checkpoint_every,
+    checksummed,
     latest,
     list_checkpoints,
     load,
@@ -106,14 +107,14 @@ class _Died(BaseException):
 
 
 def _die_while_writing_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    write = storage_module._ChecksumWriter.write
+    write = checksummed._ChecksumWriter.write
 
     def dies_half_way(self: Any, data: Any) -> int:
         if self.size > 0:
             raise _Died
         return write(self, data)
 
-    monkeypatch.setattr(storage_module._ChecksumWriter, "write", dies_half_way)
+    monkeypatch.setattr(checksummed._ChecksumWriter, "write", dies_half_way)
 
 
 def _die_before_the_rename(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,7 @@ from steplib.checkpoint import (
     CheckpointWarning,
     CorruptCheckpointError,
     checkpoint_every,
+    checksummed,
     handlers,
     latest,
     list_checkpoints,
@@ -36,9 +37,8 @@ from steplib.checkpoint import (
     preemption,
     resume_from,
     save,
-    storage,
 )
-from steplib.checkpoint.sharded_io import MetadataReader
+from steplib.checkpoint.sharded.dcp_io import MetadataReader
 from steplib.data import resumable_loader
 from steplib.testing import run_ranks
 from tests import sharded_runs
@@ -55,14 +55,14 @@ def _slow_background_writes(rank: int, seconds: float) -> None:
     """On ``rank``, each train-state file written outside the main thread (by AsyncSaver)
     starts late, so the other rank's background save waits in a collective of the checkpoint
     group while both ranks train on (all-reduces on the default group)."""
-    write = storage.write_tensors
+    write = checksummed.write_tensors
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         if dist.get_rank() == rank and threading.current_thread() is not threading.main_thread():
             time.sleep(seconds)
         return write(*args, **kwargs)
 
-    storage.write_tensors = slow  # a forked rank: the patch dies with the process
+    checksummed.write_tensors = slow  # a forked rank: the patch dies with the process
 
 
 def _async_and_sync_at(root: str, loader: Any, step: Any, out: dict[str, Any]) -> Any:
@@ -161,19 +161,19 @@ def _ddp_run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     results["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
 
     # A failed save on rank 1 only: both ranks raise, nothing is committed or left behind.
-    write = storage.write_tensors
+    write = checksummed.write_tensors
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         if dist.get_rank() == 1:
             raise OSError(28, "No space left on device")
         return write(*args, **kwargs)
 
-    storage.write_tensors = failing
+    checksummed.write_tensors = failing
     try:
         save(resumed.state.replace(step=99), keep)  # type: ignore[union-attr]
     except CheckpointError as err:
         results["failed_save"] = str(err)
-    storage.write_tensors = write
+    checksummed.write_tensors = write
     results["after_failed_save"] = sorted(os.listdir(keep))
     del state, step, loader, resumed
     return results

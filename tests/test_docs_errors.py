@@ -107,7 +107,7 @@ def test_the_scan_finds_the_known_classes_and_raise_sites() -> None:
     sites = raised(trees, classes)
     assert "TooManySkipsError" in sites["steplib.step.core"]
     assert "CheckpointWarning" in sites["steplib.checkpoint.listing"]  # warnings.warn(...)
-    assert "CorruptCheckpointError" in sites["steplib.checkpoint.storage"]  # via _missing()
+    assert "CorruptCheckpointError" in sites["steplib.checkpoint.checksummed"]  # via _missing()
 
 
 def test_every_steplib_exception_class_is_on_the_errors_page() -> None:

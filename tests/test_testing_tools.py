@@ -279,7 +279,7 @@ def test_verify_resume_with_a_shuffling_loader_across_epochs() -> None:
 
 def test_verify_resume_names_lost_rng_state(monkeypatch: pytest.MonkeyPatch) -> None:
     # A checkpoint mechanism that forgets the random number generators.
-    monkeypatch.setattr("steplib.checkpoint.contents.restore_rng", lambda saved: None)
+    monkeypatch.setattr("steplib.checkpoint.restore.restore_rng", lambda saved: None)
     with pytest.raises(AssertionError) as failure:
         verify_resume(_build(dropout=0.25), make_batches(6), save_at=3)
     message = str(failure.value)
@@ -292,7 +292,7 @@ def test_verify_resume_names_lost_rng_state(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_verify_resume_names_a_lost_data_position(monkeypatch: pytest.MonkeyPatch) -> None:
     # A checkpoint mechanism that forgets where the data was: the loader starts over.
-    monkeypatch.setattr("steplib.checkpoint.contents.restore_position", lambda data, pos: False)
+    monkeypatch.setattr("steplib.checkpoint.restore.restore_position", lambda data, pos: False)
     with pytest.raises(AssertionError) as failure:
         verify_resume(_build(_xy_loss), _loader_factory(), save_at=2)
     message = str(failure.value)

@@ -5,17 +5,19 @@
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
 
 The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when the
-state's model is DDP or FSDP2 and a process group is initialised; see ``sharded.py``.
+state's model is DDP or FSDP2 or holds DTensor parameters (tensor parallel) and a process group
+is initialised; see ``steplib.checkpoint.sharded``.
 """
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot
 from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from steplib.checkpoint.handlers import Checkpointer, checkpoint_every, default_metrics
 from steplib.checkpoint.listing import CheckpointInfo, latest, list_checkpoints
+from steplib.checkpoint.loading import load
 from steplib.checkpoint.preemption import Preemption, preemption
 from steplib.checkpoint.resume import Resume, resume_from
 from steplib.checkpoint.retention import prune, select_retained
-from steplib.checkpoint.save_load import load, save
+from steplib.checkpoint.saving import save
 
 __all__ = [
     "AsyncSaver",

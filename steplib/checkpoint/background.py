@@ -18,9 +18,10 @@ A tensor that something other than the optimizer changes in place while the back
 runs (``Tensor._version`` tells) fails that checkpoint loudly rather than committing a torn
 copy: call :func:`wait_snapshot` before such a change.
 
-A DDP or FSDP2 state is saved as a sharded (DCP) checkpoint (``sharded.py``): every rank
-snapshots its part, and the background threads of all ranks write and commit it together on a
-process group of their own (see ``AsyncSaver._checkpoint_group``).
+A DDP, FSDP2 or DTensor state is saved as a sharded (DCP) checkpoint
+(``steplib.checkpoint.sharded``): every rank snapshots its part, and the background threads of
+all ranks write and commit it together on a process group of their own (see
+``AsyncSaver._checkpoint_group``).
 
 A second save waits for the first (the buffers are reused, and two commits in flight could
 land out of order). An error in the background is raised by the next ``save``, by ``wait``
@@ -40,11 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from steplib.checkpoint import sharded
 from steplib.checkpoint.copying import BackgroundCopy, Path, snapshot_tree, update_only_storages
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
-from steplib.checkpoint.save_load import SavePlan, check_durable, prepare, write
+from steplib.checkpoint.saving import SavePlan, check_durable, prepare, write
+from steplib.checkpoint.sharded.layout import is_sharded
+from steplib.checkpoint.sharded.save import prepare_sharded, snapshot_plan, write_sharded
 from steplib.state import TrainState
 
 
@@ -114,11 +116,11 @@ class AsyncSaver:
             "caller": "AsyncSaver.save",
         }
         write_plan: Callable[[], Any]
-        if sharded.is_sharded(state):
+        if is_sharded(state):
             # Every rank snapshots its part now and writes it in the background, on a process
             # group of its own: see _checkpoint_group.
-            sharded_plan = sharded.prepare_sharded(state, directory, **arguments)
-            sharded_copy, copied = sharded.snapshot_plan(
+            sharded_plan = prepare_sharded(state, directory, **arguments)
+            sharded_copy, copied = snapshot_plan(
                 sharded_plan, self._sharded_buffers, deferred=deferred
             )
             group = self._checkpoint_group()
@@ -126,7 +128,7 @@ class AsyncSaver:
 
             def write_plan() -> Any:
                 _wait(copied)
-                return sharded.write_sharded(sharded_copy, group=group, fsync=durable)
+                return write_sharded(sharded_copy, group=group, fsync=durable)
 
         else:
             plan = prepare(state, directory, **arguments)

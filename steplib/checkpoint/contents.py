@@ -1,4 +1,4 @@
-"""What a checkpoint holds, checked on the way out, and how it goes back into a TrainState.
+"""What a checkpoint holds, gathered from a TrainState and checked on the way out.
 
 Files of a checkpoint (each a ``torch.save`` of plain containers and tensors only, so that
 ``torch.load(..., weights_only=True)`` reads it):
@@ -11,27 +11,21 @@ Files of a checkpoint (each a ``torch.save`` of plain containers and tensors onl
   0``): the gradients accumulated so far. They are part of the state then; without them the
   resumed window would update with a fraction of its gradient.
 
-Sharded checkpoints (``sharded.py``) hold the same ``train_state`` tree, one per rank, next to
-the model and optimizer tensors that DCP writes.
-
-Everything is checked before anything is changed: a checkpoint that does not fit the state
-(other parameter names, another optimizer, another step composition) raises ``ConfigError``
-and leaves the state as it was.
+Sharded checkpoints (``steplib.checkpoint.sharded``) hold the same ``train_state`` tree, one
+per rank, next to the model and optimizer tensors that DCP writes. How a checkpoint goes back
+into a state is ``restore``.
 """
 
 from __future__ import annotations
 
 import collections
-import types
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import orjson
 import torch
 
-from steplib.data import restore_position
 from steplib.errors import ConfigError, describe
-from steplib.seeding import capture_rng, restore_rng
+from steplib.seeding import capture_rng
 from steplib.state import TrainState
 
 MODEL = "model.pt"
@@ -40,7 +34,6 @@ TRAIN_STATE = "train_state.pt"
 WINDOW_GRADS = "window_grads.pt"
 
 _LEAVES = (type(None), bool, int, float, str, torch.Tensor)  # isinstance: Parameter too
-_SHOWN = 8  # names listed in an error before "and N more"
 
 
 def check_arguments(
@@ -107,8 +100,8 @@ def gather(
     return trees
 
 
-# Split out of ``gather`` for the sharded (DCP) checkpoints of ``sharded.py``, which write the
-# model and optimizer through DCP and this tree, per rank, with ``torch.save``.
+# Split out of ``gather`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.sharded``,
+# which write the model and optimizer through DCP and this tree, per rank, with ``torch.save``.
 def train_state_tree(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
 ) -> dict[str, Any]:
@@ -174,246 +167,6 @@ def check_metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, f
     return numbers
 
 
-_OBSERVERS = ("detect_anomaly", "tap")
-
-
-def check_fingerprint(
-    saved: list[dict[str, Any]] | None,
-    step: Any,
-    *,
-    checkpoint: str,
-    ignore: Collection[str] = (),
-) -> None:
-    """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper.
-
-    Wrappers are compared by name, not position: the built-in ones commute, so
-    ``clip(amp_wrap(s))`` and ``amp_wrap(clip(s))`` are the same step. Wrappers named in
-    ``ignore`` are left out on both sides (a sharded checkpoint may be resumed with another
-    distribution: ``ddp_wrap``, ``fsdp_wrap`` or none).
-
-    Raises:
-        ConfigError: a wrapper added, removed or with other settings (says which and the fix).
-    """
-    if saved is None or step is None:
-        return
-    # Observation-only wrappers change no number: resuming "with anomaly detection on, from
-    # just before the NaN" or with other hooks is the usual way to debug, so they never count.
-    ignore = {*ignore, *_OBSERVERS}
-    now = orjson.loads(orjson.dumps(step.describe(), default=str))  # compare as JSON values
-    before = {
-        d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
-        for d in saved
-        if d["wrapper"] not in ignore
-    }
-    after = {
-        d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
-        for d in now
-        if d["wrapper"] not in ignore
-    }
-    differences = []
-    for name in sorted(before.keys() | after.keys()):
-        if name not in after:
-            differences.append(f"the checkpoint's step applies {_call(name, before[name])}")
-        elif name not in before:
-            differences.append(f"this step applies {_call(name, after[name])}, the saved did not")
-        else:
-            for key in sorted(before[name].keys() | after[name].keys()):
-                old, new = before[name].get(key), after[name].get(key)
-                if old != new:
-                    differences.append(f"{name} {key}={old!r} in the checkpoint, {new!r} now")
-    if differences:
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} was trained by the step {_chain(saved)}, this step "
-            f"is {_chain(now)}: {'; '.join(differences)}. The counters and the accumulation "
-            "window mean something else under another composition. Build the step as the "
-            "checkpoint's, or pass step=None to load without this check."
-        )
-
-
-def apply(
-    trees: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    checkpoint: str,
-    restore_rng_states: bool = True,
-) -> TrainState:
-    """Load ``trees`` into the objects of ``state``; return the state with the saved counters.
-
-    Raises:
-        ConfigError: the checkpoint does not fit ``state`` (nothing is changed then).
-    """
-    train_state = trees[TRAIN_STATE]
-    check_model(
-        _shapes(trees[MODEL]),
-        _shapes(state.model.state_dict()),
-        model_type=type(state.model).__name__,
-        checkpoint=checkpoint,
-        hint="load model.pt yourself with model.load_state_dict(..., strict=False)",
-    )
-    check_optimizer(
-        train_state["optimizer_type"],
-        [len(g["params"]) for g in trees[OPTIMIZER]["param_groups"]],
-        state.optimizer,
-        checkpoint=checkpoint,
-    )
-    check_train_state(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
-
-    state.model.load_state_dict(trees[MODEL])
-    state.optimizer.load_state_dict(trees[OPTIMIZER])
-    return restore_train_state(
-        train_state,
-        state,
-        data=data,
-        extras=extras,
-        grads=trees.get(WINDOW_GRADS, {}),
-        restore_rng_states=restore_rng_states,
-    )
-
-
-# Split out of ``apply`` for the sharded (DCP) checkpoints of ``sharded.py``, which load the
-# model and the optimizer through DCP and everything else here.
-def restore_train_state(
-    train_state: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    grads: Mapping[str, torch.Tensor],
-    restore_rng_states: bool,
-) -> TrainState:
-    """Load a checked ``train_state`` tree (and the window's ``grads``) into ``state``'s
-    scheduler, scaler, extras objects, data and RNGs; return the state with its counters."""
-    if state.scheduler is not None:
-        state.scheduler.load_state_dict(train_state["scheduler"])
-    if state.scaler is not None:
-        state.scaler.load_state_dict(train_state["scaler"])
-    with torch.no_grad():
-        for name, p in state.model.named_parameters():
-            saved = grads.get(name)
-            p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
-    for name, obj in extras.items():
-        obj.load_state_dict(train_state["objects"][name])
-    epoch_done = False
-    if data is not None:
-        epoch_done = restore_position(data, train_state["data"])
-    if restore_rng_states and train_state["rng"] is not None:
-        restore_rng(train_state["rng"])
-
-    counters = train_state["counters"]
-    window = train_state["window"]
-    return state.replace(
-        step=counters["step"],
-        micro_step=counters["micro_step"],
-        # The data ended its epoch at the save but the loop had not counted it yet: the resumed
-        # run starts the next epoch, as the uninterrupted one did right after.
-        epoch=counters["epoch"] + (1 if epoch_done else 0),
-        window_size=counters["window_size"],
-        window_loss=_on_device(window["loss"], state.device),
-        window_targets=_on_device(window["targets"], state.device),
-        skipped_updates=counters["skipped_updates"],
-        consecutive_skips=counters["consecutive_skips"],
-        extras=types.MappingProxyType(dict(train_state["extras"])),
-        device_skips=None,  # rebuilt from the loaded scheduler by the next update
-    )
-
-
-def _on_device(value: Any, device: torch.device) -> Any:
-    # The window sums are tensors on the device, or Python numbers (an empty window, or
-    # integer target counts): restored as the same kind, so the resumed step computes the same.
-    return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
-def check_optimizer(
-    saved_type: str, saved_sizes: list[int], optimizer: Any, *, checkpoint: str
-) -> None:
-    """Raise ``ConfigError`` unless ``optimizer`` has the saved class and group sizes."""
-    sizes = [len(g["params"]) for g in optimizer.param_groups]
-    if saved_type != type(optimizer).__name__ or saved_sizes != sizes:
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} holds a {saved_type} over parameter groups of sizes "
-            f"{saved_sizes}; this state has a {type(optimizer).__name__} over {sizes}. Build "
-            "the optimizer as the run that saved it did (same class, same parameter groups)."
-        )
-
-
-def check_train_state(
-    train_state: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    checkpoint: str,
-) -> None:
-    """Raise ``ConfigError`` unless the scheduler, scaler, extras and data fit ``state``."""
-    for part, label in (("scheduler", "scheduler"), ("scaler", "scaler")):
-        saved = train_state[part] is not None
-        here = getattr(state, part) is not None
-        if saved != here:
-            has, lacks = ("the checkpoint", "this state") if saved else ("this state", "it")
-            raise ConfigError(
-                f"load: {has} has a {label} and {lacks} does not (checkpoint {checkpoint}). "
-                f"Create the state as the run that saved it: TrainState.create(..., "
-                f"{label}={'...' if saved else 'None'})."
-            )
-    saved_scheduler = train_state["scheduler_type"]
-    if state.scheduler is not None and saved_scheduler != type(state.scheduler).__name__:
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} holds a {saved_scheduler} scheduler, this state a "
-            f"{type(state.scheduler).__name__}. Build the same scheduler as the saving run."
-        )
-    saved_objects = set(train_state["objects"])
-    if saved_objects != set(extras):
-        raise ConfigError(
-            f"load(extras=...) received the names {sorted(extras)}, but checkpoint "
-            f"{checkpoint} holds {sorted(saved_objects)}. Pass the same names as to save()."
-        )
-    if data is not None and train_state["data"] is None:
-        raise ConfigError(
-            f"load(data=...): checkpoint {checkpoint} holds no data position (it was saved "
-            "without data=...), so the data order cannot be resumed. Pass data=None to start "
-            "the data from the beginning, or save with data=loader."
-        )
-
-
-Shapes = Mapping[str, tuple[int, ...] | None]  # name -> tensor shape (None: not a tensor)
-
-
-def check_model(
-    saved: Shapes, expected: Shapes, *, model_type: str, checkpoint: str, hint: str
-) -> None:
-    """Raise ``ConfigError`` unless the saved entries have the model's names and shapes.
-
-    ``hint`` ends the message: how to reuse part of the weights with this kind of checkpoint.
-    """
-    missing = sorted(expected.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - expected.keys())
-    reshaped = [
-        f"{k} {saved[k]} in the checkpoint, {expected[k]} here"
-        for k in sorted(expected.keys() & saved.keys())
-        if saved[k] is not None and expected[k] is not None and saved[k] != expected[k]
-    ]
-    if not (missing or unexpected or reshaped):
-        return
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint: {_names(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not in this model: {_names(unexpected)}")
-    if reshaped:
-        parts.append(f"other shapes: {_names(reshaped)}")
-    raise ConfigError(
-        f"load: checkpoint {checkpoint} was saved from another model "
-        f"({model_type} here): {'; '.join(parts)}. Build the model exactly as the "
-        f"run that saved it (same modules, names and sizes); to reuse only some weights, {hint}."
-    )
-
-
-def _shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tree.items()}
-
-
 def check_plain(tree: Any, where: str) -> None:
     """Refuse what ``torch.load(weights_only=True)`` would refuse, before writing anything."""
     if isinstance(tree, _LEAVES):
@@ -446,17 +199,3 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
-
-
-def _names(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
-
-
-def _call(name: str, settings: Mapping[str, Any]) -> str:
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
-
-
-def _chain(described: list[dict[str, Any]]) -> str:
-    calls = [_call(d["wrapper"], {k: v for k, v in d.items() if k != "wrapper"}) for d in described]
-    return " -> ".join(["make_train_step", *calls])

@@ -24,8 +24,8 @@ from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.retention import check_retention, prune
-from steplib.checkpoint.save_load import check_durable, save
-from steplib.checkpoint.sharded import prunes_here
+from steplib.checkpoint.saving import check_durable, save
+from steplib.checkpoint.sharded.layout import prunes_here
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 from steplib.state import TrainState

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from steplib.checkpoint import storage
+from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from steplib.checkpoint.manifest import MANIFEST, Manifest, sort_key
 from steplib.checkpoint.storage import Location
@@ -75,7 +75,8 @@ def latest(
                 continue  # not committed
             if verify:
                 for file_name, record in manifest.files.items():
-                    storage.verify(checkpoint.child(file_name), record, checkpoint=checkpoint.url)
+                    file = checkpoint.child(file_name)
+                    checksummed.verify(file, record, checkpoint=checkpoint.url)
             return checkpoint.url
         except CorruptCheckpointError as err:
             warn_skipped(err)

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import platform
 import re
+import types
 import zlib
 from collections.abc import Mapping
 from importlib import metadata
@@ -23,18 +24,19 @@ from typing import Any
 import orjson
 import torch
 
+from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.errors import CorruptCheckpointError
-from steplib.checkpoint.storage import FileRecord
 
 FORMAT = "steplib-checkpoint"
 VERSION = 2  # the newest format this steplib reads
 MANIFEST = "manifest.json"
-# Layouts (``sharded.py`` writes the second). A single-process checkpoint is still written as
-# format 1, so older steplib versions keep reading it; a sharded one is format 2, so that they
-# say "upgrade steplib" instead of "not written by steplib's save" (it has no model.pt).
+# Layouts (``steplib.checkpoint.sharded`` writes the second). A single-process checkpoint is
+# still written as format 1, so older steplib versions keep reading it; a sharded one is format
+# 2, so that they say "upgrade steplib" instead of "not written by steplib's save" (it has no
+# model.pt).
 SINGLE = "single"
 SHARDED = "sharded"
-_LAYOUT_VERSION = {SINGLE: 1, SHARDED: 2}
+_LAYOUT_VERSION = types.MappingProxyType({SINGLE: 1, SHARDED: 2})  # read-only
 
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
 

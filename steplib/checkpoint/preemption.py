@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from steplib.checkpoint.handlers import Checkpointer
-from steplib.checkpoint.sharded import is_sharded
+from steplib.checkpoint.sharded.layout import is_sharded
 from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Stop

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from steplib.checkpoint.listing import StorageOptions
-from steplib.checkpoint.save_load import load_newest
+from steplib.checkpoint.loading import load_newest
 from steplib.events import Event, NewState
 
 _log = logging.getLogger("steplib.checkpoint")

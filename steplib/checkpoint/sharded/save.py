@@ -1,33 +1,5 @@
-"""Sharded checkpoints: the model and optimizer of a DDP or FSDP2 state through
-torch.distributed.checkpoint (DCP) and fsspec, with the guarantees of the single-process ones.
-
-``steplib.checkpoint.save`` / ``load`` / ``AsyncSaver`` come here by themselves when the state's
-model is DDP or FSDP2 and a process group is initialised; every rank must call them (they are
-collectives). A sharded checkpoint is a directory like any other (same names, same listing,
-same retention), holding::
-
-    step-00000120/
-      dcp/.metadata, dcp/__0_0.distcp, ...  DCP: model and optimizer tensors; each rank writes
-                                            its shard, replicated tensors are written once
-      rank-00000.pt, rank-00001.pt, ...     torch.save, one per rank: that rank's train state
-                                            (counters, window, scheduler, scaler, extras,
-                                            RNG states, data position) and the non-tensor
-                                            part of the model and optimizer state dicts
-      manifest.json                         written last, by rank 0: size and CRC32 of every
-                                            file above, the counters, and the world size
-
-The commit is the one of ``storage``: every rank writes into a staging directory that rank 0
-opened; once every rank has reported its files (with their checksums, computed while they
-were written) rank 0 writes the manifest and renames the directory (or, on an object store,
-the manifest written last is the commit). Every rank learns the outcome from rank 0, so all
-of them return the same URL or raise the same error; none is left waiting in a collective.
-
-Loading (``sharded_load.py``) goes through ``get_state_dict`` / ``set_state_dict`` of
-``torch.distributed.checkpoint.state_dict``, whose parameter names are the same for DDP,
-FSDP2 and a plain module, and DCP reshards: a checkpoint of 2 ranks loads into 1 rank, 4 ranks,
-or a plain module in a process without a process group. On another world size, what belongs
-to one rank cannot be mapped onto another: the RNG states are not restored, a data position
-and an open accumulation window are refused (``ConfigError`` with the fix).
+"""Writing a sharded checkpoint (see ``steplib.checkpoint.sharded`` for what it holds): each
+rank gathers its part, optionally snapshots it to CPU, and writes it; rank 0 commits.
 """
 
 from __future__ import annotations
@@ -42,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from steplib.checkpoint import storage
+from steplib.checkpoint import checksummed, storage
+from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.contents import (
     check_arguments,
     check_metrics,
@@ -59,31 +32,11 @@ from steplib.checkpoint.manifest import (
     checkpoint_name,
     library_versions,
 )
-from steplib.checkpoint.storage import FileRecord, Location
+from steplib.checkpoint.sharded.layout import DCP_DIR, rank_file
+from steplib.checkpoint.storage import Location
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import ConfigError
 from steplib.state import TrainState
-
-DCP_DIR = "dcp"
-# The distribution may change between the saving and the resuming run (that is resharding).
-DISTRIBUTION_WRAPPERS = frozenset({"ddp_wrap", "fsdp_wrap"})
-
-
-def rank_file(rank: int) -> str:
-    """The name of rank ``rank``'s train-state file inside a sharded checkpoint."""
-    return f"rank-{rank:05d}.pt"
-
-
-def is_sharded(state: Any) -> bool:
-    """Whether ``state`` is saved as a sharded checkpoint: its model is DDP or FSDP2 and a
-    process group is initialised."""
-    model = getattr(state, "model", None)
-    return (
-        isinstance(model, torch.nn.Module)
-        and dist.is_available()
-        and dist.is_initialized()
-        and is_parallel_model(model)
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,7 +79,7 @@ def prepare_sharded(
         get_optimizer_state_dict,
     )
 
-    from steplib.checkpoint.sharded_io import split
+    from steplib.checkpoint.sharded.dcp_io import split
 
     extras = check_arguments(caller, state, data=data, extras=extras, step=step)
     location = storage.resolve(directory, storage_options, caller=caller)
@@ -137,9 +90,11 @@ def prepare_sharded(
         if not isinstance(model, DistributedDataParallel):
             # FSDP2 keeps the window's gradients unsharded inside its parameter groups, with
             # no public way to read them back; saving without them would resume wrongly.
+            # A tensor-parallel model's are DTensors, bound to this run's mesh: not saved either.
+            kind = "an FSDP2" if is_parallel_model(model) else "a tensor-parallel (DTensor)"
             raise ConfigError(
                 f"{caller}: the state is inside an open accumulation window "
-                f"({state.window_size} micro-batches done) of an FSDP2 model, whose "
+                f"({state.window_size} micro-batches done) of {kind} model, whose "
                 "unsynchronised gradients cannot be saved. Save between windows: "
                 "checkpoint_every and preemption() do; or save when out.did_update is True."
             )
@@ -195,12 +150,6 @@ def snapshot_plan(
     return dataclasses.replace(plan, tensors=copied["tensors"], rank_tree=copied["rank"]), events
 
 
-def prunes_here(state: Any) -> bool:
-    """Whether this process prunes after saving ``state``: rank 0 alone for a sharded
-    checkpoint (the ranks share one directory), every process otherwise."""
-    return not is_sharded(state) or dist.get_rank() == 0
-
-
 def write_sharded(plan: ShardedPlan, *, group: Any = None, fsync: bool = True) -> str:
     """Write this rank's part of ``plan`` and commit the checkpoint together with every other
     rank of ``group`` (the default group when ``None``); return its URL on every rank.
@@ -211,7 +160,7 @@ def write_sharded(plan: ShardedPlan, *, group: Any = None, fsync: bool = True) -
     """
     import torch.distributed.checkpoint as dcp  # imported on use, see prepare_sharded
 
-    from steplib.checkpoint.sharded_io import ChecksumWriter, dcp_errors
+    from steplib.checkpoint.sharded.dcp_io import ChecksumWriter, dcp_errors
 
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -255,7 +204,7 @@ def write_sharded(plan: ShardedPlan, *, group: Any = None, fsync: bool = True) -
         failure = None
         try:
             name = rank_file(me)
-            mine[name] = storage.write_tensors(staging.child(name), plan.rank_tree, fsync=fsync)
+            mine[name] = checksummed.write_tensors(staging.child(name), plan.rank_tree, fsync=fsync)
         except Exception as err:  # reported to every rank below, raised on every rank
             failure = f"rank {me}: {type(err).__name__}: {err}"
         reports: list[Any] = [None] * world
@@ -272,7 +221,7 @@ def write_sharded(plan: ShardedPlan, *, group: Any = None, fsync: bool = True) -
                 manifest = dataclasses.replace(
                     plan.manifest, files=dict(sorted(files.items())), versions=library_versions()
                 )
-                storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
+                checksummed.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
                 committed = storage.commit(plan.directory, staging, plan.name, fsync=fsync)
                 outcome[0] = ("ok", committed.url)
             except Exception as err:  # reported to every rank below, raised on every rank

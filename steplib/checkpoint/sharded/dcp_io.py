@@ -26,8 +26,8 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.errors import CheckpointError
-from steplib.checkpoint.storage import FileRecord
 
 try:  # re-exported by torch.distributed.checkpoint up to torch 2.12, private module since
     from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
-"""Loading a sharded checkpoint (see ``sharded.py`` for what it holds): verified by all ranks
-together, checked against the state before anything changes, resharded by DCP into any world
-size or a plain module.
+"""Loading a sharded checkpoint (see ``steplib.checkpoint.sharded`` for what it holds):
+verified by all ranks together, checked against the state before anything changes, resharded
+by DCP into any world size or a plain module.
 """
 
 from __future__ import annotations
@@ -23,23 +23,28 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from steplib.checkpoint import storage
-from steplib.checkpoint.contents import (
+from steplib.checkpoint import checksummed, storage
+from steplib.checkpoint.errors import CorruptCheckpointError
+from steplib.checkpoint.manifest import Manifest
+from steplib.checkpoint.restore import (
     check_fingerprint,
     check_model,
     check_optimizer,
     check_train_state,
     restore_train_state,
 )
-from steplib.checkpoint.errors import CorruptCheckpointError
-from steplib.checkpoint.manifest import Manifest
-from steplib.checkpoint.sharded import DCP_DIR, DISTRIBUTION_WRAPPERS, is_sharded, rank_file
-from steplib.checkpoint.sharded_io import (
+from steplib.checkpoint.sharded.dcp_io import (
     MetadataReader,
     dcp_errors,
     merge,
     no_dist_warning_silenced,
     split,
+)
+from steplib.checkpoint.sharded.layout import (
+    DCP_DIR,
+    DISTRIBUTION_WRAPPERS,
+    is_sharded,
+    rank_file,
 )
 from steplib.checkpoint.storage import Location
 from steplib.errors import ConfigError
@@ -58,7 +63,7 @@ def load_sharded(
 ) -> TrainState:
     """Load a verified sharded checkpoint into ``state`` (see ``steplib.checkpoint.load``).
 
-    For a DDP or FSDP2 state every rank must call it (it is a collective); a plain module
+    For a DDP, FSDP2 or DTensor state every rank must call it (it is a collective); a plain module
     loads in this process alone.
 
     Raises:
@@ -69,7 +74,7 @@ def load_sharded(
     """
     url = location.url
     check_fingerprint(manifest.fingerprint, step, checkpoint=url, ignore=DISTRIBUTION_WRAPPERS)
-    # Collectives only for a DDP/FSDP2 state, whose ranks all load together; a plain module
+    # Collectives only for a DDP/FSDP2/DTensor state, whose ranks all load together; a plain module
     # loads alone (e.g. on rank 0 only, for evaluation), even inside a distributed job.
     distributed = is_sharded(state)
     me = dist.get_rank() if distributed else 0
@@ -143,7 +148,7 @@ def _verify(location: Location, manifest: Manifest, *, me: int, world: int) -> N
     error = None
     for name in names[me::world]:
         try:
-            storage.verify(location.child(name), manifest.files[name], checkpoint=location.url)
+            checksummed.verify(location.child(name), manifest.files[name], checkpoint=location.url)
         except CorruptCheckpointError as err:
             error = str(err)
             break
