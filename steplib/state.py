@@ -232,13 +232,14 @@ class TrainState:
         Raises:
             TypeError: a name that is not a field.
         """
-        unknown = changes.keys() - _FIELDS
-        if unknown:
-            raise TypeError(f"TrainState has no field(s) {sorted(unknown)}; fields: {_FIELDS}")
+        if not _FIELD_SET.issuperset(changes):  # no set built on the hot path
+            unknown = sorted(changes.keys() - _FIELD_SET)
+            raise TypeError(f"TrainState has no field(s) {unknown}; fields: {_FIELDS}")
         return _evolve(self, changes)
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
+_FIELD_SET = frozenset(_FIELDS)
 # The slot descriptors themselves: setting through them skips the frozen __setattr__ check.
 _SLOTS = tuple(
     (name, vars(TrainState)[name].__get__, vars(TrainState)[name].__set__) for name in _FIELDS

@@ -6,7 +6,7 @@ from steplib.step.amp import amp_wrap
 from steplib.step.anomaly import AnomalyError, detect_anomaly
 from steplib.step.clip import clip
 from steplib.step.compile import CompileStats, compile_stats, compile_step
-from steplib.step.core import GradReport, Runner, Step, add_part, make_train_step
+from steplib.step.core import Runner, Step, add_part, make_train_step
 from steplib.step.ddp import ddp_wrap
 from steplib.step.fsdp import fsdp_wrap
 from steplib.step.parts import (
@@ -17,6 +17,7 @@ from steplib.step.parts import (
     TRANSFORM,
     UNSCALE,
     Gradients,
+    GradReport,
     GradSync,
     Part,
 )

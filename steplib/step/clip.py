@@ -64,26 +64,15 @@ def clip(
         if value is not None:  # value limits apply first, to the normalised gradients
             torch.nn.utils.clip_grad_value_(grads.params, value)
         if limit is not None:
+            # torch.nn.utils.clip_grad_norm_'s formula, over the norm of the whole model (every
+            # rank and stage); the scaling folds in a pending division by the window's count.
             grads.grad_norm = norm = grads.norm(order)
-            clip_with_norm(grads.params, grads.grads, limit, norm)
+            grads.scale_(torch.clamp(limit / (norm + 1e-6), max=1.0))
 
     settings = {"max_norm": limit, "norm_type": order, "max_value": value}
     return add_part(
         step, Part(name="clip", settings=settings, grad_transform=clip_grads, rank=CLIP)
     )
-
-
-def clip_with_norm(
-    params: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor
-) -> None:
-    """Scale the gradients by ``max_norm / (norm + 1e-6)`` when below 1: the second half of
-    ``torch.nn.utils.clip_grad_norm_``, given the norm (which may span several processes)."""
-    clip_grads_with_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
-    if clip_grads_with_norm is not None:
-        clip_grads_with_norm(params, max_norm, norm)
-    elif grads:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
 def _check_positive(name: str, value: float | None) -> None:

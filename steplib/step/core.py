@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -32,52 +32,13 @@ from steplib.errors import ConfigError, TooManySkipsError, describe, model_batch
 from steplib.state import StepOutput, TrainState
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
-from steplib.step.parts import Gradients, Part, Update, plain
+from steplib.step.parts import Gradients, GradReport, Part, Update, plain
 from steplib.step.plan import Plan, check_composition, scaler_active
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 
 # A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
 _NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
-
-
-class GradReport(NamedTuple):
-    """What ``process_grads`` measured, all on the device.
-
-    Attributes:
-        loss_sum: the window's loss sum over every process.
-        num_targets: the window's target count over every process.
-        grad_norm: the total gradient norm before clipping, if a transform measured it.
-        nonfinite: a bool tensor, True when the update must be skipped, else ``None``.
-    """
-
-    loss_sum: torch.Tensor
-    num_targets: torch.Tensor | int
-    grad_norm: torch.Tensor | None
-    nonfinite: torch.Tensor | None
-
-
-class Runner:
-    """How a step's phases run. This one runs them eagerly; ``compile_step`` and the pipeline
-    step contribute others (``Part(runner=...)``) that run the same record differently."""
-
-    def forward_backward(
-        self, step: Step, state: TrainState, batch: Any, *, sync: bool
-    ) -> LossOutput:
-        return forward_backward(step, state, batch, sync=sync)
-
-    def process_grads(self, step: Step, state: TrainState) -> GradReport:
-        return process_grads(step, state)
-
-    def optimizer_step(self, step: Step, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-
-    def refuse(self, part: Part) -> str | None:
-        """Why this runner cannot run ``part`` (the message of the error), else ``None``."""
-        return None
-
-
-EAGER = Runner()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,9 +162,11 @@ def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -
         loss = out.loss_sum
         if state.scaler is not None and state.scaler.is_enabled():
             loss = state.scaler.scale(loss)
-        _call(plan, "before_backward", state)
+        if plan.hooks:
+            _call(plan, "before_backward", state)
         loss.backward()
-        _call(plan, "after_backward", state)
+        if plan.hooks:
+            _call(plan, "after_backward", state)
     return out
 
 
@@ -223,6 +186,7 @@ def process_grads(step: Step, state: TrainState) -> GradReport:
     )
     for transform in plan.transforms:
         transform(grads)
+    grads.settle()  # a division no transform folded in
     return GradReport(loss_sum, targets, grads.grad_norm, grads.nonfinite)
 
 
@@ -250,19 +214,24 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
         # The host read, when the decision cannot stay on the device: a host-side
         # scheduler must know whether to advance. Once per update, never mid-window.
         applied = ~nonfinite if on_device else not bool(nonfinite)
-    if applied is not False:
+    if applied is not False and plan.hooks:
         _call(plan, "before_update", state)  # the final, unscaled, normalised, clipped grads
     lr = _lr_now(state)
     if applied is not False:
-        update = _update_call(step, state, nonfinite if on_device else None)
-        for outer in reversed(plan.updates):
-            update = _around(outer, state, update)
-        update()
-        _call(plan, "after_update", state)
+        if plan.updates or on_device:
+            update = _update_call(step, state, nonfinite if on_device else None)
+            for outer in reversed(plan.updates):
+                update = _around(outer, state, update)
+            update()
+        else:  # the common case: no closure to build
+            plan.runner.optimizer_step(step, optimizer)
+        if plan.hooks:
+            _call(plan, "after_update", state)
     if scaler_active(state):
         state.scaler.update()  # type: ignore[union-attr]
     optimizer.zero_grad(set_to_none=True)
-    _call(plan, "after_zero_grad", state)
+    if plan.hooks:
+        _call(plan, "after_zero_grad", state)
     limit = plan.max_consecutive_skips
     changes: dict[str, Any] = {"step": state.step + 1, "window_size": 0}
     changes.update(window_loss=0.0, window_targets=0)
@@ -306,10 +275,37 @@ def _around(outer: Update, state: TrainState, inner: Callable[[], None]) -> Call
 
 
 def _call(plan: Plan, point: str, state: TrainState) -> None:
-    hooks = plan.hooks.get(point)
-    if hooks is not None:
-        for hook in hooks:
-            hook(state)
+    for hook in plan.hooks.get(point, ()):
+        hook(state)
+
+
+def _optimizer_step(step: Step, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+
+
+def _accept_every_part(part: Part) -> str | None:
+    return None
+
+
+class Runner:
+    """How a step's phases run. This one runs the core's phases eagerly (its methods are the
+    module's functions themselves: no extra call per micro-batch); ``compile_step`` and the
+    pipeline step contribute subclasses (``Part(runner=...)``) that run the same record
+    differently and override some of the methods:
+
+    * ``forward_backward(step, state, batch, *, sync) -> LossOutput``: phase 1;
+    * ``process_grads(step, state) -> GradReport``: phase 2;
+    * ``optimizer_step(step, optimizer)``: the update inside phase 3;
+    * ``refuse(part) -> str | None``: why this runner cannot run ``part``, else ``None``.
+    """
+
+    forward_backward = staticmethod(forward_backward)
+    process_grads = staticmethod(process_grads)
+    optimizer_step = staticmethod(_optimizer_step)
+    refuse = staticmethod(_accept_every_part)
+
+
+EAGER = Runner()
 
 
 def make_train_step(loss_fn: LossFn) -> Step:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,6 +45,9 @@ HOOK_POINTS = (
     "after_update",
     "after_zero_grad",
 )
+
+
+_get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,9 +79,8 @@ class GradSync:
         ``device`` is the state's, for a process that holds no gradient."""
         if not grads:
             return torch.zeros((), device=device)
-        get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-        if get_total_norm is not None:  # also reduces sharded (DTensor) gradients
-            return get_total_norm(grads, norm_type)
+        if _get_total_norm is not None:  # also reduces sharded (DTensor) gradients
+            return _get_total_norm(grads, norm_type)
         norms = torch._foreach_norm(grads, norm_type)
         return torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
 
@@ -91,14 +93,18 @@ LOCAL = GradSync()
 
 class Gradients:
     """The window's gradients as the transforms see them, made once per update and passed to
-    every ``grad_transform`` in rank order. Change ``grads`` in place; set ``grad_norm`` when
-    you measure it (it is reported as ``out.grad_norm``); call :meth:`flag_nonfinite` to skip
-    the update. Nothing here is read on the host.
+    every ``grad_transform`` in rank order. Change ``grads`` in place (or :meth:`scale_` them);
+    set ``grad_norm`` when you measure it (it is reported as ``out.grad_norm``); call
+    :meth:`flag_nonfinite` to skip the update. Nothing here is read on the host.
+
+    The division by the window's target count (``NORMALISE``) is kept pending until a transform
+    reads ``params`` or ``grads``, so that a norm and a scaling (clipping) fold it in: one pass
+    over the gradients instead of two. Every transform sees normalised values either way.
 
     Attributes:
         state: the state being updated.
         params: the optimizer's parameters that have a gradient.
-        grads: their gradients (``p.grad``), summed over the window's micro-batches.
+        grads: their gradients (``p.grad``), summed over the window and normalised.
         loss_sum: the window's loss sum over every process.
         num_targets: the window's target count over every process.
         divisor: what ``NORMALISE`` divides the gradients by (the count, over the processes
@@ -118,10 +124,11 @@ class Gradients:
     ) -> None:
         self.state = state
         # The optimizer's parameters: what it will update (and cheaper to list than a module).
-        self.params = [
+        self._params = [
             p for g in state.optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
-        self.grads: list[torch.Tensor] = [p.grad for p in self.params]
+        self._grads: list[torch.Tensor] = [p.grad for p in self._params]
+        self._pending: torch.Tensor | float | None = None
         self.loss_sum = loss_sum
         self.num_targets = num_targets
         self.divisor = divisor
@@ -129,13 +136,65 @@ class Gradients:
         self.nonfinite: torch.Tensor | None = None
         self.sync = sync
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        self.settle()
+        return self._params
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        self.settle()
+        return self._grads
+
+    def divide_by(self, divisor: torch.Tensor | float) -> None:
+        """Divide the gradients by ``divisor`` (what ``NORMALISE`` does with the window's
+        count); a count of 0 (a window of no targets: zero gradients) divides by 1."""
+        if isinstance(divisor, torch.Tensor):
+            divisor = torch.where(divisor > 0, divisor, 1.0)
+        elif divisor in (0, 1):
+            return
+        self._pending = divisor if self._pending is None else self._pending * divisor
+
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The total gradient norm over the whole model (every stage, every shard)."""
-        return self.sync.total_norm(self.grads, norm_type, device=self.state.device)
+        norm = self.sync.total_norm(self._grads, norm_type, device=self.state.device)
+        return norm if self._pending is None else norm / self._pending
+
+    def scale_(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient by ``factor`` (a pending division rides on it)."""
+        if self._pending is not None:
+            factor, self._pending = factor / self._pending, None
+        if self._grads:
+            if isinstance(factor, torch.Tensor):
+                factor = factor.to(self._grads[0].device)
+            torch._foreach_mul_(self._grads, factor)
+
+    def settle(self) -> None:
+        """Apply a pending division now (the core calls it after the last transform)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            if self._grads:
+                torch._foreach_div_(self._grads, pending)
 
     def flag_nonfinite(self, bad: torch.Tensor) -> None:
         """Skip this update where ``bad`` (a bool tensor) is True; flags are OR-ed."""
         self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+
+
+class GradReport(NamedTuple):
+    """What ``process_grads`` measured, all on the device.
+
+    Attributes:
+        loss_sum: the window's loss sum over every process.
+        num_targets: the window's target count over every process.
+        grad_norm: the total gradient norm before clipping, if a transform measured it.
+        nonfinite: a bool tensor, True when the update must be skipped, else ``None``.
+    """
+
+    loss_sum: torch.Tensor
+    num_targets: torch.Tensor | int
+    grad_norm: torch.Tensor | None
+    nonfinite: torch.Tensor | None
 
 
 GradTransform = Callable[[Gradients], None]

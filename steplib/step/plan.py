@@ -43,15 +43,8 @@ def _unscale(grads: Gradients) -> None:
 
 
 def _normalise(grads: Gradients) -> None:
-    """Divide the window's summed gradients by its target count, on the device."""
-    divisor = grads.divisor
-    # A window with zero targets has zero gradients: divide by 1 rather than by 0. Dividing by
-    # 1 (one scalar-loss micro-batch) changes nothing, so it is skipped.
-    if isinstance(divisor, int | float):
-        if divisor not in (0, 1):
-            torch._foreach_div_(grads.grads, divisor)
-    elif grads.grads:
-        torch._foreach_div_(grads.grads, torch.where(divisor > 0, divisor, 1.0))
+    # Pending until a transform reads the gradients: clipping folds it into its multiply.
+    grads.divide_by(grads.divisor)
 
 
 CORE_TRANSFORMS = ((UNSCALE, _unscale), (NORMALISE, _normalise))

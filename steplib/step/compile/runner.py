@@ -74,7 +74,6 @@ from steplib.step.compile.graphs import (
     update,
 )
 from steplib.step.core import (
-    GradReport,
     LossFn,
     Runner,
     Step,
@@ -83,7 +82,7 @@ from steplib.step.core import (
     process_grads,
 )
 from steplib.step.loss_output import NO_AUX, LossOutput
-from steplib.step.parts import LOCAL, Part
+from steplib.step.parts import LOCAL, GradReport, Part
 from steplib.step.plan import scaler_active
 
 
