@@ -267,6 +267,8 @@ class StepOutput:
             loss (sum of loss sums / sum of targets), i.e. the loss that the applied gradient is
             the gradient of; on other calls it is that micro-batch's own normalised loss.
         num_targets: targets in that loss (the window's total on an update).
+        has_targets: (property) whether ``num_targets`` > 0; a window without targets
+            contributes no gradient (its gradients are zeroed, never divided by 0 or less).
         did_update: bool tensor, whether the optimizer applied an update on this call.
         skipped: bool tensor, whether an update was due but skipped (non-finite values).
         grad_norm: total gradient norm before clipping, when clipping or a finiteness check
@@ -314,6 +316,12 @@ class StepOutput:
     @property
     def num_targets(self) -> torch.Tensor:
         return torch.as_tensor(self._targets)
+
+    @property
+    def has_targets(self) -> torch.Tensor:
+        """Bool tensor: whether the loss counted any target. A window whose count is 0 (or a
+        tensor count <= 0) contributed no gradient: the update saw zero gradients."""
+        return torch.as_tensor(self._targets) > 0
 
     @property
     def did_update(self) -> torch.Tensor:

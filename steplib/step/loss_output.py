@@ -26,7 +26,7 @@ class LossOutput(NamedTuple):
     """A ``loss_fn`` result in one shape: the loss to back-propagate, its target count, aux."""
 
     loss_sum: torch.Tensor
-    num_targets: torch.Tensor | int | float
+    num_targets: torch.Tensor | int
     aux: Mapping[str, torch.Tensor]
 
 
@@ -88,10 +88,17 @@ def _check_loss(loss: Any) -> None:
 
 
 def _check_count(count: Any) -> None:
-    if isinstance(count, bool) or not isinstance(count, int | float | torch.Tensor):
+    if isinstance(count, bool) or not isinstance(count, int | torch.Tensor):
         raise LossFnError(
             f"loss_fn returned num_targets={describe(count)}; it must be an int or a 0-dim "
             "tensor counting the targets in loss_sum, e.g. (mask.sum(), ...) or labels.numel()."
+        )
+    if isinstance(count, int) and count < 0:
+        # A negative count would turn the update around (the gradient divided by it).
+        raise LossFnError(
+            f"loss_fn returned num_targets={count}; a count of targets cannot be negative. "
+            "Return how many targets loss_sum sums over (0 for a micro-batch with none), e.g. "
+            "(loss_sum, int((labels != -100).sum())) or (loss_sum, (labels != -100).sum())."
         )
     if isinstance(count, torch.Tensor) and (count.ndim != 0 or count.dtype == torch.bool):
         raise LossFnError(

@@ -20,6 +20,7 @@ unscaled, normalised gradients in every order (law 5).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, NamedTuple
@@ -148,11 +149,14 @@ class Gradients:
 
     def divide_by(self, divisor: torch.Tensor | float) -> None:
         """Divide the gradients by ``divisor`` (what ``NORMALISE`` does with the window's
-        count); a count of 0 (a window of no targets: zero gradients) divides by 1."""
+        count). A window of no valid targets (a count <= 0) contributes no gradient: its
+        gradients are divided by infinity, i.e. zeroed, without a host read of the count."""
         if isinstance(divisor, torch.Tensor):
-            divisor = torch.where(divisor > 0, divisor, 1.0)
-        elif divisor in (0, 1):
+            divisor = torch.where(divisor > 0, divisor, math.inf)
+        elif divisor == 1:
             return
+        elif divisor <= 0:
+            divisor = math.inf
         self._pending = divisor if self._pending is None else self._pending * divisor
 
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
