@@ -1,4 +1,5 @@
-"""Learning-rate schedules as plain functions of the update index, for ``LambdaLR``.
+"""Learning-rate schedules as plain functions of the update index, for ``LambdaLR``; and
+:class:`AbsoluteLR` for a function that gives the rate itself.
 
 Each builder returns ``f(step) -> multiplier`` of the optimizer's base LR, where ``step`` is the
 number of updates applied so far (``LambdaLR`` calls it with 0 before the first update).
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from steplib.errors import ConfigError, describe
 
@@ -182,3 +186,56 @@ def accumulation_steps(*, tokens_per_update: int, batch_size: int, seq_len: int)
             f"tokens_per_update={lower} or {lower + per_micro}, or change the batch size."
         )
     return budget // per_micro
+
+
+class AbsoluteLR(torch.optim.lr_scheduler.LRScheduler):
+    """A scheduler from a function that gives the learning rate itself (nanoGPT's
+    ``get_lr(it)``), not a multiplier of the base rate.
+
+    Every parameter group gets ``lr_fn(n)`` exactly, ``n`` being the number of updates applied
+    so far (0 before the first). ``LambdaLR(opt, lambda n: get_lr(n) / base)`` is close but not
+    exact: it multiplies the quotient back by ``base``, which differs in the last bits.
+
+    Args:
+        optimizer: the optimizer whose learning rate to set.
+        lr_fn: ``lr_fn(n) -> float``, the absolute learning rate for update ``n``.
+
+    Raises:
+        ConfigError: ``lr_fn`` is not callable.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        >>> sched = AbsoluteLR(opt, lambda n: 0.1 / (n + 1))
+        >>> opt.param_groups[0]["lr"]
+        0.1
+        >>> opt.step(); sched.step(); opt.param_groups[0]["lr"]
+        0.05
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_fn: Callable[[int], float]) -> None:
+        if not callable(lr_fn):
+            raise ConfigError(
+                f"AbsoluteLR(optimizer, lr_fn) received lr_fn={describe(lr_fn)}, which is not "
+                "callable. Pass the function that gives the rate: AbsoluteLR(opt, get_lr)."
+            )
+        self.lr_fn = lr_fn
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        """The rate of every group at the current position."""
+        return [self.lr_fn(self.last_epoch)] * len(self.optimizer.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, without the function (give it again when you rebuild the scheduler)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_fn")}
+
+
+__all__ = [
+    "AbsoluteLR",
+    "Schedule",
+    "accumulation_steps",
+    "warmup_constant",
+    "warmup_cosine",
+    "warmup_linear",
+]

@@ -39,6 +39,8 @@ SUBPACKAGES = (
     "steplib.distributed",
     "steplib.handlers",
     "steplib.handlers.logging",
+    "steplib.losses",
+    "steplib.schedules",
     "steplib.step",
     "steplib.testing",
 )

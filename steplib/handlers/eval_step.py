@@ -27,6 +27,7 @@ from torch import nn
 from torchmetrics import Metric, MetricCollection
 
 from steplib import errors
+from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
 
@@ -103,7 +104,9 @@ class EvalStep:
         return torch.autocast(device, dtype=self.autocast_dtype)
 
 
-def make_eval_step(fn: EvalFn, *, autocast_dtype: torch.dtype | None = None) -> EvalStep:
+def make_eval_step(
+    fn: EvalFn, *, autocast_dtype: torch.dtype | None = None, to_device: bool = False
+) -> EvalStep:
     """Build an eval step from ``fn(model, batch)``.
 
     ``fn`` returns what the metrics' ``update`` takes: a tuple is passed as positional
@@ -114,6 +117,8 @@ def make_eval_step(fn: EvalFn, *, autocast_dtype: torch.dtype | None = None) -> 
         fn: ``fn(model, batch)``.
         autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to run under autocast, as the
             train step does after ``amp_wrap(step, dtype=...)``; ``None`` for full precision.
+        to_device: move every tensor of each batch to the model's device first
+            (``steplib.data.to_device``), as ``make_train_step(..., to_device=True)`` does.
 
     Returns:
         An :class:`EvalStep`: ``outputs = eval_step(state, batch)``.
@@ -135,7 +140,7 @@ def make_eval_step(fn: EvalFn, *, autocast_dtype: torch.dtype | None = None) -> 
             f"make_eval_step(autocast_dtype=...) received {describe(autocast_dtype)}; pass "
             "torch.bfloat16 or torch.float16 (the train step's amp dtype), or None."
         )
-    return EvalStep(fn=fn, autocast_dtype=autocast_dtype)
+    return EvalStep(fn=on_model_device(fn) if to_device else fn, autocast_dtype=autocast_dtype)
 
 
 def as_metrics(metrics: Any, *, owner: str = "evaluate") -> Metric | MetricCollection:

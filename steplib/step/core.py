@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from steplib.data import on_model_device
 from steplib.errors import ConfigError, TooManySkipsError, describe, model_batch_fn
 from steplib.state import StepOutput, TrainState
 from steplib.step import device_skips
@@ -308,13 +309,15 @@ class Runner:
 EAGER = Runner()
 
 
-def make_train_step(loss_fn: LossFn) -> Step:
+def make_train_step(loss_fn: LossFn, *, to_device: bool = False) -> Step:
     """Build the basic step: forward, backward, optimizer step, zero_grad, scheduler step.
 
     Args:
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss_sum,
             num_targets)`` for a token-weighted loss, optionally followed by a dict of aux
             tensors: ``(loss, aux)`` / ``(loss_sum, num_targets, aux)``.
+        to_device: move every tensor of each batch to the model's device first
+            (``steplib.data.to_device``), so the loader can stay on the CPU.
 
     Returns:
         A :class:`Step`; call it as ``state, out = step(state, batch)``.
@@ -337,7 +340,7 @@ def make_train_step(loss_fn: LossFn) -> Step:
         (1, True)
     """
     model_batch_fn("make_train_step", "loss_fn", loss_fn, "return F.cross_entropy(model(x), y)")
-    return Step(loss_fn=loss_fn)
+    return Step(loss_fn=on_model_device(loss_fn) if to_device else loss_fn)
 
 
 def add_part(step: Any, part: Part) -> Step:
