@@ -13,7 +13,10 @@ $(BIN)/.installed-%: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[$*]"
 	touch $@
 
-.PHONY: demo test lint
+# mkdocs-material prints a banner about MkDocs 2 on every build; it is not about this site.
+export NO_MKDOCS_2_WARNING := 1
+
+.PHONY: demo test lint docs
 demo: $(BIN)/.installed-dev
 	$(BIN)/python examples/demo.py $(ARGS)
 
@@ -21,7 +24,11 @@ test: $(BIN)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mkdocs build --strict --quiet   # a broken link, a bad docstring: fails (into site/)
 	$(BIN)/python -m pytest --doctest-modules steplib tests
+
+docs: $(BIN)/.installed-dev   # build the site and serve it on http://127.0.0.1:8000
+	$(BIN)/mkdocs serve
 
 lint: $(BIN)/.installed-dev
 	$(BIN)/ruff check --fix .

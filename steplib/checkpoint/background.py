@@ -89,7 +89,13 @@ class AsyncSaver:
         """Snapshot ``state`` and write it in the background; see ``steplib.checkpoint.save``.
 
         Args:
-            state, directory, data, extras, step, metrics, storage_options: as for ``save``.
+            state: the state to save, as for ``save``.
+            directory: the checkpoint directory, as for ``save``.
+            data: the loader whose position is saved, as for ``save``.
+            extras: further objects with ``state_dict``, as for ``save``.
+            step: the step whose composition is recorded, as for ``save``.
+            metrics: numbers for the manifest, as for ``save``.
+            storage_options: passed to fsspec, as for ``save``.
             durable: as for ``save``: fsync the checkpoint before it counts as committed
                 (``True``), or not (``False``; a power loss soon after may lose it).
             after: called in the background thread once the checkpoint is committed (e.g.

@@ -108,7 +108,10 @@ def prune(
 
     Args:
         directory: the directory given to ``save``.
-        keep_last, keep_best, metric, mode: see :func:`select_retained`.
+        keep_last: how many of the newest to keep; see :func:`select_retained`.
+        keep_best: how many of the best by ``metric`` to keep; see :func:`select_retained`.
+        metric: the manifest's metric that ranks them; see :func:`select_retained`.
+        mode: ``"min"`` or ``"max"``: which end of ``metric`` is best.
         storage_options: passed to fsspec.
 
     Returns:
