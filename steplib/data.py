@@ -174,7 +174,8 @@ def resumable_loader(
         A :class:`ResumableLoader`.
 
     Raises:
-        ConfigError: ``batch_size`` or ``num_workers`` out of range, or ``seed`` not an int.
+        ConfigError: ``batch_size`` or ``num_workers`` out of range, ``seed`` not an int, or
+            an empty ``dataset``.
 
     Example:
         >>> import torch
@@ -205,6 +206,14 @@ def resumable_loader(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(
             f"resumable_loader(seed=...) received {describe(seed)}; pass an int, e.g. seed=0."
+        )
+    if hasattr(dataset, "__len__") and len(dataset) == 0:
+        # torch would say only "num_samples should be a positive integer value" (shuffled) or
+        # train on nothing (not shuffled).
+        raise ConfigError(
+            f"resumable_loader(dataset) received an empty {type(dataset).__name__} (len 0): "
+            "there is nothing to train on. Check the path, split or filter that built it, and "
+            "pass a dataset with at least one sample."
         )
     return ResumableLoader(
         dataset,

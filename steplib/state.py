@@ -145,7 +145,8 @@ class TrainState:
 
         Raises:
             ConfigError: a piece of the wrong type, an optimizer over parameters that are not
-                the model's, or a scheduler bound to another optimizer.
+                the model's, a scheduler bound to another optimizer, or a schedule function
+                (``warmup_cosine(...)``) where a scheduler (``LambdaLR(optimizer, ...)``) goes.
 
         Example:
             >>> import torch
@@ -183,6 +184,20 @@ class TrainState:
                 f"parameters of the model ({type(model).__name__}); it was probably built for "
                 "another model or a copy of it. Build it from this model: "
                 "optimizer=torch.optim.AdamW(model.parameters(), ...)."
+            )
+        if callable(scheduler) and not hasattr(scheduler, "step"):
+            # A schedule function (steplib.schedules) is what LambdaLR takes, not a scheduler.
+            name = getattr(scheduler, "__qualname__", "")
+            if ".<locals>" in name:  # what a builder such as warmup_cosine(...) returns
+                example = f"{name.split('.<locals>')[0]}(...)"
+                received = f"the function that {example} returns"
+            else:
+                example, received = name if name.isidentifier() else "schedule", describe(scheduler)
+            raise ConfigError(
+                f"TrainState.create(scheduler=...) received {received}: a schedule function "
+                "(update index -> LR multiplier), not an LR scheduler. Wrap it in a LambdaLR "
+                "built from this optimizer: scheduler=torch.optim.lr_scheduler.LambdaLR("
+                f"optimizer, {example})."
             )
         if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
             raise ConfigError(

@@ -20,6 +20,7 @@ from steplib import (
     make_train_step,
     skip_nonfinite,
 )
+from steplib.schedules import warmup_cosine
 
 
 def _mse(model, batch):
@@ -148,6 +149,28 @@ def test_a_loss_fn_returning_a_non_scalar_tensor_is_refused():
     message = str(info.value)
     assert "a loss of shape (3, 1)" in message
     assert "return loss.mean()" in message
+
+
+def test_nanogpt_style_logits_and_loss_are_read_as_a_tuple_and_told_to_return_the_loss():
+    def nanogpt_loss_fn(model, batch):
+        logits = model(batch[0]).unsqueeze(1).expand(3, 4, 1)  # (B, T, V), as nanoGPT's
+        return logits, _mse(model, batch)  # nanoGPT's model(x, y) returns (logits, loss)
+
+    with pytest.raises(LossFnError) as info:
+        _call_with(nanogpt_loss_fn)
+    message = str(info.value)
+    assert "read as (loss_sum, num_targets)" in message
+    assert "shape (3, 4, 1)" in message
+    assert "`logits, loss = model(x, y); return loss`" in message
+    assert "loss.mean()" not in message  # the mean of the logits would be the wrong fix
+
+
+def test_a_non_scalar_first_item_of_a_loss_and_aux_tuple_says_how_it_was_read():
+    with pytest.raises(LossFnError) as info:
+        _call_with(lambda m, b: ((m(b[0]) - b[1]) ** 2, {"err": torch.ones(())}))
+    message = str(info.value)
+    assert "a tuple of 2 items, read as (loss, aux)" in message
+    assert "shape (3, 1)" in message and "loss.mean()" in message
 
 
 def test_a_loss_computed_without_grad_is_refused():
@@ -297,6 +320,17 @@ def test_create_accepts_an_optimizer_over_a_subset_of_the_parameters():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
     assert TrainState.create(model=model, optimizer=opt).optimizer is opt
+
+
+def test_create_says_a_schedule_function_is_not_a_scheduler_and_shows_lambdalr():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError) as info:
+        TrainState.create(model=model, optimizer=opt, scheduler=warmup_cosine(warmup=2, total=9))
+    message = str(info.value)
+    assert "the function that warmup_cosine(...) returns: a schedule function" in message
+    assert "LambdaLR(optimizer, warmup_cosine(...))" in message
+    assert "not bound" not in message
 
 
 def test_create_refuses_a_scheduler_bound_to_another_optimizer():

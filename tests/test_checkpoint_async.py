@@ -4,6 +4,7 @@ during the write is not corrupted, a second save waits, and errors surface later
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 import time
@@ -116,12 +117,35 @@ def test_background_error_surfaces_at_the_next_save_and_is_not_lost(tmp_path: Pa
 
 
 def test_background_error_surfaces_at_the_end_of_the_run(tmp_path: Path) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+    directory = tmp_path / "ckpt"
+
+    def break_the_directory(event: object) -> None:
+        # After the start's check: the directory becomes a file, so the save at 2 fails.
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.write_text("not a directory")
+
     step = make_train_step(mean_loss)
-    events = checkpoint_every(str(blocker / "ckpt"), every=2, background=True).attach(Events())
+    events = checkpoint_every(str(directory), every=2, background=True).attach(Events())
+    events.on("step_end", lambda e: break_the_directory(e) if e.step == 1 else None)
     with pytest.raises(CheckpointError, match=r"could not write"):
         run(step, make_state(), make_batches(3), events=events)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_directory_that_cannot_be_written_fails_before_the_first_update(
+    tmp_path: Path, background: bool
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    updates: list[int] = []
+    step = make_train_step(mean_loss)
+    events = checkpoint_every(str(blocker / "ckpt"), every=2, background=background).attach(
+        Events()
+    )
+    events.on("step_end", lambda e: updates.append(e.step))
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoints into .*a-file/ckpt"):
+        run(step, make_state(), make_batches(5), events=events)
+    assert updates == []  # not after the first save (or, in the background, the second)
 
 
 def test_background_checkpoint_every_writes_what_a_sync_one_writes(tmp_path: Path) -> None:

@@ -94,6 +94,14 @@ def test_a_position_of_another_kind_is_refused() -> None:
         resumable_loader(DATA, batch_size=3).load_state_dict({"_num_yielded": 1})
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_an_empty_dataset_is_refused_with_a_message_that_says_so(shuffle: bool) -> None:
+    # Shuffled, torch said only "num_samples should be a positive integer value, but got
+    # num_samples=0"; not shuffled, the loader trained on nothing.
+    with pytest.raises(ConfigError, match=r"received an empty Tensor \(len 0\)"):
+        resumable_loader(torch.arange(0), batch_size=3, shuffle=shuffle)
+
+
 def test_a_loader_without_its_own_generator_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"needs a torch\.Generator"):
         ResumableLoader(DATA, batch_size=3, shuffle=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,14 +13,16 @@ import fsspec
 import pytest
 import torch
 
-from steplib import ConfigError, Events, NewState, make_train_step, run
+from steplib import ConfigError, Event, Events, NewState, make_train_step, run
 from steplib.checkpoint import (
     CheckpointInfo,
     checkpoint_every,
+    handlers,
     list_checkpoints,
     prune,
     save,
     select_retained,
+    storage,
 )
 from tests.checkpoint_helpers import make_state, memory_dir
 from tests.reference import make_batches, mean_loss
@@ -138,3 +142,112 @@ def test_metrics_must_be_numbers(memory_dir: str) -> None:
         save(make_state(), memory_dir, metrics={"val": "low"})
     url = save(make_state(), memory_dir, metrics={"val": torch.tensor(0.25)})
     assert list_checkpoints(memory_dir)[-1].metrics == {"val": 0.25} and url
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_misspelt_keep_best_metric_is_refused_before_anything_is_pruned(
+    tmp_path: Path, background: bool
+) -> None:
+    directory = str(tmp_path / "ckpt")
+    state = make_state()
+    # A resumed run's directory: its best checkpoint (step 1) is the oldest.
+    for s, acc in ((1, 0.9), (2, 0.5), (3, 0.6)):
+        save(state.replace(step=s), directory, metrics={"val_accuracy": acc})
+    step = make_train_step(mean_loss)
+
+    def evaluate(event: object) -> NewState:
+        return NewState(event.state.replace(extras={"val_accuracy": 0.4}))  # type: ignore[attr-defined]
+
+    events = Events().on("step_end", evaluate)
+    ckpt = checkpoint_every(
+        directory,
+        every=1,
+        keep_last=1,
+        keep_best=1,
+        metric="val_acuracy",  # misspelt
+        mode="max",
+        step=step,
+        background=background,
+    )
+    ckpt.attach(events)
+    with pytest.raises(ConfigError, match=r"found no 'val_acuracy'") as info:
+        run(step, state.replace(step=3), make_batches(2), events=events)
+    assert "they are: loss, val_accuracy" in str(info.value)
+    ckpt.wait()
+    assert [c.step for c in list_checkpoints(directory)] == [1, 2, 3]  # nothing saved or pruned
+
+
+def test_a_save_killed_while_it_wrote_leaves_nothing_once_the_handler_starts(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "ckpt"
+    state = make_state()
+    save(state.replace(step=2), str(directory))
+    # Killed during its last save: the staging directory of a step newer than the newest.
+    (directory / ".tmp-step-00000003-0badf00d").mkdir()
+    (directory / ".tmp-step-00000003-0badf00d" / "model.pt").write_bytes(b"half")
+    ckpt = checkpoint_every(str(directory), every=100)  # no retention settings
+    ckpt.on_fit_start(Event("fit_start", state.replace(step=2), step=2))
+    assert sorted(os.listdir(directory)) == ["step-00000002"]
+
+
+def test_leftovers_go_at_the_next_save_but_not_a_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "ckpt"
+    state = make_state()
+    ckpt = checkpoint_every(str(directory), every=1, background=True)
+    ckpt.on_fit_start(Event("fit_start", state, step=0))
+    release, commit = threading.Event(), storage.commit
+
+    def held_commit(*args: object, **kwargs: object) -> storage.Location:
+        release.wait(timeout=30)
+        return commit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage, "commit", held_commit)
+    ckpt.save(Event("step_end", state.replace(step=1), step=1))
+    deadline = time.monotonic() + 30
+    while not (in_flight := [n for n in os.listdir(directory) if n.startswith(".tmp-step-")]):
+        assert time.monotonic() < deadline, "the background save never began"
+        time.sleep(0.01)
+    assert len(in_flight) == 1 and ckpt._saver is not None and ckpt._saver.pending
+    ckpt.on_fit_start(Event("fit_start", state, step=0))  # e.g. a notebook cell run again
+    assert in_flight[0] in os.listdir(directory)  # the save in flight owns it: untouched
+    release.set()
+    ckpt.wait()
+    (directory / ".tmp-step-00000007-0badf00d").mkdir()  # newer than the newest
+    ckpt.save(Event("step_end", state.replace(step=2), step=2))
+    ckpt.wait()
+    assert sorted(os.listdir(directory)) == ["step-00000001", "step-00000002"]
+
+
+def test_only_rank_0_removes_leftovers_newer_than_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "ckpt"
+    state = make_state()
+    save(state.replace(step=2), str(directory))
+    (directory / ".tmp-step-00000001-0badf00d").mkdir()  # older: any process removes it
+    (directory / ".tmp-step-00000003-0badf00d").mkdir()  # another rank may be writing it
+    monkeypatch.setattr(handlers, "is_main", lambda: False)
+    checkpoint_every(str(directory), every=100).on_fit_start(Event("fit_start", state, step=2))
+    assert sorted(os.listdir(directory)) == [".tmp-step-00000003-0badf00d", "step-00000002"]
+
+
+def test_a_save_off_the_schedule_without_the_metric_prunes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A run that ends before its first scheduled save: the save at fit_end is not refused (no
+    # evaluation may have run yet), but a misspelt metric must not prune the best either.
+    directory = str(tmp_path / "ckpt")
+    state = make_state()
+    for s, acc in ((1, 0.9), (2, 0.5)):
+        save(state.replace(step=s), directory, metrics={"val_accuracy": acc})
+    step = make_train_step(mean_loss)
+    events = checkpoint_every(
+        directory, every=100, keep_last=1, keep_best=1, metric="val_acuracy", mode="max"
+    ).attach(Events())
+    with caplog.at_level("WARNING", logger="steplib.checkpoint"):
+        run(step, state.replace(step=2), make_batches(2), events=events)
+    assert [c.step for c in list_checkpoints(directory)] == [1, 2, 4]
+    assert "'val_acuracy'" in caplog.text and "saved without pruning" in caplog.text

@@ -70,8 +70,10 @@ def _feed(values: list[float]):
 
 def test_early_stopping_stops_when_patience_runs_out() -> None:
     state, batches = _setup(20)
-    # Checks at 2, 4, ...: best 4.0 at step 4; 4.5, 4.2 wait 1 and 2; 4.1 waits 3 > 2: stop at 10.
-    stopper = EarlyStopping("val_loss", patience=2)
+    # Checks at 2, 4, ...: best 4.0 at step 4; 4.5, 4.2, 4.1 are the 1st, 2nd and 3rd checks
+    # without improvement: patience=3 stops at the 3rd (step 10), as Lightning, Keras, Ignite and
+    # the HF Trainer do.
+    stopper = EarlyStopping("val_loss", patience=3)
     events = Events().on("step_end", _feed([5.0, 4.0, 4.5, 4.2, 4.1, 1.0]), every=2)
     events.on("step_end", stopper, every=2)
     final = run(make_train_step(_loss_fn), state, batches, events=events)
@@ -79,8 +81,19 @@ def test_early_stopping_stops_when_patience_runs_out() -> None:
     assert (stopper.best.value, stopper.best.step, stopper.wait) == (4.0, 4, 3)
 
 
+@pytest.mark.parametrize("patience", [1, 2, 3, 5])
+def test_early_stopping_patience_counts_as_lightning_and_keras_do(patience) -> None:
+    # Lightning's and Keras's rule (wait_count >= patience after a check without improvement),
+    # written out as the oracle: the stop comes at the patience-th check, not one later.
+    stopper = EarlyStopping("val_loss", patience=patience)
+    values = [1.0] + [2.0] * 10
+    stops = [(i, stop) for i, v in enumerate(values) if (stop := stopper.update(v, step=i))]
+    assert stops[0][0] == patience
+    assert f"for {patience} checks" in stops[0][1].reason
+
+
 def test_early_stopping_min_delta_and_max_mode() -> None:
-    stopper = EarlyStopping("acc", mode="max", patience=0, min_delta=0.05)
+    stopper = EarlyStopping("acc", mode="max", patience=1, min_delta=0.05)
     assert stopper.update(0.50, step=1) is None
     assert stopper.update(0.60, step=2) is None  # +0.10: an improvement
     stop = stopper.update(0.64, step=3)  # +0.04 <= min_delta: not one
@@ -97,9 +110,9 @@ def test_early_stopping_with_the_evaluator_on_a_model_that_does_not_learn() -> N
         every=2,
     )
     events = evaluator.attach(Events())
-    events.on("step_end", EarlyStopping("val_loss", patience=1), every=2)
+    events.on("step_end", EarlyStopping("val_loss", patience=2), every=2)
     final = run(make_train_step(_loss_fn), state, batches, events=events)
-    assert final.step == 6  # best at 2, waits at 4 and 6 (> patience 1)
+    assert final.step == 6  # best at 2; no improvement at 4 and 6: the 2nd stops
 
 
 def test_early_stopping_state_round_trips() -> None:
@@ -126,6 +139,7 @@ def test_unknown_monitored_name_lists_the_available_ones() -> None:
         ({"mode": "median"}, "mode"),
         ({"mode": "MIN"}, "mode"),
         ({"patience": -1}, "patience"),
+        ({"patience": 0}, "patience=1 stops at the first one"),
         ({"min_delta": -0.1}, "min_delta"),
         ({"min_delta": float("nan")}, "min_delta"),
     ],

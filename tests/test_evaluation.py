@@ -311,7 +311,7 @@ def test_early_stopping_and_best_value_watch_the_named_set(monitor, stop_step) -
         monitor=monitor,
     )
     events = evaluator.attach(Events())
-    events.on("step_end", EarlyStopping(monitor, patience=1), every=1)
+    events.on("step_end", EarlyStopping(monitor, patience=2), every=1)
     final = _train_towards_one(events)
     assert final.step == stop_step  # ood_loss worsens from the first check: stop after 2 more
     watched = [values[monitor] for _, values in evaluator.history]

@@ -344,12 +344,47 @@ def test_tensorboard_scalars_read_back_with_tensorboards_reader(tmp_path: Path) 
     reader = EventAccumulator(str(tmp_path / "tb"))
     reader.Reload()
     tags = set(reader.Tags()["scalars"])
-    assert {"loss", "lr", "grad_norm", "acc", "num_targets", "epoch", "val_loss"} <= tags
-    assert not tags & {"step", "micro_step", "time", "note", "skipped"}
+    assert {"loss", "lr", "grad_norm", "acc", "val_loss"} <= tags
+    # Counters are not curves unless keys= asks for them.
+    assert not tags & {"step", "micro_step", "time", "note", "skipped", "epoch", "num_targets"}
     losses = reader.Scalars("loss")
     assert [s.step for s in losses] == [e.step for e in seen]
     assert [s.value for s in losses] == pytest.approx([float(e.output.loss) for e in seen])
     assert [(s.step, s.value) for s in reader.Scalars("val_loss")] == [(6, 1.25)]
+
+
+def test_tensorboard_plots_the_chosen_keys_once_per_step(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        EventAccumulator,
+    )
+
+    with TensorBoardLogger(str(tmp_path / "tb"), keys=["loss", "epoch"]) as tb:
+        tb.write({"step": 2, "epoch": 0, "updates": 2, "loss": 1.5, "lr": 0.1})
+        # A second record at the same step (an evaluation's, the one at fit_end): no new point.
+        tb.write({"step": 2, "epoch": 0, "loss": 1.5, "val_loss": 2.0})
+        tb.write({"step": 4, "epoch": 1, "loss": 1.0})
+    reader = EventAccumulator(str(tmp_path / "tb"))
+    reader.Reload()
+    assert set(reader.Tags()["scalars"]) == {"loss", "epoch"}
+    assert [(s.step, s.value) for s in reader.Scalars("loss")] == [(2, 1.5), (4, 1.0)]
+    assert [s.step for s in reader.Scalars("epoch")] == [2, 4]
+
+
+@pytest.mark.parametrize("sink", ["jsonl", "csv"])
+def test_file_sinks_write_the_chosen_keys_and_the_step(sink: str, tmp_path: Path) -> None:
+    url = str(tmp_path / f"log.{sink}")
+    logger = JsonlLogger(url, keys=["loss"]) if sink == "jsonl" else CSVLogger(url, keys=["loss"])
+    with logger:
+        logger.write({"step": 1, "epoch": 0, "loss": 0.5, "lr": 0.1})
+    text = (tmp_path / f"log.{sink}").read_text()
+    assert text.splitlines()[0] == ('{"step":1,"loss":0.5}' if sink == "jsonl" else "step,loss")
+
+
+@pytest.mark.parametrize("keys", ["loss", [""], [1]])
+def test_keys_that_are_not_a_list_of_names_are_refused(keys: object, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"keys=\['loss', 'lr', 'val_loss'\]"):
+        JsonlLogger(str(tmp_path / "log.jsonl"), keys=keys)  # type: ignore[arg-type]
 
 
 def test_tensorboard_failure_is_a_log_write_error_and_keeps_what_was_flushed(

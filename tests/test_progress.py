@@ -103,8 +103,55 @@ def test_bar_draws_in_a_plain_stream_and_closes_at_fit_end() -> None:
     assert final.step == 3
     assert bar.closed
     text = stream.getvalue()
-    assert "train" in text and "3/3" in text and "loss=" in text and "tok_s=" in text
+    assert "train" in text and "3/3" in text and "loss=" in text and "tokens/s=" in text
     bar.close()  # closing again is harmless
+
+
+def _mean_loss_run(bar: ProgressBar, n: int = 6, accumulation: int = 2) -> str:
+    state, _, batches = _setup(n)
+    step = make_train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]))  # a mean loss
+    run(accumulate(step, accumulation), state, batches, events=bar.attach(Events()))
+    assert isinstance(bar.file, io.StringIO)
+    return bar.file.getvalue()
+
+
+def test_a_mean_loss_rate_is_named_by_what_it_counts_not_tokens() -> None:
+    bar = ProgressBar(every=1, file=io.StringIO())
+    text = _mean_loss_run(bar)
+    assert "batches/s=" in text and "tokens" not in text
+    assert bar.stats["batches"] == 6  # one per micro-batch of a mean loss
+    bar = ProgressBar(every=1, file=io.StringIO(), samples_per_step=8)
+    text = _mean_loss_run(bar)
+    assert "samples/s=" in text and "tokens" not in text and "batches" not in text
+    assert bar.stats["samples"] == 3 * 8 and bar.stats["samples_per_s"] > 0
+    bar = ProgressBar(every=1, file=io.StringIO(), unit="images")
+    assert "images/s=" in _mean_loss_run(bar)
+
+
+def test_keys_choose_what_the_bar_shows_and_no_keys_reads_no_tensor() -> None:
+    bar = ProgressBar(every=1, file=io.StringIO(), keys=["loss"])
+    text = _mean_loss_run(bar)
+    assert "loss=" in text and "lr=" not in text and "/s=" not in text
+    bar = ProgressBar(every=1, file=io.StringIO(), keys=[])
+    reads: list[str] = []
+    with on_host_read(reads.append, READS):
+        text = _mean_loss_run(bar)
+    assert "loss=" not in text and bar.stats == {}
+    assert reads == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"keys": ["loss", "tok_s"]}, r"the bar shows some of \['loss', 'lr', 'rate'\]"),
+        ({"keys": "loss"}, "keys"),
+        ({"samples_per_step": 0}, "samples_per_step"),
+        ({"unit": ""}, "unit"),
+    ],
+)
+def test_bad_bar_choices_are_refused(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ProgressBar(**kwargs)
 
 
 def test_bar_closes_when_the_run_raises() -> None:

@@ -142,3 +142,16 @@ def test_tokens_from_a_user_function() -> None:
 def test_bad_settings_are_config_errors(kwargs, match) -> None:
     with pytest.raises(ConfigError, match=match):
         Throughput(**kwargs)
+
+
+@pytest.mark.parametrize(("accumulation", "unit"), [(1, None), (3, None), (3, "images")])
+def test_a_mean_loss_rate_is_named_batches_not_tokens(accumulation: int, unit: str | None) -> None:
+    from steplib import Events, TrainState, accumulate, make_train_step, run
+
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    step = accumulate(make_train_step(lambda m, b: m(b).pow(2).mean()), accumulation)
+    speed = Throughput(unit=unit)
+    run(step, state, [torch.ones(4, 2)] * 6, events=speed.attach(Events()))
+    stats = speed.read(None)
+    assert f"{unit or 'batches'}_per_s" in stats and "tokens_per_s" not in stats

@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
+from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
-from steplib.checkpoint.retention import check_retention, prune
+from steplib.checkpoint.retention import check_ranked_metric, check_retention, prune
 from steplib.checkpoint.saving import check_durable, save
 from steplib.checkpoint.sharded.layout import prunes_here
+from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 from steplib.state import TrainState
@@ -153,13 +155,26 @@ class Checkpointer:
         self.on_step_end(event)
 
     def on_fit_start(self, event: Event) -> None:
-        """Remember where the run starts: a resumed state is not saved again at the end."""
+        """Check that the directory can be written, remove what a killed save left in it, and
+        remember where the run starts (a resumed state is not saved again at the end).
+
+        Raises:
+            CheckpointError: the directory cannot be created or written.
+        """
         self._saved_at = _position(event.state)
+        directory = storage.resolve(self.directory, self.storage_options, caller=repr(self))
+        storage.check_writable(directory, caller=repr(self))
+        if prunes_here(event.state) and (self._saver is None or not self._saver.pending):
+            self._remove_leftovers()
 
     def on_step_end(self, event: Event) -> None:
-        """Save when ``event.step`` is a multiple of ``every`` (and not saved already)."""
+        """Save when ``event.step`` is a multiple of ``every`` (and not saved already).
+
+        Raises:
+            ConfigError: ``keep_best`` ranks by a ``metric`` this save's metrics do not hold.
+        """
         if event.step % self.every == 0 and _position(event.state) != self._saved_at:
-            self.save(event)
+            self._save(event, blocking=False, strict=True)
 
     def on_fit_end(self, event: Event) -> None:
         """Save the final state (with ``at_end``, if it moved since the last save or the
@@ -187,24 +202,44 @@ class Checkpointer:
             blocking: write in this thread even when the checkpointer saves in the background,
                 and return once committed (what a preemption save needs).
 
+        A save off the schedule (this one, the one at ``fit_end``, a preemption's) whose
+        metrics lack ``metric`` is written but prunes nothing (no evaluation may have run yet);
+        a scheduled save refuses it (:meth:`on_step_end`).
+
         Returns:
             The checkpoint's URL (the existing one if this position was already saved).
         """
+        return self._save(event, blocking=blocking, strict=False)
+
+    def _save(self, event: Event, *, blocking: bool, strict: bool) -> str:
         state: TrainState = event.state
         if self._saved_at == _position(state) and self.last_saved is not None:
             if blocking:
                 self.wait()
             return self.last_saved
+        metrics = self.metrics(event)
+        ranked = self.keep_best is None or self.metric in metrics
+        if strict:
+            check_ranked_metric(
+                "checkpoint_every", keep_best=self.keep_best, metric=self.metric, recorded=metrics
+            )
+        elif not ranked:
+            _log.warning(
+                "checkpoint_every(metric=%r): not among this checkpoint's metrics (%s); saved "
+                "without pruning, so that no best checkpoint is lost",
+                self.metric,
+                ", ".join(sorted(metrics)) or "none",
+            )
         arguments: dict[str, Any] = {
             "data": self.data,
             "extras": self.extras,
             "step": self.step,
-            "metrics": self.metrics(event),
+            "metrics": metrics,
             "storage_options": self.storage_options,
             "durable": self.durable,
         }
         # A sharded checkpoint is pruned by rank 0 alone: the ranks share one directory.
-        prune = self._prune if prunes_here(state) else None
+        prune = (self._prune if ranked else self._remove_leftovers) if prunes_here(state) else None
         if self._saver is not None and not blocking:
             url = self._saver.save(state, self.directory, after=prune, **arguments)
         else:
@@ -226,8 +261,6 @@ class Checkpointer:
             self._saver.wait()
 
     def _prune(self) -> None:
-        if self.keep_last is None and self.keep_best is None:
-            return
         prune(
             self.directory,
             keep_last=self.keep_last,
@@ -235,7 +268,22 @@ class Checkpointer:
             metric=self.metric,
             mode=self.mode,
             storage_options=self.storage_options,
+            leftovers=self._leftovers(),
         )
+
+    def _remove_leftovers(self) -> None:
+        prune(
+            self.directory,
+            keep_last=None,
+            storage_options=self.storage_options,
+            leftovers=self._leftovers(),
+        )
+
+    def _leftovers(self) -> str:
+        # Called only when this handler has no save in flight (at the start, or after its save
+        # committed), so no leftover is one of its own. A save of another rank may still be
+        # writing where each rank saves a whole checkpoint: only rank 0 removes the newest.
+        return "all" if is_main() else "older"
 
     def __repr__(self) -> str:
         return f"checkpoint_every({self.directory!r}, every={self.every})"
@@ -265,7 +313,8 @@ def checkpoint_every(
         every: save when ``state.step`` is a multiple of this (an int >= 1).
         keep_last: after each save keep the newest this many (``None``: keep all).
         keep_best: also keep the best this many by ``metric``.
-        metric: the metric ``keep_best`` ranks by (one of those ``metrics`` returns).
+        metric: the metric ``keep_best`` ranks by (one of those ``metrics`` returns); every
+            save checks that it is there, before anything is written or pruned.
         mode: ``"min"`` or ``"max"``: whether lower or higher ``metric`` is better.
         data: the loader whose position to save (see ``steplib.data.resumable_loader``).
         extras: more objects with ``state_dict()`` to save by name.
@@ -281,12 +330,19 @@ def checkpoint_every(
         durable: fsync each checkpoint before it counts as saved (see ``save``); ``False`` is
             faster, and a power loss soon after a save may lose that newest checkpoint.
 
+    When the run starts (``fit_start``), the handler checks that ``directory`` can be
+    written and removes what a killed save left there (``.tmp-*`` staging directories,
+    uncommitted checkpoints; rank 0 alone on several ranks); each save removes them too.
+
     Returns:
         A :class:`Checkpointer`; call ``.attach(events)``.
 
     Raises:
         ConfigError: ``every`` is not an int >= 1, ``durable`` not a bool, or invalid
-            retention settings.
+            retention settings; at a scheduled save (the first at the latest, before anything
+            is written or pruned), a ``metric`` that the checkpoint's metrics do not hold (the
+            message lists those they hold).
+        CheckpointError: at ``fit_start``, ``directory`` cannot be created or written.
 
     Example:
         >>> import torch

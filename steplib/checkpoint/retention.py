@@ -7,7 +7,7 @@ always kept (a resume needs it), whatever the settings.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from steplib.checkpoint import storage
@@ -39,6 +39,27 @@ def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any,
             f"{caller}(mode=...) received {describe(mode)}; it must be 'min' (lower is better, "
             "a loss) or 'max' (higher is better, an accuracy)."
         )
+
+
+def check_ranked_metric(
+    caller: str, *, keep_best: int | None, metric: str | None, recorded: Mapping[str, Any]
+) -> None:
+    """Raise ``ConfigError`` when ``keep_best`` ranks by a ``metric`` that this save does not
+    record: a misspelt name would rank nothing, and pruning would delete the best checkpoints.
+
+    Called before the checkpoint is written, so nothing has been pruned when it raises.
+    """
+    if keep_best is None or metric in recorded:
+        return
+    numbers = ", ".join(sorted(recorded)) or "(none)"
+    raise ConfigError(
+        f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among the "
+        f"metrics of this checkpoint; they are: {numbers}. Nothing was saved or pruned. Name "
+        "one of them (an evaluator's names carry its prefix: 'val_accuracy'); if it is the "
+        "evaluator's, register the evaluator before this handler and let it evaluate at every "
+        "save (its every= a divisor of this one's every=), or pass metrics= a function that "
+        "returns it."
+    )
 
 
 def select_retained(
@@ -98,13 +119,15 @@ def prune(
     metric: str | None = None,
     mode: str = "min",
     storage_options: StorageOptions = None,
+    leftovers: str = "older",
 ) -> list[str]:
     """Delete the checkpoints of ``directory`` that :func:`select_retained` does not keep.
 
-    Also removes what crashed saves left behind and is older than the newest checkpoint
-    (uncommitted directories, corrupt ones, hidden staging directories). A checkpoint is
-    uncommitted first (manifest, or the rename on a local disk) so that a crash while pruning
-    never leaves a half-deleted checkpoint that looks valid. Assumes one writer per directory.
+    Also removes what crashed saves left behind (uncommitted directories, corrupt ones, hidden
+    ``.tmp-*`` staging directories): those older than the newest checkpoint, or all of them
+    with ``leftovers="all"``. A checkpoint is uncommitted first (manifest, or the rename on a
+    local disk) so that a crash while pruning never leaves a half-deleted checkpoint that looks
+    valid. Assumes one writer per directory.
 
     Args:
         directory: the directory given to ``save``.
@@ -113,6 +136,9 @@ def prune(
         metric: the manifest's metric that ranks them; see :func:`select_retained`.
         mode: ``"min"`` or ``"max"``: which end of ``metric`` is best.
         storage_options: passed to fsspec.
+        leftovers: ``"older"``: leave those newer than the newest checkpoint, which a save in
+            flight may own; ``"all"``: remove them too (only when no save into ``directory``
+            is in flight: ``checkpoint_every`` does so when it starts and after each save).
 
     Returns:
         The URLs of the deleted checkpoints (not of the debris).
@@ -133,6 +159,12 @@ def prune(
         ['memory://doctest-prune/ckpt/step-00000001']
     """
     check_retention("prune", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
+    if leftovers not in ("older", "all"):
+        raise ConfigError(
+            f"prune(leftovers=...) received {describe(leftovers)}; pass 'older' (the default: "
+            "keep what a save in flight may own) or 'all' (no save into the directory is in "
+            "flight)."
+        )
     location = storage.resolve(directory, storage_options, caller="prune")
     checkpoints, debris = scan(location)
     kept = {
@@ -148,7 +180,8 @@ def prune(
             deleted.append(checkpoint.url)
     newest = max((c.name for c in checkpoints), default=None, key=_key)
     for leftover in debris:
-        if newest is not None and _key(_base_name(leftover.name)) < _key(newest):
+        older = newest is not None and _key(_base_name(leftover.name)) < _key(newest)
+        if older or leftovers == "all":
             storage.remove(leftover)
     return deleted
 

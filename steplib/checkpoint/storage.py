@@ -140,6 +140,29 @@ def exists(location: Location) -> bool:
     return bool(location.fs.exists(location.path))
 
 
+def check_writable(directory: Location, *, caller: str) -> None:
+    """Create ``directory`` and write and remove a small file in it, so that a directory that
+    cannot be written fails when a run starts, not at its first (or, saved in the background,
+    second) checkpoint.
+
+    Raises:
+        CheckpointError: it cannot be created or written (the message names the OS error).
+    """
+    probe = directory.child(f".steplib-write-test-{uuid.uuid4().hex[:8]}")
+    try:
+        directory.fs.makedirs(directory.path, exist_ok=True)
+        with directory.fs.open(probe.path, "wb") as file:
+            file.write(b"steplib")
+        directory.fs.rm(probe.path)
+    except Exception as err:  # any filesystem's own error type: all mean "cannot save here"
+        raise CheckpointError(
+            f"{caller} cannot write checkpoints into {directory.url!r} "
+            f"({type(err).__name__}: {err}); nothing was trained yet. Pass a directory this "
+            "process can create and write (check its permissions, free space and, for an "
+            "object store, the credentials in storage_options)."
+        ) from err
+
+
 def begin(directory: Location, name: str) -> Location:
     """Create the directory the files of checkpoint ``name`` are written into, and return it.
 

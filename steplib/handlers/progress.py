@@ -1,10 +1,12 @@
-"""A tqdm progress bar as an event handler: step, loss, learning rate and tokens/s.
+"""A tqdm progress bar as an event handler: step, loss, learning rate and a rate (tokens/s,
+samples/s or batches/s, named by what is counted).
 
 The bar advances on every ``step_end`` from host counters alone. It reads tensors (a host sync)
 only every ``every`` updates and at the end: in between, the target counts and the
 token-weighted loss are summed as tensors where the step left them, so a GPU is never made to
-wait per step. "Tokens" are the ``num_targets`` a ``loss_fn`` reports (1 per micro-batch for a
-plain scalar loss, so the rate is then micro-batches/s).
+wait per step. The rate counts the ``num_targets`` a ``loss_fn`` reports: tokens for
+``(loss_sum, num_targets)``; a plain mean loss counts one per micro-batch, so its rate is
+named batches/s (samples/s with ``samples_per_step``).
 
 The bar is ``tqdm.auto``'s: a widget in Jupyter and a text bar in a terminal or a log file;
 in a Jupyter kernel without ipywidgets, ``tqdm.std``'s text bar, chosen before ``tqdm.auto``
@@ -17,11 +19,13 @@ Imports ``events``, ``errors``, ``distributed`` and ``handlers.terminal`` (handl
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import IO, Any
 
 import torch
 
-from steplib.distributed import is_main
+from steplib import errors
+from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 from steplib.handlers.terminal import tqdm_class
@@ -38,9 +42,17 @@ class ProgressBar:
         file: where to draw the bar (tqdm's default, stderr, when ``None``).
         disable: draw nothing, and read no tensor. ``None`` (the default): draw on rank 0 only
             (``steplib.distributed.is_main()``, true without a process group).
+        keys: the numbers to show, among ``"loss"``, ``"lr"`` and ``"rate"`` (``None``: all
+            three; ``[]``: only the bar, and no tensor is read), as ``keys=`` of every sink.
+        samples_per_step: samples per update (``batch_size * accumulation``, times the world
+            size for a global rate): the rate is then ``samples/s``.
+        unit: what one of ``num_targets`` counts, to name the rate (``"tokens"``, ``"pixels"``);
+            ``None``: ``batches`` when each micro-batch counts one (a plain mean loss), else
+            ``tokens``.
 
     Raises:
-        ConfigError: ``total`` or ``every`` is not a positive int.
+        ConfigError: ``total`` or ``every`` is not a positive int, ``keys`` names another
+            number, ``samples_per_step`` not a positive int, ``unit`` not a non-empty string.
 
     Example:
         >>> import io, torch
@@ -52,7 +64,7 @@ class ProgressBar:
         >>> bar = ProgressBar(total=4, every=2, file=io.StringIO())
         >>> events = bar.attach(Events())
         >>> state = run(step, state, [torch.ones(3, 2)] * 4, events=events)
-        >>> bar.stats["step"], bar.stats["tokens"], bar.closed
+        >>> bar.stats["step"], bar.stats["batches"], bar.closed  # a mean loss: 1 per batch
         (4, 4, True)
     """
 
@@ -69,6 +81,9 @@ class ProgressBar:
         desc: str | None = None,
         file: IO[str] | None = None,
         disable: bool | None = None,
+        keys: Sequence[str] | None = None,
+        samples_per_step: int | None = None,
+        unit: str | None = None,
     ) -> None:
         for label, value in (("total", total), ("every", every)):
             if value is not None and (
@@ -78,6 +93,21 @@ class ProgressBar:
                     f"ProgressBar({label}=...) received {describe(value)}; it must be a positive "
                     f"int, e.g. ProgressBar(total=1000, every=10)."
                 )
+        shown = _SHOWN if keys is None else keys
+        if isinstance(shown, str) or not all(key in _SHOWN for key in shown):
+            raise ConfigError(
+                f"ProgressBar(keys=...) received {describe(keys)}; the bar shows some of "
+                f"{list(_SHOWN)}, e.g. keys=['loss', 'rate'], or keys=[] for the bar alone."
+            )
+        errors.optional_positive_int("ProgressBar", "samples_per_step", samples_per_step)
+        if unit is not None and (not isinstance(unit, str) or not unit):
+            raise ConfigError(
+                f"ProgressBar(unit=...) received {describe(unit)}; pass what one target counts, "
+                "e.g. unit='tokens', or None to name it from the counts."
+            )
+        self.keys = tuple(shown)
+        self.samples_per_step = samples_per_step
+        self.unit = unit
         self.total = total
         self.every = every
         self.desc = desc
@@ -120,7 +150,8 @@ class ProgressBar:
             disable=self.disable,
             dynamic_ncols=True,
         )
-        self._last_step = event.step
+        self._last_step = self._step_since = event.step
+        self._micro_step = self._micro_since = event.micro_step
 
     def on_step_end(self, event: Event) -> None:
         """Count the update; every ``every`` updates, read the sums and refresh the numbers."""
@@ -129,7 +160,7 @@ class ProgressBar:
         assert self._bar is not None
         self._bar.update(event.step - self._last_step)
         self._last_step = event.step
-        if self.disable or event.output is None:
+        if self.disable or not self.keys or event.output is None:
             return
         out = event.output
         # Device-side sums: no host read here. Weighting each update's loss by its targets
@@ -142,6 +173,7 @@ class ProgressBar:
             self._targets = self._targets + targets
             self._loss = self._loss + loss
         self._lr = out.lr
+        self._micro_step = event.micro_step
         if event.step % self.every == 0:
             self._refresh(event.step)
 
@@ -167,8 +199,10 @@ class ProgressBar:
 
     def _reset(self) -> None:
         self._targets = self._loss = self._lr = None
-        self._tokens = 0.0
+        self._counted = 0.0
         self._last_step = 0
+        # Host counters at the last refresh: the interval's micro-batches and updates.
+        self._micro_step = self._micro_since = self._step_since = 0
         self._since = time.perf_counter()
 
     def _refresh(self, step: int) -> None:
@@ -179,19 +213,32 @@ class ProgressBar:
         lr = self._lr.item()
         # Measured after the read, so on a GPU the interval covers work that has finished.
         now = time.perf_counter()
-        rate = targets / max(now - self._since, 1e-9)
-        self._tokens += targets
+        micro = self._micro_step
+        if self.samples_per_step is not None:
+            unit = "samples"
+            counted = float(self.samples_per_step * (step - self._step_since))
+        else:
+            batches = (micro - self._micro_since) * world_size()
+            unit = self.unit or ("batches" if targets == batches else "tokens")
+            counted = targets
+        rate = counted / max(now - self._since, 1e-9)
+        self._counted += counted
         self._targets = self._loss = None
-        self._since = now
+        self._since, self._micro_since, self._step_since = now, micro, step
         self.stats = {
             "step": step,
             "loss": loss,
             "lr": lr,
-            "tokens_per_s": rate,
-            "tokens": int(self._tokens) if self._tokens.is_integer() else self._tokens,
+            f"{unit}_per_s": rate,
+            unit: int(self._counted) if self._counted.is_integer() else self._counted,
         }
+        shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", f"{unit}/s": _si(rate)}
+        postfix = {k: v for k, v in shown.items() if ("rate" if "/" in k else k) in self.keys}
         assert self._bar is not None
-        self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", tok_s=_si(rate), refresh=True)
+        self._bar.set_postfix(postfix, refresh=True)
+
+
+_SHOWN = ("loss", "lr", "rate")
 
 
 def _si(value: float) -> str:

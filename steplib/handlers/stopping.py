@@ -126,7 +126,11 @@ def _is_number(value: Any) -> bool:
 
 
 class EarlyStopping:
-    """Stop when ``state.extras[monitor]`` has not improved for ``patience`` checks.
+    """Stop at the ``patience``-th check in a row without improvement of ``state.extras[monitor]``.
+
+    ``patience`` means what it means in Lightning, Keras, Ignite and the HF Trainer:
+    ``patience=3`` stops at the 3rd check without improvement (steplib 0.1.0 stopped at the
+    4th: to keep an old run's behaviour, add one).
 
     Each call is one check: register it after the evaluation handler, on the same event and
     interval, so that every check sees a fresh value::
@@ -137,7 +141,8 @@ class EarlyStopping:
     Args:
         monitor: the name in ``state.extras`` (an evaluator's names carry its prefix: ``val_``).
         mode: ``"min"`` or ``"max"``.
-        patience: checks without improvement tolerated; the next one stops (0: stop at the first).
+        patience: the number of checks in a row without improvement that stops training
+            (1: stop at the first check that does not improve).
         min_delta: an improvement must beat the best by more than this.
 
     Raises:
@@ -145,7 +150,7 @@ class EarlyStopping:
             message lists the names that are there).
 
     Example:
-        >>> stopper = EarlyStopping("val_loss", patience=1)
+        >>> stopper = EarlyStopping("val_loss", patience=2)
         >>> [stopper.update(v, step=s) is not None for s, v in enumerate([2.0, 1.0, 1.5, 1.2])]
         [False, False, False, True]
     """
@@ -158,10 +163,11 @@ class EarlyStopping:
                 f"EarlyStopping(monitor) received {describe(monitor)}; pass the name of a value "
                 "in state.extras, e.g. EarlyStopping('val_loss')."
             )
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ConfigError(
                 f"EarlyStopping(patience=...) received {describe(patience)}; it must be an int "
-                ">= 0 (checks without improvement to tolerate), e.g. patience=3."
+                ">= 1: the number of checks in a row without improvement that stops training "
+                "(patience=1 stops at the first one), e.g. patience=3."
             )
         self.monitor = monitor
         self.patience = patience
@@ -179,7 +185,8 @@ class EarlyStopping:
             self.wait = 0
             return None
         self.wait += 1
-        if self.wait <= self.patience:
+        # Lightning, Keras, Ignite and the HF Trainer stop when the count reaches patience.
+        if self.wait < self.patience:
             return None
         return Stop(
             f"early stopping: {self.monitor} has not improved by more than "

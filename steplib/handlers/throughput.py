@@ -1,4 +1,4 @@
-"""Throughput: updates/s, samples/s, tokens/s, achieved FLOP/s and MFU, as a log source.
+"""Throughput: updates/s, samples/s, tokens/s (batches/s for a mean loss), FLOP/s and MFU.
 
 FLOPs are counted once, before training, with ``torch.utils.flop_counter.FlopCounterMode``:
 :func:`flops_per_batch` runs one forward and backward of the loss function on the *meta* device
@@ -17,7 +17,7 @@ interval, so it costs no host sync per step::
     speed.attach(events)
     events.on("step_end", Log(jsonl, sources=[train.read, speed.read]), every=50)
 
-Imports ``events`` and ``errors`` only.
+Imports ``events``, ``errors`` and ``distributed`` only.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from steplib import errors
+from steplib.distributed import world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 
@@ -156,6 +157,9 @@ class Throughput:
             times the world size for a global rate), for ``samples_per_s``.
         tokens: ``tokens(output) -> count`` per update (a tensor stays on the device); the
             default is ``output.num_targets`` (the window's targets, summed over ranks).
+        unit: what one of those counts, to name the rate ``<unit>_per_s``; ``None``:
+            ``tokens``, or ``batches`` when the default count gives one per micro-batch (a
+            plain mean loss, whose ``num_targets`` counts micro-batches, not tokens).
         flops_per_step: FLOPs of one update of one process (see :func:`flops_per_batch`), for
             ``flops_per_s``.
         peak_flops: the peak FLOP/s of one device, for ``mfu`` (needs ``flops_per_step``).
@@ -182,6 +186,7 @@ class Throughput:
         *,
         samples_per_step: int | None = None,
         tokens: Callable[[Any], Any] | None = None,
+        unit: str | None = None,
         flops_per_step: float | None = None,
         peak_flops: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -195,6 +200,11 @@ class Throughput:
                 f"Throughput(tokens=...) received {describe(tokens)}; pass a function of the "
                 "StepOutput, e.g. tokens=lambda out: out.aux['tokens'], or None for num_targets."
             )
+        if unit is not None and (not isinstance(unit, str) or not unit):
+            raise ConfigError(
+                f"Throughput(unit=...) received {describe(unit)}; pass what one count is, e.g. "
+                "unit='tokens', or None to name it from the counts."
+            )
         if peak_flops is not None and flops_per_step is None:
             raise ConfigError(
                 "Throughput(peak_flops=...) needs flops_per_step to compute MFU. Count it: "
@@ -202,6 +212,7 @@ class Throughput:
             )
         self.samples_per_step = samples_per_step
         self.tokens = tokens if tokens is not None else _num_targets
+        self.unit = unit or ("tokens" if tokens is not None else None)
         self.flops_per_step = flops_per_step
         self.peak_flops = peak_flops
         self._clock = clock
@@ -209,11 +220,13 @@ class Throughput:
         # The last output counted: read() counts the event's own output if update() has not,
         # so the order of registration does not matter, and nothing is counted twice.
         self._last: Any = None
+        self._micro_step: int | None = None
         self._start()
 
     def _start(self) -> None:
         self._since = self._clock()
         self._steps = 0
+        self._micro_steps = 0
         self._tokens: Any = 0
 
     def attach(self, events: Events) -> Events:
@@ -222,14 +235,21 @@ class Throughput:
         Returns:
             ``events``, so calls chain.
         """
-        events.on("fit_start", lambda event: self._start())
+        events.on("fit_start", self._fit_start)
         return events.on("step_end", self.update)
+
+    def _fit_start(self, event: Event) -> None:
+        self._micro_step = event.micro_step
+        self._start()
 
     def update(self, event: Event) -> None:
         """Count one update and add its tokens (a device add, no host read)."""
         out = event.output
         if out is None or out is self._last:
             return
+        # Without fit_start (the user's own loop), the counter started at 0.
+        self._micro_steps += event.micro_step - (self._micro_step or 0)
+        self._micro_step = event.micro_step
         self._last = out
         self._steps += 1
         self._tokens = self._tokens + self.tokens(out)
@@ -238,7 +258,8 @@ class Throughput:
         """The rates since the last read (one host read of the token sum); restarts the clock.
 
         Returns:
-            ``steps_per_s``, ``tokens_per_s`` and, when configured, ``samples_per_s``,
+            ``steps_per_s``, ``tokens_per_s`` (named by ``unit``: ``batches_per_s`` for a
+            plain mean loss) and, when configured, ``samples_per_s``,
             ``flops_per_s`` and ``mfu`` (a fraction of ``peak_flops``). Empty before any update.
         """
         if event is not None:
@@ -250,7 +271,9 @@ class Throughput:
         # Timed after the read: on a GPU the interval then covers work that has finished.
         elapsed = max(self._clock() - self._since, 1e-9)
         steps_per_s = self._steps / elapsed
-        stats = {"steps_per_s": steps_per_s, "tokens_per_s": tokens / elapsed}
+        batches = self._micro_steps * world_size()
+        unit = self.unit or ("batches" if tokens == batches else "tokens")
+        stats = {"steps_per_s": steps_per_s, f"{unit}_per_s": tokens / elapsed}
         if self.samples_per_step is not None:
             stats["samples_per_s"] = self.samples_per_step * steps_per_s
         if self.flops_per_step is not None:

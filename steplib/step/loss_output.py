@@ -43,23 +43,58 @@ def parse_loss_output(result: Any) -> LossOutput:
         return LossOutput(result, 1, NO_AUX)
     aux: Any = NO_AUX
     count: Any = 1
+    form = ""
     if isinstance(result, tuple | list) and len(result) == 2:
         loss, second = result
         if type(second) is dict or isinstance(second, Mapping):  # dict first: ABC checks are slow
-            aux = second
+            aux, form = second, "(loss, aux)"
         else:
-            count = second
+            count, form = second, "(loss_sum, num_targets)"
     elif isinstance(result, tuple | list) and len(result) == 3:
         loss, count, aux = result
+        form = "(loss_sum, num_targets, aux)"
     elif isinstance(result, tuple | list):
         raise LossFnError(f"loss_fn returned a sequence of {len(result)} items. {_FORMS}")
     else:
         loss = result  # let _check_loss say what is wrong with it (e.g. a float from .item())
+    if form and isinstance(loss, torch.Tensor) and loss.ndim != 0:
+        raise LossFnError(_misread_tuple(result, form))
     _check_loss(loss)
     _check_count(count)
     if aux is not NO_AUX:
         _check_aux(aux)
     return LossOutput(loss, count, aux)
+
+
+def _is_scalar_loss(loss: Any) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()
+
+
+def _misread_tuple(result: tuple[Any, ...] | list[Any], form: str) -> str:
+    """What to say when the first item of a returned tuple is a tensor that is not a scalar:
+    the fix depends on how the tuple was read and on the other items, not on the first alone
+    ("return loss.mean()" is wrong for nanoGPT's (logits, loss))."""
+    first = result[0]
+    message = (
+        f"loss_fn returned a {type(result).__name__} of {len(result)} items, read as {form}; "
+        "its first item must be the scalar loss to back-propagate, and it is a tensor of "
+        f"shape {tuple(first.shape)} and dtype {first.dtype}. "
+    )
+    losses = [
+        i for i, item in enumerate(result[1:], 1) if _is_scalar_loss(item) and item.requires_grad
+    ]
+    if losses:
+        # nanoGPT's model(x, y) returns (logits, loss); returned as is, logits read as the loss.
+        return message + (
+            f"Item {losses[0]} is a scalar with a gradient: if this is a model's output such as "
+            "nanoGPT's (logits, loss) = model(x, y), return the loss alone: "
+            "`logits, loss = model(x, y); return loss` (or return (loss, {'name': tensor}) to "
+            "keep other tensors as aux)."
+        )
+    return message + (
+        "Put the loss first and reduce it to a scalar (loss.mean(), or loss.sum() with "
+        "num_targets for token weighting). " + _FORMS
+    )
 
 
 def _check_loss(loss: Any) -> None:

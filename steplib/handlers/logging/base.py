@@ -48,6 +48,37 @@ Source = Callable[[Event], Mapping[str, Any]]
 _RESERVED = ("step", "epoch", "micro_step", "time", "loss", "lr", "grad_norm", "num_targets")
 
 
+# Counters a record holds: the x axis, the timestamp and running counts. A plotting sink
+# (TensorBoard, W&B, MLflow) draws them only when its keys= name them: as curves they are noise.
+COUNTERS = ("step", "micro_step", "time", "epoch", "num_targets", "updates")
+
+
+def check_keys(owner: str, keys: Any) -> tuple[str, ...] | None:
+    """``keys`` as a tuple of names, or ``None`` (the sink's default).
+
+    Raises:
+        ConfigError: ``keys`` is a string or not a sequence of non-empty strings.
+    """
+    if keys is None:
+        return None
+    if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
+        raise ConfigError(
+            f"{owner}(keys=...) received {describe(keys)}; pass a list of the names to write, "
+            "e.g. keys=['loss', 'lr', 'val_loss'], or None for the default."
+        )
+    return tuple(keys)
+
+
+def select(
+    record: Record, keys: tuple[str, ...] | None, *, default_skip: Sequence[str] = ()
+) -> Record:
+    """The entries of ``record`` that a sink with ``keys`` writes: those named (and ``step``,
+    the x axis of every sink), or, with ``keys=None``, all but ``default_skip``."""
+    if keys is None:
+        return {k: v for k, v in record.items() if k not in default_skip}
+    return {k: v for k, v in record.items() if k in keys or k == "step"}
+
+
 class LogWriteError(StepLibError, OSError):
     """A logger could not open, write or close its destination."""
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from steplib.distributed import is_main
-from steplib.handlers.logging.base import Logger, LogWriteError, Record
+from steplib.handlers.logging.base import Logger, LogWriteError, Record, check_keys
 from steplib.handlers.terminal import tqdm_class
 
 
@@ -37,7 +37,7 @@ class ConsoleLogger(Logger):
         rank_zero_only: bool = True,
     ) -> None:
         self.file = file
-        self.keys = None if keys is None else tuple(keys)
+        self.keys = check_keys("ConsoleLogger", keys)
         self.active = is_main() or not rank_zero_only
         self.last: Record = {}
         self.records = 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from steplib.handlers.logging.base import LogWriteError, Record
+from steplib.handlers.logging.base import LogWriteError, Record, check_keys, select
 from steplib.handlers.logging.file_sink import FileSink
 
 
@@ -28,6 +28,8 @@ class CSVLogger(FileSink):
     Args:
         url: a local path or fsspec URL (parent directories are created).
         append: continue an existing file (its header is read back); ``False`` starts afresh.
+        keys: the names to write (and ``step``); ``None``: every name of the record, as for
+            every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only.
 
     Raises:
@@ -45,7 +47,15 @@ class CSVLogger(FileSink):
         2,,3.0
     """
 
-    def __init__(self, url: str, *, append: bool = True, rank_zero_only: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        append: bool = True,
+        keys: Sequence[str] | None = None,
+        rank_zero_only: bool = True,
+    ) -> None:
+        self.keys = check_keys("CSVLogger", keys)
         self.fields: list[str] = []
         self.open_file(url, append=append, rank_zero_only=rank_zero_only, example="metrics.csv")
 
@@ -63,6 +73,7 @@ class CSVLogger(FileSink):
         """
         if not self.active:
             return
+        record = select(record, self.keys)
         new = [name for name in record if name not in self.fields]
         if new and self.fields:
             self._rewrite([*self.fields, *new], record)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import orjson
 
-from steplib.handlers.logging.base import LogWriteError, Record
+from steplib.handlers.logging.base import LogWriteError, Record, check_keys, select
 from steplib.handlers.logging.file_sink import FileSink
 
 
@@ -20,6 +22,8 @@ class JsonlLogger(FileSink):
         url: where to write.
         append: keep the lines already there (a resumed run continues its log); ``False``
             starts the file afresh.
+        keys: the names to write (and ``step``); ``None``: every name of the record, as for
+            every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only (other ranks open nothing and write nothing).
 
     Raises:
@@ -35,7 +39,15 @@ class JsonlLogger(FileSink):
         {'step': 1, 'loss': 2.0}
     """
 
-    def __init__(self, url: str, *, append: bool = True, rank_zero_only: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        append: bool = True,
+        keys: Sequence[str] | None = None,
+        rank_zero_only: bool = True,
+    ) -> None:
+        self.keys = check_keys("JsonlLogger", keys)
         self.open_file(url, append=append, rank_zero_only=rank_zero_only, example="metrics.jsonl")
 
     def write(self, record: Record) -> None:
@@ -47,6 +59,7 @@ class JsonlLogger(FileSink):
         """
         if not self.active:
             return
+        record = select(record, self.keys)
         try:
             line = orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         except TypeError as error:

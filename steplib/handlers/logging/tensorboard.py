@@ -2,30 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
-from steplib.handlers.logging.base import Logger, LogWriteError, Record
-
-# Counters that every record holds and a scalar plot does not need.
-_NOT_PLOTTED = ("step", "micro_step", "time")
+from steplib.handlers.logging.base import (
+    COUNTERS,
+    Logger,
+    LogWriteError,
+    Record,
+    check_keys,
+    select,
+)
 
 
 class TensorBoardLogger(Logger):
     """Write every number of a record as a TensorBoard scalar at the record's ``step``.
 
     Needs the ``tb`` extra (``pip install 'steplib[tb]'``, i.e. ``tensorboard``); the events are
-    written by ``torch.utils.tensorboard.SummaryWriter`` and flushed after each record. ``step``,
-    ``micro_step`` and ``time`` are not plotted (``time`` is the wall time of the points);
-    non-numbers (lists, strings) are skipped.
+    written by ``torch.utils.tensorboard.SummaryWriter`` and flushed after each record. The
+    counters (``step``, ``micro_step``, ``time``, ``epoch``, ``num_targets``, ``updates``) are
+    not plotted unless ``keys`` names them (``time`` is the wall time of the points);
+    non-numbers (lists, strings) are skipped. A name is written once per step: a second record
+    at the same step (an evaluation's, the one at ``fit_end``) adds no duplicate point.
 
     Args:
         log_dir: the run's directory (``tensorboard --logdir`` its parent).
+        keys: the names to plot (``None``: every number but the counters), as for every sink
+            and ``ProgressBar``.
         rank_zero_only: write on rank 0 only.
 
     Raises:
-        ConfigError: ``log_dir`` is not a non-empty string, or tensorboard is not installed.
+        ConfigError: ``log_dir`` is not a non-empty string, ``keys`` not a list of names, or
+            tensorboard is not installed.
         LogWriteError: the directory cannot be created or written.
 
     Example:
@@ -34,13 +44,17 @@ class TensorBoardLogger(Logger):
         ...     tb.write({"step": 1, "loss": 2.0})
     """
 
-    def __init__(self, log_dir: str, *, rank_zero_only: bool = True) -> None:
+    def __init__(
+        self, log_dir: str, *, keys: Sequence[str] | None = None, rank_zero_only: bool = True
+    ) -> None:
         if not isinstance(log_dir, str) or not log_dir:
             raise ConfigError(
                 f"TensorBoardLogger(log_dir) received {describe(log_dir)}; pass a directory, "
                 "e.g. TensorBoardLogger('runs/exp/tb')."
             )
         self.log_dir = log_dir
+        self.keys = check_keys("TensorBoardLogger", keys)
+        self._last_step: dict[str, int] = {}  # per name: one point per step
         self.active = is_main() or not rank_zero_only
         self._writer: Any = None
         if not self.active:
@@ -76,11 +90,13 @@ class TensorBoardLogger(Logger):
         step = int(record.get("step", 0))
         wall_time = record.get("time")
         try:
-            for name, value in record.items():
-                if name in _NOT_PLOTTED or isinstance(value, bool):
+            for name, value in select(record, self.keys, default_skip=COUNTERS).items():
+                if name == "step" or isinstance(value, bool) or not isinstance(value, int | float):
                     continue
-                if isinstance(value, int | float):
-                    self._writer.add_scalar(name, value, global_step=step, walltime=wall_time)
+                if self._last_step.get(name) == step:
+                    continue
+                self._last_step[name] = step
+                self._writer.add_scalar(name, value, global_step=step, walltime=wall_time)
             self._writer.flush()
         except Exception as error:
             raise LogWriteError(

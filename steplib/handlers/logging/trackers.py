@@ -27,25 +27,27 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
-from steplib.handlers.logging.base import Logger, LogWriteError, Record
+from steplib.handlers.logging.base import (
+    COUNTERS,
+    Logger,
+    LogWriteError,
+    Record,
+    check_keys,
+    select,
+)
 
-# Counters every record holds that are the x axis or the timestamp, not a curve.
-_NOT_PLOTTED = ("step", "micro_step", "time")
 
-
-def _numbers(record: Record) -> dict[str, float]:
+def _numbers(record: Record, keys: tuple[str, ...] | None) -> dict[str, float]:
     return {
         name: value
-        for name, value in record.items()
-        if name not in _NOT_PLOTTED
-        and not isinstance(value, bool)
-        and isinstance(value, int | float)
+        for name, value in select(record, keys, default_skip=COUNTERS).items()
+        if name != "step" and not isinstance(value, bool) and isinstance(value, int | float)
     }
 
 
@@ -85,6 +87,8 @@ class WandbLogger(Logger):
             default (the working directory).
         config: hyperparameters to record with the run (a mapping of plain values).
         name: the run's display name (W&B picks one when ``None``).
+        keys: the names to log (``None``: every number but the counters ``epoch``,
+            ``num_targets``, ``updates``, ...), as for every sink and ``ProgressBar``.
         rank_zero_only: create the run and log on rank 0 only.
         **init_kwargs: more keyword arguments for ``wandb.init`` (``tags``, ``group``,
             ``settings``, ...).
@@ -109,6 +113,7 @@ class WandbLogger(Logger):
         dir: str | None = None,  # wandb.init's own name for it
         config: Mapping[str, Any] | None = None,
         name: str | None = None,
+        keys: Sequence[str] | None = None,
         rank_zero_only: bool = True,
         **init_kwargs: Any,
     ) -> None:
@@ -125,6 +130,7 @@ class WandbLogger(Logger):
             )
         self.project = project
         self.dir = dir
+        self.keys = check_keys("WandbLogger", keys)
         self.active = is_main() or not rank_zero_only
         # The wandb Run (.id, .dir, .settings.sync_file, ...), kept after close for reading.
         self.run: Any = None
@@ -169,7 +175,7 @@ class WandbLogger(Logger):
                 "Create a new logger, or keep the `with WandbLogger(...)` block open."
             )
         try:
-            self.run.log(_numbers(record), step=int(record.get("step", 0)))
+            self.run.log(_numbers(record, self.keys), step=int(record.get("step", 0)))
         except Exception as error:
             raise LogWriteError(
                 f"WandbLogger(project={self.project!r}) could not log {record!r}: {error!r}."
@@ -224,6 +230,8 @@ class MLflowLogger(Logger):
         run_name: the run's name (MLflow picks one when ``None``).
         params: hyperparameters to record as the run's parameters.
         tags: tags for the run.
+        keys: the names to log (``None``: every number but the counters ``epoch``,
+            ``num_targets``, ``updates``, ...), as for every sink and ``ProgressBar``.
         rank_zero_only: create the run and log on rank 0 only.
 
     Raises:
@@ -245,6 +253,7 @@ class MLflowLogger(Logger):
         run_name: str | None = None,
         params: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
+        keys: Sequence[str] | None = None,
         rank_zero_only: bool = True,
     ) -> None:
         _check_name("MLflowLogger", "tracking_uri", tracking_uri, "sqlite:///runs/mlflow.db")
@@ -256,6 +265,7 @@ class MLflowLogger(Logger):
                     f"e.g. {label}={{'lr': '3e-4'}}."
                 )
         self.tracking_uri = tracking_uri
+        self.keys = check_keys("MLflowLogger", keys)
         self.active = is_main() or not rank_zero_only
         self.run_id: str | None = None
         if not self.active:
@@ -303,7 +313,7 @@ class MLflowLogger(Logger):
         stamp = int(float(record.get("time", 0.0)) * 1000)
         metrics = [
             self._metric(name, float(value), stamp, step)
-            for name, value in _numbers(record).items()
+            for name, value in _numbers(record, self.keys).items()
         ]
         if not metrics:
             return
