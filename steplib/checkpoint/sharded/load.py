@@ -71,7 +71,8 @@ def load_sharded(
         CorruptCheckpointError: a file is missing, truncated or altered (named; every rank
             raises it).
         ConfigError: the checkpoint does not fit ``state``, or per-rank state (a data
-            position, an open window) is asked for on another world size.
+            position without ``shard=True``, an open window) is asked for on another world
+            size, or a sharded data position this loader cannot continue exactly.
     """
     url = location.url
     check_fingerprint(manifest.fingerprint, step, checkpoint=url, ignore=DISTRIBUTION_WRAPPERS)
