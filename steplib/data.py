@@ -174,6 +174,7 @@ class ResumableLoader(StatefulDataLoader):
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
         if isinstance(self.sampler, ShardedSampler):
+            self.sampler.start_epoch()
             self.generator.manual_seed(self.sampler.worker_seed())
             return super()._get_iterator()
         if self._pending is None:

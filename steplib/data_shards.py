@@ -28,9 +28,10 @@ SHARDED = "sharded"
 
 
 class ShardedSampler(Sampler[int]):
-    """This rank's share of every epoch; each ``iter()`` is the next epoch (it sets the epoch
-    itself: no ``set_epoch`` to forget). Build it through
-    ``resumable_loader(dataset, ..., shard=True)``.
+    """This rank's share of every epoch. Build it through
+    ``resumable_loader(dataset, ..., shard=True)``, whose loader moves it to the next epoch at
+    every pass (:meth:`start_epoch`: no ``set_epoch`` to forget); ``iter()`` itself only reads
+    the position, because a DataLoader may call it more than once per pass (with workers).
 
     With ``offset == 0`` rank ``rank`` gets exactly what
     ``DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
@@ -45,8 +46,9 @@ class ShardedSampler(Sampler[int]):
         shuffle: a new permutation every epoch; ``False`` keeps the dataset's order.
 
     Attributes:
-        epoch: the epoch the next ``iter()`` yields.
-        offset: the samples of that epoch the ranks together have already consumed.
+        epoch: the epoch ``iter()`` yields.
+        offset: the samples of that epoch the ranks together had consumed when it (re)started.
+        begun: a loader has begun a pass over this epoch (the next pass is the next epoch).
 
     Example:
         >>> from torch.utils.data import DistributedSampler
@@ -78,8 +80,7 @@ class ShardedSampler(Sampler[int]):
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.epoch = 0
         self.offset = 0
-        # (epoch, offset) of the epoch the last iter() started; None before the first one.
-        self.current: tuple[int, int] | None = None
+        self.begun = False
 
     def order(self) -> torch.Tensor:
         """The global order of epoch ``self.epoch`` (every rank computes the same).
@@ -96,17 +97,21 @@ class ShardedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         rest = self.order()[self.offset :]
         usable = len(rest) - len(rest) % self.world_size
-        mine = rest[self.rank : usable : self.world_size].tolist()
-        # The following iter() is the next epoch, from its start: iterating is what moves on.
-        self.current = (self.epoch, self.offset)
-        self.epoch, self.offset = self.epoch + 1, 0
-        return iter(mine)
+        return iter(rest[self.rank : usable : self.world_size].tolist())
 
     def __len__(self) -> int:
-        return (self.size - self.offset) // self.world_size
+        # What the next pass yields: the rest of a resumed epoch, or a whole one.
+        return (self.size - (0 if self.begun else self.offset)) // self.world_size
+
+    def start_epoch(self) -> None:
+        """Move to the epoch that the loader's next pass yields: the following epoch from its
+        start, unless no pass has begun this one yet (a new or resumed sampler)."""
+        if self.begun:
+            self.epoch, self.offset = self.epoch + 1, 0
+        self.begun = True
 
     def worker_seed(self) -> int:
-        """The seed of the loader's generator for the next epoch (its workers' base seed).
+        """The seed of the loader's generator for this epoch's pass (its workers' base seed).
 
         Derived from the position alone, so that a resumed run's workers start as the
         uninterrupted run's would; the rank is part of it because torch would otherwise give
@@ -124,7 +129,7 @@ class ShardedSampler(Sampler[int]):
 
         Args:
             batch_size: samples per batch on each rank (1 when every item is a batch).
-            batches: batches this rank has yielded of the epoch the last ``iter()`` started.
+            batches: batches this rank has yielded in the current pass.
             finished: that epoch's iterator has ended (the loop has counted the epoch).
             drop_last: the loader drops the last, smaller batch of an epoch.
 
@@ -136,20 +141,19 @@ class ShardedSampler(Sampler[int]):
 
         Example:
             >>> sampler = ShardedSampler(12, rank=0, world_size=2, seed=0)
-            >>> first_epoch = iter(sampler)
+            >>> sampler.start_epoch()  # a loader's first pass
             >>> where = sampler.position(batch_size=2, batches=1, finished=False, drop_last=False)
             >>> where["epoch"], where["samples"]  # 1 batch of 2 on each of 2 ranks
             (0, 4)
         """
         epoch, samples, uncounted = self.epoch, self.offset, False
-        if self.current is not None:
-            epoch, start = self.current
-            per_rank = (self.size - start) // self.world_size
+        if self.begun:
+            per_rank = (self.size - self.offset) // self.world_size
             in_epoch = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
             if finished or batches >= in_epoch:
                 epoch, samples, uncounted = epoch + 1, 0, not finished
             else:
-                samples = start + batches * batch_size * self.world_size
+                samples = self.offset + batches * batch_size * self.world_size
         return {
             "epoch": epoch,
             "samples": samples,
@@ -177,7 +181,7 @@ class ShardedSampler(Sampler[int]):
 
         Example:
             >>> saved = ShardedSampler(48, rank=0, world_size=4)
-            >>> _ = iter(saved)
+            >>> saved.start_epoch()
             >>> position = saved.position(batch_size=2, batches=3, finished=False,
             ...                           drop_last=False)
             >>> position["samples"]  # 3 batches of 2 on 4 ranks
@@ -226,8 +230,8 @@ class ShardedSampler(Sampler[int]):
             )
 
     def resume(self, position: Mapping[str, Any], *, batch_size: int) -> bool:
-        """Continue from ``position`` (see :meth:`check`): the next ``iter()`` yields this
-        rank's share of the rest of that epoch.
+        """Continue from ``position`` (see :meth:`check`): the next pass yields this rank's
+        share of the rest of that epoch.
 
         Args:
             position: what :meth:`position` returned, on this or another world size.
@@ -242,7 +246,7 @@ class ShardedSampler(Sampler[int]):
         Example:
             >>> four = [ShardedSampler(16, rank=r, world_size=4, seed=1) for r in range(4)]
             >>> for s in four:
-            ...     _ = iter(s)
+            ...     s.start_epoch()
             >>> position = four[0].position(batch_size=1, batches=2, finished=False,
             ...                             drop_last=False)
             >>> resumed = ShardedSampler(16, rank=0, world_size=2, seed=1)
@@ -253,7 +257,7 @@ class ShardedSampler(Sampler[int]):
         """
         self.check(position, batch_size=batch_size)
         self.epoch, self.offset = int(position["epoch"]), int(position["samples"])
-        self.current = None
+        self.begun = False
         return bool(position["uncounted_epoch_end"])
 
 

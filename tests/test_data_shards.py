@@ -61,6 +61,18 @@ def test_4_ranks_resumed_on_2_yield_what_an_uninterrupted_2_rank_run_yields(
         assert resumed.epoch_completed_on_load == (batches == 6)
 
 
+def test_with_workers_the_epochs_and_a_resume_on_another_world_size_are_the_same() -> None:
+    # A DataLoader with workers iterates its sampler more than once per pass: that must not
+    # move the epoch on.
+    assert _epochs(_loader(1, 2, 4, num_workers=2), 2) == _epochs(_loader(1, 2, 4), 2)
+    saving = _loader(0, 4, 2, num_workers=2)
+    position = _after(saving, 3)
+    assert position["sharded"]["epoch"] == 0
+    resumed = _loader(1, 2, 4, num_workers=2)
+    resumed.load_state_dict(position)
+    assert _epochs(resumed, 2) == _epochs(_loader(1, 2, 4), 2)[3:]
+
+
 def test_the_position_counts_the_samples_of_all_ranks_and_the_uncounted_epoch_end() -> None:
     loader = _loader(1, 4, 2)
     assert _after(loader, 2)["sharded"]["samples"] == 2 * 2 * 4
