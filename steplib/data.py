@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from steplib.data_shards import SHARDED, ShardedSampler
+from steplib.distributed.process_group import rank, world_size
 from steplib.errors import ConfigError, describe
 
 # torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
@@ -79,8 +81,13 @@ class ResumableLoader(StatefulDataLoader):
 
         Returns:
             ``{"loader": torchdata's state, "generator": the generator now,
-            "epoch_start_generator": the generator before this epoch's iterator drew from it}``.
+            "epoch_start_generator": the generator before this epoch's iterator drew from it}``;
+            with a :class:`~steplib.data_shards.ShardedSampler`, ``{"sharded": the position
+            in the global order}`` (see ``ShardedSampler.position``), which any world size
+            can continue from.
         """
+        if isinstance(self.sampler, ShardedSampler):
+            return {SHARDED: self._sharded_position()}
         loader_state = super().state_dict()  # may create the epoch's iterator (and draw)
         return {
             "loader": loader_state,
@@ -95,9 +102,18 @@ class ResumableLoader(StatefulDataLoader):
         resumed at the start of the next epoch; ``epoch_completed_on_load`` is then True, so
         that the caller can count the epoch as complete.
 
+        A sharded position (``shard=True``) may come from another world size: the data then
+        continues from the samples the saving ranks consumed together (see
+        :meth:`~steplib.data_shards.ShardedSampler.check` for when that is refused).
+
         Raises:
-            ConfigError: ``state_dict`` was not made by a ``ResumableLoader``.
+            ConfigError: ``state_dict`` was not made by a ``ResumableLoader`` of the same kind
+                (sharded or not), or a sharded one cannot continue here.
         """
+        sharded = isinstance(self.sampler, ShardedSampler)
+        if sharded or (isinstance(state_dict, Mapping) and SHARDED in state_dict):
+            self._load_sharded(state_dict)
+            return
         if not isinstance(state_dict, Mapping) or "loader" not in state_dict:
             raise ConfigError(
                 f"ResumableLoader.load_state_dict received {describe(state_dict)}, which is not "
@@ -120,8 +136,47 @@ class ResumableLoader(StatefulDataLoader):
         self._pending = (state_dict["epoch_start_generator"], state_dict["generator"])
         self._pending_left = None if yielded is None else full - yielded
 
+    def _sharded_position(self) -> dict[str, Any]:
+        assert isinstance(self.sampler, ShardedSampler)
+        batch_size = self.batch_size or 1
+        if self._iterator is None:  # no epoch begun since built or resumed: no iterator made
+            return self.sampler.position(
+                batch_size=batch_size, batches=0, finished=False, drop_last=self.drop_last
+            )
+        loader_state = super().state_dict()
+        yielded = _batches_yielded(loader_state)
+        if yielded is None:
+            raise ConfigError(
+                "ResumableLoader(shard=True).state_dict: this torchdata version's state does "
+                "not say how many batches were yielded, so the position cannot be saved. "
+                "Install torchdata 0.10 or 0.11."
+            )
+        return self.sampler.position(
+            batch_size=batch_size,
+            batches=yielded,
+            finished=bool(loader_state.get(_FINISHED, False)),
+            drop_last=self.drop_last,
+        )
+
+    def _load_sharded(self, state_dict: Any) -> None:
+        if not isinstance(self.sampler, ShardedSampler):
+            raise ConfigError(
+                "ResumableLoader.load_state_dict received a sharded position (saved by "
+                "resumable_loader(..., shard=True)) but this loader is not sharded. Build it "
+                "as the saving run did: resumable_loader(dataset, ..., shard=True)."
+            )
+        position = state_dict.get(SHARDED) if isinstance(state_dict, Mapping) else None
+        self.epoch_completed_on_load = self.sampler.resume(
+            position if position is not None else state_dict, batch_size=self.batch_size or 1
+        )
+        super().load_state_dict({})  # a fresh iterator: the sampler starts at the position
+
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
+        if isinstance(self.sampler, ShardedSampler):
+            self.sampler.start_epoch()
+            self.generator.manual_seed(self.sampler.worker_seed())
+            return super()._get_iterator()
         if self._pending is None:
             self._epoch_start_rng = self.generator.get_state()
             return super()._get_iterator()
@@ -151,6 +206,7 @@ def resumable_loader(
     num_workers: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pin_memory: bool = False,
+    shard: bool = False,
 ) -> ResumableLoader:
     """A data loader over a map-style ``dataset`` whose position belongs in a checkpoint.
 
@@ -169,13 +225,32 @@ def resumable_loader(
         num_workers: worker processes (0 loads in the main process).
         collate_fn: how samples become a batch (torch's default collation when ``None``).
         pin_memory: copy batches into pinned memory (faster host-to-GPU copies).
+        shard: share every epoch out among the ranks of the default process group (each rank
+            gets ``len(dataset) // world_size`` samples, as from ``DistributedSampler(...,
+            drop_last=True)``; build it on every rank with the same ``seed``), with a
+            position that another world size can resume from; see "Resuming on another
+            number of ranks" below. ``batch_size`` is then per rank.
+
+    Resuming on another number of ranks: with ``shard=True`` a checkpoint keeps the epoch and
+    the number of samples all ranks have consumed together, not a per-rank position. Loaded on
+    another world size (a sharded checkpoint: the model and optimizer are resharded by DCP),
+    every rank continues with its share of the rest of that epoch: exactly the batches an
+    uninterrupted run on the new world size yields from that point on, when the new ranks
+    together consume a whole number of batches in it (``batch_size x world_size`` divides the
+    count; otherwise ``load`` raises ``ConfigError`` with the batch size to use). The
+    parameters then follow the uninterrupted run on the new world size when the samples per
+    update are the same (keep ``batch_size x world_size x accumulation``). What is not
+    carried over: the per-rank RNG states (dropout continues from the process's own). Without
+    ``shard=True`` each rank's position is its own and ``load`` refuses it on another world
+    size.
 
     Returns:
         A :class:`ResumableLoader`.
 
     Raises:
-        ConfigError: ``batch_size`` or ``num_workers`` out of range, ``seed`` not an int, or
-            an empty ``dataset``.
+        ConfigError: ``batch_size`` or ``num_workers`` out of range, ``seed`` not an int, an
+            empty ``dataset``, or ``shard=True`` with ``len(dataset)`` smaller than the number
+            of ranks.
 
     Example:
         >>> import torch
@@ -189,6 +264,14 @@ def resumable_loader(
         2
         >>> [b.tolist() for b in resumed] == [b.tolist() for b in it]
         True
+
+        Sharded (here one process, so one rank; on 4 ranks each rank gets a quarter):
+
+        >>> sharded = resumable_loader(torch.arange(6), batch_size=2, seed=0, shard=True)
+        >>> it = iter(sharded)
+        >>> first = next(it)
+        >>> sharded.state_dict()["sharded"]["samples"]  # consumed by all ranks together
+        2
     """
     if batch_size is not None and (
         isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
@@ -215,10 +298,23 @@ def resumable_loader(
             "there is nothing to train on. Check the path, split or filter that built it, and "
             "pass a dataset with at least one sample."
         )
+    sampler = None
+    if shard:
+        ranks = world_size()
+        if len(dataset) < ranks:
+            raise ConfigError(
+                f"resumable_loader(shard=True) received a dataset of {len(dataset)} samples for "
+                f"{ranks} ranks: some rank would get no data. Use at most "
+                f"{max(len(dataset), 1)} ranks, or a larger dataset."
+            )
+        sampler = ShardedSampler(
+            len(dataset), rank=rank(), world_size=ranks, seed=seed, shuffle=shuffle
+        )
     return ResumableLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
+        sampler=sampler,
+        shuffle=shuffle and sampler is None,
         drop_last=drop_last,
         num_workers=num_workers,
         collate_fn=collate_fn,

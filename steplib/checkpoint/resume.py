@@ -90,9 +90,17 @@ def resume_from(
     ``CorruptCheckpointError`` when every checkpoint is corrupt, and ``ConfigError`` when the
     newest valid one does not fit the state or the step: neither starts the run over silently.
 
+    On another number of ranks (a sharded checkpoint: DCP reshards the model and optimizer),
+    pass a loader built with ``resumable_loader(..., shard=True)``: the data continues where
+    an uninterrupted run on the new world size would be. A per-rank position (no
+    ``shard=True``) is refused there with ``ConfigError``, as is a sample count that is not
+    a whole number of the new global batches (the message gives the ``batch_size`` to use);
+    see ``docs/resume_on_another_world_size.md``.
+
     Args:
         directory: the directory ``checkpoint_every`` / ``save`` write into.
-        data: the loader to continue from the saved position.
+        data: the loader to continue from the saved position (``shard=True`` to resume on
+            another number of ranks).
         extras: the objects saved with ``extras=``, to load into.
         step: the Step; a checkpoint of another composition raises ``ConfigError``.
         storage_options: passed to fsspec.

@@ -27,8 +27,10 @@ Loading (``load.py``) goes through ``get_state_dict`` / ``set_state_dict`` of
 ``torch.distributed.checkpoint.state_dict``, whose parameter names are the same for DDP,
 FSDP2 and a plain module, and DCP reshards: a checkpoint of 2 ranks loads into 1 rank, 4 ranks,
 or a plain module in a process without a process group. On another world size, what belongs
-to one rank cannot be mapped onto another: the RNG states are not restored, a data position
-and an open accumulation window are refused (``ConfigError`` with the fix).
+to one rank cannot be mapped onto another: the RNG states are not restored, an open
+accumulation window is refused (``ConfigError`` with the fix), and so is a data position,
+unless it is a sharded loader's (``resumable_loader(..., shard=True)``): that one counts the
+samples of all ranks, and the new ranks continue from it (``steplib.data_shards``).
 
 Modules: ``layout`` (which states are sharded, the names of their files; no DCP import),
 ``save`` (gather, snapshot, write and commit), ``load``, and ``dcp_io`` (DCP's side: the

@@ -47,6 +47,7 @@ from steplib.checkpoint.sharded.layout import (
     rank_file,
 )
 from steplib.checkpoint.storage import Location
+from steplib.data_shards import check_new_world
 from steplib.errors import ConfigError
 from steplib.state import TrainState
 
@@ -70,7 +71,8 @@ def load_sharded(
         CorruptCheckpointError: a file is missing, truncated or altered (named; every rank
             raises it).
         ConfigError: the checkpoint does not fit ``state``, or per-rank state (a data
-            position, an open window) is asked for on another world size.
+            position without ``shard=True``, an open window) is asked for on another world
+            size, or a sharded data position this loader cannot continue exactly.
     """
     url = location.url
     check_fingerprint(manifest.fingerprint, step, checkpoint=url, ignore=DISTRIBUTION_WRAPPERS)
@@ -99,7 +101,9 @@ def load_sharded(
         checkpoint=url,
     )
     check_train_state(train_state, state, data=data, extras=extras, checkpoint=url)
-    _check_placement(manifest, state, data=data, world=world, checkpoint=url)
+    _check_placement(
+        manifest, state, data=data, position=train_state["data"], world=world, checkpoint=url
+    )
     if not same_world and _holds_dtensor(train_state["objects"]):
         raise ConfigError(
             f"load(extras=...): checkpoint {url} was written by {manifest.world_size} ranks "
@@ -185,17 +189,21 @@ def _read_rank_file(location: Location, checkpoint: str) -> dict[str, Any]:
 
 
 def _check_placement(
-    manifest: Manifest, state: TrainState, *, data: Any, world: int, checkpoint: str
+    manifest: Manifest,
+    state: TrainState,
+    *,
+    data: Any,
+    position: Any,
+    world: int,
+    checkpoint: str,
 ) -> None:
     """Refuse what cannot move to another world size or distribution (before any change)."""
     saved = manifest.world_size
     if world != saved and data is not None:
-        raise ConfigError(
-            f"load(data=...): checkpoint {checkpoint} was written by {saved} ranks and is "
-            f"loaded on {world}; each rank's data position belongs to that rank's share of "
-            "the data, which another world size splits differently. Pass data=None (the "
-            "model and optimizer are resharded; the data starts from the beginning), or "
-            f"resume on {saved} ranks."
+        # Only a sharded loader's position (samples consumed by all ranks) means the same on
+        # every world size; rank 0's file holds it, as every rank's does.
+        check_new_world(
+            data, position, saved_world_size=saved, world_size=world, checkpoint=checkpoint
         )
     if manifest.window_size > 0 and (
         world != saved or not isinstance(state.model, DistributedDataParallel)
