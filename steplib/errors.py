@@ -93,3 +93,33 @@ def model_batch_fn(owner: str, label: str, fn: Any, example: str) -> None:
         ) from None
     except ValueError:
         pass  # builtins without a signature: trust the caller
+
+
+def monitor_and_mode(owner: str, source: Any, mode: str | None) -> tuple[str, str]:
+    """The monitored value's name and mode, from a name (``"val_loss"``; mode ``"min"`` unless
+    given) or from an evaluator built with ``monitor=...`` (its name and mode), so that a metric
+    is named once and shared by the evaluator, early stopping and keep-best checkpoints.
+
+    Raises:
+        ConfigError: neither a name nor an evaluator with a ``monitor``; a ``mode`` that
+            contradicts the evaluator's.
+
+    Example:
+        >>> monitor_and_mode("EarlyStopping", "val_loss", None)
+        ('val_loss', 'min')
+    """
+    if isinstance(source, str) and source:
+        return source, "min" if mode is None else mode
+    name, its_mode = getattr(source, "monitor", None), getattr(source, "mode", None)
+    if not (isinstance(name, str) and name and isinstance(its_mode, str)):
+        raise ConfigError(
+            f"{owner} received {describe(source)} as the metric; pass the name of a value in "
+            f"state.extras ('val_loss'), or an Evaluator built with monitor='val_loss' (its "
+            "name and mode are then shared)."
+        )
+    if mode is not None and mode != its_mode:
+        raise ConfigError(
+            f"{owner} received mode={mode!r} with an evaluator that monitors {name!r} in mode "
+            f"{its_mode!r}; leave mode out: the evaluator's is used."
+        )
+    return name, its_mode

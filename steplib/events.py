@@ -128,6 +128,9 @@ class Events:
     """Handlers by event name, called in registration order. Safe to rebuild in a notebook:
     nothing is global, an ``Events`` is just a value.
 
+    Args:
+        *handlers: handler objects to :meth:`add` now, in order (each attaches itself).
+
     Example:
         >>> events = Events()
         >>> seen = []
@@ -138,8 +141,48 @@ class Events:
         [2, 4]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *handlers: Any) -> None:
         self._handlers: dict[str, list[_Registration]] = {name: [] for name in EVENT_NAMES}
+        self.add(*handlers)
+
+    def add(self, *handlers: Any) -> Events:
+        """Register handler objects, in order: each one's ``attach(events)`` says on which
+        events and intervals it runs (``Events(evaluator, stopper, ProgressBar())`` is the
+        same as calling ``attach`` on each).
+
+        Args:
+            *handlers: objects with an ``attach(events)`` method (every steplib handler).
+
+        Returns:
+            ``self``, so calls chain.
+
+        Raises:
+            ValueError: a handler without ``attach``: a plain function needs an event name.
+
+        Example:
+            >>> class Counter:
+            ...     calls = 0
+            ...     def attach(self, events):
+            ...         return events.on("step_end", self, every=2)
+            ...     def __call__(self, event):
+            ...         self.calls += 1
+            >>> counter = Counter()
+            >>> events = Events(counter)
+            >>> for s in range(1, 5):
+            ...     _ = events.emit(Event("step_end", state=None, step=s))
+            >>> counter.calls
+            2
+        """
+        for handler in handlers:
+            attach = getattr(handler, "attach", None)
+            if not callable(attach):
+                raise ValueError(
+                    f"Events received the handler {handler!r}, which has no attach(events) "
+                    "method, so it does not say on which event it runs. Register a plain "
+                    "function with events.on('step_end', handler, every=100)."
+                )
+            attach(self)
+        return self
 
     def on(
         self, name: str, handler: Handler, *, every: int | None = None, once: int | None = None

@@ -7,7 +7,7 @@ Imports ``state`` and ``events`` only; the step is used through its call signatu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Protocol
 
 from steplib.events import Event, Events, Stop
@@ -29,7 +29,7 @@ def iterate(
     state: TrainState,
     data: Iterable[Any],
     *,
-    events: Events | None = None,
+    events: Events | Sequence[Any] | None = None,
     max_steps: int | None = None,
     max_epochs: int | None = None,
 ) -> Generator[tuple[TrainState, StepOutput], None, TrainState]:
@@ -46,7 +46,8 @@ def iterate(
         state: the starting state (a resumed state continues from its counters).
         data: a re-iterable of batches (a DataLoader, a list); not a one-shot generator when
             more than one epoch is run.
-        events: handlers to call; ``None`` for none.
+        events: an :class:`Events`, or a list of handler objects (each attaches itself:
+            ``events=[evaluator, ProgressBar()]``); ``None`` for none.
         max_steps: stop once ``state.step`` reaches this.
         max_epochs: stop once ``state.epoch`` reaches this.
 
@@ -89,6 +90,8 @@ def iterate(
     # Checked here, outside the generator body, so that a bad argument fails where iterate()
     # is called rather than at the first next(), possibly far away in a notebook.
     _check_args(step, data, max_steps, max_epochs)
+    if not isinstance(events, Events):  # None, or a list of handler objects
+        events = Events(*(events or ()))
     return _iterate(step, state, data, events, max_steps, max_epochs)
 
 
@@ -96,11 +99,10 @@ def _iterate(
     step: StepLike,
     state: TrainState,
     data: Iterable[Any],
-    events: Events | None,
+    events: Events,
     max_steps: int | None,
     max_epochs: int | None,
 ) -> Generator[tuple[TrainState, StepOutput], None, TrainState]:
-    events = events if events is not None else Events()
     state, stop = _emit(events, Event("fit_start", state), state)
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
@@ -161,7 +163,7 @@ def run(
     state: TrainState,
     data: Iterable[Any],
     *,
-    events: Events | None = None,
+    events: Events | Sequence[Any] | None = None,
     max_steps: int | None = None,
     max_epochs: int | None = None,
 ) -> TrainState:
@@ -176,7 +178,8 @@ def run(
         state: the starting state (a resumed state continues from its counters).
         data: a re-iterable of batches (a DataLoader, a list); not a one-shot generator when
             more than one epoch is run.
-        events: handlers to call; ``None`` for none.
+        events: an :class:`Events`, or a list of handler objects (each attaches itself:
+            ``events=[evaluator, ProgressBar()]``); ``None`` for none.
         max_steps: stop once ``state.step`` (optimizer updates) reaches this.
         max_epochs: stop once ``state.epoch`` (completed epochs) reaches this. With neither
             limit, one more epoch is run.

@@ -7,7 +7,8 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib import ConfigError
-from steplib.data import ResumableLoader, restore_position, resumable_loader
+from steplib.data import ResumableLoader, resumable_loader
+from steplib.data.loader import restore_position
 
 DATA = torch.arange(10)  # batches of 3: [3, 3, 3, 1] per epoch
 

@@ -16,7 +16,7 @@ import torch
 
 from steplib import ConfigError
 from steplib.data import ResumableLoader, resumable_loader
-from steplib.data_shards import ShardedSampler
+from steplib.data.shards import ShardedSampler
 
 SIZE = 48
 

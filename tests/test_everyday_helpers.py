@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import steplib.data
+import steplib.data.device
 from steplib import TrainState, accumulate, make_eval_step, make_train_step
 from steplib.errors import ConfigError
 from steplib.losses import token_cross_entropy
@@ -134,14 +134,14 @@ def test_to_device_moves_every_tensor_of_the_batch_to_the_models_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     moved: list[Any] = []
-    real = steplib.data.to_device
+    real = steplib.data.device.to_device
 
     def recording(batch: Any, device: Any) -> Any:
         if isinstance(batch, tuple):  # the whole batch, not the recursion into its tensors
             moved.append(device)
         return real(batch, device)
 
-    monkeypatch.setattr(steplib.data, "to_device", recording)
+    monkeypatch.setattr(steplib.data.device, "to_device", recording)
     model = _lm()
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     step = make_train_step(lambda m, b: token_cross_entropy(m(b[0]), b[1]), to_device=True)

@@ -1,6 +1,7 @@
 """Checkpoints and exact resume through fsspec: atomic, verified, asynchronous, preemption-safe.
 
-* :func:`save`, :func:`load`, :func:`latest`, :func:`list_checkpoints`, :func:`prune`.
+* :func:`save`, :func:`load`, :func:`latest`, :func:`best_checkpoint`, :func:`list_checkpoints`,
+  :func:`prune`.
 * :class:`AsyncSaver`: snapshot now, write in a background thread; :func:`wait_snapshot`.
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
 
@@ -16,7 +17,7 @@ from steplib.checkpoint.listing import CheckpointInfo, latest, list_checkpoints
 from steplib.checkpoint.loading import load
 from steplib.checkpoint.preemption import Preemption, preemption
 from steplib.checkpoint.resume import Resume, resume_from
-from steplib.checkpoint.retention import prune, select_retained
+from steplib.checkpoint.retention import best_checkpoint, prune, select_retained
 from steplib.checkpoint.saving import save
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Preemption",
     "Resume",
+    "best_checkpoint",
     "checkpoint_every",
     "default_metrics",
     "latest",

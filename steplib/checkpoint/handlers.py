@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from steplib import errors
 from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.errors import CheckpointError
@@ -70,27 +71,12 @@ def default_metrics(event: Event) -> dict[str, float]:
 
 
 class Checkpointer:
-    """Saves a checkpoint every ``every`` updates and prunes old ones. Build it with
-    :func:`checkpoint_every`; register it with :meth:`attach` (or as a ``step_end`` handler).
+    """Saves a checkpoint every ``every`` updates and/or at each epoch's end, and prunes old
+    ones. Build it with :func:`checkpoint_every`; register it with :meth:`attach` (or as a
+    ``step_end`` handler).
 
-    Args:
-        directory: a local path or fsspec URL of the directory of checkpoints.
-        every: save when ``state.step`` is a multiple of this.
-        keep_last: after each save keep the newest this many (``None``: keep all).
-        keep_best: also keep the best this many by ``metric`` (``None``: none kept for it).
-        metric: the metric ``keep_best`` ranks by.
-        mode: ``"min"`` or ``"max"``: whether lower or higher ``metric`` is better.
-        data: the loader whose position to save, or ``None``.
-        extras: more objects with ``state_dict()`` to save by name, or ``None``.
-        step: the Step whose composition is saved, or ``None``.
-        metrics: ``event -> {name: number}`` recorded with each checkpoint; ``None`` means
-            :func:`default_metrics`.
-        background: write in a background thread (an ``AsyncSaver``).
-        at_end: also save at ``fit_end`` if the state moved since the last save.
-        storage_options: passed to fsspec.
-        durable: fsync each checkpoint before it counts as saved (see ``save``).
-
-    The constructor checks nothing: :func:`checkpoint_every` validates the arguments.
+    Its arguments are :func:`checkpoint_every`'s, which builds it and validates them (the
+    constructor checks nothing).
 
     Attributes:
         last_saved: the URL of the last checkpoint this handler saved, or ``None``.
@@ -108,7 +94,8 @@ class Checkpointer:
         self,
         directory: str,
         *,
-        every: int,
+        every: int | None,
+        at_epoch_end: bool = False,
         keep_last: int | None,
         keep_best: int | None,
         metric: str | None,
@@ -124,6 +111,7 @@ class Checkpointer:
     ) -> None:
         self.directory = directory
         self.every = every
+        self.at_epoch_end = at_epoch_end
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.metric = metric
@@ -140,13 +128,17 @@ class Checkpointer:
         self.last_saved: str | None = None
 
     def attach(self, events: Events) -> Events:
-        """Register on ``fit_start``, ``step_end``, ``fit_end`` and ``exception``.
+        """Register on ``fit_start``, ``step_end`` and/or ``epoch_end``, ``fit_end`` and
+        ``exception``.
 
         Returns:
             ``events``, so calls chain.
         """
         events.on("fit_start", self.on_fit_start)
-        events.on("step_end", self.on_step_end)
+        if self.every is not None:
+            events.on("step_end", self.on_step_end)
+        if self.at_epoch_end:
+            events.on("epoch_end", self.on_epoch_end)
         events.on("fit_end", self.on_fit_end)
         events.on("exception", self.on_exception)
         return events
@@ -173,7 +165,12 @@ class Checkpointer:
         Raises:
             ConfigError: ``keep_best`` ranks by a ``metric`` this save's metrics do not hold.
         """
-        if event.step % self.every == 0 and _position(event.state) != self._saved_at:
+        if self.every is not None and event.step % self.every == 0:
+            self.on_epoch_end(event)
+
+    def on_epoch_end(self, event: Event) -> None:
+        """Save unless this state was saved already (``at_epoch_end``; raises as above)."""
+        if _position(event.state) != self._saved_at:
             self._save(event, blocking=False, strict=True)
 
     def on_fit_end(self, event: Event) -> None:
@@ -292,11 +289,12 @@ class Checkpointer:
 def checkpoint_every(
     directory: str,
     *,
-    every: int,
+    every: int | None = None,
+    at_epoch_end: bool = False,
     keep_last: int | None = None,
     keep_best: int | None = None,
-    metric: str | None = None,
-    mode: str = "min",
+    metric: Any = None,
+    mode: str | None = None,
     data: Any = None,
     extras: Mapping[str, Any] | None = None,
     step: Any = None,
@@ -306,16 +304,19 @@ def checkpoint_every(
     storage_options: StorageOptions = None,
     durable: bool = True,
 ) -> Checkpointer:
-    """A handler that saves a checkpoint every ``every`` optimizer updates.
+    """A handler that saves a checkpoint every ``every`` optimizer updates and/or at the end of
+    every epoch.
 
     Args:
         directory: a local path or fsspec URL of the directory of checkpoints.
-        every: save when ``state.step`` is a multiple of this (an int >= 1).
+        every: save when ``state.step`` is a multiple of this (an int >= 1), or ``None``.
+        at_epoch_end: save at the end of every epoch (at least one of the two).
         keep_last: after each save keep the newest this many (``None``: keep all).
         keep_best: also keep the best this many by ``metric``.
-        metric: the metric ``keep_best`` ranks by (one of those ``metrics`` returns); every
-            save checks that it is there, before anything is written or pruned.
-        mode: ``"min"`` or ``"max"``: whether lower or higher ``metric`` is better.
+        metric: the metric ``keep_best`` ranks by (one of those ``metrics`` returns), or the
+            ``Evaluator`` that monitors it (its name and mode); every save checks that it is
+            there, before anything is written or pruned.
+        mode: ``"min"`` (default) or ``"max"``: whether lower or higher ``metric`` is better.
         data: the loader whose position to save (see ``steplib.data.resumable_loader``).
         extras: more objects with ``state_dict()`` to save by name.
         step: the Step; its composition is saved and checked on resume.
@@ -357,11 +358,17 @@ def checkpoint_every(
         >>> [c.step for c in list_checkpoints("memory://doctest-every/ckpt")]
         [4, 5]
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if (every is None and not at_epoch_end) or (
+        every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1)
+    ):
         raise ConfigError(
             f"checkpoint_every(every=...) received {describe(every)}; it is the number of "
-            "optimizer updates between checkpoints and must be an int >= 1, e.g. every=500."
+            "optimizer updates between checkpoints and must be an int >= 1, e.g. every=500 "
+            "(or at_epoch_end=True)."
         )
+    if metric is not None:
+        metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
+    mode = mode or "min"
     check_retention(
         "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
@@ -369,6 +376,7 @@ def checkpoint_every(
     return Checkpointer(
         directory,
         every=every,
+        at_epoch_end=at_epoch_end,
         keep_last=keep_last,
         keep_best=keep_best,
         metric=metric,

@@ -15,7 +15,7 @@ import orjson
 import torch
 
 from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, WINDOW_GRADS
-from steplib.data import restore_position
+from steplib.data.loader import restore_position
 from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
 from steplib.state import TrainState

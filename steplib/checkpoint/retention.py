@@ -10,8 +10,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from steplib import errors
 from steplib.checkpoint import storage
-from steplib.checkpoint.listing import CheckpointInfo, StorageOptions, scan
+from steplib.checkpoint.errors import CheckpointError
+from steplib.checkpoint.listing import CheckpointInfo, StorageOptions, list_checkpoints, scan
 from steplib.checkpoint.manifest import sort_key
 from steplib.errors import ConfigError, describe
 
@@ -196,3 +198,54 @@ def _base_name(name: str) -> str:
 
 def _key(name: str) -> tuple[int, int]:
     return sort_key(name) or (-1, -1)
+
+
+def best_checkpoint(
+    directory: str,
+    metric: Any,
+    *,
+    mode: str | None = None,
+    storage_options: StorageOptions = None,
+) -> str:
+    """The URL of the best checkpoint in ``directory`` by ``metric``: load it with
+    ``load(best_checkpoint(directory, evaluator), state)``.
+
+    Args:
+        directory: the directory of checkpoints (``checkpoint_every``'s).
+        metric: the name of a metric saved with the checkpoints (``"val_loss"``), or the
+            ``Evaluator`` that monitors it (its name and mode).
+        mode: ``"min"`` (default) or ``"max"``; the evaluator's when given one.
+        storage_options: passed to fsspec.
+
+    Returns:
+        The URL of the checkpoint with the best value (the newest of equal ones).
+
+    Raises:
+        CheckpointError: no checkpoint in ``directory`` records ``metric`` (the message lists
+            the metrics they record).
+        ConfigError: a bad ``metric`` or ``mode``.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> from steplib.checkpoint import save
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> urls = [save(state.replace(step=step), "memory://doctest-best", metrics={"val_loss": v})
+        ...         for step, v in [(1, 0.9), (2, 0.4), (3, 0.6)]]
+        >>> best_checkpoint("memory://doctest-best", "val_loss") == urls[1]
+        True
+    """
+    name, mode = errors.monitor_and_mode("best_checkpoint", metric, mode)
+    check_retention("best_checkpoint", keep_last=None, keep_best=1, metric=name, mode=mode)
+    infos = list_checkpoints(directory, storage_options=storage_options)
+    ranked = [c for c in reversed(infos) if not math.isnan(c.metrics.get(name, math.nan))]
+    if not ranked:
+        recorded = sorted({key for info in infos for key in info.metrics})
+        raise CheckpointError(
+            f"best_checkpoint({directory!r}, {name!r}): no checkpoint there records {name!r} "
+            f"({len(infos)} checkpoint(s); the metrics they record: {recorded or 'none'}). Name "
+            "one of those, or save with checkpoint_every(..., metric=...)."
+        )
+    sign = 1.0 if mode == "min" else -1.0
+    return min(ranked, key=lambda c: sign * c.metrics[name]).url  # newest first: newest wins a tie

@@ -150,6 +150,11 @@ class Evaluator:
         self.sanity_values: dict[str, Any] | None = None
         self._evaluated_step: int | None = None
 
+    @property
+    def mode(self) -> str:
+        """``"min"`` or ``"max"``: whether a lower or higher ``monitor`` is better."""
+        return self.best.mode
+
     def attach(self, events: Events) -> Events:
         """Register on ``fit_start`` (sanity), ``step_end`` (``every``), ``epoch_end`` and
         ``fit_end``, as configured.

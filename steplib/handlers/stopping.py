@@ -132,15 +132,19 @@ class EarlyStopping:
     ``patience=3`` stops at the 3rd check without improvement (steplib 0.1.0 stopped at the
     4th: to keep an old run's behaviour, add one).
 
-    Each call is one check: register it after the evaluation handler, on the same event and
-    interval, so that every check sees a fresh value::
+    Each call is one check. Give it the evaluator (built with ``monitor=``) and it checks
+    after each of the evaluator's evaluations, with its metric and mode::
 
-        evaluator.attach(events)                       # every=500, puts val_loss in extras
-        events.on("step_end", EarlyStopping("val_loss", patience=3), every=500)
+        evaluator = Evaluator(eval_step, val, metrics=..., every=500, monitor="val_loss")
+        events = Events(evaluator, EarlyStopping(evaluator, patience=3))  # in this order
+
+    or give it a name and register it after the evaluation handler, on the same interval:
+    ``events.on("step_end", EarlyStopping("val_loss", patience=3), every=500)``.
 
     Args:
-        monitor: the name in ``state.extras`` (an evaluator's names carry its prefix: ``val_``).
-        mode: ``"min"`` or ``"max"``.
+        monitor: an ``Evaluator`` built with ``monitor=...``, or the name in ``state.extras``
+            (an evaluator's names carry its prefix: ``val_``).
+        mode: ``"min"`` or ``"max"`` (default ``"min"``; the evaluator's when given one).
         patience: the number of checks in a row without improvement that stops training
             (1: stop at the first check that does not improve).
         min_delta: an improvement must beat the best by more than this.
@@ -156,26 +160,52 @@ class EarlyStopping:
     """
 
     def __init__(
-        self, monitor: str, *, mode: str = "min", patience: int = 3, min_delta: float = 0.0
+        self, monitor: Any, *, mode: str | None = None, patience: int = 3, min_delta: float = 0.0
     ) -> None:
-        if not isinstance(monitor, str) or not monitor:
-            raise ConfigError(
-                f"EarlyStopping(monitor) received {describe(monitor)}; pass the name of a value "
-                "in state.extras, e.g. EarlyStopping('val_loss')."
-            )
+        name, mode = errors.monitor_and_mode("EarlyStopping", monitor, mode)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ConfigError(
                 f"EarlyStopping(patience=...) received {describe(patience)}; it must be an int "
                 ">= 1: the number of checks in a row without improvement that stops training "
                 "(patience=1 stops at the first one), e.g. patience=3."
             )
-        self.monitor = monitor
+        self.monitor = name
         self.patience = patience
         self.best = BestValue(mode=mode, min_delta=min_delta)
         self.wait = 0
+        self.evaluator = None if isinstance(monitor, str) else monitor
+        self._evaluations = 0  # of the evaluator's, when given one: one check per evaluation
+
+    def attach(self, events: Events) -> Events:
+        """Check after each evaluation of the evaluator it was given: on the events the
+        evaluator runs on (register the evaluator first).
+
+        Returns:
+            ``events``, so calls chain.
+
+        Raises:
+            ConfigError: built from a name, which does not say when to check.
+        """
+        evaluator = self.evaluator
+        if evaluator is None:
+            raise ConfigError(
+                f"EarlyStopping({self.monitor!r}) was given a name, which does not say when to "
+                "check. Give it the evaluator: EarlyStopping(evaluator, patience=...), or "
+                f"register it: events.on('step_end', stopper, every=500)."
+            )
+        if evaluator.every is not None:
+            events.on("step_end", self, every=evaluator.every)
+        if evaluator.at_epoch_end:
+            events.on("epoch_end", self)
+        return events
 
     def __call__(self, event: Event) -> Stop | None:
         """Check ``event.state.extras[monitor]`` (a host number: no device read)."""
+        if self.evaluator is not None:
+            evaluations = len(self.evaluator.history)
+            if evaluations == self._evaluations:  # the evaluator skipped this event
+                return None
+            self._evaluations = evaluations
         value = monitored_value("EarlyStopping", self.monitor, event)
         return self.update(value, step=event.step)
 

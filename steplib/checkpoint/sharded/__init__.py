@@ -30,7 +30,7 @@ or a plain module in a process without a process group. On another world size, w
 to one rank cannot be mapped onto another: the RNG states are not restored, an open
 accumulation window is refused (``ConfigError`` with the fix), and so is a data position,
 unless it is a sharded loader's (``resumable_loader(..., shard=True)``): that one counts the
-samples of all ranks, and the new ranks continue from it (``steplib.data_shards``).
+samples of all ranks, and the new ranks continue from it (``steplib.data.shards``).
 
 Modules: ``layout`` (which states are sharded, the names of their files; no DCP import),
 ``save`` (gather, snapshot, write and commit), ``load``, and ``dcp_io`` (DCP's side: the

@@ -47,7 +47,7 @@ from steplib.checkpoint.sharded.layout import (
     rank_file,
 )
 from steplib.checkpoint.storage import Location
-from steplib.data_shards import check_new_world
+from steplib.data.shards import check_new_world
 from steplib.errors import ConfigError
 from steplib.state import TrainState
 

@@ -37,9 +37,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from steplib import errors
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, StepLibError, describe
-from steplib.events import Event
+from steplib.events import Event, Events
 
 Record = dict[str, Any]
 Source = Callable[[Event], Mapping[str, Any]]
@@ -228,9 +229,12 @@ class Log:
         sources: functions ``source(event) -> {name: value}``; the default writes the step's
             own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
             :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
+        every: write every this many updates when registered with :meth:`attach` (or in a
+            list of handlers); ``None`` to register it yourself with ``events.on``.
 
     Raises:
-        ConfigError: a sink that is not a :class:`Logger`, or a source that is not callable.
+        ConfigError: a sink that is not a :class:`Logger`, a source that is not callable, or
+            ``every`` not a positive int.
 
     Example:
         >>> import fsspec, orjson
@@ -246,7 +250,11 @@ class Log:
     """
 
     def __init__(
-        self, sinks: Logger | Sequence[Logger], *, sources: Sequence[Source] = (event_record,)
+        self,
+        sinks: Logger | Sequence[Logger],
+        *,
+        sources: Sequence[Source] = (event_record,),
+        every: int | None = None,
     ) -> None:
         sinks = [sinks] if isinstance(sinks, Logger) else list(sinks)
         for sink in sinks:
@@ -263,6 +271,24 @@ class Log:
                 )
         self.sinks = sinks
         self.sources = tuple(sources)
+        self.every = errors.optional_positive_int("Log", "every", every)
+
+    def attach(self, events: Events) -> Events:
+        """Write on ``step_end`` every ``every`` updates (close the sinks yourself, or use the
+        ``Log`` as a context manager).
+
+        Returns:
+            ``events``, so calls chain.
+
+        Raises:
+            ConfigError: built without ``every``.
+        """
+        if self.every is None:
+            raise ConfigError(
+                "Log(...) was built without every=, so it does not say how often to write. "
+                "Pass Log(sinks, every=50), or register it: events.on('step_end', log, every=50)."
+            )
+        return events.on("step_end", self, every=self.every)
 
     def __call__(self, event: Event) -> None:
         record = event_counters(event)

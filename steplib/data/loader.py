@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from steplib.data_shards import SHARDED, ShardedSampler
+from steplib.data.shards import SHARDED, ShardedSampler
 from steplib.distributed.process_group import rank, world_size
 from steplib.errors import ConfigError, describe
 
@@ -49,6 +49,10 @@ class ResumableLoader(StatefulDataLoader):
 
     ``len(loader)`` is the number of batches the next pass yields: the rest of an interrupted
     epoch right after :meth:`load_state_dict`, a full epoch otherwise.
+
+    Args:
+        *args, **kwargs: a ``StatefulDataLoader``'s, with a ``generator`` and without
+            ``persistent_workers`` (:func:`resumable_loader` sets them right).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -82,7 +86,7 @@ class ResumableLoader(StatefulDataLoader):
         Returns:
             ``{"loader": torchdata's state, "generator": the generator now,
             "epoch_start_generator": the generator before this epoch's iterator drew from it}``;
-            with a :class:`~steplib.data_shards.ShardedSampler`, ``{"sharded": the position
+            with a :class:`~steplib.data.shards.ShardedSampler`, ``{"sharded": the position
             in the global order}`` (see ``ShardedSampler.position``), which any world size
             can continue from.
         """
@@ -104,7 +108,7 @@ class ResumableLoader(StatefulDataLoader):
 
         A sharded position (``shard=True``) may come from another world size: the data then
         continues from the samples the saving ranks consumed together (see
-        :meth:`~steplib.data_shards.ShardedSampler.check` for when that is refused).
+        :meth:`~steplib.data.shards.ShardedSampler.check` for when that is refused).
 
         Raises:
             ConfigError: ``state_dict`` was not made by a ``ResumableLoader`` of the same kind
@@ -347,62 +351,3 @@ def restore_position(data: Any, position: Any) -> bool:
                 pass
             return True
     return False
-
-
-def to_device(batch: Any, device: torch.device | str) -> Any:
-    """``batch`` with every tensor in it moved to ``device``: tensors inside tuples, lists and
-    dicts (and named tuples) are moved, anything else is left as it is. A tensor already there
-    is not copied; one in pinned memory is copied without blocking the host.
-
-    ``make_train_step(loss_fn, to_device=True)`` and ``make_eval_step(..., to_device=True)``
-    call it on every batch, with the model's device.
-
-    Args:
-        batch: a tensor, or a (nested) tuple, list or dict holding tensors.
-        device: where to move them.
-
-    Returns:
-        The batch, in the same structure, on ``device``.
-
-    Example:
-        >>> x, meta = to_device((torch.ones(2), {"ids": torch.arange(2), "name": "a"}), "cpu")
-        >>> x.device.type, meta["ids"].device.type, meta["name"]
-        ('cpu', 'cpu', 'a')
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=batch.is_pinned())
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(to_device(value, device) for value in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(value, device) for value in batch)
-    return batch
-
-
-def on_model_device(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """``fn(model, batch)`` called with the batch moved to the model's device (that of its
-    first parameter, or buffer): what ``to_device=True`` of ``make_train_step`` and
-    ``make_eval_step`` wraps the user's function in.
-
-    Args:
-        fn: a ``loss_fn(model, batch)`` or ``eval_fn(model, batch)``.
-
-    Returns:
-        The wrapped function, same signature.
-
-    Example:
-        >>> model = torch.nn.Linear(2, 1)
-        >>> loss_fn = on_model_device(lambda m, b: m(b).sum())
-        >>> loss_fn(model, torch.ones(3, 2)).shape
-        torch.Size([])
-    """
-
-    def on_device(model: Any, batch: Any) -> Any:
-        first = next(iter(model.parameters()), None)
-        if first is None:
-            first = next(iter(model.buffers()), None)
-        return fn(model, batch if first is None else to_device(batch, first.device))
-
-    on_device.__wrapped__ = fn  # type: ignore[attr-defined]  # inspect.signature sees fn's
-    return on_device

@@ -1,0 +1,16 @@
+"""Data: loaders whose position is part of a checkpoint (``resumable_loader``; with
+``shard=True`` a position that resumes on another number of ranks, ``shards``), and moving a
+batch to the model's device (``to_device``)."""
+
+from steplib.data.device import on_model_device, to_device
+from steplib.data.loader import ResumableLoader, resumable_loader
+from steplib.data.shards import ShardedSampler, check_new_world
+
+__all__ = [
+    "ResumableLoader",
+    "ShardedSampler",
+    "check_new_world",
+    "on_model_device",
+    "resumable_loader",
+    "to_device",
+]
