@@ -69,6 +69,7 @@ from steplib.handlers import (
     flops_per_batch,
     make_eval_step,
 )
+from steplib.losses import token_cross_entropy
 
 # ---------------------------------------------------------------------------------------------
 # Data: the docstrings of the standard library, read from its .py sources with `ast`.
@@ -191,16 +192,16 @@ def _init(module: nn.Module) -> None:
 
 def loss_fn(
     model: nn.Module, batch: list[torch.Tensor]
-) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Token-weighted: the summed cross-entropy and how many targets it covers, so that
     ``accumulate`` divides once by the window's total (steplib's contract for loss functions).
     The accuracy rides along as an aux value and shows up in the JSONL log."""
     (rows,) = batch
     inputs, targets = rows[:, :-1], rows[:, 1:]
     logits = model(inputs)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    loss_sum, count = token_cross_entropy(logits, targets)
     accuracy = (logits.argmax(-1) == targets).float().mean()
-    return loss_sum, targets.numel(), {"accuracy": accuracy}
+    return loss_sum, count, {"accuracy": accuracy}
 
 
 def eval_fn(model: nn.Module, batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -47,6 +47,7 @@ from steplib import (
 from steplib.checkpoint import list_checkpoints, load
 from steplib.data import resumable_loader
 from steplib.handlers import Log, LRMonitor
+from steplib.losses import token_cross_entropy
 
 VOCAB = 32
 IGNORE = -100  # the label HF models and collators use for padding
@@ -109,9 +110,7 @@ def collate(examples: list[Example]) -> Example:
 # that micro-batches with more real tokens weigh more (as in one big batch).
 def loss_fn(model: nn.Module, batch: Example) -> tuple[torch.Tensor, torch.Tensor]:
     logits = model(input_ids=batch["input_ids"])["logits"]
-    labels = batch["labels"]
-    real = labels != IGNORE
-    return F.cross_entropy(logits[real], labels[real], reduction="sum"), real.sum()
+    return token_cross_entropy(logits, batch["labels"], ignore_index=IGNORE)
 
 
 # Trainer.evaluate + compute_metrics: per-token loss and accuracy over the real labels.
