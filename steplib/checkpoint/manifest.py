@@ -15,6 +15,7 @@ import dataclasses
 import math
 import platform
 import re
+import time
 import types
 import zlib
 from collections.abc import Mapping
@@ -97,6 +98,37 @@ class Manifest:
     files: Mapping[str, FileRecord]
     layout: str = SINGLE
     world_size: int = 1
+
+    @classmethod
+    def of(
+        cls,
+        state: Any,
+        *,
+        metrics: Mapping[str, float],
+        step: Any,
+        layout: str = SINGLE,
+        world_size: int = 1,
+    ) -> Manifest:
+        """The manifest of a checkpoint of ``state`` now; ``versions`` and ``files`` are
+        filled in by the write, off an async save's critical path."""
+        # As JSON values (tuples become lists, odd settings strings), as load will compare them.
+        fingerprint = (
+            None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
+        )
+        return cls(
+            name=checkpoint_name(state.step, state.micro_step, state.window_size),
+            step=state.step,
+            micro_step=state.micro_step,
+            epoch=state.epoch,
+            window_size=state.window_size,
+            time=time.time(),
+            metrics=metrics,
+            fingerprint=fingerprint,
+            versions={},
+            files={},
+            layout=layout,
+            world_size=world_size,
+        )
 
     def to_json(self) -> bytes:
         body = {

@@ -9,17 +9,14 @@ what it holds, ``loading`` for how it is read back and ``listing`` for how the n
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping
 from typing import Any
-
-import orjson
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.contents import check_arguments, check_metrics, gather
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
-from steplib.checkpoint.manifest import MANIFEST, Manifest, checkpoint_name, library_versions
+from steplib.checkpoint.manifest import MANIFEST, Manifest, library_versions
 from steplib.checkpoint.sharded.layout import is_sharded
 from steplib.checkpoint.sharded.save import prepare_sharded, write_sharded
 from steplib.checkpoint.storage import Location
@@ -143,22 +140,9 @@ def prepare(
     extras = check_arguments(caller, state, data=data, extras=extras, step=step)
     location = storage.resolve(directory, storage_options, caller=caller)
     numbers = check_metrics(metrics, caller)
-    # As JSON values (tuples become lists, odd settings strings), as load will compare them.
-    fingerprint = None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
     trees = gather(state, data=data, extras=extras)
-    name = checkpoint_name(state.step, state.micro_step, state.window_size)
-    manifest = Manifest(
-        name=name,
-        step=state.step,
-        micro_step=state.micro_step,
-        epoch=state.epoch,
-        window_size=state.window_size,
-        time=time.time(),
-        metrics=numbers,
-        fingerprint=fingerprint,
-        versions={},  # filled in by write: not read while an async save's caller waits
-        files={},
-    )
+    manifest = Manifest.of(state, metrics=numbers, step=step)
+    name = manifest.name
     return SavePlan(location, name, trees, manifest)
 
 

@@ -5,11 +5,9 @@ rank gathers its part, optionally snapshots it to CPU, and writes it; rank 0 com
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Container, Mapping
 from typing import Any
 
-import orjson
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -29,7 +27,6 @@ from steplib.checkpoint.manifest import (
     MANIFEST,
     SHARDED,
     Manifest,
-    checkpoint_name,
     library_versions,
 )
 from steplib.checkpoint.sharded.layout import DCP_DIR, rank_file
@@ -119,22 +116,10 @@ def prepare_sharded(
         "window_grads": grads,
     }
     check_plain(rank_tree, rank_file(dist.get_rank()))
-    name = checkpoint_name(state.step, state.micro_step, state.window_size)
-    fingerprint = None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
-    manifest = Manifest(
-        name=name,
-        step=state.step,
-        micro_step=state.micro_step,
-        epoch=state.epoch,
-        window_size=state.window_size,
-        time=time.time(),
-        metrics=numbers,
-        fingerprint=fingerprint,
-        versions={},  # filled in by write_sharded, off an async save's critical path
-        files={},
-        layout=SHARDED,
-        world_size=dist.get_world_size(),
+    manifest = Manifest.of(
+        state, metrics=numbers, step=step, layout=SHARDED, world_size=dist.get_world_size()
     )
+    name = manifest.name
     return ShardedPlan(location, name, tensors, rank_tree, manifest, dict(storage_options or {}))
 
 
