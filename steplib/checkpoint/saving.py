@@ -100,29 +100,11 @@ def save(
     check_durable(durable, "save")
     # A DDP, FSDP2 or DTensor state with a process group: a sharded (DCP) checkpoint, written
     # by every rank together; see steplib.checkpoint.sharded.
+    arguments: dict[str, Any] = {"data": data, "extras": extras, "step": step}
+    arguments.update(metrics=metrics, storage_options=storage_options, caller="save")
     if is_sharded(state):
-        sharded_plan = prepare_sharded(
-            state,
-            directory,
-            data=data,
-            extras=extras,
-            step=step,
-            metrics=metrics,
-            storage_options=storage_options,
-            caller="save",
-        )
-        return write_sharded(sharded_plan, fsync=durable)
-    plan = prepare(
-        state,
-        directory,
-        data=data,
-        extras=extras,
-        step=step,
-        metrics=metrics,
-        storage_options=storage_options,
-        caller="save",
-    )
-    return write(plan, fsync=durable)
+        return write_sharded(prepare_sharded(state, directory, **arguments), fsync=durable)
+    return write(prepare(state, directory, **arguments), fsync=durable)
 
 
 def prepare(

@@ -28,6 +28,7 @@ Imports ``events``, ``errors`` and ``distributed`` (handlers never import ``loop
 
 from __future__ import annotations
 
+import abc
 import math
 import struct
 import time
@@ -186,7 +187,7 @@ def _shortest_float32(number: float) -> float:
 _L = TypeVar("_L", bound="Logger")
 
 
-class Logger:
+class Logger(abc.ABC):
     """Base of the sinks: a handler that writes :func:`event_record` of each event it gets.
 
     A sink implements :meth:`write` and :meth:`close`; the handler call, the context manager and
@@ -196,13 +197,13 @@ class Logger:
     def __call__(self, event: Event) -> None:
         self.write(event_record(event))
 
+    @abc.abstractmethod
     def write(self, record: Record) -> None:
         """Write one record (a flat mapping of names to numbers)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Flush and release the destination; calling it twice is harmless."""
-        raise NotImplementedError
 
     def __enter__(self: _L) -> _L:
         return self
