@@ -161,8 +161,8 @@ def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -
         else:
             out = parse_loss_output(step.loss_fn(state.model, batch))
         loss = out.loss_sum
-        if state.scaler is not None and state.scaler.is_enabled():
-            loss = state.scaler.scale(loss)
+        if scaler_active(state):
+            loss = state.scaler.scale(loss)  # type: ignore[union-attr]
         if plan.hooks:
             _call(plan, "before_backward", state)
         loss.backward()
