@@ -161,8 +161,9 @@ def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -
         else:
             out = parse_loss_output(step.loss_fn(state.model, batch))
         loss = out.loss_sum
-        if scaler_active(state):
-            loss = state.scaler.scale(loss)  # type: ignore[union-attr]
+        scaler = state.scaler  # inline, not scaler_active(): this runs every micro-batch
+        if scaler is not None and scaler.is_enabled():
+            loss = scaler.scale(loss)
         if plan.hooks:
             _call(plan, "before_backward", state)
         loss.backward()

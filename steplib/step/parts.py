@@ -53,6 +53,8 @@ _get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (an FSDP2 norm is one), any other tensor as it is."""
+    if type(tensor) is torch.Tensor:  # the usual case, without a failed attribute lookup
+        return tensor
     full = getattr(tensor, "full_tensor", None)
     return full() if full is not None else tensor
 
