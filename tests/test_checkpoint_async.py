@@ -35,7 +35,7 @@ __all__ = ["memory_dir"]
 
 
 def _files(url: str) -> dict[str, Any]:
-    """The manifest's file table: size and CRC32 of every file."""
+    """The manifest's file table: size and checksum of every file."""
     body = orjson.loads(fsspec.open(f"{url}/manifest.json").open().read())
     files: dict[str, Any] = body["files"]
     return files

@@ -3,7 +3,6 @@ each detected, named, and skipped by ``latest`` and ``resume_from`` (which say s
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import fsspec
 import orjson
 import pytest
 import torch
+import xxhash
 
 from steplib import Event, TrainState
 from steplib.checkpoint import (
@@ -61,7 +61,11 @@ def _delete(fs: fsspec.AbstractFileSystem, path: str) -> None:
 DAMAGE: dict[str, tuple[str, Callable[[fsspec.AbstractFileSystem, str], None], str]] = {
     # name: (file, damage, what the error says)
     "truncated model.pt": ("model.pt", _truncate, r"model\.pt has \d+ bytes, the manifest says"),
-    "flipped byte in optimizer.pt": ("optimizer.pt", _flip_byte, r"optimizer\.pt has CRC32"),
+    "flipped byte in optimizer.pt": (
+        "optimizer.pt",
+        _flip_byte,
+        r"optimizer\.pt has checksum xxh3_64",
+    ),
     "altered manifest.json": ("manifest.json", _alter_manifest, r"manifest\.json cannot be read"),
     "deleted train_state.pt": ("train_state.pt", _delete, r"train_state\.pt is missing"),
 }
@@ -130,7 +134,7 @@ def test_large_tensors_checksummed_beside_the_write_match_the_file(
     tmp_path: Path, memory_dir: str, where: str
 ) -> None:
     """Tensors of 1 MiB and more are checksummed by a helper thread while the bytes are being
-    written; the CRC32 recorded must still be the whole file's, and a flipped byte in such a
+    written; the checksum recorded must still be the whole file's, and a flipped byte in such a
     tensor's bytes must be caught."""
     directory = str(tmp_path) if where == "local" else memory_dir
     model = torch.nn.Sequential(torch.nn.Linear(1024, 600), torch.nn.Linear(600, 3))
@@ -142,8 +146,8 @@ def test_large_tensors_checksummed_beside_the_write_match_the_file(
     files = orjson.loads(fs.cat_file(f"{root}/manifest.json"))["files"]
     for name, record in files.items():
         data = fs.cat_file(f"{root}/{name}")
-        assert (len(data), f"{zlib.crc32(data):08x}") == (record["bytes"], record["crc32"]), name
+        assert (len(data), xxhash.xxh3_64_hexdigest(data)) == (record["bytes"], record["xxh3_64"])
     assert_same(snapshot(load(url, state)), snapshot(state))
     _flip_byte(fs, f"{root}/model.pt")  # the middle of model.pt: the big weight's bytes
-    with pytest.raises(CorruptCheckpointError, match=r"model\.pt has CRC32"):
+    with pytest.raises(CorruptCheckpointError, match=r"model\.pt has checksum xxh3_64"):
         load(url, state)

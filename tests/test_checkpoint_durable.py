@@ -95,7 +95,7 @@ def test_durable_false_round_trips_bit_exactly_and_writes_the_same_bytes(tmp_pat
     at_save = snapshot(state)
     durable = save(state, str(tmp_path / "durable"))
     fast = save(state, str(tmp_path / "fast"), durable=False)
-    assert _files(fast) == _files(durable)  # same sizes and CRC32 of every file
+    assert _files(fast) == _files(durable)  # same sizes and checksums of every file
 
     train(state, n=2, seed=4)  # move on, then come back
     loaded = load(fast, make_state(seed=5, scaler=True, dropout=0.2))

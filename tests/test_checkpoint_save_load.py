@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import random
-import zlib
 from pathlib import Path
 
 import fsspec
@@ -13,6 +12,7 @@ import numpy as np
 import orjson
 import pytest
 import torch
+import xxhash
 from torch import nn
 
 from steplib import ConfigError, TrainState, accumulate, clip, make_train_step
@@ -140,7 +140,8 @@ def test_manifest_records_counters_versions_fingerprint_metrics_and_checksums(
     assert body["metrics"] == {"val": 0.5}
     assert body["versions"]["torch"] == torch.__version__
     assert set(body["files"]) == {"model.pt", "optimizer.pt", "train_state.pt"}
-    assert all(len(f["crc32"]) == 8 and f["bytes"] > 0 for f in body["files"].values())
+    assert body["version"] == 3
+    assert all(len(f["xxh3_64"]) == 16 and f["bytes"] > 0 for f in body["files"].values())
     (info,) = list_checkpoints(memory_dir)
     assert (info.url, info.step, info.micro_step, info.metrics) == (url, 2, 4, {"val": 0.5})
 
@@ -225,7 +226,10 @@ def test_load_never_unpickles_code_even_with_a_valid_checksum(memory_dir: str) -
     fs.pipe_file(f"{path}/train_state.pt", data)
     # A manifest that vouches for the forged file: only weights_only stands in the way.
     manifest = Manifest.from_json(fs.cat_file(f"{path}/manifest.json"), checkpoint=url)
-    files = {**manifest.files, "train_state.pt": FileRecord(len(data), f"{zlib.crc32(data):08x}")}
+    files = {
+        **manifest.files,
+        "train_state.pt": FileRecord(len(data), xxhash.xxh3_64_hexdigest(data)),
+    }
     forged = dataclasses.replace(manifest, files=files)
     fs.pipe_file(f"{path}/manifest.json", forged.to_json())
     with pytest.raises(CorruptCheckpointError, match=r"train_state.pt.*weights_only"):

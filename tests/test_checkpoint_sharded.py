@@ -226,7 +226,7 @@ def test_sharded_retention_is_pruned_by_rank_0_and_the_manifest_lists_every_rank
 def test_a_corrupt_shard_is_named_and_latest_falls_back(ddp: dict[str, Any]) -> None:
     for result in ddp["ranks"]:
         assert result["corrupted"] in result["corrupt_error"]
-        assert "CRC32" in result["corrupt_error"]
+        assert "has checksum xxh3_64" in result["corrupt_error"]
         assert result["latest"].endswith("step-00000005")
         assert result["resume_from"][0] == 5
         categories = {category for category, _ in result["warnings"]}

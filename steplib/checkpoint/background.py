@@ -11,7 +11,7 @@ is copied before ``save`` returns. Both copies are done by a few threads in chun
 (``copying.py``: a busy core delays one chunk, not the whole copy). GPU tensors are copied
 asynchronously on the training stream, ahead of the kernels that will change them, and only
 the writer thread waits for those copies. Writing, checksumming and committing happen in a
-thread at the lowest CPU priority (``_lowest_priority``); torch's file writing and zlib's CRC
+thread at the lowest CPU priority (``_lowest_priority``); torch's file writing and xxhash's checksum
 release the GIL, so the training thread keeps running.
 
 A tensor that something other than the optimizer changes in place while the background copy

@@ -167,7 +167,7 @@ def _read_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
 
 def _read_local_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
     # torch.load reads a path with its own C++ reader, several times faster than from bytes
-    # in memory; the checksums are computed meanwhile in a thread (zlib and file reads release
+    # in memory; the checksums are computed meanwhile in a thread (xxhash and file reads release
     # the GIL). Nothing is applied to the state before every checksum has passed.
     with ThreadPoolExecutor(1, thread_name_prefix="steplib-verify") as pool:
         checks = [

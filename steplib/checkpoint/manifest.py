@@ -1,8 +1,10 @@
 """The manifest: the last file of a checkpoint, what makes it exist, and its table of contents.
 
 ``manifest.json`` (orjson) holds the counters, time, metrics, versions, the step's fingerprint
-and the size and CRC32 of every other file. It carries its own CRC32 too (of its body, keys
-sorted), so that an altered manifest is detected like any other file.
+and the size and checksum of every other file (``"xxh3_64"``; ``"crc32"`` in checkpoints written
+before steplib 0.2.0, still verified). It carries its own CRC32 too (of its body, keys sorted),
+so that an altered manifest is detected like any other file; it stays CRC32 (a few KiB: speed
+does not matter) so that an older steplib gets past it and says "upgrade steplib".
 
 Checkpoint names sort in training order: ``step-00000120`` for a checkpoint taken between
 windows, ``step-00000120-micro-00000483`` for one taken inside an open accumulation window
@@ -16,7 +18,6 @@ import math
 import platform
 import re
 import time
-import types
 import zlib
 from collections.abc import Mapping
 from importlib import metadata
@@ -25,19 +26,19 @@ from typing import Any
 import orjson
 import torch
 
+from steplib.checkpoint.checksum import ALGORITHMS
 from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.errors import CorruptCheckpointError
 
 FORMAT = "steplib-checkpoint"
-VERSION = 2  # the newest format this steplib reads
+# Format versions: 1 single-process, 2 sharded (DCP), both with CRC32 file checksums; 3 either
+# layout with XXH3 file checksums (what this steplib writes). An older steplib reading a format
+# 3 checkpoint says "upgrade steplib" instead of taking its files for corrupt.
+VERSION = 3  # the newest format this steplib reads, and the one it writes
 MANIFEST = "manifest.json"
-# Layouts (``steplib.checkpoint.sharded`` writes the second). A single-process checkpoint is
-# still written as format 1, so older steplib versions keep reading it; a sharded one is format
-# 2, so that they say "upgrade steplib" instead of "not written by steplib's save" (it has no
-# model.pt).
-SINGLE = "single"
+SINGLE = "single"  # layouts (``steplib.checkpoint.sharded`` writes the second)
 SHARDED = "sharded"
-_LAYOUT_VERSION = types.MappingProxyType({SINGLE: 1, SHARDED: 2})  # read-only
+LAYOUTS = (SINGLE, SHARDED)
 
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
 
@@ -81,7 +82,7 @@ class Manifest:
         metrics: numbers recorded with it (what ``keep_best`` ranks by).
         fingerprint: ``step.describe()`` of the step that trained it, or ``None``.
         versions: steplib, torch and Python versions of the writer.
-        files: size and CRC32 of each data file (by path inside the checkpoint).
+        files: size and checksum of each data file (by path inside the checkpoint).
         layout: ``"single"`` (one process, ``torch.save`` files) or ``"sharded"`` (DCP).
         world_size: the number of processes that wrote it.
     """
@@ -133,7 +134,7 @@ class Manifest:
     def to_json(self) -> bytes:
         body = {
             "format": FORMAT,
-            "version": _LAYOUT_VERSION[self.layout],
+            "version": VERSION,
             "name": self.name,
             "step": self.step,
             "micro_step": self.micro_step,
@@ -144,9 +145,9 @@ class Manifest:
             "metrics": {k: (v if math.isfinite(v) else None) for k, v in self.metrics.items()},
             "fingerprint": self.fingerprint,
             "versions": dict(self.versions),
-            "files": {k: {"bytes": r.size, "crc32": r.crc32} for k, r in self.files.items()},
+            "files": {k: {"bytes": r.size, r.algorithm: r.checksum} for k, r in self.files.items()},
         }
-        if self.layout != SINGLE:  # format 1 has no such keys: its bytes stay as they were
+        if self.layout != SINGLE:  # absent: single, one process (as format 1 wrote it)
             body["layout"] = self.layout
             body["world_size"] = self.world_size
         body["manifest_crc32"] = _body_crc(body)
@@ -168,7 +169,7 @@ class Manifest:
                 raise ValueError(
                     f"its CRC32 is {_body_crc(body)}, it says {stored}: it was altered"
                 )
-            if body.get("layout", SINGLE) not in _LAYOUT_VERSION:
+            if body.get("layout", SINGLE) not in LAYOUTS:
                 raise ValueError(f"unknown layout {body['layout']!r}; upgrade steplib")
             if body["version"] > VERSION:
                 raise ValueError(
@@ -187,10 +188,7 @@ class Manifest:
                 },
                 fingerprint=body["fingerprint"],
                 versions=dict(body["versions"]),
-                files={
-                    k: FileRecord(int(v["bytes"]), str(v["crc32"]))
-                    for k, v in body["files"].items()
-                },
+                files={k: _record(k, v) for k, v in body["files"].items()},
                 layout=str(body.get("layout", SINGLE)),
                 world_size=int(body.get("world_size", 1)),
             )
@@ -203,3 +201,14 @@ class Manifest:
 
 def _body_crc(body: Mapping[str, Any]) -> str:
     return f"{zlib.crc32(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)):08x}"
+
+
+def _record(name: str, entry: Mapping[str, Any]) -> FileRecord:
+    # {"bytes": ..., "xxh3_64": ...}, or "crc32" in a checkpoint written before steplib 0.2.0.
+    for algorithm in ALGORITHMS:
+        if algorithm in entry:
+            return FileRecord(int(entry["bytes"]), str(entry[algorithm]), algorithm)
+    raise ValueError(
+        f"the entry of {name} has no checksum this steplib knows ({', '.join(ALGORITHMS)}); "
+        "upgrade steplib"
+    )

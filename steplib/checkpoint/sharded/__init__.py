@@ -14,7 +14,7 @@ is a directory like any other (same names, same listing, same retention), holdin
                                             (counters, window, scheduler, scaler, extras,
                                             RNG states, data position) and the non-tensor
                                             part of the model and optimizer state dicts
-      manifest.json                         written last, by rank 0: size and CRC32 of every
+      manifest.json                         written last, by rank 0: size and checksum of every
                                             file above, the counters, and the world size
 
 The commit is the one of ``storage`` (``save.py``): every rank writes into a staging directory

@@ -17,7 +17,6 @@ import contextlib
 import os
 import pickle
 import warnings
-import zlib
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from steplib.checkpoint.checksum import hasher
 from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.errors import CheckpointError
 
@@ -55,12 +55,12 @@ class _ChecksumStream:
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
-        self.crc = 0
+        self.hasher = hasher()
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        self.crc = zlib.crc32(view, self.crc)  # releases the GIL on large buffers
+        self.hasher.update(view)  # releases the GIL on large buffers
         self.size += view.nbytes
         self.raw.write(view)
         return view.nbytes
@@ -71,7 +71,7 @@ class _ChecksumStream:
 
 class _ChecksumFileSystem:
     """Wraps the filesystem object of an ``FsspecWriter``: each file written is recorded with
-    its size and CRC32, by name, in ``records``; a rename (DCP writes ``.metadata.tmp`` and
+    its size and checksum, by name, in ``records``; a rename (DCP writes ``.metadata.tmp`` and
     renames it) moves the record."""
 
     def __init__(self, inner: Any, records: MutableMapping[str, FileRecord]) -> None:
@@ -87,7 +87,7 @@ class _ChecksumFileSystem:
             stream = _ChecksumStream(raw)
             yield stream
         # Recorded only once the file is complete and closed (not when the write failed).
-        self.records[_name(path)] = FileRecord(stream.size, f"{stream.crc:08x}")
+        self.records[_name(path)] = FileRecord(stream.size, stream.hasher.hexdigest())
 
     def rename(self, path: Any, new_path: Any) -> None:
         self.inner.rename(path, new_path)
@@ -100,7 +100,7 @@ class _ChecksumFileSystem:
 
 
 class ChecksumWriter(FsspecWriter):
-    """DCP's ``FsspecWriter`` that records the size and CRC32 of every file this rank writes
+    """DCP's ``FsspecWriter`` that records the size and checksum of every file this rank writes
     (computed on the way out: nothing is read back), in ``records`` (file name -> record)."""
 
     def __init__(self, path: str, *, records: MutableMapping[str, FileRecord], **kwargs: Any):
