@@ -96,10 +96,17 @@ BATCH = 64
 
 
 def build_state(params_m: float) -> TrainState:
-    """Linear layers of 1024 x 1024 (~1 M parameters each) with AdamW's moments filled in."""
-    layers = max(1, round(params_m))
+    """Linear layers of 1024 x 1024 (~1 M parameters each) with AdamW's moments filled in.
+
+    A whole ``params_m`` gives that many layers; a fractional one (e.g. 16 / 12 for a 16 MiB
+    state) adds a last ``Linear(1024, k)`` with ``k`` the fraction of 1024 outputs.
+    """
+    layers = max(1, int(params_m) if params_m % 1 else round(params_m))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(layers)])
+    modules = [nn.Linear(1024, 1024) for _ in range(layers)]
+    if params_m % 1 and params_m > 1:
+        modules.append(nn.Linear(1024, max(1, round(params_m % 1 * 1024))))
+    model = nn.Sequential(*modules)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -156,7 +163,12 @@ class Fresh:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--params-m", type=float, default=64, help="million model parameters")
+    parser.add_argument(
+        "--params-m",
+        type=float,
+        default=64,
+        help="million model parameters (3x in state; a fraction adds a narrower last layer)",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--output", default="benchmarks/results/checkpoint.json")

@@ -35,14 +35,17 @@ def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class TinyTransformer(nn.Module):
-    """A 2-layer pre-norm causal transformer LM: d=128, 4 heads, FFN 512, vocabulary 256.
+    """A pre-norm causal transformer LM: 2 layers, d=128, 4 heads, FFN 4d, vocabulary 256
+    by default (``d``, ``heads`` and ``layers`` make the bigger one).
 
     Dropout is 0 on purpose: dropout draws from the global RNG, and contenders that run
     interleaved in one process would then each see a different mask, so their weights could
     not be compared bit for bit.
     """
 
-    def __init__(self, *, vocab: int = 256, d: int = 128, heads: int = 4, seq: int = 64) -> None:
+    def __init__(
+        self, *, vocab: int = 256, d: int = 128, heads: int = 4, seq: int = 64, layers: int = 2
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
@@ -51,7 +54,7 @@ class TinyTransformer(nn.Module):
         )
         # enable_nested_tensor=False: the nested-tensor fast path is inference-only and would
         # warn for a norm_first layer.
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, vocab)
         mask = nn.Transformer.generate_square_subsequent_mask(seq)
         self.register_buffer("mask", mask, persistent=False)
@@ -115,6 +118,17 @@ WORKLOADS: dict[str, Workload] = {
         name="transformer",
         description="2-layer transformer d=128, seq 64, batch 16 (compute-bound)",
         build_model=TinyTransformer,
+        make_batches=_lm_batches,
+        loss_fn=lm_loss,
+        lr=3e-4,
+        pool=16,
+    ),
+    # The bigger model of "how the cost grows": ~8x the transformer's parameters, still about a
+    # minute for raw + steplib on 2 cores with the plan in bench_overhead.
+    "transformer-big": Workload(
+        name="transformer-big",
+        description="4-layer transformer d=256, seq 64, batch 16 (compute-bound, bigger)",
+        build_model=lambda: TinyTransformer(d=256, heads=8, layers=4),
         make_batches=_lm_batches,
         loss_fn=lm_loss,
         lr=3e-4,
