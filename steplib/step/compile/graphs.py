@@ -8,6 +8,7 @@ See :mod:`steplib.step.compile.runner` for what runs where and why.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -242,6 +243,12 @@ def inner_backend(
     return torch._TorchCompileWrapper(backend, mode, options, dynamic)
 
 
+# torch.compile(isolate_recompiles=...) and its guard filters are recent (torch 2.13 has them,
+# 2.11 does not): older releases compile without them (recompiles may then be shared between
+# two compiled steps of one function, and steplib's own guards are kept).
+_COMPILE_TAKES_ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
 class Region:
     """One function of the step under ``torch.compile``, counting the graphs it compiles in
     :class:`CompileStats`: a graph compiled after the function has run once is a recompile
@@ -258,14 +265,15 @@ class Region:
     ) -> None:
         self.ran = False
         self.stats = stats
-        # isolate_recompiles: this step's graphs neither count against nor reuse another
-        # compiled step's entries for the same function (several steps in one process).
-        self.fn = torch.compile(  # type: ignore[call-overload]
-            fn,
-            backend=_CountingBackend(inner, self),
-            isolate_recompiles=True,
-            options=None if guard_filter is None else {"guard_filter_fn": guard_filter},
-            **kwargs,
+        extra: dict[str, Any] = {}
+        if _COMPILE_TAKES_ISOLATE:
+            # This step's graphs neither count against nor reuse another compiled step's
+            # entries for the same function (several steps in one process).
+            extra["isolate_recompiles"] = True
+        if guard_filter is not None and _COMPILE_TAKES_ISOLATE:  # same release as guard filters
+            extra["options"] = {"guard_filter_fn": guard_filter}
+        self.fn = torch.compile(
+            fn, backend=_CountingBackend(inner, self), **extra, **kwargs
         )
 
     def __call__(self, *args: Any) -> Any:
