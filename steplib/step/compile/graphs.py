@@ -272,9 +272,7 @@ class Region:
             extra["isolate_recompiles"] = True
         if guard_filter is not None and _COMPILE_TAKES_ISOLATE:  # same release as guard filters
             extra["options"] = {"guard_filter_fn": guard_filter}
-        self.fn = torch.compile(
-            fn, backend=_CountingBackend(inner, self), **extra, **kwargs
-        )
+        self.fn = torch.compile(fn, backend=_CountingBackend(inner, self), **extra, **kwargs)
 
     def __call__(self, *args: Any) -> Any:
         out = self.fn(*args)
