@@ -76,7 +76,7 @@ from torch import nn
 from steplib import TrainState, make_train_step
 from steplib.checkpoint import AsyncSaver, load, save, wait_snapshot
 from steplib.checkpoint.contents import gather
-from steplib.state import UpdateFence
+from steplib.fence import UpdateFence
 
 DURABLE = "steplib save (durable)"
 NOT_DURABLE = "steplib save, durable=False"

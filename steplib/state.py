@@ -16,66 +16,54 @@ steplib is functional where Python can afford it and PyTorch where it cannot:
 from __future__ import annotations
 
 import dataclasses
-import threading
 import types
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from steplib.errors import ConfigError, describe
+from steplib.errors import ConfigError
+from steplib.fence import UpdateFence
+from steplib.state_checks import (
+    as_module,
+    check_disjoint,
+    check_frozen,
+    check_names,
+    check_pieces,
+    trained,
+)
 
 _Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPlateau-style objects
+_EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 
 
-class Joinable(Protocol):
-    """Work in flight: ``join()`` returns once it has ended."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lane:
+    """One optimizer's place in a state that trains several (``TrainState.create(optimizer=
+    {"G": ..., "D": ...})``).
 
-    def join(self) -> None: ...
-
-
-class UpdateFence:
-    """Work that must end before the next optimizer update changes the parameters and the
-    optimizer's state in place.
-
-    An async checkpoint (``steplib.checkpoint.AsyncSaver``) copies the parameters and the
-    optimizer state in a background thread while the next forward and backward run (they only
-    read them); it puts that copy here with :meth:`hold`. Every step waits here just before its
-    update, and ``load`` before it overwrites them. One fence belongs to the states derived from
-    one ``TrainState.create`` (``replace`` keeps it), so nothing is global. Waiting only joins
-    threads: no tensor is read.
+    Attributes:
+        name: the optimizer's name.
+        params: the trainable parameters it updates. The backward of a step for this optimizer
+            accumulates into these only (``loss.backward(inputs=...)``), so the generator's
+            step never adds to the discriminator's open accumulation window.
+        others: on the first optimizer's state, the other optimizers' states by name, as
+            their steps left them; empty on theirs.
     """
 
-    __slots__ = ("_lock", "_pending")
-
-    def __init__(self) -> None:
-        self._pending: list[Joinable] = []
-        self._lock = threading.Lock()
-
-    def hold(self, work: Joinable) -> None:
-        """Make the next update (and :meth:`wait`) wait for ``work``."""
-        with self._lock:
-            self._pending.append(work)
-
-    @property
-    def held(self) -> int:
-        """How many pieces of work the next update would wait for."""
-        return len(self._pending)
-
-    def wait(self) -> None:
-        """Block until the work held so far has ended."""
-        if not self._pending:  # the common case, once per update: no lock
-            return
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for work in pending:
-            work.join()
+    name: str
+    params: tuple[torch.Tensor, ...]
+    others: Mapping[str, TrainState] = dataclasses.field(default_factory=lambda: _EMPTY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TrainState:
     """Everything a training step reads and advances. Build it with :meth:`TrainState.create`.
+
+    A state with several optimizers (a GAN) is the first one's: its fields below are that
+    optimizer's, and ``state["D"]`` is the state of the one named ``"D"`` (the same model,
+    epoch and extras), which ``make_train_step(loss_fn, optimizer="D")`` advances.
 
     Attributes:
         model: the module being trained (its parameters change in place).
@@ -100,8 +88,10 @@ class TrainState:
         device_skips: the bookkeeping of a skip decision kept on the device (the scheduler's
             position and its learning-rate table), else ``None``. Checkpoints do not store it:
             it is rebuilt from the scheduler on the next update.
-        fence: the :class:`UpdateFence` the next update waits at (async checkpoints hold their
-            background copies there); shared by every state derived from this one.
+        fence: the :class:`~steplib.fence.UpdateFence` the next update waits at (async
+            checkpoints hold their background copies there); shared by every state derived
+            from this one, and by every optimizer of it.
+        lane: this optimizer's :class:`Lane` when the state trains several, else ``None``.
     """
 
     model: nn.Module
@@ -120,24 +110,33 @@ class TrainState:
     extras: Mapping[str, Any]
     device_skips: Any = None  # steplib.step.device_skips.DeviceSkips: the step owns it
     fence: UpdateFence = dataclasses.field(default_factory=UpdateFence, compare=False)
+    lane: Lane | None = None
 
     @classmethod
     def create(
         cls,
         *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: _Scheduler | None = None,
-        scaler: torch.amp.GradScaler | None = None,
+        model: nn.Module | Mapping[str, nn.Module],
+        optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
+        scheduler: _Scheduler | Mapping[str, _Scheduler] | None = None,
+        scaler: torch.amp.GradScaler | Mapping[str, torch.amp.GradScaler] | None = None,
         extras: Mapping[str, Any] | None = None,
     ) -> TrainState:
         """Check the pieces belong together and return the state at step 0.
 
         Args:
-            model: an ``nn.Module`` with at least one trainable parameter.
-            optimizer: an optimizer whose parameters are all parameters of ``model``.
-            scheduler: optional LR scheduler whose ``.optimizer`` is ``optimizer``.
-            scaler: optional ``torch.amp.GradScaler`` (needed for float16 mixed precision).
+            model: an ``nn.Module`` with at least one trainable parameter; or a dict of named
+                modules (``{"G": g, "D": d}``), which becomes one ``nn.ModuleDict`` that
+                ``loss_fn`` receives. A named module that no optimizer updates must be frozen
+                (``teacher.requires_grad_(False)``).
+            optimizer: an optimizer whose parameters are all parameters of ``model``; or a
+                dict of named optimizers over disjoint parameters (``{"G": opt_g, "D":
+                opt_d}``), each with its own window and counters: the first is the state's
+                own, and each step names the one it updates.
+            scheduler: optional LR scheduler whose ``.optimizer`` is ``optimizer``; with named
+                optimizers, a dict by their names (any of them).
+            scaler: optional ``torch.amp.GradScaler`` (needed for float16 mixed precision);
+                with named optimizers, a dict by their names.
             extras: optional mapping of user values carried along (and checkpointed later).
 
         Returns:
@@ -146,7 +145,9 @@ class TrainState:
         Raises:
             ConfigError: a piece of the wrong type, an optimizer over parameters that are not
                 the model's, a scheduler bound to another optimizer, or a schedule function
-                (``warmup_cosine(...)``) where a scheduler (``LambdaLR(optimizer, ...)``) goes.
+                (``warmup_cosine(...)``) where a scheduler (``LambdaLR(optimizer, ...)``) goes;
+                with named pieces: a name that is not an optimizer's, a parameter in two
+                optimizers, a named module with trainable parameters that no optimizer updates.
 
         Example:
             >>> import torch
@@ -155,62 +156,50 @@ class TrainState:
             >>> state = TrainState.create(model=model, optimizer=opt)
             >>> (state.step, state.micro_step, state.window_size)
             (0, 0, 0)
+
+            Two optimizers, one state:
+
+            >>> g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+            >>> state = TrainState.create(
+            ...     model={"G": g, "D": d},
+            ...     optimizer={"G": torch.optim.Adam(g.parameters()),
+            ...                "D": torch.optim.Adam(d.parameters())},
+            ... )
+            >>> state.names, state["D"].step
+            (('G', 'D'), 0)
         """
-        if not isinstance(model, nn.Module):
-            raise ConfigError(
-                f"TrainState.create(model=...) received {describe(model)}, which is not a "
-                "torch.nn.Module. Pass the module you train, e.g. model=MyNet()."
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"TrainState.create(optimizer=...) received {describe(optimizer)}, which is not a "
-                "torch.optim.Optimizer. Pass e.g. optimizer=torch.optim.AdamW(model.parameters())."
-            )
-        model_params = {id(p) for p in model.parameters()}
-        if not model_params:
-            raise ConfigError(
-                f"TrainState.create received a model ({type(model).__name__}) with no parameters; "
-                "there is nothing to train. Pass the module that owns the parameters."
-            )
-        foreign = [
-            i
-            for group in optimizer.param_groups
-            for i, p in enumerate(group["params"])
-            if id(p) not in model_params
-        ]
-        if foreign:
-            raise ConfigError(
-                f"TrainState.create: the optimizer holds {len(foreign)} parameter(s) that are not "
-                f"parameters of the model ({type(model).__name__}); it was probably built for "
-                "another model or a copy of it. Build it from this model: "
-                "optimizer=torch.optim.AdamW(model.parameters(), ...)."
-            )
-        if callable(scheduler) and not hasattr(scheduler, "step"):
-            # A schedule function (steplib.schedules) is what LambdaLR takes, not a scheduler.
-            name = getattr(scheduler, "__qualname__", "")
-            if ".<locals>" in name:  # what a builder such as warmup_cosine(...) returns
-                example = f"{name.split('.<locals>')[0]}(...)"
-                received = f"the function that {example} returns"
-            else:
-                example, received = name if name.isidentifier() else "schedule", describe(scheduler)
-            raise ConfigError(
-                f"TrainState.create(scheduler=...) received {received}: a schedule function "
-                "(update index -> LR multiplier), not an LR scheduler. Wrap it in a LambdaLR "
-                "built from this optimizer: scheduler=torch.optim.lr_scheduler.LambdaLR("
-                f"optimizer, {example})."
-            )
-        if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
-            raise ConfigError(
-                f"TrainState.create: the scheduler ({type(scheduler).__name__}) is not bound to "
-                "this optimizer, so stepping it would not change this optimizer's learning rate. "
-                "Build it from the same optimizer: scheduler=LambdaLR(optimizer, ...)."
-            )
-        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-            raise ConfigError(
-                f"TrainState.create(scaler=...) received {describe(scaler)}. Pass a "
-                "torch.amp.GradScaler, e.g. scaler=torch.amp.GradScaler('cuda'), or None."
-            )
-        device = next(iter(model.parameters())).device
+        modules = as_module(model)
+        extras = types.MappingProxyType(dict(extras or {}))
+        if not isinstance(optimizer, Mapping):
+            check_pieces(modules, optimizer, scheduler, scaler, key="")
+            check_frozen(model, [optimizer])
+            return cls._at_zero(modules, optimizer, scheduler, scaler, extras, UpdateFence())  # type: ignore[arg-type]
+        names = check_names(optimizer, scheduler, scaler)
+        schedulers: Mapping[str, Any] = scheduler or _EMPTY
+        scalers: Mapping[str, Any] = scaler or _EMPTY  # type: ignore[assignment]
+        fence = UpdateFence()  # one for all: a save copies every optimizer's state
+        states: dict[str, TrainState] = {}
+        for name in names:
+            opt, sch, sc = optimizer[name], schedulers.get(name), scalers.get(name)
+            check_pieces(modules, opt, sch, sc, key=f"[{name!r}]")
+            state = cls._at_zero(modules, opt, sch, sc, extras, fence)
+            states[name] = _evolve(state, {"lane": Lane(name, trained(opt))})
+        check_disjoint({name: optimizer[name] for name in names})
+        check_frozen(model, [optimizer[name] for name in names])
+        first, *rest = names
+        others = types.MappingProxyType({n: states[n] for n in rest})
+        return _evolve(states[first], {"lane": Lane(first, trained(optimizer[first]), others)})
+
+    @classmethod
+    def _at_zero(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: _Scheduler | None,
+        scaler: torch.amp.GradScaler | None,
+        extras: Mapping[str, Any],
+        fence: UpdateFence,
+    ) -> TrainState:
         return cls(
             model=model,
             optimizer=optimizer,
@@ -224,15 +213,60 @@ class TrainState:
             window_targets=0,
             skipped_updates=0,
             consecutive_skips=0,
-            device=device,
-            extras=types.MappingProxyType(dict(extras or {})),
+            device=next(iter(model.parameters())).device,
+            extras=extras,
+            fence=fence,
         )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The optimizers' names, the state's own first, when it trains several; else ``()``."""
+        lane = self.lane
+        return () if lane is None else (lane.name, *lane.others)
+
+    def __getitem__(self, name: str) -> TrainState:
+        """The state of the optimizer named ``name``: its optimizer, scheduler, scaler,
+        counters and window, with this state's model, epoch and extras.
+
+        Raises:
+            KeyError: no optimizer of this state has that name (the message lists them).
+        """
+        lane = self.lane
+        if lane is not None:
+            if name == lane.name:
+                return self
+            if name in lane.others:
+                return _evolve(lane.others[name], {"epoch": self.epoch, "extras": self.extras})
+        raise KeyError(
+            f"state[{name!r}]: this state's optimizers are {list(self.names)}"
+            + ("" if self.names else " (one, unnamed: TrainState.create(optimizer=opt))")
+        )
+
+    def with_lane(self, state: TrainState) -> TrainState:
+        """This state with ``state`` (another optimizer's, as ``self[name]`` gives and its
+        step returns) put in its place.
+
+        Raises:
+            ConfigError: ``state`` is not the state of one of this state's optimizers.
+        """
+        lane, theirs = self.lane, state.lane
+        if lane is None or theirs is None or theirs.name not in self.names:
+            raise ConfigError(
+                f"with_lane received the state of optimizer "
+                f"{None if theirs is None else theirs.name!r}; this state's optimizers are "
+                f"{list(self.names)}. Pass what state[name] or a step for that name returned."
+            )
+        if theirs.name == lane.name:
+            return state
+        others = {**lane.others, theirs.name: state}
+        return _evolve(self, {"lane": Lane(lane.name, lane.params, types.MappingProxyType(others))})
 
     def settle_scheduler(self) -> None:
         """Bring the scheduler up to date on the host when a skip decision kept its position on
         the device (a fused optimizer with ``skip_nonfinite``; see
         ``steplib.step.device_skips``): ``last_epoch``, ``get_last_lr()`` and ``_step_count``
         become what stepping it once per applied update would have left. A no-op otherwise.
+        With several optimizers, every one's.
 
         Saving a checkpoint and the end of ``run``/``iterate`` call it; call it yourself before
         reading the scheduler object in your own loop. It reads one number from the device (a
@@ -240,6 +274,9 @@ class TrainState:
         """
         if self.device_skips is not None and self.scheduler is not None:
             self.device_skips.settle(self.scheduler)
+        if self.lane is not None:
+            for other in self.lane.others.values():
+                other.settle_scheduler()
 
     def replace(self, **changes: Any) -> TrainState:
         """The next state with ``changes`` applied (``dataclasses.replace``, checked the same way).

@@ -71,7 +71,13 @@ def _steplib_imports(name: str) -> set[str]:
 def test_the_three_concepts_import_almost_nothing() -> None:
     assert _steplib_imports("steplib.errors") == set()
     assert _steplib_imports("steplib.events") == set()
-    assert _steplib_imports("steplib.state") == {"steplib.errors"}
+    assert _steplib_imports("steplib.fence") == set()
+    assert _steplib_imports("steplib.state") == {
+        "steplib.errors",
+        "steplib.fence",
+        "steplib.state_checks",
+    }
+    assert _steplib_imports("steplib.state_checks") == {"steplib.errors"}
     assert _steplib_imports("steplib.loop") == {"steplib.state", "steplib.events"}
 
 
@@ -149,7 +155,12 @@ def _code_identifiers(tree: ast.Module) -> set[str]:
 
 
 def test_the_core_names_no_wrapper() -> None:
-    for name in ("steplib.step.core", "steplib.step.plan", "steplib.step.parts"):
+    for name in (
+        "steplib.step.core",
+        "steplib.step.phases",
+        "steplib.step.plan",
+        "steplib.step.parts",
+    ):
         named = _code_identifiers(TREES[name]) & (WRAPPER_NAMES | set(WRAPPERS) | {"compile"})
         assert not named, f"{name} names the wrapper(s) {sorted(named)}"
 

@@ -285,7 +285,7 @@ def test_create_refuses_a_model_that_is_not_a_module():
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError) as info:
-        TrainState.create(model=model.state_dict(), optimizer=opt)  # type: ignore[arg-type]
+        TrainState.create(model=model.state_dict(), optimizer=opt)
     message = str(info.value)
     assert "TrainState.create(model=...) received" in message
     assert "not a torch.nn.Module" in message

@@ -105,7 +105,7 @@ def test_the_scan_finds_the_known_classes_and_raise_sites() -> None:
     assert {"StepLibError", "ConfigError", "LossFnError", "CorruptCheckpointError"} <= classes
     assert "CheckpointWarning" in classes  # a Warning is an exception class too
     sites = raised(trees, classes)
-    assert "TooManySkipsError" in sites["steplib.step.core"]
+    assert "TooManySkipsError" in sites["steplib.step.phases"]
     assert "CheckpointWarning" in sites["steplib.checkpoint.listing"]  # warnings.warn(...)
     assert "CorruptCheckpointError" in sites["steplib.checkpoint.checksummed"]  # via _missing()
 

@@ -1,15 +1,8 @@
-"""The ``Step`` record, ``make_train_step``, ``add_part`` and the phase order, written once.
+"""The ``Step`` record, ``make_train_step``, ``add_part`` and the ``Runner`` of its phases.
 
 A step is a frozen record: the user's ``loss_fn`` and the parts the wrappers added
-(:class:`~steplib.step.parts.Part`). Its three phases run every part's contributions in the order
-DESIGN.md §5.4 fixes, whatever order the wrappers were applied in:
-
-1. ``forward_backward``: micro-batch contexts -> forward contexts -> ``loss_fn`` -> backward of the
-   (scaled) loss *sum*.
-2. ``process_grads``: the window's sums over the processes, then the gradient transforms by rank
-   (unscale -> normalise by the window's count -> yours -> clip -> finiteness).
-3. ``apply``: the optimizer update (unless skipped) inside the parts' update functions -> scaler
-   update -> zero_grad -> scheduler.
+(:class:`~steplib.step.parts.Part`). Its three phases (``steplib.step.phases``) run every part's
+contributions in the order DESIGN.md §5.4 fixes, whatever order the wrappers were applied in.
 
 This module names no wrapper: a wrapper is a part, and a new wrapper changes no file here.
 
@@ -20,26 +13,20 @@ per micro-batch by ``k`` is wrong when micro-batches hold different numbers of t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import torch
 
 from steplib.data import on_model_device
-from steplib.errors import ConfigError, TooManySkipsError, describe, model_batch_fn
+from steplib.errors import ConfigError, describe, model_batch_fn
 from steplib.state import StepOutput, TrainState
-from steplib.step import device_skips
-from steplib.step.loss_output import LossOutput, parse_loss_output
-from steplib.step.parts import Gradients, GradReport, Part, Update, plain
-from steplib.step.plan import Plan, check_composition, scaler_active
+from steplib.step.parts import Part, plain
+from steplib.step.phases import apply, forward_backward, lr_now, process_grads
+from steplib.step.plan import Plan, check_composition
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
-
-# A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
-_NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,11 +37,14 @@ class Step:
     Attributes:
         loss_fn: the user's ``loss_fn(model, batch)``.
         parts: what the wrappers added, in the order they were applied.
+        optimizer: the name of the optimizer this step updates, in a state with several
+            (``TrainState.create(optimizer={...})``), else ``None``.
         plan: what the parts add up to (:class:`Plan`), computed when the step is built.
     """
 
     loss_fn: LossFn
     parts: tuple[Part, ...] = ()
+    optimizer: str | None = None
     plan: Plan = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,7 +65,19 @@ class Step:
 
         Returns:
             ``(next_state, output)``.
+
+        Raises:
+            ConfigError: the state has several optimizers and the step names none of them, or
+                the step names one and the state has no optimizer of that name.
         """
+        if state.lane is not None or self.optimizer is not None:
+            mine, out = self._micro_batch(_lane_of(self, state), batch, close_window)
+            return state.with_lane(mine), out
+        return self._micro_batch(state, batch, close_window)
+
+    def _micro_batch(
+        self, state: TrainState, batch: Any, close_window: bool
+    ) -> tuple[TrainState, StepOutput]:
         size = state.window_size + 1
         closes = close_window or size >= self.plan.window
         out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
@@ -96,7 +98,7 @@ class Step:
             did_update=False,
             skipped=False,
             grad_norm=None,
-            lr=_lr_now(state),
+            lr=lr_now(state),
             aux=out.aux,
         )
 
@@ -110,6 +112,12 @@ class Step:
             ``(state, None)`` when no window is open, else the state and output of the update,
             normalised by the targets the window actually held.
         """
+        if state.lane is not None or self.optimizer is not None:
+            mine, out = self._flush(_lane_of(self, state))
+            return state.with_lane(mine), out
+        return self._flush(state)
+
+    def _flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
         if state.window_size == 0:
             return state, None
         self.plan.sync.sync_unsynced(state)  # its last backward ran without gradient sync
@@ -145,142 +153,6 @@ class Step:
         )
 
 
-def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -> LossOutput:
-    """Phase 1: forward under the forward contexts, backward of the (scaled) loss sum, both
-    inside the micro-batch contexts (``sync`` False: DDP's ``no_sync``, which must hold for the
-    forward pass too)."""
-    plan = step.plan
-    with contextlib.ExitStack() if plan.micro_contexts else _NO_CONTEXT as stack:
-        for enter in plan.micro_contexts:
-            stack.enter_context(enter(state, sync))
-        if plan.forward_contexts:
-            with contextlib.ExitStack() as inner:
-                for enter_forward in plan.forward_contexts:
-                    inner.enter_context(enter_forward(state))
-                out = parse_loss_output(step.loss_fn(state.model, batch))
-        else:
-            out = parse_loss_output(step.loss_fn(state.model, batch))
-        loss = out.loss_sum
-        scaler = state.scaler  # inline, not scaler_active(): this runs every micro-batch
-        if scaler is not None and scaler.is_enabled():
-            loss = scaler.scale(loss)
-        if plan.hooks:
-            _call(plan, "before_backward", state)
-        loss.backward()
-        if plan.hooks:
-            _call(plan, "after_backward", state)
-    return out
-
-
-def process_grads(step: Step, state: TrainState) -> GradReport:
-    """Phase 2: the window's sums over the processes, then every gradient transform in rank
-    order. Every operation stays on the device; the non-finite flag is a tensor."""
-    plan = step.plan
-    window_loss: torch.Tensor = state.window_loss  # type: ignore[assignment]  # non-empty
-    loss_sum, targets, averaged = plan.sync.reduce_window(state, window_loss, state.window_targets)
-    # DDP already averaged the gradients over `averaged` processes: divide by the rest.
-    grads = Gradients(
-        state,
-        loss_sum=loss_sum,
-        num_targets=targets,
-        divisor=targets if averaged == 1 else targets / averaged,
-        sync=plan.sync,
-    )
-    for transform in plan.transforms:
-        transform(grads)
-    grads.settle()  # a division no transform folded in
-    return GradReport(loss_sum, targets, grads.grad_norm, grads.nonfinite)
-
-
-def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState, Any, Any]:
-    """Phase 3: the optimizer update unless skipped, scaler update, zero_grad, scheduler.
-
-    A skip decision stays on the device when the optimizer can skip inside its kernel (a
-    fused optimizer) and the scheduler is ``None`` or a ``LambdaLR`` (see
-    ``steplib.step.device_skips``); otherwise it is read on the host, once per update.
-
-    Returns:
-        The state with the window reset and the counters advanced; whether the update was
-        applied: a bool, or a bool device tensor when the decision stayed there; and the
-        learning rate it used (read after the ``before_update`` hooks, which may set it).
-
-    Raises:
-        TooManySkipsError: more skipped updates in a row than a part's
-            ``max_consecutive_skips``.
-    """
-    plan, nonfinite = step.plan, report.nonfinite
-    optimizer = state.optimizer
-    on_device = nonfinite is not None and device_skips.decides_on_device(optimizer, state.scheduler)
-    applied: bool | torch.Tensor = True
-    if nonfinite is not None:
-        # The host read, when the decision cannot stay on the device: a host-side
-        # scheduler must know whether to advance. Once per update, never mid-window.
-        applied = ~nonfinite if on_device else not bool(nonfinite)
-    if applied is not False and plan.hooks:
-        _call(plan, "before_update", state)  # the final, unscaled, normalised, clipped grads
-    lr = _lr_now(state)
-    if applied is not False:
-        if plan.updates or on_device:
-            update = _update_call(step, state, nonfinite if on_device else None)
-            for outer in reversed(plan.updates):
-                update = _around(outer, state, update)
-            update()
-        else:  # the common case: no closure to build
-            plan.runner.optimizer_step(step, optimizer)
-        if plan.hooks:
-            _call(plan, "after_update", state)
-    if scaler_active(state):
-        state.scaler.update()  # type: ignore[union-attr]
-    optimizer.zero_grad(set_to_none=True)
-    if plan.hooks:
-        _call(plan, "after_zero_grad", state)
-    limit = plan.max_consecutive_skips
-    changes: dict[str, Any] = {"step": state.step + 1, "window_size": 0}
-    changes.update(window_loss=0.0, window_targets=0)
-    if isinstance(applied, torch.Tensor):
-        record, counters, seen = device_skips.count(state, applied, limit)
-        if seen is not None:
-            _too_many_skips(seen, limit, state.step)  # type: ignore[arg-type]
-        return state.replace(**changes, **counters, device_skips=record), applied, lr
-    if applied and state.scheduler is not None:
-        state.scheduler.step()
-    consecutive = 0 if applied else state.consecutive_skips + 1
-    if limit is not None and consecutive > limit:  # host-decided: an int
-        _too_many_skips(int(consecutive), limit, state.step)
-    changes["skipped_updates"] = state.skipped_updates + (0 if applied else 1)
-    changes["consecutive_skips"] = consecutive
-    return state.replace(**changes), applied, lr
-
-
-def _update_call(
-    step: Step, state: TrainState, found_inf: torch.Tensor | None
-) -> Callable[[], None]:
-    runner, optimizer = step.plan.runner, state.optimizer
-    if found_inf is None:
-        return lambda: runner.optimizer_step(step, optimizer)
-
-    def skip_in_kernel() -> None:
-        # What GradScaler.step does for fused optimizers: the kernel skips the update (step
-        # counters included) when found_inf is 1.
-        optimizer.found_inf = found_inf.float()  # type: ignore[attr-defined]
-        optimizer.grad_scale = None  # type: ignore[attr-defined]
-        try:
-            runner.optimizer_step(step, optimizer)
-        finally:
-            del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
-
-    return skip_in_kernel
-
-
-def _around(outer: Update, state: TrainState, inner: Callable[[], None]) -> Callable[[], None]:
-    return lambda: outer(state, inner)
-
-
-def _call(plan: Plan, point: str, state: TrainState) -> None:
-    for hook in plan.hooks.get(point, ()):
-        hook(state)
-
-
 def _optimizer_step(step: Step, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
@@ -310,13 +182,18 @@ class Runner:
 EAGER = Runner()
 
 
-def make_train_step(loss_fn: LossFn, *, to_device: bool = False) -> Step:
+def make_train_step(
+    loss_fn: LossFn, *, optimizer: str | None = None, to_device: bool = False
+) -> Step:
     """Build the basic step: forward, backward, optimizer step, zero_grad, scheduler step.
 
     Args:
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss_sum,
             num_targets)`` for a token-weighted loss, optionally followed by a dict of aux
             tensors: ``(loss, aux)`` / ``(loss_sum, num_targets, aux)``.
+        optimizer: in a state with several named optimizers (a GAN's ``{"G": ..., "D":
+            ...}``), the one this step updates: its window, scaler, scheduler and counters
+            advance, and only its parameters receive gradients.
         to_device: move every tensor of each batch to the model's device first
             (``steplib.data.to_device``), so the loader can stay on the CPU.
 
@@ -324,7 +201,8 @@ def make_train_step(loss_fn: LossFn, *, to_device: bool = False) -> Step:
         A :class:`Step`; call it as ``state, out = step(state, batch)``.
 
     Raises:
-        ConfigError: ``loss_fn`` is not callable or cannot be called as ``loss_fn(model, batch)``.
+        ConfigError: ``loss_fn`` is not callable or cannot be called as ``loss_fn(model, batch)``;
+            ``optimizer`` is not a non-empty string.
 
     Example:
         >>> import torch
@@ -341,7 +219,31 @@ def make_train_step(loss_fn: LossFn, *, to_device: bool = False) -> Step:
         (1, True)
     """
     model_batch_fn("make_train_step", "loss_fn", loss_fn, "return F.cross_entropy(model(x), y)")
-    return Step(loss_fn=on_model_device(loss_fn) if to_device else loss_fn)
+    if optimizer is not None and not (isinstance(optimizer, str) and optimizer):
+        raise ConfigError(
+            f"make_train_step(optimizer=...) received {describe(optimizer)}; pass the name of "
+            "one of the state's optimizers, e.g. optimizer='D' for "
+            "TrainState.create(optimizer={'G': opt_g, 'D': opt_d}), or leave it out."
+        )
+    return Step(loss_fn=on_model_device(loss_fn) if to_device else loss_fn, optimizer=optimizer)
+
+
+def _lane_of(step: Step, state: TrainState) -> TrainState:
+    """The state of the optimizer ``step`` updates, out of ``state``."""
+    name, names = step.optimizer, state.names
+    if name is not None and name in names:
+        return state[name]
+    if not names:
+        fix = f"build the step without optimizer={name!r}, or create the state with "
+        fix += f"optimizer={{{name!r}: ...}}"
+    elif name is None:
+        fix = f"name the one this step updates: make_train_step(loss_fn, optimizer={names[0]!r})"
+    else:
+        fix = f"name one of them: make_train_step(loss_fn, optimizer={names[0]!r})"
+    raise ConfigError(
+        f"the step updates optimizer {name!r}; the state's optimizers are "
+        f"{list(names) if names else 'one, unnamed'}: {fix}."
+    )
 
 
 def add_part(step: Any, part: Part) -> Step:
@@ -381,18 +283,3 @@ def add_part(step: Any, part: Part) -> Step:
     parts = (*step.parts, part)
     check_composition(parts)
     return dataclasses.replace(step, parts=parts)
-
-
-def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
-    raise TooManySkipsError(
-        f"skip_nonfinite: {consecutive} consecutive updates had a non-finite loss or "
-        f"gradient (max_consecutive={limit}), at step {step}. Training has diverged: lower the "
-        "learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf, or raise "
-        "max_consecutive."
-    )
-
-
-def _lr_now(state: TrainState) -> torch.Tensor | float:
-    lr = state.optimizer.param_groups[0]["lr"]
-    # A tensor LR is updated in place by its scheduler: an output keeps this call's value.
-    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr

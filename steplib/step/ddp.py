@@ -19,25 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from steplib.distributed.collectives import sum_window
 from steplib.errors import ConfigError
 from steplib.state import TrainState
-from steplib.step.core import Step, add_part
-from steplib.step.parts import GradSync, Part
-
-
-class RankSync(GradSync):
-    """Shared by DDP and FSDP2: the window's loss sum and target count summed over the ranks
-    (one small all-reduce on the device), gradients averaged over the ranks by the wrapper."""
-
-    def reduce_window(
-        self, state: TrainState, loss_sum: torch.Tensor, targets: torch.Tensor | int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        total, count = sum_window(loss_sum, targets)
-        return total, count, dist.get_world_size()
-
-    def describe(self) -> dict[str, Any]:
-        return {"world_size": dist.get_world_size()}
+from steplib.step.core import Step
+from steplib.step.parts import Part
+from steplib.step.ranks import RankSync, check_distributed_step
 
 
 class DdpSync(RankSync):
@@ -46,7 +32,7 @@ class DdpSync(RankSync):
     def sync_unsynced(self, state: TrainState) -> None:
         # The data ended mid-window: the last backward ran under no_sync. Average the gradients
         # as DDP's reducer would have (every parameter, so every rank sends the same layout).
-        params = [p for p in _ddp_model(state).parameters() if p.requires_grad]
+        params = [p for m in _ddp_models(state) for p in m.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -62,8 +48,13 @@ class DdpSync(RankSync):
 
 def _no_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:
     # Around forward *and* backward: DDP's reducer must see both inside no_sync.
-    model = _ddp_model(state)
-    return contextlib.nullcontext() if sync else model.no_sync()
+    models = _ddp_models(state)  # first: an unwrapped model is refused on every call
+    if sync:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for model in models:
+        stack.enter_context(model.no_sync())
+    return stack
 
 
 def ddp_wrap(step: Step) -> Step:
@@ -109,37 +100,24 @@ def ddp_wrap(step: Step) -> Step:
     return check_distributed_step(step, part)
 
 
-def check_distributed_step(step: Step, part: Part) -> Step:
-    """``step`` with ``part`` added, once every rank is known to have built the same
-    composition (one collective at build time; a mismatch would otherwise hang or silently
-    diverge). Shared by ``ddp_wrap`` and ``fsdp_wrap``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ConfigError(
-            f"{part.name} needs an initialised default process group, and none is. Launch with "
-            "torchrun and call steplib.distributed.init_distributed() (or "
-            "torch.distributed.init_process_group(...)) before building the step."
-        )
-    wrapped = add_part(step, part)
-    mine = wrapped.describe()
-    compositions: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(compositions, mine)  # once, at build time: a host sync is fine here
-    for rank, theirs in enumerate(compositions):
-        if theirs != mine:
-            raise ConfigError(
-                f"{part.name}: rank {dist.get_rank()} built the step {mine} but rank {rank} "
-                f"built {theirs}. Every rank must compose the same wrappers with the same "
-                "settings (build the step from the same code and configuration on every rank)."
-            )
-    return wrapped
-
-
-def _ddp_model(state: TrainState) -> DistributedDataParallel:
+def _ddp_models(state: TrainState) -> list[DistributedDataParallel]:
+    """The DDP module(s) whose parameters this step's optimizer updates: the state's model, or
+    (several named models, ``model={"G": DDP(g), "D": DDP(d)}``) those of its optimizer."""
     model = state.model
-    if not isinstance(model, DistributedDataParallel):
-        raise ConfigError(
-            f"ddp_wrap: the state's model is a {type(model).__name__}, not a "
-            "DistributedDataParallel module, so gradients would never be synchronised. Wrap it "
-            "before creating the state: model = steplib.distributed.apply_ddp(model) (or "
-            "DistributedDataParallel(model)), then TrainState.create(model=model, ...)."
-        )
-    return model
+    if isinstance(model, DistributedDataParallel):
+        return [model]
+    lane = state.lane
+    if lane is not None:
+        mine = {id(p) for p in lane.params}
+        wrapped = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+        found = [m for m in wrapped if any(id(p) in mine for p in m.parameters())]
+        if found:
+            return found
+    raise ConfigError(
+        f"ddp_wrap: the state's model is a {type(model).__name__}, not a "
+        "DistributedDataParallel module (nor a dict holding the one this step's optimizer "
+        "updates), so gradients would never be synchronised. Wrap it before creating the "
+        "state: model = steplib.distributed.apply_ddp(model) (or DistributedDataParallel(model)), "
+        "then TrainState.create(model=model, ...); with several models, wrap each: "
+        "model={'G': apply_ddp(g), 'D': apply_ddp(d)}."
+    )

@@ -16,8 +16,8 @@ from typing import Any
 from steplib.errors import ConfigError
 from steplib.state import TrainState
 from steplib.step.core import Step
-from steplib.step.ddp import RankSync, check_distributed_step
 from steplib.step.parts import Part
+from steplib.step.ranks import RankSync, check_distributed_step
 
 
 def _gradient_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:

@@ -73,16 +73,10 @@ from steplib.step.compile.graphs import (
     prepare,
     update,
 )
-from steplib.step.core import (
-    LossFn,
-    Runner,
-    Step,
-    add_part,
-    forward_backward,
-    process_grads,
-)
+from steplib.step.core import LossFn, Runner, Step, add_part
 from steplib.step.loss_output import NO_AUX, LossOutput
 from steplib.step.parts import LOCAL, GradReport, Part
+from steplib.step.phases import forward_backward, process_grads
 from steplib.step.plan import scaler_active
 
 

@@ -1,0 +1,163 @@
+"""The checks ``TrainState.create`` runs on the pieces it is given, before building anything:
+a module, optimizers over its parameters, schedulers bound to them, scalers; and for named
+pieces (several optimizers), names that match and parameters that belong to one optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from steplib.errors import ConfigError, describe
+
+
+def as_module(model: Any) -> nn.Module:
+    """``model`` itself, or a dict of named modules as one ``nn.ModuleDict``.
+
+    Raises:
+        ConfigError: not a module, or a dict with a name or value that a ModuleDict refuses.
+    """
+    if isinstance(model, Mapping):
+        for name, module in model.items():
+            if not (isinstance(name, str) and name.isidentifier()):
+                raise ConfigError(
+                    f"TrainState.create(model=...) received the module name {name!r}; name "
+                    "each module with an identifier, e.g. model={'G': generator, 'D': critic}."
+                )
+            if not isinstance(module, nn.Module):
+                raise ConfigError(
+                    f"TrainState.create(model=...) received a dict whose {name!r} is "
+                    f"{describe(module)}, not a torch.nn.Module. Pass the module you train, "
+                    "e.g. model=MyNet() (a state_dict goes in with model.load_state_dict(...) first), or a dict "
+                    "of modules, e.g. model={'G': Generator(), 'D': Critic()}."
+                )
+        return nn.ModuleDict(model)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"TrainState.create(model=...) received {describe(model)}, which is not a "
+            "torch.nn.Module. Pass the module you train, e.g. model=MyNet()."
+        )
+    return model
+
+
+def check_pieces(model: nn.Module, optimizer: Any, scheduler: Any, scaler: Any, key: str) -> None:
+    """Raise ``ConfigError`` unless ``optimizer`` trains parameters of ``model``, ``scheduler``
+    is an LR scheduler bound to it and ``scaler`` a GradScaler (``key``: ``"['D']"`` for a
+    named optimizer, ``""`` for the one)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"TrainState.create(optimizer{key}=...) received {describe(optimizer)}, which is "
+            "not a torch.optim.Optimizer. Pass e.g. "
+            "optimizer=torch.optim.AdamW(model.parameters())."
+        )
+    model_params = {id(p) for p in model.parameters()}
+    if not model_params:
+        raise ConfigError(
+            f"TrainState.create received a model ({type(model).__name__}) with no parameters; "
+            "there is nothing to train. Pass the module that owns the parameters."
+        )
+    foreign = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in foreign if id(p) not in model_params]
+    if foreign:
+        raise ConfigError(
+            f"TrainState.create: the optimizer{key} holds {len(foreign)} parameter(s) that are "
+            f"not parameters of the model ({type(model).__name__}); it was probably built for "
+            "another model or a copy of it. Build it from this model: "
+            "optimizer=torch.optim.AdamW(model.parameters(), ...)."
+        )
+    if callable(scheduler) and not hasattr(scheduler, "step"):
+        # A schedule function (steplib.schedules) is what LambdaLR takes, not a scheduler.
+        name = getattr(scheduler, "__qualname__", "")
+        if ".<locals>" in name:  # what a builder such as warmup_cosine(...) returns
+            example = f"{name.split('.<locals>')[0]}(...)"
+            received = f"the function that {example} returns"
+        else:
+            example, received = name if name.isidentifier() else "schedule", describe(scheduler)
+        raise ConfigError(
+            f"TrainState.create(scheduler{key}=...) received {received}: a schedule function "
+            "(update index -> LR multiplier), not an LR scheduler. Wrap it in a LambdaLR "
+            "built from this optimizer: scheduler=torch.optim.lr_scheduler.LambdaLR("
+            f"optimizer, {example})."
+        )
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
+        raise ConfigError(
+            f"TrainState.create: the scheduler{key} ({type(scheduler).__name__}) is not bound "
+            f"to {'this optimizer' if not key else 'the optimizer' + key}, so stepping it would "
+            "not change that optimizer's learning rate. Build it from the same optimizer: "
+            "scheduler=LambdaLR(optimizer, ...)."
+        )
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise ConfigError(
+            f"TrainState.create(scaler{key}=...) received {describe(scaler)}. Pass a "
+            "torch.amp.GradScaler, e.g. scaler=torch.amp.GradScaler('cuda'), or None."
+        )
+
+
+def check_names(optimizers: Mapping[Any, Any], schedulers: Any, scalers: Any) -> tuple[str, ...]:
+    """The optimizers' names, after checking that the schedulers and scalers are dicts over
+    some of them.
+
+    Raises:
+        ConfigError: no optimizer, a name that is not a string, a single scheduler or scaler
+            where a dict by name is needed, or a name that is not an optimizer's.
+    """
+    names = tuple(optimizers)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(
+            f"TrainState.create(optimizer=...) received a dict with the names {list(names)}; "
+            "name each optimizer with a non-empty string, e.g. optimizer={'G': opt_g, 'D': "
+            "opt_d}, or pass a single optimizer."
+        )
+    for label, pieces in (("scheduler", schedulers), ("scaler", scalers)):
+        if pieces is None:
+            continue
+        if not isinstance(pieces, Mapping):
+            raise ConfigError(
+                f"TrainState.create(optimizer=...) received named optimizers {list(names)} "
+                f"but {label}={describe(pieces)}: say whose it is, e.g. "
+                f"{label}={{{names[0]!r}: ...}}."
+            )
+        unknown = [n for n in pieces if n not in optimizers]
+        if unknown:
+            raise ConfigError(
+                f"TrainState.create({label}=...) names {unknown}, which are not optimizers of "
+                f"this state ({list(names)}). Use the optimizers' names as keys."
+            )
+    return names
+
+
+def trained(optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
+    """The parameters ``optimizer`` updates that take gradients (what a backward fills)."""
+    return tuple(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+
+
+def check_disjoint(optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    """Raise ``ConfigError`` if one parameter is updated by two named optimizers."""
+    owner: dict[int, str] = {}
+    for name, optimizer in optimizers.items():
+        for p in trained(optimizer):
+            first = owner.setdefault(id(p), name)
+            if first != name:
+                raise ConfigError(
+                    f"TrainState.create: a parameter of shape {tuple(p.shape)} is in both "
+                    f"optimizer {first!r} and optimizer {name!r}. Each parameter belongs to one "
+                    "optimizer: build each from its own module's parameters."
+                )
+
+
+def check_frozen(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """For a dict of named modules: raise ``ConfigError`` if one has trainable parameters that
+    no optimizer updates (their gradients would pile up for nothing: freeze it)."""
+    if not isinstance(model, Mapping):
+        return
+    updated = {id(p) for optimizer in optimizers for p in trained(optimizer)}
+    for name, module in model.items():
+        idle = [p for p in module.parameters() if p.requires_grad and id(p) not in updated]
+        if idle:
+            raise ConfigError(
+                f"TrainState.create: model[{name!r}] has {len(idle)} trainable parameter(s) that "
+                f"no optimizer updates. Freeze it if it is not trained (a teacher): "
+                f"model[{name!r}].requires_grad_(False) and .eval(); or give it an optimizer."
+            )

@@ -1,0 +1,186 @@
+"""The three phases of a step, in the order DESIGN.md §5.4 fixes, written once; ``Step`` runs
+them through its runner (:class:`~steplib.step.core.Runner`).
+
+1. ``forward_backward``: micro-batch contexts -> forward contexts -> ``loss_fn`` -> backward of the
+   (scaled) loss *sum*.
+2. ``process_grads``: the window's sums over the processes, then the gradient transforms by rank
+   (unscale -> normalise by the window's count -> yours -> clip -> finiteness).
+3. ``apply``: the optimizer update (unless skipped) inside the parts' update functions -> scaler
+   update -> zero_grad -> scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from steplib.errors import TooManySkipsError
+from steplib.state import TrainState
+from steplib.step import device_skips
+from steplib.step.loss_output import LossOutput, parse_loss_output
+from steplib.step.parts import Gradients, GradReport, Update
+from steplib.step.plan import Plan, scaler_active
+
+if TYPE_CHECKING:
+    from steplib.step.core import Step
+
+# A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
+_NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
+
+
+def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -> LossOutput:
+    """Phase 1: forward under the forward contexts, backward of the (scaled) loss sum, both
+    inside the micro-batch contexts (``sync`` False: DDP's ``no_sync``, which must hold for the
+    forward pass too)."""
+    plan = step.plan
+    with contextlib.ExitStack() if plan.micro_contexts else _NO_CONTEXT as stack:
+        for enter in plan.micro_contexts:
+            stack.enter_context(enter(state, sync))
+        if plan.forward_contexts:
+            with contextlib.ExitStack() as inner:
+                for enter_forward in plan.forward_contexts:
+                    inner.enter_context(enter_forward(state))
+                out = parse_loss_output(step.loss_fn(state.model, batch))
+        else:
+            out = parse_loss_output(step.loss_fn(state.model, batch))
+        loss = out.loss_sum
+        scaler = state.scaler  # inline, not scaler_active(): this runs every micro-batch
+        if scaler is not None and scaler.is_enabled():
+            loss = scaler.scale(loss)
+        if plan.hooks:
+            _call(plan, "before_backward", state)
+        lane = state.lane
+        # Several optimizers: only this one's parameters take gradients, so the generator's
+        # backward through the discriminator leaves the discriminator's open window alone.
+        loss.backward() if lane is None else loss.backward(inputs=lane.params)
+        if plan.hooks:
+            _call(plan, "after_backward", state)
+    return out
+
+
+def process_grads(step: Step, state: TrainState) -> GradReport:
+    """Phase 2: the window's sums over the processes, then every gradient transform in rank
+    order. Every operation stays on the device; the non-finite flag is a tensor."""
+    plan = step.plan
+    window_loss: torch.Tensor = state.window_loss  # type: ignore[assignment]  # non-empty
+    loss_sum, targets, averaged = plan.sync.reduce_window(state, window_loss, state.window_targets)
+    # DDP already averaged the gradients over `averaged` processes: divide by the rest.
+    grads = Gradients(
+        state,
+        loss_sum=loss_sum,
+        num_targets=targets,
+        divisor=targets if averaged == 1 else targets / averaged,
+        sync=plan.sync,
+    )
+    for transform in plan.transforms:
+        transform(grads)
+    grads.settle()  # a division no transform folded in
+    return GradReport(loss_sum, targets, grads.grad_norm, grads.nonfinite)
+
+
+def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState, Any, Any]:
+    """Phase 3: the optimizer update unless skipped, scaler update, zero_grad, scheduler.
+
+    A skip decision stays on the device when the optimizer can skip inside its kernel (a
+    fused optimizer) and the scheduler is ``None`` or a ``LambdaLR`` (see
+    ``steplib.step.device_skips``); otherwise it is read on the host, once per update.
+
+    Returns:
+        The state with the window reset and the counters advanced; whether the update was
+        applied: a bool, or a bool device tensor when the decision stayed there; and the
+        learning rate it used (read after the ``before_update`` hooks, which may set it).
+
+    Raises:
+        TooManySkipsError: more skipped updates in a row than a part's
+            ``max_consecutive_skips``.
+    """
+    plan, nonfinite = step.plan, report.nonfinite
+    optimizer = state.optimizer
+    on_device = nonfinite is not None and device_skips.decides_on_device(optimizer, state.scheduler)
+    applied: bool | torch.Tensor = True
+    if nonfinite is not None:
+        # The host read, when the decision cannot stay on the device: a host-side
+        # scheduler must know whether to advance. Once per update, never mid-window.
+        applied = ~nonfinite if on_device else not bool(nonfinite)
+    if applied is not False and plan.hooks:
+        _call(plan, "before_update", state)  # the final, unscaled, normalised, clipped grads
+    lr = lr_now(state)
+    if applied is not False:
+        if plan.updates or on_device:
+            update = _update_call(step, state, nonfinite if on_device else None)
+            for outer in reversed(plan.updates):
+                update = _around(outer, state, update)
+            update()
+        else:  # the common case: no closure to build
+            plan.runner.optimizer_step(step, optimizer)
+        if plan.hooks:
+            _call(plan, "after_update", state)
+    if scaler_active(state):
+        state.scaler.update()  # type: ignore[union-attr]
+    optimizer.zero_grad(set_to_none=True)
+    if plan.hooks:
+        _call(plan, "after_zero_grad", state)
+    limit = plan.max_consecutive_skips
+    changes: dict[str, Any] = {"step": state.step + 1, "window_size": 0}
+    changes.update(window_loss=0.0, window_targets=0)
+    if isinstance(applied, torch.Tensor):
+        record, counters, seen = device_skips.count(state, applied, limit)
+        if seen is not None:
+            _too_many_skips(seen, limit, state.step)  # type: ignore[arg-type]
+        return state.replace(**changes, **counters, device_skips=record), applied, lr
+    if applied and state.scheduler is not None:
+        state.scheduler.step()
+    consecutive = 0 if applied else state.consecutive_skips + 1
+    if limit is not None and consecutive > limit:  # host-decided: an int
+        _too_many_skips(int(consecutive), limit, state.step)
+    changes["skipped_updates"] = state.skipped_updates + (0 if applied else 1)
+    changes["consecutive_skips"] = consecutive
+    return state.replace(**changes), applied, lr
+
+
+def _update_call(
+    step: Step, state: TrainState, found_inf: torch.Tensor | None
+) -> Callable[[], None]:
+    runner, optimizer = step.plan.runner, state.optimizer
+    if found_inf is None:
+        return lambda: runner.optimizer_step(step, optimizer)
+
+    def skip_in_kernel() -> None:
+        # What GradScaler.step does for fused optimizers: the kernel skips the update (step
+        # counters included) when found_inf is 1.
+        optimizer.found_inf = found_inf.float()  # type: ignore[attr-defined]
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        try:
+            runner.optimizer_step(step, optimizer)
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+
+    return skip_in_kernel
+
+
+def _around(outer: Update, state: TrainState, inner: Callable[[], None]) -> Callable[[], None]:
+    return lambda: outer(state, inner)
+
+
+def _call(plan: Plan, point: str, state: TrainState) -> None:
+    for hook in plan.hooks.get(point, ()):
+        hook(state)
+
+
+def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
+    raise TooManySkipsError(
+        f"skip_nonfinite: {consecutive} consecutive updates had a non-finite loss or "
+        f"gradient (max_consecutive={limit}), at step {step}. Training has diverged: lower the "
+        "learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf, or raise "
+        "max_consecutive."
+    )
+
+
+def lr_now(state: TrainState) -> torch.Tensor | float:
+    lr = state.optimizer.param_groups[0]["lr"]
+    # A tensor LR is updated in place by its scheduler: an output keeps this call's value.
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
