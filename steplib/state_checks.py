@@ -30,8 +30,8 @@ def as_module(model: Any) -> nn.Module:
                 raise ConfigError(
                     f"TrainState.create(model=...) received a dict whose {name!r} is "
                     f"{describe(module)}, not a torch.nn.Module. Pass the module you train, "
-                    "e.g. model=MyNet() (a state_dict goes in with model.load_state_dict(...) first), or a dict "
-                    "of modules, e.g. model={'G': Generator(), 'D': Critic()}."
+                    "e.g. model=MyNet() (a state_dict goes in with model.load_state_dict(...) "
+                    "first), or a dict of modules, e.g. model={'G': Generator(), 'D': Critic()}."
                 )
         return nn.ModuleDict(model)
     if not isinstance(model, nn.Module):

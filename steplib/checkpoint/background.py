@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from steplib.checkpoint.contents import lanes
 from steplib.checkpoint.copying import BackgroundCopy, Path, snapshot_tree, update_only_storages
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
@@ -112,7 +113,7 @@ class AsyncSaver:
         check_durable(durable, "AsyncSaver.save")
         self.wait()
         # Copied in the background: nothing but the next update changes them.
-        deferred = update_only_storages(state.optimizer)
+        deferred = set().union(*(update_only_storages(lane.optimizer) for lane in lanes(state)))
         arguments: dict[str, Any] = {
             "data": data,
             "extras": extras,

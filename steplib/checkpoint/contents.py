@@ -4,9 +4,12 @@ Files of a checkpoint (each a ``torch.save`` of plain containers and tensors onl
 ``torch.load(..., weights_only=True)`` reads it):
 
 * ``model.pt``: ``model.state_dict()``.
-* ``optimizer.pt``: ``optimizer.state_dict()``.
+* ``optimizer.pt``: ``optimizer.state_dict()``; for a state with several named optimizers,
+  ``{"optimizers": {name: optimizer.state_dict()}}``.
 * ``train_state.pt``: counters, the accumulation window, scheduler and scaler state, the
-  state's ``extras``, the ``state_dict`` of each extra object, RNG states, the data position.
+  state's ``extras``, the ``state_dict`` of each extra object, RNG states, the data position;
+  with several optimizers, ``"lanes"``: the same per-optimizer entries for each one but the
+  first (whose entries are at the top, as for a single optimizer).
 * ``window_grads.pt``: only when taken inside an open accumulation window (``window_size >
   0``): the gradients accumulated so far. They are part of the state then; without them the
   resumed window would update with a fraction of its gradient.
@@ -90,10 +93,10 @@ def gather(
     model = state.model
     trees: dict[str, Any] = {
         MODEL: model.state_dict(),
-        OPTIMIZER: state.optimizer.state_dict(),
+        OPTIMIZER: optimizer_tree(state),
         TRAIN_STATE: train_state_tree(state, data=data, extras=extras, rng=rng),
     }
-    if state.window_size > 0:
+    if any(lane.window_size > 0 for lane in lanes(state)):
         trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
         check_plain(tree, file_name)
@@ -110,11 +113,25 @@ def train_state_tree(
     # A LambdaLR whose position lives on the device is brought up to date first (a host read;
     # the save reads everything anyway).
     state.settle_scheduler()
+    tree = lane_tree(state)
+    tree["counters"]["epoch"] = state.epoch
+    tree.update(
+        extras=dict(state.extras),
+        objects={name: obj.state_dict() for name, obj in extras.items()},
+        rng=capture_rng() if rng else None,
+        data=None if data is None else data.state_dict(),
+    )
+    if state.names:
+        tree["lanes"] = {name: lane_tree(state[name]) for name in state.names[1:]}
+    return tree
+
+
+def lane_tree(state: TrainState) -> dict[str, Any]:
+    """What belongs to one optimizer of ``state``: its counters, window, scheduler and scaler."""
     return {
         "counters": {
             "step": state.step,
             "micro_step": state.micro_step,
-            "epoch": state.epoch,
             "window_size": state.window_size,
             # Device tensors when the skip decision stays on the device; ints in the file.
             "skipped_updates": int(state.skipped_updates),
@@ -125,11 +142,19 @@ def train_state_tree(
         "scheduler_type": None if state.scheduler is None else type(state.scheduler).__name__,
         "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
         "scaler": None if state.scaler is None else state.scaler.state_dict(),
-        "extras": dict(state.extras),
-        "objects": {name: obj.state_dict() for name, obj in extras.items()},
-        "rng": capture_rng() if rng else None,
-        "data": None if data is None else data.state_dict(),
     }
+
+
+def lanes(state: TrainState) -> list[TrainState]:
+    """The state of each optimizer of ``state``: ``[state]`` when it has one."""
+    return [state[name] for name in state.names] or [state]
+
+
+def optimizer_tree(state: TrainState) -> dict[str, Any]:
+    """``optimizer.pt``: the optimizer's state_dict, or every named optimizer's by name."""
+    if not state.names:
+        return state.optimizer.state_dict()
+    return {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
 
 
 def window_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

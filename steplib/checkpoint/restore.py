@@ -101,16 +101,20 @@ def apply(
         checkpoint=checkpoint,
         hint="load model.pt yourself with model.load_state_dict(..., strict=False)",
     )
-    check_optimizer(
-        train_state["optimizer_type"],
-        [len(g["params"]) for g in trees[OPTIMIZER]["param_groups"]],
-        state.optimizer,
-        checkpoint=checkpoint,
-    )
+    optimizers = _optimizers_by_name(trees[OPTIMIZER], train_state, state, checkpoint)
+    trees_by_name = lane_trees(train_state, state)
+    for name, saved in optimizers.items():
+        check_optimizer(
+            trees_by_name[name]["optimizer_type"],
+            [len(g["params"]) for g in saved["param_groups"]],
+            _lane(state, name).optimizer,
+            checkpoint=checkpoint,
+        )
     check_train_state(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
 
     state.model.load_state_dict(trees[MODEL])
-    state.optimizer.load_state_dict(trees[OPTIMIZER])
+    for name, saved in optimizers.items():
+        _lane(state, name).optimizer.load_state_dict(saved)
     return restore_train_state(
         train_state,
         state,
@@ -133,11 +137,11 @@ def restore_train_state(
     restore_rng_states: bool,
 ) -> TrainState:
     """Load a checked ``train_state`` tree (and the window's ``grads``) into ``state``'s
-    scheduler, scaler, extras objects, data and RNGs; return the state with its counters."""
-    if state.scheduler is not None:
-        state.scheduler.load_state_dict(train_state["scheduler"])
-    if state.scaler is not None:
-        state.scaler.load_state_dict(train_state["scaler"])
+    schedulers, scalers, extras objects, data and RNGs; return the state with its counters."""
+    trees = lane_trees(train_state, state)
+    for name in state.names[1:]:
+        state = state.with_lane(_restore_lane(trees[name], state[name]))
+    state = _restore_lane(train_state, state)
     with torch.no_grad():
         for name, p in state.model.named_parameters():
             saved = grads.get(name)
@@ -150,22 +154,67 @@ def restore_train_state(
     if restore_rng_states and train_state["rng"] is not None:
         restore_rng(train_state["rng"])
 
-    counters = train_state["counters"]
-    window = train_state["window"]
+    return state.replace(
+        # The data ended its epoch at the save but the loop had not counted it yet: the resumed
+        # run starts the next epoch, as the uninterrupted one did right after.
+        epoch=train_state["counters"]["epoch"] + (1 if epoch_done else 0),
+        extras=types.MappingProxyType(dict(train_state["extras"])),
+    )
+
+
+def _restore_lane(tree: Mapping[str, Any], state: TrainState) -> TrainState:
+    """One optimizer's scheduler, scaler, counters and window, from its part of the tree."""
+    if state.scheduler is not None:
+        state.scheduler.load_state_dict(tree["scheduler"])
+    if state.scaler is not None:
+        state.scaler.load_state_dict(tree["scaler"])
+    counters, window = tree["counters"], tree["window"]
     return state.replace(
         step=counters["step"],
         micro_step=counters["micro_step"],
-        # The data ended its epoch at the save but the loop had not counted it yet: the resumed
-        # run starts the next epoch, as the uninterrupted one did right after.
-        epoch=counters["epoch"] + (1 if epoch_done else 0),
         window_size=counters["window_size"],
         window_loss=_on_device(window["loss"], state.device),
         window_targets=_on_device(window["targets"], state.device),
         skipped_updates=counters["skipped_updates"],
         consecutive_skips=counters["consecutive_skips"],
-        extras=types.MappingProxyType(dict(train_state["extras"])),
         device_skips=None,  # rebuilt from the loaded scheduler by the next update
     )
+
+
+def lane_trees(train_state: Mapping[str, Any], state: TrainState) -> dict[Any, Mapping[str, Any]]:
+    """Each optimizer's part of a ``train_state`` tree by name (``None`` for a single
+    optimizer): the first one's entries are the tree's own, the others' under ``"lanes"``."""
+    first = state.names[0] if state.names else None
+    return {first: train_state, **train_state.get("lanes", {})}
+
+
+def _lane(state: TrainState, name: str | None) -> TrainState:
+    return state if name is None else state[name]
+
+
+def _optimizers_by_name(
+    tree: Mapping[str, Any], train_state: Mapping[str, Any], state: TrainState, checkpoint: str
+) -> dict[str | None, Any]:
+    """``optimizer.pt`` by optimizer name (``None`` for a single optimizer), checked against
+    the state's optimizers.
+
+    Raises:
+        ConfigError: the checkpoint holds other optimizers than the state.
+    """
+    saved = list(tree["optimizers"]) if "optimizers" in tree else []
+    if saved != list(state.names):
+
+        def say(names: list[str]) -> str:
+            return f"the optimizers {names}" if names else "one unnamed optimizer"
+
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds {say(saved)}, this state "
+            f"{say(list(state.names))}. Create the state as the run that saved it did: "
+            "TrainState.create(optimizer=...) with the same names in the same order."
+        )
+    if not saved:
+        return {None: tree}
+    return dict(tree["optimizers"])
 
 
 def _on_device(value: Any, device: torch.device) -> Any:
@@ -195,23 +244,26 @@ def check_train_state(
     extras: Mapping[str, Any],
     checkpoint: str,
 ) -> None:
-    """Raise ``ConfigError`` unless the scheduler, scaler, extras and data fit ``state``."""
-    for part, label in (("scheduler", "scheduler"), ("scaler", "scaler")):
-        saved = train_state[part] is not None
-        here = getattr(state, part) is not None
-        if saved != here:
-            has, lacks = ("the checkpoint", "this state") if saved else ("this state", "it")
+    """Raise ``ConfigError`` unless the schedulers, scalers, extras and data fit ``state``."""
+    for name, tree in lane_trees(train_state, state).items():
+        lane, whose = _lane(state, name), "" if name is None else f" of optimizer {name!r}"
+        for label in ("scheduler", "scaler"):
+            saved = tree[label] is not None
+            here = getattr(lane, label) is not None
+            if saved != here:
+                has, lacks = ("the checkpoint", "this state") if saved else ("this state", "it")
+                raise ConfigError(
+                    f"load: {has} has a {label}{whose} and {lacks} does not (checkpoint "
+                    f"{checkpoint}). Create the state as the run that saved it: "
+                    f"TrainState.create(..., {label}={'...' if saved else 'None'})."
+                )
+        saved_scheduler = tree["scheduler_type"]
+        if lane.scheduler is not None and saved_scheduler != type(lane.scheduler).__name__:
             raise ConfigError(
-                f"load: {has} has a {label} and {lacks} does not (checkpoint {checkpoint}). "
-                f"Create the state as the run that saved it: TrainState.create(..., "
-                f"{label}={'...' if saved else 'None'})."
+                f"load: checkpoint {checkpoint} holds a {saved_scheduler} scheduler{whose}, "
+                f"this state a {type(lane.scheduler).__name__}. Build the same scheduler as "
+                "the saving run."
             )
-    saved_scheduler = train_state["scheduler_type"]
-    if state.scheduler is not None and saved_scheduler != type(state.scheduler).__name__:
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} holds a {saved_scheduler} scheduler, this state a "
-            f"{type(state.scheduler).__name__}. Build the same scheduler as the saving run."
-        )
     saved_objects = set(train_state["objects"])
     if saved_objects != set(extras):
         raise ConfigError(

@@ -37,6 +37,16 @@ def is_sharded(state: Any) -> bool:
     if not isinstance(model, torch.nn.Module):
         return False
     grouped = dist.is_available() and dist.is_initialized()
+    sharded = (grouped and is_parallel_model(model)) or holds_dtensor_parameters(model)
+    names: tuple[str, ...] = getattr(state, "names", ())
+    if sharded and names:
+        raise ConfigError(
+            f"a state with several optimizers ({list(names)}) over one sharded or "
+            f"DDP-wrapped model ({type(model).__name__}) has no checkpoint format yet: sharded "
+            "checkpoints hold one optimizer. Wrap each named module instead, "
+            "model={'G': apply_ddp(g), 'D': apply_ddp(d)}: its checkpoint is a plain one that "
+            "every rank writes alike."
+        )
     if grouped and is_parallel_model(model):
         return True
     if holds_dtensor_parameters(model):

@@ -1,0 +1,279 @@
+"""Several named models and optimizers in one TrainState (issue 17): a tiny GAN equals a
+hand-written two-optimizer loop bit for bit; a frozen teacher stays frozen; a checkpoint holds
+both optimizers and resumes exactly; ddp_wrap with two DDP models equals one process; errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+from steplib import (
+    ConfigError,
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    ddp_wrap,
+    evaluate,
+    make_eval_step,
+    make_train_step,
+)
+from steplib.checkpoint import load, save
+from steplib.testing import run_ranks
+
+K = 2  # both optimizers accumulate 2 micro-batches per update
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _nets(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    critic = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+    return generator, critic
+
+
+def _data(n: int, size: int = 6, seed: int = 1) -> list[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 2, generator=gen) * 0.5 + 1, torch.randn(size, 4, generator=gen))
+            for _ in range(n)]  # fmt: skip
+
+
+def d_loss(model: Any, batch: Batch) -> torch.Tensor:
+    real, z = batch
+    fake = model["G"](z).detach()
+    real_logits, fake_logits = model["D"](real), model["D"](fake)
+    return F.binary_cross_entropy_with_logits(
+        real_logits, torch.ones_like(real_logits)
+    ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
+
+
+def g_loss(model: Any, batch: Batch) -> torch.Tensor:
+    _, z = batch
+    logits = model["D"](model["G"](z))
+    return F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+
+
+def _optimizers(g: nn.Module, d: nn.Module) -> tuple[Any, Any, Any, Any]:
+    opt_g = torch.optim.Adam(g.parameters(), lr=1e-2, betas=(0.5, 0.9))
+    opt_d = torch.optim.Adam(d.parameters(), lr=2e-2, betas=(0.5, 0.9))
+    sched_g = torch.optim.lr_scheduler.LambdaLR(opt_g, lambda s: 1.0 / (1 + s))
+    scaler_d = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    return opt_g, opt_d, sched_g, scaler_d
+
+
+def _state(g: nn.Module, d: nn.Module) -> TrainState:
+    opt_g, opt_d, sched_g, scaler_d = _optimizers(g, d)
+    return TrainState.create(
+        model={"G": g, "D": d},
+        optimizer={"G": opt_g, "D": opt_d},
+        scheduler={"G": sched_g},
+        scaler={"D": scaler_d},
+    )
+
+
+def _steps() -> tuple[Any, Any]:
+    d_step = make_train_step(d_loss, optimizer="D")
+    d_step = clip(amp_wrap(accumulate(d_step, K), dtype=torch.float16), max_norm=1.0)
+    g_step = clip(accumulate(make_train_step(g_loss, optimizer="G"), K), max_norm=0.5)
+    return d_step, g_step
+
+
+def _hand_written_gan(g: nn.Module, d: nn.Module, data: list[Batch]) -> torch.amp.GradScaler:
+    """The loop a user writes by hand: D then G on every batch, each accumulating K
+    micro-batches; D in float16 with loss scaling and clipping at 1.0, G clipped at 0.5 with a
+    schedule. D is frozen during G's backward (so that G's loss leaves D's gradients alone)."""
+    opt_g, opt_d, sched_g, scaler = _optimizers(g, d)
+    nets = {"G": g, "D": d}
+    for i, batch in enumerate(data):
+        closes = (i + 1) % K == 0
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = d_loss(nets, batch)
+        scaler.scale(loss / K).backward()
+        if closes:
+            scaler.unscale_(opt_d)
+            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+            scaler.step(opt_d)
+            scaler.update()
+            opt_d.zero_grad(set_to_none=True)
+        d.requires_grad_(False)
+        (g_loss(nets, batch) / K).backward()
+        d.requires_grad_(True)
+        if closes:
+            torch.nn.utils.clip_grad_norm_(g.parameters(), 0.5)
+            opt_g.step()
+            opt_g.zero_grad(set_to_none=True)
+            sched_g.step()
+    return scaler
+
+
+def _train(state: TrainState, data: list[Batch]) -> TrainState:
+    d_step, g_step = _steps()
+    for batch in data:
+        state, _ = d_step(state, batch)
+        state, _ = g_step(state, batch)
+    return state
+
+
+def _assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, got), want in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(got, want), name
+
+
+def test_a_gan_equals_the_hand_written_two_optimizer_loop_bit_for_bit() -> None:
+    data = _data(6)
+    ref_g, ref_d = _nets()
+    ref_scaler = _hand_written_gan(ref_g, ref_d, data)
+    g, d = _nets()
+    state = _train(_state(g, d), data)
+    _assert_same(g, ref_g)
+    _assert_same(d, ref_d)
+    assert state.names == ("G", "D")
+    assert (state.step, state["D"].step) == (3, 3)
+    assert (state.micro_step, state["D"].micro_step) == (6, 6)
+    assert state["D"].scaler.get_scale() == ref_scaler.get_scale()  # type: ignore[union-attr]
+    assert state.scheduler.last_epoch == 3 and state["D"].scheduler is None  # type: ignore[union-attr]
+
+
+def test_the_generator_step_leaves_the_open_critic_window_alone() -> None:
+    g, d = _nets()
+    state = _state(g, d)
+    d_step, g_step = _steps()
+    batch = _data(1)[0]
+    state, _ = d_step(state, batch)  # D's window is open: its gradients are its own so far
+    before = [p.grad.clone() for p in d.parameters()]  # type: ignore[union-attr]
+    state, _ = g_step(state, batch)
+    assert all(torch.equal(p.grad, b) for p, b in zip(d.parameters(), before, strict=True))  # type: ignore[arg-type]
+    assert all(p.grad is not None for p in g.parameters())
+    assert state["D"].window_size == 1 and state.window_size == 1
+
+
+def test_a_frozen_teacher_is_never_trained_and_stays_in_eval_mode() -> None:
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    student = nn.Sequential(nn.Linear(4, 3))
+    ref_student = nn.Sequential(nn.Linear(4, 3))
+    ref_student.load_state_dict(student.state_dict())
+    teacher.requires_grad_(False).eval()
+    kept = {k: v.clone() for k, v in teacher.state_dict().items()}
+
+    def distill(model: Any, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = F.softmax(model["teacher"](x), dim=-1)
+        return F.cross_entropy(model["student"](x), target)
+
+    opt = torch.optim.SGD(student.parameters(), lr=0.5)
+    state = TrainState.create(model={"student": student, "teacher": teacher}, optimizer=opt)
+    step = make_train_step(distill)
+    ref_opt = torch.optim.SGD(ref_student.parameters(), lr=0.5)
+    data = [torch.randn(5, 4) for _ in range(4)]
+    for x in data:
+        state, _ = step(state, x)
+        evaluate(make_eval_step(distill), state, data[:1], metrics=MeanMetric())
+        ref_loss = F.cross_entropy(ref_student(x), F.softmax(teacher(x), dim=-1))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    _assert_same(student, ref_student)
+    assert not teacher.training
+    assert all(p.grad is None for p in teacher.parameters())
+    assert all(torch.equal(v, kept[k]) for k, v in teacher.state_dict().items())
+
+
+def test_a_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path: Path) -> None:
+    data = _data(7)
+    g, d = _nets()
+    state = _train(_state(g, d), data[:3])  # both windows open: 1 of 2 micro-batches
+    assert state.window_size == 1 and state["D"].window_size == 1
+    url = save(state, str(tmp_path))
+    state = _train(state, data[3:])
+    want_g, want_d = [p.clone() for p in g.parameters()], [p.clone() for p in d.parameters()]
+
+    g2, d2 = _nets(seed=5)  # other initial weights: everything must come from the checkpoint
+    resumed = load(url, _state(g2, d2))
+    assert (resumed.step, resumed["D"].step) == (1, 1)
+    assert (resumed.window_size, resumed["D"].window_size) == (1, 1)
+    assert resumed["D"].scaler.get_scale() == 2.0**8  # type: ignore[union-attr]
+    resumed = _train(resumed, data[3:])
+    assert all(torch.equal(a, b) for a, b in zip(g2.parameters(), want_g, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(d2.parameters(), want_d, strict=True))
+    assert resumed["D"].scaler.get_scale() == state["D"].scaler.get_scale()  # type: ignore[union-attr]
+    assert resumed.scheduler.last_epoch == state.scheduler.last_epoch  # type: ignore[union-attr]
+
+
+def test_a_checkpoint_of_two_optimizers_does_not_load_into_one(tmp_path: Path) -> None:
+    g, d = _nets()
+    url = save(_state(g, d), str(tmp_path))
+    model = nn.ModuleDict({"G": g, "D": d})
+    single = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1))
+    with pytest.raises(ConfigError, match=r"holds the optimizers \['G', 'D'\], this state one"):
+        load(url, single)
+
+
+def test_the_errors_say_which_optimizer_and_the_fix() -> None:
+    g, d = _nets()
+    state = _state(g, d)
+    batch = _data(1)[0]
+    with pytest.raises(ConfigError, match=r"optimizers are \['G', 'D'\]: name the one.*'G'"):
+        make_train_step(g_loss)(state, batch)
+    with pytest.raises(ConfigError, match=r"updates optimizer 'E'.*name one of them"):
+        make_train_step(g_loss, optimizer="E")(state, batch)
+    with pytest.raises(ConfigError, match=r"make_train_step\(optimizer=\.\.\.\) received"):
+        make_train_step(g_loss, optimizer="")
+    with pytest.raises(KeyError, match=r"optimizers are \['G', 'D'\]"):
+        state["E"]
+    opt_g, opt_d, sched_g, _ = _optimizers(g, d)
+    with pytest.raises(ConfigError, match=r"scheduler=\{'G': ...\}"):
+        TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g, "D": opt_d},
+                          scheduler=sched_g)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"names \['E'\], which are not optimizers"):
+        TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g, "D": opt_d},
+                          scheduler={"E": sched_g})  # fmt: skip
+    both = torch.optim.SGD(d.parameters(), lr=1)
+    with pytest.raises(ConfigError, match="in both optimizer 'D' and optimizer 'both'"):
+        TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g, "D": opt_d, "both": both})
+    with pytest.raises(ConfigError, match=r"model\['D'\] has 4 trainable parameter\(s\) that no"):
+        TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g})
+    single = TrainState.create(model=g, optimizer=opt_g)
+    with pytest.raises(ConfigError, match="build the step without optimizer='G'"):
+        make_train_step(g_loss, optimizer="G")(single, batch)
+
+
+def _ddp_gan(rank: int, world: int) -> list[torch.Tensor]:
+    from steplib.distributed import apply_ddp
+
+    g, d = _nets()
+    g, d = apply_ddp(g), apply_ddp(d)
+    opt_g = torch.optim.Adam(g.parameters(), lr=1e-2, betas=(0.5, 0.9))
+    opt_d = torch.optim.Adam(d.parameters(), lr=2e-2, betas=(0.5, 0.9))
+    state = TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g, "D": opt_d})
+    d_step = ddp_wrap(clip(accumulate(make_train_step(d_loss, optimizer="D"), K), max_norm=1.0))
+    g_step = ddp_wrap(clip(accumulate(make_train_step(g_loss, optimizer="G"), K), max_norm=0.5))
+    for real, z in _data(4, size=8):
+        half = slice(rank * 4, (rank + 1) * 4)
+        state, _ = d_step(state, (real[half], z[half]))
+        state, _ = g_step(state, (real[half], z[half]))
+    result = [p.detach().clone() for p in (*g.module.parameters(), *d.module.parameters())]
+    del state, d_step, g_step, g, d  # free the reducers before the group goes
+    return result
+
+
+def test_ddp_with_two_models_equals_one_process_on_the_whole_batch() -> None:
+    g, d = _nets()
+    opt_g = torch.optim.Adam(g.parameters(), lr=1e-2, betas=(0.5, 0.9))
+    opt_d = torch.optim.Adam(d.parameters(), lr=2e-2, betas=(0.5, 0.9))
+    state = TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g, "D": opt_d})
+    d_step = clip(accumulate(make_train_step(d_loss, optimizer="D"), K), max_norm=1.0)
+    g_step = clip(accumulate(make_train_step(g_loss, optimizer="G"), K), max_norm=0.5)
+    for batch in _data(4, size=8):
+        state, _ = d_step(state, batch)
+        state, _ = g_step(state, batch)
+    want = [p.detach() for p in (*g.parameters(), *d.parameters())]
+    for got in run_ranks(_ddp_gan):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
