@@ -26,9 +26,10 @@ from steplib.handlers import (
     make_eval_step,
 )
 from steplib.loop import iterate, run
+from steplib.output import StepOutput
 from steplib.schedules import warmup_cosine, warmup_linear
 from steplib.seeding import seed_everything
-from steplib.state import StepOutput, TrainState
+from steplib.state import TrainState
 from steplib.step import (
     Step,
     accumulate,

@@ -11,7 +11,8 @@ from collections.abc import Generator, Iterable, Sequence
 from typing import Any, Protocol
 
 from steplib.events import Event, Events, Stop
-from steplib.state import StepOutput, TrainState
+from steplib.output import StepOutput
+from steplib.state import TrainState
 
 
 class StepLike(Protocol):

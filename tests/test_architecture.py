@@ -78,7 +78,8 @@ def test_the_three_concepts_import_almost_nothing() -> None:
         "steplib.state_checks",
     }
     assert _steplib_imports("steplib.state_checks") == {"steplib.errors"}
-    assert _steplib_imports("steplib.loop") == {"steplib.state", "steplib.events"}
+    assert _steplib_imports("steplib.output") == set()
+    assert _steplib_imports("steplib.loop") == {"steplib.state", "steplib.output", "steplib.events"}
 
 
 def test_handlers_and_checkpoints_never_import_the_loop_or_the_step() -> None:

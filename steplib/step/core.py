@@ -21,7 +21,8 @@ import torch
 
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
-from steplib.state import StepOutput, TrainState
+from steplib.output import StepOutput
+from steplib.state import TrainState
 from steplib.step.parts import Part, plain
 from steplib.step.phases import apply, forward_backward, lr_now, process_grads
 from steplib.step.plan import Plan, check_composition

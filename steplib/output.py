@@ -1,0 +1,98 @@
+"""``StepOutput``: what one call of a step reports, as tensors left where they were computed.
+Imports nothing from steplib."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+class StepOutput:
+    """What one call of a step reports. Every value is a tensor left where it was computed:
+    reading one (``.item()``, ``float()``) is a host sync, so do it in a handler, not per step.
+
+    The tensors are made when first read, from values the step already holds, so a step whose
+    outputs are read every 100 updates does not pay for building them on the other 99.
+
+    Attributes:
+        loss: the normalised loss. On the call that closes a window it is the window's
+            loss (sum of loss sums / sum of targets), i.e. the loss that the applied gradient is
+            the gradient of; on other calls it is that micro-batch's own normalised loss.
+        num_targets: targets in that loss (the window's total on an update).
+        has_targets: (property) whether ``num_targets`` > 0; a window without targets
+            contributes no gradient (its gradients are zeroed, never divided by 0 or less).
+        did_update: bool tensor, whether the optimizer applied an update on this call.
+        skipped: bool tensor, whether an update was due but skipped (non-finite values).
+        grad_norm: total gradient norm before clipping, when clipping or a finiteness check
+            measured it on this call, else ``None``.
+        lr: learning rate (float64) of the first parameter group used by this call.
+        aux: the auxiliary tensors returned by ``loss_fn`` for this micro-batch, detached.
+    """
+
+    __slots__ = ("_aux", "_did_update", "_lr", "_skipped", "_sum", "_targets", "grad_norm")
+    _sum: torch.Tensor
+    _targets: torch.Tensor | float
+    _did_update: torch.Tensor | bool
+    _skipped: torch.Tensor | bool
+    grad_norm: torch.Tensor | None
+    _lr: torch.Tensor | float
+    _aux: Mapping[str, torch.Tensor]
+
+    def __init__(
+        self,
+        *,
+        loss_sum: torch.Tensor,
+        num_targets: torch.Tensor | float,
+        did_update: torch.Tensor | bool,
+        skipped: torch.Tensor | bool,
+        grad_norm: torch.Tensor | None,
+        lr: torch.Tensor | float,
+        aux: Mapping[str, torch.Tensor],
+    ) -> None:
+        set_ = object.__setattr__
+        set_(self, "_sum", loss_sum)
+        set_(self, "_targets", num_targets)
+        set_(self, "_did_update", did_update)
+        set_(self, "_skipped", skipped)
+        set_(self, "grad_norm", grad_norm)
+        set_(self, "_lr", lr)  # the caller passes a copy when the LR is a tensor
+        set_(self, "_aux", aux)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"StepOutput is read-only; cannot set {name!r}")
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self._sum.float() / self._targets
+
+    @property
+    def num_targets(self) -> torch.Tensor:
+        return torch.as_tensor(self._targets)
+
+    @property
+    def has_targets(self) -> torch.Tensor:
+        """Bool tensor: whether the loss counted any target. A window whose count is 0 (or a
+        tensor count <= 0) contributed no gradient: the update saw zero gradients."""
+        return torch.as_tensor(self._targets) > 0
+
+    @property
+    def did_update(self) -> torch.Tensor:
+        return torch.as_tensor(self._did_update)
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        return torch.as_tensor(self._skipped)
+
+    @property
+    def lr(self) -> torch.Tensor:
+        return torch.as_tensor(self._lr, dtype=torch.float64)
+
+    @property
+    def aux(self) -> Mapping[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self._aux.items()}
+
+    def __repr__(self) -> str:
+        names = ("loss", "num_targets", "did_update", "skipped", "grad_norm", "lr", "aux")
+        return "StepOutput(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
