@@ -92,6 +92,9 @@ class TrainState:
             checkpoints hold their background copies there); shared by every state derived
             from this one, and by every optimizer of it.
         lane: this optimizer's :class:`Lane` when the state trains several, else ``None``.
+        step_tensor: for a ``loss_fn(model, batch, step)``: ``(n, tensor)``, ``step`` as a 0-dim
+            int64 tensor on ``device`` and the ``n`` it holds (rebuilt when ``step`` is not
+            ``n``, e.g. after a load), advanced on the device with the update; else ``None``.
     """
 
     model: nn.Module
@@ -111,6 +114,7 @@ class TrainState:
     device_skips: Any = None  # steplib.step.device_skips.DeviceSkips: the step owns it
     fence: UpdateFence = dataclasses.field(default_factory=UpdateFence, compare=False)
     lane: Lane | None = None
+    step_tensor: tuple[int, torch.Tensor] | None = None
 
     @classmethod
     def create(

@@ -14,6 +14,7 @@ per micro-batch by ``k`` is wrong when micro-batches hold different numbers of t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,12 +41,15 @@ class Step:
         parts: what the wrappers added, in the order they were applied.
         optimizer: the name of the optimizer this step updates, in a state with several
             (``TrainState.create(optimizer={...})``), else ``None``.
+        takes_step: whether the user's loss takes the step number (``loss_fn(model, batch,
+            step)``); ``loss_fn`` then takes ``(model, (batch, step))``.
         plan: what the parts add up to (:class:`Plan`), computed when the step is built.
     """
 
     loss_fn: LossFn
     parts: tuple[Part, ...] = ()
     optimizer: str | None = None
+    takes_step: bool = False
     plan: Plan = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +83,8 @@ class Step:
     def _micro_batch(
         self, state: TrainState, batch: Any, close_window: bool
     ) -> tuple[TrainState, StepOutput]:
+        if self.takes_step:
+            state, batch = _with_step_number(state, batch)
         size = state.window_size + 1
         closes = close_window or size >= self.plan.window
         out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
@@ -191,7 +197,10 @@ def make_train_step(
     Args:
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss_sum,
             num_targets)`` for a token-weighted loss, optionally followed by a dict of aux
-            tensors: ``(loss, aux)`` / ``(loss_sum, num_targets, aux)``.
+            tensors: ``(loss, aux)`` / ``(loss_sum, num_targets, aux)``. A loss with a third
+            parameter, ``loss_fn(model, batch, step)``, also receives the number of updates
+            so far (``state.step``) as a 0-dim int64 tensor on the model's device: for a
+            curriculum or an annealed coefficient, with no host read and no recompile.
         optimizer: in a state with several named optimizers (a GAN's ``{"G": ..., "D":
             ...}``), the one this step updates: its window, scaler, scheduler and counters
             advance, and only its parameters receive gradients.
@@ -219,6 +228,13 @@ def make_train_step(
         >>> state.step, bool(out.did_update)
         (1, True)
     """
+    takes_step = _takes_step(loss_fn)
+    if takes_step:
+        user_fn = loss_fn
+
+        def loss_fn(model: Any, batch_and_step: Any) -> Any:
+            return user_fn(model, *batch_and_step)
+
     model_batch_fn("make_train_step", "loss_fn", loss_fn, "return F.cross_entropy(model(x), y)")
     if optimizer is not None and not (isinstance(optimizer, str) and optimizer):
         raise ConfigError(
@@ -226,7 +242,35 @@ def make_train_step(
             "one of the state's optimizers, e.g. optimizer='D' for "
             "TrainState.create(optimizer={'G': opt_g, 'D': opt_d}), or leave it out."
         )
-    return Step(loss_fn=on_model_device(loss_fn) if to_device else loss_fn, optimizer=optimizer)
+    return Step(
+        loss_fn=on_model_device(loss_fn) if to_device else loss_fn,
+        optimizer=optimizer,
+        takes_step=takes_step,
+    )
+
+
+def _with_step_number(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    """``(batch, step)`` for a loss that takes the step number: a device tensor, so that a
+    schedule in the loss needs no host read and a compiled step no recompile per update."""
+    held = state.step_tensor
+    if held is None or held[0] != state.step:  # first call, or the counter was set (a load)
+        held = (state.step, torch.tensor(state.step, device=state.device))
+        state = state.replace(step_tensor=held)
+    return state, (batch, held[1])
+
+
+def _takes_step(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` is ``loss_fn(model, batch, step)``."""
+    try:
+        signature = inspect.signature(loss_fn)
+        signature.bind(object(), object(), object())
+    except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(object(), object())
+    except TypeError:
+        return True  # three positional parameters, all needed
+    return False
 
 
 def _lane_of(step: Step, state: TrainState) -> TrainState:

@@ -126,6 +126,9 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
         _call(plan, "after_zero_grad", state)
     limit = plan.max_consecutive_skips
     changes: dict[str, Any] = {"step": state.step + 1, "window_size": 0}
+    if state.step_tensor is not None:  # a loss that takes the step: advanced on the device
+        count, tensor = state.step_tensor
+        changes["step_tensor"] = (count + 1, tensor + 1)
     changes.update(window_loss=0.0, window_targets=0)
     if isinstance(applied, torch.Tensor):
         record, counters, seen = device_skips.count(state, applied, limit)
