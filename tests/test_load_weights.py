@@ -165,6 +165,10 @@ def test_bad_sources_and_arguments_are_refused(tmp_path: Path) -> None:
     torch.save({"state_dict": model.state_dict(), "epoch": 3}, lightning)
     with pytest.raises(ConfigError, match=r"not a state_dict .*'state_dict'"):
         load_weights(model, str(lightning))
+    prefixed = tmp_path / "prefixed.pt"  # a LightningModule's names: "model." + the module's
+    torch.save({f"model.{k}": v for k, v in model.state_dict().items()}, prefixed)
+    with pytest.raises(ConfigError, match=r"no weight whose name .*rename them yourself"):
+        load_weights(model, str(prefixed), strict=False)
     (tmp_path / "text.pt").write_text("not weights")
     with pytest.raises(ConfigError, match=r"cannot be read as a torch\.save file"):
         load_weights(model, str(tmp_path / "text.pt"))

@@ -112,6 +112,15 @@ def load_weights(
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
     _check_shapes(weights, expected, url)
+    if len(unexpected) == len(weights) and expected:
+        # strict=False would load nothing: another model, or names under a prefix (a
+        # LightningModule's "model.") that only the user can map.
+        raise ConfigError(
+            f"load_weights: {url} has no weight whose name this {type(module).__name__} has "
+            f"({_differences(missing[:3], unexpected[:3])}, ...). If the names differ by a "
+            "prefix, rename them yourself and call model.load_state_dict; otherwise pass the "
+            "weights of this model."
+        )
     if strict and (missing or unexpected):
         raise ConfigError(
             f"load_weights: {url} holds weights for another model than this "
@@ -202,9 +211,15 @@ def _read_checkpoint(
             f"checkpoint {location.url}: its manifest lists no {MODEL}; it was not written by "
             "steplib's save. Use another checkpoint."
         )
-    data = checksummed.read_verified(location.child(MODEL), record, checkpoint=location.url)
+    file = location.child(MODEL)
+    source: Any
+    if file.is_local:  # verified streaming, then mapped: the file is never held twice in memory
+        checksummed.verify_local(file, record, checkpoint=location.url)
+        source = file.path
+    else:
+        source = io.BytesIO(checksummed.read_verified(file, record, checkpoint=location.url))
     try:
-        tree = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tree = torch.load(source, map_location="cpu", weights_only=True, mmap=file.is_local)
     except Exception as err:  # any failure to parse a file whose checksum passed
         raise CorruptCheckpointError(
             f"checkpoint {location.url}: its file {MODEL} cannot be read by "
