@@ -40,6 +40,7 @@ SUBPACKAGES = (
     "steplib.handlers",
     "steplib.handlers.logging",
     "steplib.losses",
+    "steplib.param_groups",
     "steplib.schedules",
     "steplib.step",
     "steplib.testing",

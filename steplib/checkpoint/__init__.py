@@ -2,6 +2,8 @@
 
 * :func:`save`, :func:`load`, :func:`latest`, :func:`best_checkpoint`, :func:`list_checkpoints`,
   :func:`prune`.
+* :func:`load_weights`: the model's weights only, from a checkpoint or an exported file
+  (fine-tuning).
 * :class:`AsyncSaver`: snapshot now, write in a background thread; :func:`wait_snapshot`.
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
 
@@ -19,6 +21,7 @@ from steplib.checkpoint.preemption import Preemption, preemption
 from steplib.checkpoint.resume import Resume, resume_from
 from steplib.checkpoint.retention import best_checkpoint, prune, select_retained
 from steplib.checkpoint.saving import save
+from steplib.checkpoint.weights import load_weights
 
 __all__ = [
     "AsyncSaver",
@@ -35,6 +38,7 @@ __all__ = [
     "latest",
     "list_checkpoints",
     "load",
+    "load_weights",
     "preemption",
     "prune",
     "resume_from",

@@ -18,4 +18,5 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped (it is corrupt) and an older one is used instead."""
+    """Part of a checkpoint was skipped: a corrupt checkpoint, for an older one (``latest``,
+    ``resume_from``), or weights whose names the model lacks (``load_weights(strict=False)``)."""

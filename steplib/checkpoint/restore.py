@@ -99,7 +99,10 @@ def apply(
         _shapes(state.model.state_dict()),
         model_type=type(state.model).__name__,
         checkpoint=checkpoint,
-        hint="load model.pt yourself with model.load_state_dict(..., strict=False)",
+        hint=(
+            "use load_weights(state, url, strict=False) (the weights only, with a fresh "
+            "optimizer, as to fine-tune)"
+        ),
     )
     optimizers = _optimizers_by_name(trees[OPTIMIZER], train_state, state, checkpoint)
     trees_by_name = lane_trees(train_state, state)

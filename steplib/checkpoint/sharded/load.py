@@ -239,8 +239,8 @@ def _check_keys(
         model_type=type(state.model).__name__,
         checkpoint=checkpoint,
         hint=(
-            "load the DCP files yourself with torch.distributed.checkpoint.load(..., "
-            "planner=DefaultLoadPlanner(allow_partial_load=True))"
+            "use load_weights(state, url, strict=False) (the weights only, with a fresh "
+            "optimizer, as to fine-tune)"
         ),
     )
     missing = sorted(k for k in needed if k.startswith("optimizer.") and k not in saved)

@@ -1,0 +1,327 @@
+"""``load_weights``: a model's weights only, from a checkpoint or an exported file (fine-tuning).
+
+``load`` resumes a run: everything of the state, checked to fit. Fine-tuning starts a new run
+from another run's weights: the optimizer, scheduler and counters stay fresh, and the model
+may differ where it is new (a head): names missing on one side are skipped and reported.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.parallel import DistributedDataParallel
+
+from steplib.checkpoint import checksummed, storage
+from steplib.checkpoint.contents import MODEL
+from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
+from steplib.checkpoint.listing import StorageOptions, candidates, committed_manifest, warn_skipped
+from steplib.checkpoint.manifest import SHARDED, Manifest
+from steplib.checkpoint.sharded.layout import holds_dtensor_parameters
+from steplib.checkpoint.storage import Location
+from steplib.errors import ConfigError, describe
+from steplib.state import TrainState
+
+_SHOWN = 20  # names listed in an error or a warning before "and N more"
+# What DDP and torch.compile put before the names of the module they wrap.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_ZIP = b"PK\x03\x04"  # torch.save's format is a zip archive
+
+
+def load_weights(
+    model: nn.Module | TrainState,
+    source: str,
+    *,
+    strict: bool = True,
+    storage_options: StorageOptions = None,
+) -> _IncompatibleKeys:
+    """Load the weights saved at ``source`` into ``model``; nothing else changes.
+
+    The optimizer, scheduler, counters, RNG states and data position are not touched: this
+    starts a fine-tuning run from another run's weights (``load`` resumes a run instead). The
+    weights are read on the CPU and copied into the model's parameters and buffers, on the
+    model's device and in its dtype.
+
+    ``source`` is one of:
+
+    * a steplib checkpoint (``save``, ``latest``, ``best_checkpoint``): its files are verified
+      against their checksums first; a sharded (DCP) checkpoint of any number of ranks works;
+    * a directory of checkpoints (``checkpoint_every``'s): the newest valid one, skipping a
+      corrupt one with a ``CheckpointWarning`` as ``latest`` does;
+    * a file of ``export_model`` (``format="torch"`` or ``"safetensors"``), or any
+      ``torch.save`` / safetensors file of a ``state_dict``.
+
+    Names are matched as DDP and ``torch.compile`` users expect: ``model`` may be wrapped by
+    either (the weights go into the module inside), and weights saved from a wrapped model
+    (``module.`` / ``_orig_mod.`` before every name) load into a plain one. An FSDP2 or
+    tensor-parallel model is loaded on every rank together (each rank reads the whole
+    weights, then keeps its shard).
+
+    Args:
+        model: the module, or a TrainState (its model).
+        source: a local path or fsspec URL: a checkpoint, a directory of them, or a file.
+        strict: ``True`` refuses weights whose names differ from the model's (listing them);
+            ``False`` loads the names both have, leaves the others as they are, and warns
+            with the lists (a ``CheckpointWarning``). Shapes must match either way.
+        storage_options: passed to fsspec.
+
+    Returns:
+        torch's ``(missing_keys, unexpected_keys)`` named tuple, as ``load_state_dict``
+        returns it: the model's names not in ``source`` (left as they were), and the names of
+        ``source`` not in the model (not used). Both are empty after a strict load.
+
+    Raises:
+        ConfigError: with ``strict=True``, names that differ (missing and unexpected listed);
+            in any case, a weight whose shape differs from the model's, a ``source`` that
+            holds no ``state_dict``, or a bad argument. Nothing is changed then.
+        CorruptCheckpointError: a checkpoint file is truncated, altered or missing (named).
+        CheckpointError: nothing at ``source``, or a directory without a checkpoint.
+
+    Example:
+        >>> from steplib import TrainState
+        >>> from steplib.checkpoint import save
+        >>> pretrained = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
+        >>> state = TrainState.create(
+        ...     model=pretrained, optimizer=torch.optim.SGD(pretrained.parameters()))
+        >>> url = save(state, "memory://doctest-weights/ckpt")
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))  # a new head comes next
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # it warns with the lists below
+        ...     report = load_weights(model, url, strict=False)
+        >>> report.missing_keys, report.unexpected_keys
+        ([], ['1.weight', '1.bias'])
+        >>> torch.equal(model[0].weight, pretrained[0].weight)
+        True
+    """
+    module = _target(model)
+    if not isinstance(strict, bool):
+        raise ConfigError(
+            f"load_weights(strict=...) received {describe(strict)}; pass True (the names must "
+            "match) or False (load the names both have, report the rest)."
+        )
+    location = storage.resolve(source, storage_options, caller="load_weights")
+    url, weights = _read(location, storage_options)
+    expected = module.state_dict()
+    weights = _without_wrapper_prefixes(weights, expected)
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    _check_shapes(weights, expected, url)
+    if len(unexpected) == len(weights) and expected:
+        # strict=False would load nothing: another model, or names under a prefix (a
+        # LightningModule's "model.") that only the user can map.
+        raise ConfigError(
+            f"load_weights: {url} has no weight whose name this {type(module).__name__} has "
+            f"({_differences(missing[:3], unexpected[:3])}, ...). If the names differ by a "
+            "prefix, rename them yourself and call model.load_state_dict; otherwise pass the "
+            "weights of this model."
+        )
+    if strict and (missing or unexpected):
+        raise ConfigError(
+            f"load_weights: {url} holds weights for another model than this "
+            f"{type(module).__name__}: {_differences(missing, unexpected)}. Pass strict=False "
+            "to load the weights both have and keep the others as they are (a new head), or "
+            "build the model as the one that saved them."
+        )
+    shared = {k: v for k, v in weights.items() if k in expected}
+    if holds_dtensor_parameters(module):  # FSDP2 / tensor parallel: each rank keeps its shard
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(module, shared, options=options)
+    else:
+        module.load_state_dict(shared, strict=False)
+    if missing or unexpected:
+        warnings.warn(
+            f"load_weights(strict=False) from {url}: {_differences(missing, unexpected)}. "
+            "The missing ones keep their values (e.g. a new head's initialisation).",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _target(model: Any) -> nn.Module:
+    if isinstance(model, TrainState):
+        model.fence.wait()  # an async save may still be copying the parameters we overwrite
+        model = model.model
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"load_weights received model={describe(model)}, which is neither an nn.Module "
+            "nor a TrainState. Pass the model to load into: load_weights(model, url)."
+        )
+    while True:  # DDP(compile(m)), compile(DDP(m)), ...: the weights go into the module inside
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(inner, nn.Module):
+            model = inner
+        else:
+            return model
+
+
+def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dict[str, Any]]:
+    """``(url, weights)``: the URL actually read (the newest checkpoint of a directory)."""
+    if location.fs.isfile(location.path):
+        return location.url, _read_file(location)
+    manifest = committed_manifest(location)
+    if manifest is not None:
+        return location.url, _read_checkpoint(location, manifest, storage_options)
+    corrupt: list[str] = []
+    for checkpoint in candidates(location, newest_first=True):
+        try:
+            manifest = committed_manifest(checkpoint)
+            if manifest is not None:
+                return checkpoint.url, _read_checkpoint(checkpoint, manifest, storage_options)
+        except CorruptCheckpointError as err:
+            warn_skipped(err)
+            corrupt.append(checkpoint.name)
+    if corrupt:
+        raise CorruptCheckpointError(
+            f"load_weights: every checkpoint in {location.url} is corrupt "
+            f"({', '.join(corrupt)}; the warnings say why). Restore one from a copy, or pass "
+            "another checkpoint or file."
+        )
+    raise CheckpointError(
+        f"load_weights received {location.url!r}, where there is no checkpoint, directory of "
+        "checkpoints or file (or a save that never finished: its manifest is written last). "
+        "Pass a checkpoint (save(), latest(dir), best_checkpoint(dir, ...)), the directory "
+        "given to checkpoint_every, or a file written by export_model."
+    )
+
+
+def _read_checkpoint(
+    location: Location, manifest: Manifest, storage_options: StorageOptions
+) -> dict[str, Any]:
+    if manifest.layout == SHARDED:
+        from steplib.checkpoint.sharded.weights import read_weights  # DCP: imported on use
+
+        return read_weights(location, manifest, storage_options)
+    record = manifest.files.get(MODEL)
+    if record is None:
+        raise CorruptCheckpointError(
+            f"checkpoint {location.url}: its manifest lists no {MODEL}; it was not written by "
+            "steplib's save. Use another checkpoint."
+        )
+    file = location.child(MODEL)
+    source: Any
+    if file.is_local:  # verified streaming, then mapped: the file is never held twice in memory
+        checksummed.verify_local(file, record, checkpoint=location.url)
+        source = file.path
+    else:
+        source = io.BytesIO(checksummed.read_verified(file, record, checkpoint=location.url))
+    try:
+        tree = torch.load(source, map_location="cpu", weights_only=True, mmap=file.is_local)
+    except Exception as err:  # any failure to parse a file whose checksum passed
+        raise CorruptCheckpointError(
+            f"checkpoint {location.url}: its file {MODEL} cannot be read by "
+            f"torch.load(weights_only=True) ({err}), although its checksum passes; it was "
+            "written by another program or torch version. Use another checkpoint."
+        ) from err
+    return _state_dict(tree, location.url)
+
+
+def _read_file(location: Location) -> dict[str, Any]:
+    with location.fs.open(location.path, "rb") as file:
+        head = file.read(len(_ZIP))
+    try:
+        if head != _ZIP:
+            import safetensors.torch  # an export of format="safetensors"
+
+            return _state_dict(safetensors.torch.load(storage.read_bytes(location)), location.url)
+        source: Any = (
+            location.path if location.is_local else io.BytesIO(storage.read_bytes(location))
+        )
+        return _state_dict(
+            torch.load(source, map_location="cpu", weights_only=True, mmap=location.is_local),
+            location.url,
+        )
+    except ImportError as err:
+        raise ConfigError(
+            f"load_weights: {location.url} is not a torch.save file, so it would be a "
+            f"safetensors file, but the safetensors package is not installed ({err}). "
+            "Install it: pip install 'steplib[safetensors]'."
+        ) from None
+    except ConfigError:
+        raise
+    except Exception as err:  # UnpicklingError, RuntimeError, SafetensorError...
+        raise ConfigError(
+            f"load_weights: {location.url} cannot be read as a torch.save file "
+            "(torch.load(weights_only=True)) or a safetensors file "
+            f"({type(err).__name__}: {err}). Pass a file written by export_model, a "
+            "checkpoint, or a directory of checkpoints."
+        ) from None
+
+
+def _state_dict(tree: Any, url: str) -> dict[str, Any]:
+    if (
+        not isinstance(tree, Mapping)
+        or not tree
+        or not all(isinstance(k, str) for k in tree)
+        or not all(
+            isinstance(v, torch.Tensor) or k.endswith("_extra_state") for k, v in tree.items()
+        )
+    ):
+        keys = sorted(map(str, tree))[:_SHOWN] if isinstance(tree, Mapping) else None
+        raise ConfigError(
+            f"load_weights: {url} holds {describe(tree)}"
+            f"{f' with the keys {keys}' if keys is not None else ''}, not a state_dict (names "
+            "-> tensors). Save the weights with export_model(state, path), or, for a file "
+            "that holds a state_dict inside (a Lightning checkpoint's 'state_dict'), extract "
+            "it and call model.load_state_dict yourself."
+        )
+    return dict(tree)
+
+
+def _without_wrapper_prefixes(
+    weights: dict[str, Any], expected: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The names of weights saved from a DDP or compiled model, as the plain module's."""
+    while weights:
+        prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None)
+        # A model whose own first submodule is named "module" keeps its names.
+        if prefix is None or all(k.startswith(prefix) for k in expected):
+            break
+        weights = {k[len(prefix) :]: v for k, v in weights.items()}
+    return weights
+
+
+def _check_shapes(weights: Mapping[str, Any], expected: Mapping[str, Any], url: str) -> None:
+    reshaped = [
+        f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
+        for k, v in expected.items()
+        if k in weights
+        and isinstance(v, torch.Tensor)
+        and isinstance(weights[k], torch.Tensor)
+        and weights[k].shape != v.shape
+    ]
+    if reshaped:
+        raise ConfigError(
+            f"load_weights: weights of other shapes than the model's: {_listed(reshaped)}. "
+            "strict=False skips names, not shapes. To give a layer another size (a head for "
+            "other classes), load first and replace the layer after: load_weights(model, "
+            "url); model.head = nn.Linear(..., num_classes); or give the new layer a name of "
+            "its own."
+        )
+
+
+def _differences(missing: list[str], unexpected: list[str]) -> str:
+    parts = []
+    if missing:
+        parts.append(f"missing (in the model, not in the weights): {_listed(missing)}")
+    if unexpected:
+        parts.append(f"unexpected (in the weights, not in the model): {_listed(unexpected)}")
+    return "; ".join(parts)
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
