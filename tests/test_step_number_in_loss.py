@@ -56,7 +56,12 @@ def test_the_step_follows_a_state_whose_counter_was_set_as_a_load_does() -> None
     model = tiny_model(0)
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     seen: list[int] = []
-    step = make_train_step(lambda m, b, n: seen.append(int(n)) or annealed(m, b, n))
+
+    def recording(model: nn.Module, batch: Any, step: torch.Tensor) -> torch.Tensor:
+        seen.append(int(step))
+        return annealed(model, batch, step)
+
+    step = make_train_step(recording)
     batches = make_batches(3)
     state, _ = step(state, batches[0])
     state = state.replace(step=10)  # what load does with the saved counters

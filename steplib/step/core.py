@@ -29,6 +29,7 @@ from steplib.step.phases import apply, forward_backward, lr_now, process_grads
 from steplib.step.plan import Plan, check_composition
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
+LossFnWithStep = Callable[[torch.nn.Module, Any, torch.Tensor], Any]  # (model, batch, step)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -190,7 +191,7 @@ EAGER = Runner()
 
 
 def make_train_step(
-    loss_fn: LossFn, *, optimizer: str | None = None, to_device: bool = False
+    loss_fn: LossFn | LossFnWithStep, *, optimizer: str | None = None, to_device: bool = False
 ) -> Step:
     """Build the basic step: forward, backward, optimizer step, zero_grad, scheduler step.
 
@@ -229,13 +230,13 @@ def make_train_step(
         (1, True)
     """
     takes_step = _takes_step(loss_fn)
+    fn: LossFn = loss_fn  # type: ignore[assignment]  # the two-parameter case
     if takes_step:
-        user_fn = loss_fn
 
-        def loss_fn(model: Any, batch_and_step: Any) -> Any:
-            return user_fn(model, *batch_and_step)
+        def fn(model: Any, batch_and_step: Any) -> Any:
+            return loss_fn(model, *batch_and_step)
 
-    model_batch_fn("make_train_step", "loss_fn", loss_fn, "return F.cross_entropy(model(x), y)")
+    model_batch_fn("make_train_step", "loss_fn", fn, "return F.cross_entropy(model(x), y)")
     if optimizer is not None and not (isinstance(optimizer, str) and optimizer):
         raise ConfigError(
             f"make_train_step(optimizer=...) received {describe(optimizer)}; pass the name of "
@@ -243,7 +244,7 @@ def make_train_step(
             "TrainState.create(optimizer={'G': opt_g, 'D': opt_d}), or leave it out."
         )
     return Step(
-        loss_fn=on_model_device(loss_fn) if to_device else loss_fn,
+        loss_fn=on_model_device(fn) if to_device else fn,
         optimizer=optimizer,
         takes_step=takes_step,
     )
