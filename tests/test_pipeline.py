@@ -302,9 +302,9 @@ def _build_interleaved(schedule: str, seed: int = 0) -> tuple[Any, TrainState]:
     return step, TrainState.create(model=module, optimizer=opt)
 
 
-def _refused(build: Any) -> str:
+def _refused(stages: list[Any], n_microbatches: int, schedule: str) -> str:
     try:
-        build()
+        make_pipeline_step(_loss, stages, n_microbatches=n_microbatches, schedule=schedule)
     except ConfigError as error:
         return str(error)
     return "no error"
@@ -337,20 +337,22 @@ def _interleaved(rank: int, world: int, *, root: str) -> dict[str, Any]:
     for batch in data[2:]:
         resumed, _ = resumed_step(resumed, batch)
     results["resumed"] = {k: v.clone() for k, v in resumed.model.state_dict().items()}
+    # An interleaved schedule with one stage per process: the module is the stage itself.
+    pipe = make_pipeline_step(
+        _loss, split_model(_model(), split_points=["2"]), n_microbatches=MICRO,
+        schedule="interleaved-1f1b",
+    )  # fmt: skip
+    module = pipeline_stage(pipe).module
+    state = TrainState.create(model=module, optimizer=torch.optim.SGD(module.parameters()))
+    results["one each"] = (type(module).__name__, pipe(state, data[0])[1].loss.item())
     three = split_model(_deep_model(), split_points=["2", "4"])
-    missing = [*_chunks()[:3], None]
-    results["refused"] = [
-        _refused(lambda: make_pipeline_step(_loss, three, n_microbatches=4, schedule="looped-bfs")),
-        _refused(lambda: make_pipeline_step(_loss, _chunks(), n_microbatches=4, schedule="1f1b")),
-        _refused(
-            lambda: make_pipeline_step(
-                _loss, _chunks(), n_microbatches=5, schedule="interleaved-1f1b"
-            )
-        ),
-        _refused(
-            lambda: make_pipeline_step(_loss, missing, n_microbatches=4, schedule="looped-bfs")
-        ),
+    layouts: list[tuple[list[Any], int, str]] = [
+        (three, 4, "looped-bfs"),
+        (_chunks(), 4, "1f1b"),
+        (_chunks(), 5, "interleaved-1f1b"),
+        ([*_chunks()[:3], None], 4, "looped-bfs"),  # rank 1's second stage missing
     ]
+    results["refused"] = [_refused(stages, n, schedule) for stages, n, schedule in layouts]
     return results
 
 
@@ -381,6 +383,8 @@ def test_pipeline_four_stages_interleaved_on_two_processes_equal_one_process(
         assert set(result["resumed"]) == set(final)
         for name, value in final.items():
             assert torch.equal(result["resumed"][name], value), name  # bit for bit
+    one_loss = _reference()[1][0][0]
+    assert first["one each"] == second["one each"] == ("Sequential", pytest.approx(one_loss))
     for rank, result in enumerate((first, second)):
         three, single, rounds, missing = result["refused"]
         assert "3 stages for a pipeline group of 2 processes" in three
