@@ -1,7 +1,8 @@
 """Pipeline parallelism: a 2-stage pipeline on 2 CPU processes (gloo) trains like one process
 on the whole model (float64, within 1e-6) with GPipe and with 1F1B, with ``clip`` over the
 norm of both stages, through ``run`` and its events, and resumes from per-stage checkpoints
-exactly. A split that does not fit the model or the processes is refused at build time."""
+exactly; so do 4 stages interleaved over the 2 processes (two each). A split that does not fit
+the model or the processes is refused at build time."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from steplib import (
 from steplib.checkpoint import load, save
 from steplib.distributed.pipeline_split import split_model
 from steplib.step.pipeline import make_pipeline_step, pipeline_stage
-from steplib.testing import run_ranks
+from steplib.testing import assert_no_host_sync, run_ranks
 
 CLASSES = 3
 MICRO = 4  # micro-batches per batch
@@ -108,15 +109,17 @@ def _train(rank: int, world: int, *, schedule: str, root: str) -> dict[str, Any]
     }
 
 
-def _reference() -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
-    model = _model()
+def _reference(
+    model: nn.Module | None = None, *, max_norm: float = 0.5
+) -> tuple[dict[str, Any], list[tuple[float, float]]]:
+    model = model or _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     seen = []
     for x, y in _batches():
         loss_sum, count = _loss(model(x), y)
         loss = loss_sum / count
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
         seen.append((loss.item(), norm.item()))
@@ -210,7 +213,7 @@ def test_pipeline_bad_input_is_refused_at_build_time_on_every_rank() -> None:
         )
         assert "3 stages for a pipeline group of 2 processes" in three
         assert "stages[1]" in missing and (rank == 1 or "rank 1:" in missing)
-        assert "'zigzag'" in schedule and "['gpipe', '1f1b']" in schedule
+        assert "'zigzag'" in schedule and "['gpipe', '1f1b', 'interleaved-1f1b'," in schedule
         assert "n_microbatches >= 2" in one_f1b
         assert "loss_fn(output, target)" in arity
         assert "n_microbatches" in acc and "accumulate" in acc
@@ -274,3 +277,121 @@ def _default_float64(rank: int, world: int) -> list[float]:
 def test_pipeline_trains_under_a_float64_default_dtype() -> None:
     first, second = run_ranks(_default_float64)
     assert first == second and all(loss > 0 for loss in first)  # every stage reports the loss
+
+
+INTERLEAVED = ("interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble")
+
+
+def _deep_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)]
+    return nn.Sequential(*layers, nn.Tanh(), nn.Linear(16, CLASSES)).double()
+
+
+def _chunks(seed: int = 0) -> list[nn.Sequential]:
+    return split_model(_deep_model(seed), split_points=["2", "4", "6"])  # 4 stages
+
+
+def _state(pipe: Any) -> TrainState:
+    module = pipeline_stage(pipe).module
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    return TrainState.create(model=module, optimizer=opt)
+
+
+def _build_interleaved(schedule: str, seed: int = 0) -> tuple[Any, TrainState]:
+    pipe = make_pipeline_step(_loss, _chunks(seed), n_microbatches=MICRO, schedule=schedule)
+    return skip_nonfinite(clip(pipe, max_norm=0.3)), _state(pipe)
+
+
+def _refused(stages: list[Any], n_microbatches: int, schedule: str) -> str:
+    try:
+        make_pipeline_step(_loss, stages, n_microbatches=n_microbatches, schedule=schedule)
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def _record(seen: list[tuple[float, float]], event: Any) -> None:
+    seen.append((event.output.loss.item(), event.output.grad_norm.item()))
+
+
+def _interleaved(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    data = _batches()
+    results: dict[str, Any] = {}
+    for schedule in INTERLEAVED:
+        step, state = _build_interleaved(schedule)
+        seen: list[tuple[float, float]] = []
+        events = Events().on("step_end", functools.partial(_record, seen))
+        state = run(step, state, data[:2], events=events)
+        url = save(state, f"{root}/{schedule}/stage-{pipeline_stage(step).stage_index}", step=step)
+        for batch in data[2:]:
+            state, out = step(state, batch)
+            seen.append((out.loss.item(), out.grad_norm.item()))
+        results[schedule] = {
+            "params": {k: v.clone() for k, v in state.model.state_dict().items()},
+            "seen": seen,
+            "stages": pipeline_stage(step).stage_indices,
+        }
+    # The last schedule's checkpoint (both stages of this process) into fresh stages.
+    resumed_step, resumed = _build_interleaved(INTERLEAVED[-1], seed=7)
+    resumed = load(url, resumed, step=resumed_step)
+    for batch in data[2:]:
+        resumed, _ = resumed_step(resumed, batch)
+    results["resumed"] = {k: v.clone() for k, v in resumed.model.state_dict().items()}
+    # Law 8 after the first call (where torch's shape inference reads on the host); without
+    # skip_nonfinite, which reads its decision on the host by design.
+    pipe = make_pipeline_step(_loss, _chunks(), n_microbatches=MICRO, schedule=INTERLEAVED[0])
+    state, _ = clip(pipe, max_norm=0.3)(_state(pipe), data[0])
+    assert_no_host_sync(clip(pipe, max_norm=0.3), state, data[1:2])
+    # An interleaved schedule with one stage per process: the module is the stage itself.
+    two = split_model(_model(), split_points=["2"])
+    pipe = make_pipeline_step(_loss, two, n_microbatches=MICRO, schedule="interleaved-1f1b")
+    module = pipeline_stage(pipe).module
+    results["one each"] = (type(module).__name__, pipe(_state(pipe), data[0])[1].loss.item())
+    three = split_model(_deep_model(), split_points=["2", "4"])
+    layouts: list[tuple[list[Any], int, str]] = [
+        (three, 4, "looped-bfs"),
+        (_chunks(), 4, "1f1b"),
+        (_chunks(), 5, "interleaved-1f1b"),
+        ([*_chunks()[:3], None], 4, "looped-bfs"),  # rank 1's second stage missing
+    ]
+    results["refused"] = [_refused(stages, n, schedule) for stages, n, schedule in layouts]
+    return results
+
+
+def test_pipeline_four_stages_on_two_processes_equal_one_process(tmp_path: Path) -> None:
+    # Not bit for bit: each micro-batch's gradient is its own backward, summed into .grad,
+    # where the reference's one backward sums the rows inside each matmul (float64: ~1e-16).
+    first, second = run_ranks(functools.partial(_interleaved, root=str(tmp_path)))
+    want, want_seen = _reference(_deep_model(), max_norm=0.3)
+    for schedule in INTERLEAVED:
+        mine, theirs = first[schedule], second[schedule]
+        assert (mine["stages"], theirs["stages"]) == ((0, 2), (1, 3))  # placed in a loop
+        # Keyed by stage index in the ModuleDict, then by the model's own names.
+        assert set(mine["params"]) == {"0.0.weight", "0.0.bias", "2.4.weight", "2.4.bias"}
+        assert set(theirs["params"]) == {"1.2.weight", "1.2.bias", "3.6.weight", "3.6.bias"}
+        got = {k.split(".", 1)[1]: v for k, v in {**mine["params"], **theirs["params"]}.items()}
+        assert set(got) == set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-6, msg=schedule)
+        for result in (mine, theirs):  # the whole model's loss and norm on every process
+            for (loss, norm), (want_loss, want_norm) in zip(result["seen"], want_seen, strict=True):
+                assert loss == pytest.approx(want_loss, rel=1e-6)
+                assert norm == pytest.approx(want_norm, rel=1e-9)
+    assert min(norm for _, norm in want_seen) > 0.3  # the clip did clip
+    for result in (first, second):
+        final = result[INTERLEAVED[-1]]["params"]
+        assert set(result["resumed"]) == set(final)
+        for name, value in final.items():
+            assert torch.equal(result["resumed"][name], value), name  # bit for bit
+    one_loss = _reference()[1][0][0]
+    assert first["one each"] == second["one each"] == ("Sequential", pytest.approx(one_loss))
+    for rank, result in enumerate((first, second)):
+        three, single, rounds, missing = result["refused"]
+        assert "3 stages for a pipeline group of 2 processes" in three
+        assert "schedule='interleaved-1f1b'" in three
+        assert "schedule='1f1b') runs one stage per process" in single
+        assert "'interleaved-1f1b'" in single
+        assert "n_microbatches=5" in rounds and "is not a multiple of 2" in rounds
+        assert "n_microbatches=4" in rounds
+        assert "stages[3]" in missing and (rank == 1 or "rank 1:" in missing)

@@ -1,8 +1,9 @@
 """Split an ``nn.Sequential`` into pipeline stages by the names of its children.
 
 A pure function of the model: every rank may call it and keep its own stage (pass the list to
-:func:`steplib.step.pipeline.make_pipeline_step`, which picks this rank's entry and checks
-that there is one stage per process). A model whose forward is not a chain of its children
+:func:`steplib.step.pipeline.make_pipeline_step`, which picks this rank's entry, or entries
+``rank, rank + size, ...`` for the interleaved schedules, and checks that the stages fit the
+processes). A model whose forward is not a chain of its children
 (a transformer with an embedding, blocks in a ``ModuleList`` and a head) is split by hand:
 build each stage's module yourself, as torchtitan does, and pass the list.
 """

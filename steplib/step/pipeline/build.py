@@ -16,7 +16,9 @@ from steplib.step.core import Step, add_part
 from steplib.step.parts import Part
 from steplib.step.pipeline.runner import PipelineLossFn, PipelineRunner, PipelineSync, pair
 
-_SCHEDULES = ("gpipe", "1f1b")
+# One stage per process; then the schedules that run several (stage i on process i % size).
+_SINGLE = ("gpipe", "1f1b")
+_SCHEDULES = (*_SINGLE, "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble")
 
 
 def make_pipeline_step(
@@ -34,13 +36,20 @@ def make_pipeline_step(
         loss_fn: ``loss_fn(output, target)`` on the last stage, per micro-batch, returning a
             scalar loss or ``(loss_sum, num_targets)`` (optionally with an aux dict), as a
             steplib ``loss_fn`` does. With a plain mean loss, each micro-batch counts 1.
-        stages: the stage modules in pipeline order, one per process of ``group``
-            (:func:`steplib.distributed.split_model` makes them); this process takes entry
-            ``rank in group``. Entries of other processes may be ``None`` (build only yours).
+        stages: the stage modules in pipeline order (:func:`steplib.distributed.split_model`
+            makes them): one per process of ``group``, or a multiple of its size for the
+            schedules that run several stages per process, placed in a loop (stage ``i`` on
+            process ``i % size``: with 4 stages on 2 processes, 0 and 2 on rank 0, 1 and 3 on
+            rank 1). This process takes entries ``rank, rank + size, ...``; the entries of
+            other processes may be ``None`` (build only yours).
         n_microbatches: micro-batches per batch (and per optimizer update); 1F1B needs at
-            least as many as there are stages.
-        schedule: ``"1f1b"`` (less activation memory) or ``"gpipe"`` (all forwards, then all
-            backwards).
+            least as many as there are stages; the interleaved schedules a multiple of
+            ``n_microbatches // size`` (any multiple of ``size`` is).
+        schedule: one stage per process: ``"1f1b"`` (less activation memory) or ``"gpipe"``
+            (all forwards, then all backwards). Several stages per process (or one):
+            ``"interleaved-1f1b"`` (depth first: fewer micro-batches in flight),
+            ``"looped-bfs"`` (breadth first: each stage runs all its micro-batches) or
+            ``"interleaved-zero-bubble"`` (splits each backward to fill the bubble).
         inputs_and_target: ``batch -> (inputs, target)``; by default the batch is the pair.
             The first stage receives ``inputs`` (a tensor or a tuple of tensors), the last
             stage passes ``target`` to ``loss_fn``; both are cut along dimension 0.
@@ -48,12 +57,15 @@ def make_pipeline_step(
 
     Returns:
         A :class:`~steplib.step.Step` whose runner is a :class:`PipelineRunner`;
-        ``pipeline_stage(step).module`` is this process's stage (``stages[rank]``), to build
-        the optimizer and ``TrainState.create(model=..., ...)`` from.
+        ``pipeline_stage(step).module`` is this process's stage (``stages[rank]``), or with
+        several an ``nn.ModuleDict`` of them keyed by stage index (``{"0": ..., "2": ...}``),
+        to build the optimizer and ``TrainState.create(model=..., ...)`` from.
 
     Raises:
-        ConfigError: no process group; a number of stages other than the group's size; this
-            process's stage missing; a bad ``loss_fn``, ``n_microbatches`` or ``schedule``;
+        ConfigError: no process group; a number of stages that is not a multiple of the
+            group's size (or not equal to it for ``"gpipe"``/``"1f1b"``); one of this
+            process's stages missing; a bad ``loss_fn``, ``n_microbatches`` or ``schedule``, or
+            an ``n_microbatches`` the interleaved schedule cannot divide into rounds;
             processes that disagree on the settings (checked with one collective, after
             which every process raises the same error instead of one hanging).
 
@@ -106,27 +118,52 @@ def make_pipeline_step(
                 f"make_pipeline_step: rank {rank} was given {settings} but rank {other} "
                 f"{theirs}. Every process must build the pipeline with the same settings."
             )
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
 
-    module = stages[rank]
-    assert module is not None  # _local_problem checked it
+    indices = tuple(range(rank, len(stages), size))
+    mine = {str(i): m for i in indices if (m := stages[i]) is not None}  # checked: modules
+    module = mine[str(rank)] if len(indices) == 1 else nn.ModuleDict(mine)
     first = next(iter(module.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     runtime = PipelineRunner(
         module=module,
         schedule=None,
-        stage_index=rank,
-        num_stages=size,
+        stage_indices=indices,
+        num_stages=len(stages),
         n_microbatches=n_microbatches,
         inputs_and_target=inputs_and_target or pair,
     )
-    stage = PipelineStage(module, rank, size, device, group=group)
-    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    built = [PipelineStage(mine[str(i)], i, len(stages), device, group=group) for i in indices]
     # scale_grads=False: the loss is a sum; steplib divides by the target count once.
-    runtime.schedule = kind(stage, n_microbatches, loss_fn=runtime.loss(loss_fn), scale_grads=False)
-    part = Part(name="pipeline", settings=settings, sync=PipelineSync(group, size), runner=runtime)
+    runtime.schedule = _schedule_class(schedule)(
+        built[0] if schedule in _SINGLE else built,
+        n_microbatches,
+        loss_fn=runtime.loss(loss_fn),
+        scale_grads=False,
+    )
+    sync = PipelineSync(group, len(stages))
+    part = Part(name="pipeline", settings=settings, sync=sync, runner=runtime)
     # Step(...) directly: this loss_fn is loss_fn(output, target), checked above.
     return add_part(Step(loss_fn=loss_fn), part)
+
+
+def _schedule_class(name: str) -> Any:
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleLoopedBFS,
+    )
+
+    classes = (
+        ScheduleGPipe,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+        ScheduleInterleavedZeroBubble,
+    )
+    return classes[_SCHEDULES.index(name)]
 
 
 def _local_problem(
@@ -152,18 +189,22 @@ def _local_problem(
             f"make_pipeline_step received stages={describe(stages)}; pass the list of stage "
             "modules in pipeline order, e.g. split_model(model, split_points=['3'])."
         )
-    if len(stages) != size:
+    if not stages or len(stages) % size:
         return (
             f"make_pipeline_step received {len(stages)} stages for a pipeline group of {size} "
-            f"processes; there must be one stage per process. Split the model into {size} "
-            f"stages (split_model(model, split_points=[...]) with {size - 1} child name(s)) "
-            f"or launch {len(stages)} processes (torchrun --nproc-per-node={len(stages)})."
+            f"processes; every process must hold as many stages as the others (stage i on "
+            f"process i % {size}). Split the model into {size} stages (split_model(model, "
+            f"split_points=[...]) with {size - 1} child name(s)), or {2 * size} with "
+            f"schedule='interleaved-1f1b', or launch {len(stages) or 1} processes "
+            f"(torchrun --nproc-per-node={len(stages) or 1})."
         )
-    if not isinstance(stages[rank], nn.Module):
-        return (
-            f"make_pipeline_step: stages[{rank}] (this process's stage) is "
-            f"{describe(stages[rank])}, not an nn.Module. Pass this process's stage module."
-        )
+    for index in range(rank, len(stages), size):
+        if not isinstance(stages[index], nn.Module):
+            return (
+                f"make_pipeline_step: stages[{index}] (a stage of this process, rank {rank}) "
+                f"is {describe(stages[index])}, not an nn.Module. Pass this process's stage "
+                f"modules (entries {rank}, {rank + size}, ... of the list)."
+            )
     if (
         isinstance(n_microbatches, bool)
         or not isinstance(n_microbatches, int)
@@ -178,9 +219,26 @@ def _local_problem(
             f"make_pipeline_step(schedule=...) received {describe(schedule)}; the schedules "
             f"are {list(_SCHEDULES)}."
         )
+    if schedule in _SINGLE and len(stages) != size:
+        return (
+            f"make_pipeline_step(schedule={schedule!r}) runs one stage per process, but "
+            f"received {len(stages)} stages for {size} processes ({len(stages) // size} each). "
+            "Pass schedule='interleaved-1f1b' (or 'looped-bfs', 'interleaved-zero-bubble') to "
+            f"run several stages per process, or split the model into {size} stages."
+        )
     if schedule == "1f1b" and n_microbatches < size:
         return (
             f"make_pipeline_step: 1F1B with n_microbatches={n_microbatches} and {size} stages "
             f"leaves a stage idle; pass n_microbatches >= {size}, or schedule='gpipe'."
+        )
+    rounds = max(1, n_microbatches // size)
+    if schedule.startswith("interleaved") and n_microbatches % rounds:
+        # torch's rule (the micro-batches go round the processes in equal rounds), checked
+        # here so that every process raises it before the first transfer.
+        return (
+            f"make_pipeline_step(schedule={schedule!r}) with n_microbatches={n_microbatches} "
+            f"on {size} processes: it runs them in {rounds} rounds of n_microbatches // "
+            f"{size}, and {n_microbatches} is not a multiple of {rounds}. Pass a multiple of "
+            f"{size}, e.g. n_microbatches={size * rounds}, or schedule='looped-bfs'."
         )
     return None

@@ -1,9 +1,12 @@
-"""``make_pipeline_step``: a Step over ``torch.distributed.pipelining`` (GPipe or 1F1B).
+"""``make_pipeline_step``: a Step over ``torch.distributed.pipelining`` (GPipe, 1F1B, and the
+interleaved schedules).
 
-Each process holds one stage of the model. The step is an ordinary :class:`Step` whose part
-replaces the runner of phase 1 (:class:`PipelineRunner`), called like any other (``state, out =
-step(state, batch)``, ``step.flush(state)``), so ``clip``, ``skip_nonfinite``,
-``run``/``iterate``, events and checkpoints work with it. What differs:
+Each process holds one stage of the model, or several (the interleaved schedules: stage ``i``
+on process ``i % size``, the process's stages in one ``nn.ModuleDict`` keyed by stage index).
+The step is an ordinary :class:`Step` whose part replaces the runner of phase 1
+(:class:`PipelineRunner`), called like any other (``state, out = step(state, batch)``,
+``step.flush(state)``), so ``clip``, ``skip_nonfinite``, ``run``/``iterate``, events and
+checkpoints work with it. What differs:
 
 * **Phase 1** is the pipeline schedule: it cuts the batch into ``n_microbatches``, runs the
   forwards and backwards of all of them in the schedule's order, passing activations and
@@ -19,13 +22,14 @@ step(state, batch)``, ``step.flush(state)``), so ``clip``, ``skip_nonfinite``,
   group (max for ``inf``), so every stage clips by the same coefficient, as
   ``clip_grad_norm_`` on the whole model would, and decides a ``skip_nonfinite`` skip alike.
 
-Checkpoints: each stage saves its own part, to its own directory, with the ordinary
+Checkpoints: each process saves its own part, to its own directory, with the ordinary
 ``steplib.checkpoint.save(state, f"{root}/stage-{stage.stage_index}", step=step)`` (and
 ``checkpoint_every(f"{root}/stage-{stage.stage_index}", ...)``, with
-``stage = pipeline_stage(step)``). The stages of
-:func:`~steplib.distributed.split_model` keep the model's parameter names, so loading stage
-0's checkpoint into stage 1 is refused by name (the fingerprint is the same on every stage:
-ranks compare it with each other).
+``stage = pipeline_stage(step)``; with several stages per process, ``stage_index`` is its
+first and the part holds them all). The stages of
+:func:`~steplib.distributed.split_model` keep the model's parameter names (prefixed with the
+stage index inside a ``ModuleDict``), so loading stage 0's checkpoint into stage 1 is refused
+by name (the fingerprint is the same on every stage: ranks compare it with each other).
 
 ``tap``: ``after_backward`` is called once per call, after the whole schedule (this stage's
 gradients are then complete); ``before_backward`` is refused (the schedule interleaves
@@ -35,8 +39,11 @@ Not supported (refused when the step is built, by :meth:`PipelineRunner.refuse`)
 a window (``accumulate``: use ``n_microbatches``), with a forward or micro-batch context
 (``amp_wrap``: cast the model or autocast inside the stage's forward; ``detect_anomaly``),
 another gradient sync (``ddp_wrap``/``fsdp_wrap``: data x pipeline parallelism needs a 2-D
-mesh), another runner (``compile_step``). Interleaved schedules (several stages per process)
-are not offered.
+mesh), another runner (``compile_step``).
+
+Several stages per process change nothing above: the gradients a process normalises, clips
+and updates are those of all its stages (its optimizer is over the ``ModuleDict``), its share
+of the norm covers them all, and its checkpoint holds them all.
 """
 
 from __future__ import annotations
@@ -100,10 +107,12 @@ class PipelineRunner(Runner):
     Shared by every step derived from one ``make_pipeline_step``.
 
     Attributes:
-        module: this process's stage module: build the optimizer and
+        module: this process's stage module, or its stages in an ``nn.ModuleDict`` keyed by
+            stage index when it has several: build the optimizer and
             ``TrainState.create(model=stage.module, ...)`` from it.
-        stage_index: this process's stage, 0 for the first.
-        num_stages: the number of stages (processes in the pipeline group).
+        stage_indices: this process's stages, e.g. ``(0, 2)``; ``(rank,)`` with one each.
+        stage_index: this process's first stage (its rank in the pipeline group).
+        num_stages: the number of stages, over all processes.
     """
 
     def __init__(
@@ -111,14 +120,15 @@ class PipelineRunner(Runner):
         *,
         module: nn.Module,
         schedule: Any,
-        stage_index: int,
+        stage_indices: tuple[int, ...],
         num_stages: int,
         n_microbatches: int,
         inputs_and_target: Callable[[Any], tuple[Any, torch.Tensor]],
     ) -> None:
         self.module = module
         self.schedule = schedule
-        self.stage_index = stage_index
+        self.stage_indices = stage_indices
+        self.stage_index = stage_indices[0]
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
         self.inputs_and_target = inputs_and_target
@@ -127,11 +137,11 @@ class PipelineRunner(Runner):
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        return self.num_stages - 1 in self.stage_indices
 
     def loss(self, user_loss: PipelineLossFn) -> Callable[[Any, torch.Tensor], torch.Tensor]:
         """The schedule's loss: the user's, parsed as steplib parses a ``loss_fn`` result;
@@ -261,8 +271,9 @@ def pipeline_stage(step: Step) -> PipelineRunner:
         step: a pipeline step (wrapped or not).
 
     Returns:
-        Its :class:`PipelineRunner`: ``module`` (this process's stage, to build the optimizer
-        and the state from), ``stage_index`` and ``num_stages``.
+        Its :class:`PipelineRunner`: ``module`` (this process's stage, or its stages in an
+        ``nn.ModuleDict``, to build the optimizer and the state from), ``stage_indices``,
+        ``stage_index`` (the first of them) and ``num_stages``.
 
     Raises:
         ConfigError: ``step`` is not a pipeline step.
