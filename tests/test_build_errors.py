@@ -250,7 +250,7 @@ def _one_arg(model):
     return model
 
 
-def _three_args(model, batch, extra):
+def _four_args(model, batch, step, extra):  # three is loss_fn(model, batch, step)
     return model
 
 
@@ -258,7 +258,7 @@ def _keyword_only(*, model, batch):
     return model
 
 
-@pytest.mark.parametrize("loss_fn", [_one_arg, _three_args, _keyword_only])
+@pytest.mark.parametrize("loss_fn", [_one_arg, _four_args, _keyword_only])
 def test_make_train_step_refuses_a_function_that_cannot_take_model_and_batch(loss_fn):
     with pytest.raises(ConfigError) as info:
         make_train_step(loss_fn)
