@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
@@ -33,9 +34,9 @@ def amp_wrap(
             fallen below this (a number > 0; fairseq's ``min_loss_scale``), else ``None``. Every
             overflowing update halves the scale: one that keeps falling means training has
             diverged. The scale is read from a host copy once it has landed, never waited for:
-            on the CPU the error comes in the update whose backoff took the scale below the
-            minimum; on CUDA at most as many updates later as the host runs ahead of the GPU
-            (usually one or two).
+            the error names the update whose backoff took the scale below the minimum and
+            comes in that update on the CPU, on CUDA as many updates later as the host runs
+            ahead of the GPU (usually one or two).
 
     Returns:
         The wrapped step.
@@ -93,33 +94,32 @@ def amp_wrap(
 class _MinLossScale:
     """The ``after_zero_grad`` hook (after the scaler's update) that raises once the scale is
     below ``minimum``. The scale is a device tensor: each update posts a host copy of it
-    (:class:`HostCopy`) unless an earlier one is still in flight, and reads a copy only once it
-    has landed, so no update waits for the device. The copy in flight is this step's, as a
-    compiled step's caches are its runner's; it is dropped when the state's scaler changes.
+    (:class:`HostCopy`) and reads, in order, the copies that have landed, so no update waits
+    for the device and the error names the first update below the minimum. The copies in
+    flight are this step's, as a compiled step's caches are its runner's; they are dropped
+    when the state's scaler is another one (a new run of the same step).
     """
 
     def __init__(self, minimum: float) -> None:
         self.minimum = float(minimum)
-        self.pending: tuple[Any, HostCopy, int] | None = None  # (scaler, copy, its step)
+        self.scaler: Any = None
+        self.in_flight: collections.deque[tuple[HostCopy, int]] = collections.deque()
 
     def __call__(self, state: TrainState) -> None:
-        scaler, pending = state.scaler, self.pending
+        scaler = state.scaler
         if scaler is None or scaler._scale is None:  # no scaler, or a disabled one
             return
-        if pending is not None and pending[0] is scaler:
-            if not pending[1].ready():
-                return  # still in flight: read it at a later update
-            self.pending = None
-            self.check(pending[1], pending[2])
-        copy = HostCopy(scaler._scale)
-        if copy.ready():  # at once on the CPU: this update's scale
-            self.check(copy, state.step + 1)
-        else:
-            self.pending = (scaler, copy, state.step + 1)
+        if scaler is not self.scaler:
+            self.scaler, self.in_flight = scaler, collections.deque()
+        self.in_flight.append((HostCopy(scaler._scale), state.step + 1))
+        # Copies land in the order they were posted; on the CPU at once.
+        while self.in_flight and self.in_flight[0][0].ready():
+            copy, step = self.in_flight.popleft()
+            self.check(copy.read(), step)
 
-    def check(self, copy: HostCopy, step: int) -> None:
-        scale = copy.read()
+    def check(self, scale: float, step: int) -> None:
         if scale < self.minimum:
+            self.in_flight.clear()
             raise TooManySkipsError(
                 f"amp_wrap: the float16 loss scale fell to {scale:g} at step {step}, below "
                 f"min_loss_scale={self.minimum:g}. Every update whose gradients overflow halves "
