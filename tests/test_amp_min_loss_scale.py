@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from steplib import ConfigError, TrainState, amp_wrap, make_train_step
 from steplib.errors import TooManySkipsError
@@ -111,3 +112,32 @@ def test_a_bad_min_loss_scale_is_refused_when_the_step_is_built(kwargs, fragment
         amp_wrap(make_train_step(mean_loss), **kwargs)
     assert fragment in str(info.value)
     assert "amp_wrap(step, dtype=torch.float16, min_loss_scale=1e-4)" in str(info.value)
+
+
+def test_with_several_optimizers_each_step_watches_its_own_scaler():
+    torch.manual_seed(0)
+    nets = {"a": nn.Linear(8, 3), "b": nn.Linear(8, 3)}
+    scalers = {name: torch.amp.GradScaler("cpu", init_scale=16.0) for name in nets}
+    state = TrainState.create(
+        model=nets,
+        optimizer={name: torch.optim.SGD(net.parameters(), lr=0.1) for name, net in nets.items()},
+        scaler=scalers,
+    )
+
+    def loss_of(name: str):
+        return lambda model, batch: mean_loss(
+            torch.nn.Sequential(model[name], nn.Flatten(0)), batch
+        )
+
+    def fp16(name: str):
+        step = make_train_step(loss_of(name), optimizer=name)
+        return amp_wrap(step, dtype=torch.float16, min_loss_scale=1.0)
+
+    step_a, step_b = fp16("a"), fp16("b")
+    healthy, overflowing = make_batches(8, seed=2), _overflowing(8)
+    with pytest.raises(TooManySkipsError, match=r"fell to 0\.5 at step 5,"):
+        for good, bad in zip(healthy, overflowing, strict=True):
+            state, _ = step_a(state, good)
+            state, _ = step_b(state, bad)
+    assert state["b"].step == 4 and state["a"].step == 5  # b raised in its fifth update
+    assert scalers["a"].get_scale() == 16.0 and scalers["b"].get_scale() == 0.5
