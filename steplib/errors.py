@@ -23,7 +23,8 @@ class LossFnError(StepLibError, TypeError):
 
 
 class TooManySkipsError(StepLibError, RuntimeError):
-    """``skip_nonfinite`` saw more consecutive non-finite updates than it was allowed."""
+    """Training diverged: ``skip_nonfinite`` saw more consecutive non-finite updates than it
+    was allowed, or the float16 loss scale fell below ``amp_wrap``'s ``min_loss_scale``."""
 
 
 def describe(value: object) -> str:

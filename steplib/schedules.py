@@ -150,6 +150,117 @@ def _check_span(
     return w, t, _check_ratio(min_ratio)
 
 
+def warmup_cosine_restarts(
+    *,
+    warmup: int,
+    total: int | None = None,
+    cycles: int | None = None,
+    cycle: int | None = None,
+    cycle_mult: int = 1,
+    decay: float = 1.0,
+    min_ratio: float = 0.0,
+) -> Schedule:
+    """Linear warmup, then cosine decays from the peak to ``min_ratio``, each restarting at the
+    peak (SGDR; torch's ``CosineAnnealingWarmRestarts``, HF's hard restarts).
+
+    Give the cycles one of two ways: ``cycles=n`` splits ``total - warmup`` updates into ``n``
+    equal cycles (HF's ``get_cosine_with_hard_restarts_schedule_with_warmup``); ``cycle=length``
+    makes the first cycle ``length`` updates and each next one ``cycle_mult`` times longer
+    (``T_0`` and ``T_mult`` of ``CosineAnnealingWarmRestarts``), restarting for ever unless
+    ``total`` is given. From update ``total`` on, the multiplier is ``min_ratio``.
+
+    Args:
+        warmup: updates of linear warmup, an int >= 0 (``0``: none); update ``i`` (0-based)
+            of the warmup uses ``(i + 1) / warmup`` of the base LR (HF's warmup uses ``i /
+            warmup``; the cycles after it are HF's exactly).
+        total: the update at which the schedule ends at ``min_ratio``, an int > ``warmup``;
+            needed with ``cycles``, optional with ``cycle``.
+        cycles: how many equal cycles fill ``total - warmup`` updates, an int >= 1.
+        cycle: the first cycle's length in updates, an int >= 1 (instead of ``cycles``).
+        cycle_mult: each cycle is this many times longer than the one before, an int >= 1;
+            only with ``cycle``.
+        decay: the cosine's height above ``min_ratio`` is multiplied by this at each restart,
+            a number in (0, 1] (``1``: every cycle restarts at the base LR).
+        min_ratio: the LR at the end of each cycle as a fraction of the base LR, in [0, 1].
+
+    Returns:
+        ``f(step) -> multiplier`` of the base LR, for ``torch.optim.lr_scheduler.LambdaLR``.
+
+    Raises:
+        ConfigError: not exactly one of ``cycles`` and ``cycle``; ``cycles`` without
+            ``total`` or with ``cycle_mult``; more cycles than updates; a non-int or
+            out-of-range ``warmup``, ``total``, ``cycles``, ``cycle`` or ``cycle_mult``;
+            ``decay`` outside (0, 1] or ``min_ratio`` outside [0, 1].
+
+    Example:
+        >>> schedule = warmup_cosine_restarts(warmup=1, total=9, cycles=2)
+        >>> [round(schedule(s), 3) for s in range(10)]
+        [1.0, 1.0, 0.854, 0.5, 0.146, 1.0, 0.854, 0.5, 0.146, 0.0]
+        >>> schedule = warmup_cosine_restarts(warmup=0, cycle=2, cycle_mult=2, decay=0.5)
+        >>> [round(schedule(s), 3) for s in range(8)]
+        [1.0, 0.5, 0.5, 0.427, 0.25, 0.073, 0.25, 0.24]
+    """
+    name = "warmup_cosine_restarts"
+    floor = _check_ratio(min_ratio)
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
+        raise ConfigError(
+            f"{name}(decay=...) received {describe(decay)}; it must be a number in (0, 1]: the "
+            "factor on each restart's peak above min_ratio (1.0 restarts at the base LR)."
+        )
+    mult = _check_int(f"{name}(cycle_mult=...)", cycle_mult, 1)
+    if (cycles is None) == (cycle is None):
+        raise ConfigError(
+            f"{name} received cycles={cycles!r} and cycle={cycle!r}; give exactly one: "
+            f"cycles=n (n equal cycles up to total) or cycle=length (the first cycle's updates)."
+        )
+    if cycles is not None:
+        if total is None or mult != 1:
+            raise ConfigError(
+                f"{name}(cycles={cycles!r}) received total={total!r}, cycle_mult={mult}; "
+                "cycles=n splits total - warmup updates into n equal cycles, so it needs total "
+                "and cycle_mult=1. For growing cycles give cycle=length with cycle_mult."
+            )
+        warmup, total, floor = _check_span(name, warmup, total, floor)
+        n, span = _check_int(f"{name}(cycles=...)", cycles, 1), total - warmup
+        if n > span:
+            raise ConfigError(
+                f"{name} received cycles={n} for total - warmup = {span} updates; each cycle "
+                f"needs at least one update. Use cycles <= {span}."
+            )
+
+        def position(t: int) -> tuple[int, float]:
+            # HF's formula, float for float: the cycles need not be whole numbers of updates.
+            x = n * (t / span)
+            return int(x), x % 1.0
+    else:
+        length = _check_int(f"{name}(cycle=...)", cycle, 1)
+        if total is None:
+            warmup = _check_int(f"{name}(warmup=...)", warmup, 0)
+        else:
+            warmup, total, floor = _check_span(name, warmup, total, floor)
+
+        def position(t: int) -> tuple[int, float]:
+            if mult == 1:
+                index, t = divmod(t, length)
+                return index, t / length
+            # Whole updates, as CosineAnnealingWarmRestarts counts them: no log() rounding.
+            index, size = 0, length
+            while t >= size:
+                t, size, index = t - size, size * mult, index + 1
+            return index, t / size
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return _warmup(warmup, step)
+        if total is not None and step >= total:
+            return floor
+        index, fraction = position(step - warmup)
+        height = (1.0 - floor) * decay**index
+        return floor + height * 0.5 * (1.0 + math.cos(math.pi * fraction))
+
+    return schedule
+
+
 def accumulation_steps(*, tokens_per_update: int, batch_size: int, seq_len: int) -> int:
     """Micro-batches per update so that each update sees ``tokens_per_update`` tokens.
 
@@ -237,5 +348,6 @@ __all__ = [
     "accumulation_steps",
     "warmup_constant",
     "warmup_cosine",
+    "warmup_cosine_restarts",
     "warmup_linear",
 ]

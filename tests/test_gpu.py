@@ -13,6 +13,7 @@ from steplib import (
     make_train_step,
     skip_nonfinite,
 )
+from steplib.errors import TooManySkipsError
 from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +72,27 @@ def test_gpu_skips_decided_on_the_device_make_no_host_sync() -> None:
     state.settle_scheduler()
     assert int(state.skipped_updates) == 1 and sched.last_epoch == 5
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_gpu_min_loss_scale_names_the_update_below_it_without_a_host_sync() -> None:
+    model = tiny_model(0).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    state = TrainState.create(
+        model=model, optimizer=opt, scaler=torch.amp.GradScaler("cuda", init_scale=16.0)
+    )
+    step = amp_wrap(make_train_step(token_loss), dtype=torch.float16, min_loss_scale=1.0)
+    batches = [(x * float("inf"), y, m) for x, y, m in _cuda(make_batches(9))]
+    # 16 -> 8, 4, 2, 1, then 0.5 in update 5: read once its copy has landed.
+    with pytest.raises(TooManySkipsError, match=r"fell to 0\.5 at step 5,"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for batch in batches[:8]:
+                state, _ = step(state, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()  # not raised yet: every copy has landed, the next update reads
+        step(state, batches[8])
+    assert state.step >= 4  # raised in the fifth update or later, never before
 
 
 def test_gpu_async_save_holds_the_values_at_save_time_while_training_goes_on(tmp_path) -> None:

@@ -74,9 +74,10 @@ class HostCopy:
     def ready(self) -> bool:
         return self._event is None or bool(self._event.query())
 
-    def read(self) -> int:
-        """The value; call only when :meth:`ready` (it is then a read of host memory)."""
-        return int(self._host.item())
+    def read(self) -> float:
+        """The value (an int for an integer tensor); call only when :meth:`ready` (it is then a
+        read of host memory)."""
+        return self._host.item()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -205,12 +206,12 @@ def check_consecutive(
     if pending is None:
         pending = HostCopy(consecutive)
     elif pending.ready():  # an earlier copy landed: check it, then copy this update's
-        seen = pending.read()
+        seen = int(pending.read())
         if seen > limit:
             return dataclasses.replace(record, pending=None), seen
         pending = HostCopy(consecutive)
     if pending.ready():  # at once on the CPU
-        seen = pending.read()
+        seen = int(pending.read())
         return dataclasses.replace(record, pending=None), (seen if seen > limit else None)
     return dataclasses.replace(record, pending=pending), None
 
