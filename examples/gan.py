@@ -28,11 +28,10 @@ def main(root: str = "runs/gan", micro_batches: int = 600) -> tuple[float, float
     sl.seed_everything(0)
     g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
     d = nn.Sequential(nn.Linear(1, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
-    adam = {"lr": 2e-3, "betas": (0.5, 0.9)}
     state = sl.TrainState.create(
         model={"G": g, "D": d},
-        optimizer={"G": torch.optim.Adam(g.parameters(), **adam),
-                   "D": torch.optim.Adam(d.parameters(), **adam)},
+        optimizer={"G": torch.optim.Adam(g.parameters(), lr=2e-3, betas=(0.5, 0.9)),
+                   "D": torch.optim.Adam(d.parameters(), lr=2e-3, betas=(0.5, 0.9))},
     )  # fmt: skip
     d_step = sl.clip(sl.accumulate(sl.make_train_step(d_loss, optimizer="D"), 2), max_norm=1.0)
     g_step = sl.clip(sl.accumulate(sl.make_train_step(g_loss, optimizer="G"), 2), max_norm=1.0)
