@@ -28,8 +28,8 @@ from steplib.step.parts import Part, plain
 from steplib.step.phases import apply, forward_backward, lr_now, process_grads
 from steplib.step.plan import Plan, check_composition
 
-LossFn = Callable[[torch.nn.Module, Any], Any]
-LossFnWithStep = Callable[[torch.nn.Module, Any, torch.Tensor], Any]  # (model, batch, step)
+LossFn = Callable[[Any, Any], Any]  # (model, batch): Any, so a loss may take an nn.ModuleDict
+LossFnWithStep = Callable[[Any, Any, torch.Tensor], Any]  # (model, batch, step)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
