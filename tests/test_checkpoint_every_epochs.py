@@ -3,12 +3,13 @@ from one is exact, and a cadence that is missing, invalid or contradictory is re
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from steplib import ConfigError, Events, make_train_step, run
+from steplib import ConfigError, Event, Events, make_train_step, run
 from steplib.checkpoint import checkpoint_every, list_checkpoints, load
 from tests.checkpoint_helpers import assert_same, make_state, snapshot
 from tests.reference import make_batches, mean_loss
@@ -18,16 +19,15 @@ def test_checkpoints_land_every_two_epochs_and_resuming_from_one_is_exact(tmp_pa
     step, data = make_train_step(mean_loss), make_batches(3)
     losses: list[float] = []
     events = Events(checkpoint_every(str(tmp_path), epochs=2, at_end=False, step=step))
-    events.on("step_end", lambda e: losses.append(float(e.output.loss)))
+    events.on("step_end", functools.partial(_record, losses))
     final = run(step, make_state(), data, events=events, max_epochs=5)
     saved = list_checkpoints(str(tmp_path))
     assert [(c.epoch, c.step) for c in saved] == [(2, 6), (4, 12)]
 
     for checkpoint in saved:
-        resumed_losses: list[float] = []
         resumed = load(checkpoint.url, make_state(seed=3), step=step)  # other initial weights
-        record = resumed_losses.append
-        rest = Events().on("step_end", lambda e, record=record: record(float(e.output.loss)))
+        resumed_losses: list[float] = []
+        rest = Events().on("step_end", functools.partial(_record, resumed_losses))
         resumed = run(step, resumed, data, events=rest, max_epochs=5)
         assert_same(snapshot(resumed), snapshot(final), f"from epoch {checkpoint.epoch}")
         assert resumed_losses == losses[checkpoint.step :]
@@ -66,3 +66,7 @@ def test_at_epoch_end_is_epochs_one(tmp_path: Path) -> None:
     assert keep.epochs == 1
     run(make_train_step(mean_loss), make_state(), make_batches(2), events=[keep], max_epochs=2)
     assert [(c.epoch, c.step) for c in list_checkpoints(str(tmp_path))] == [(1, 2), (2, 4)]
+
+
+def _record(losses: list[float], event: Event) -> None:
+    losses.append(float(event.output.loss))
