@@ -91,7 +91,7 @@ def test_equal_weights_by_default() -> None:
     ("settings", "message"),
     [
         ({"combine": "loss", "weights": {"wiki": 1.0}}, r"one weight per validation set"),
-        ({"combine": "loss", "weights": {"wiki": -1, "code": 1}}, r"weights=\.\.\.\) received -1"),
+        ({"combine": "loss", "weights": {"wiki": -1, "code": 1}}, r"-1 .* for the set 'wiki'"),
         ({"combine": "loss", "weights": {"wiki": 0, "code": 0}}, r"are all 0"),
         ({"weights": {"wiki": 1, "code": 1}}, r"without combine=\.\.\..*combine='loss'"),
         ({"combine": ""}, r"combine=\.\.\.\) received ''"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from math import inf
 from typing import Any
 
 from torch import nn
@@ -155,7 +156,7 @@ class Evaluator:
         # Label -> set: the label goes in front of the metric names ("val_", "ood_").
         self.datasets = _named_datasets(data, self.prefix)
         # Label -> weight of the combined value, and its name; {} and None without combine.
-        self.weights, self.combined = combined_value(data, self.prefix, combine, weights)
+        self.weights, self.combined = _combined_value(data, self.prefix, combine, weights)
         self.combine = combine
         if monitor is None:
             monitor = self.combined
@@ -292,7 +293,7 @@ def _named_datasets(data: Any, prefix: str) -> dict[str, Any]:
     return {f"{prefix}{name}_": batches for name, batches in data.items()}
 
 
-def combined_value(
+def _combined_value(
     data: Any, prefix: str, combine: Any, weights: Any
 ) -> tuple[dict[str, float], str | None]:
     """``({label: weight}, name)`` of the combined value, checked; ``({}, None)`` without
@@ -323,7 +324,14 @@ def combined_value(
             f"validation set ({', '.join(map(repr, data))}), e.g. weights="
             f"{ {name: 1.0 for name in data} }."
         )
-    numbers = {name: errors.non_negative("Evaluator", "weights", w) for name, w in weights.items()}
+    for set_name, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < inf:
+            raise ConfigError(
+                f"Evaluator(weights=...) received {describe(weight)} for the set {set_name!r}; "
+                "a weight is a finite number >= 0 (0 leaves that set out of the mean), e.g. "
+                f"weights={ {name: 1.0 for name in data} }."
+            )
+    numbers = {set_name: float(weight) for set_name, weight in weights.items()}
     if not sum(numbers.values()) > 0:
         raise ConfigError(
             f"Evaluator(weights={dict(weights)!r}) are all 0, so there is no weighted mean. "
