@@ -337,8 +337,9 @@ class Events:
             )
         if (every is not None or once is not None) and name not in _COUNTER:
             raise ValueError(
-                f"Events.on({name!r}) received every/once, but {name!r} has no counter: it "
-                f"fires at most once per run. every/once apply to: {', '.join(_COUNTER)}."
+                f"Events.on({name!r}) received every/once, but {name!r} has no counter to "
+                "count them by; register it without them (its handler sees event.step). "
+                f"every/once apply to: {', '.join(_COUNTER)}."
             )
         # A new list, not an append: an emission under way iterates the old one, so that a
         # handler registered during it is called from the next event on (as for remove).
