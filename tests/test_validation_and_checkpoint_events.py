@@ -5,6 +5,7 @@ once per evaluation, and each committed checkpoint once, complete on disk when i
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -102,3 +103,32 @@ def test_checkpoint_end_reports_each_committed_checkpoint_once_complete_on_disk(
 
 def _copies(state: Any) -> list[torch.Tensor]:
     return [p.detach().clone() for p in state.model.parameters()]
+
+
+def test_a_stop_from_checkpoint_end_stops_the_loop_and_a_failed_save_is_not_reported(
+    tmp_path: Path,
+) -> None:
+    reported: list[int] = []
+
+    def stop_after_the_first(event: Any) -> Stop:
+        reported.append(event.checkpoint.step)
+        return Stop("uploaded the first checkpoint")
+
+    events = Events(checkpoint_every(str(tmp_path / "ok"), every=2, at_end=False))
+    events.on("checkpoint_end", stop_after_the_first)
+    state = run(make_train_step(mean_loss), make_state(), make_batches(6), events=events)
+    assert (state.step, reported) == (2, [2])
+
+    directory = tmp_path / "broken"
+    failing = Events(checkpoint_every(str(directory), every=2, background=True))
+
+    def break_the_directory(event: Any) -> None:
+        # After the start's check the directory becomes a file: the background save at 2 fails.
+        shutil.rmtree(directory)
+        directory.write_text("not a directory")
+
+    failing.on("step_end", break_the_directory, once=1)
+    failing.on("checkpoint_end", lambda e: reported.append(e.checkpoint.step))
+    with pytest.raises(background.CheckpointError, match="could not write"):
+        run(make_train_step(mean_loss), make_state(), make_batches(3), events=failing)
+    assert reported == [2]  # nothing more
