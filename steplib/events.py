@@ -2,14 +2,16 @@
 
 Handlers are plain functions of one :class:`Event`. A handler may return ``None``, a
 :class:`Stop` (the loop stops after the current step), or a :class:`NewState` (the loop goes on
-with that state: how a resume handler swaps in a loaded state).
+with that state: how a resume handler swaps in a loaded state). A handler that emits an event
+of its own (the evaluator's ``validation_end``, the checkpointer's ``checkpoint_end``) returns
+the :class:`Emitted` of that emission, so that its handlers' state and stop reach the loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 EVENT_NAMES = (
@@ -20,6 +22,8 @@ EVENT_NAMES = (
     "epoch_end",
     "fit_end",
     "exception",
+    "validation_end",
+    "checkpoint_end",
 )
 
 # The counter that `every` and `once` count for each event; the others fire every time.
@@ -47,6 +51,10 @@ class Event:
         epoch: completed epochs (``state.epoch``).
         batch_index: index of the batch within the epoch, for step events.
         error: the exception, for ``exception``.
+        metrics: the values an evaluation recorded (``{"val_loss": ...}``), for
+            ``validation_end``.
+        checkpoint: the ``CheckpointInfo`` (``url``, ``step``, ``epoch``, ``metrics``, ...) of
+            the checkpoint just committed, for ``checkpoint_end``.
     """
 
     name: str
@@ -57,6 +65,36 @@ class Event:
     epoch: int = 0
     batch_index: int | None = None
     error: BaseException | None = None
+    metrics: Mapping[str, Any] | None = None
+    checkpoint: Any = None
+
+    @classmethod
+    def at(cls, name: str, state: Any, **payload: Any) -> Event:
+        """An event whose counters are ``state``'s (``step``, ``micro_step``, ``epoch``).
+
+        Args:
+            name: one of ``EVENT_NAMES``.
+            state: the ``TrainState`` at the moment of the event.
+            **payload: the other fields (``output``, ``metrics``, ``checkpoint``, ...).
+
+        Returns:
+            The event.
+
+        Example:
+            >>> import types
+            >>> state = types.SimpleNamespace(step=4, micro_step=8, epoch=1)
+            >>> event = Event.at("validation_end", state, metrics={"val_loss": 0.5})
+            >>> event.step, event.micro_step, event.epoch, event.metrics
+            (4, 8, 1, {'val_loss': 0.5})
+        """
+        return cls(
+            name,
+            state,
+            step=getattr(state, "step", 0),
+            micro_step=getattr(state, "micro_step", 0),
+            epoch=getattr(state, "epoch", 0),
+            **payload,
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,7 +138,15 @@ Handler = Callable[[Event], Any]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Emitted:
-    """The outcome of :meth:`Events.emit`: the (possibly replaced) state and a stop request."""
+    """The outcome of :meth:`Events.emit`: the (possibly replaced) state and a stop request.
+
+    A handler that emits an event of its own returns it: the emitter then goes on with its
+    state (as for a :class:`NewState`) and keeps its stop (as for a :class:`Stop`).
+
+    Attributes:
+        state: the state after the handlers (the event's own, or one a handler swapped in).
+        stop: the first :class:`Stop` a handler returned, or ``None``.
+    """
 
     state: Any
     stop: Stop | None
@@ -111,6 +157,16 @@ class _Registration:
     handler: Handler
     every: int | None
     once: int | None
+    owner: Any  # the object whose attach() registered it (Events.add), for Events.remove
+
+    def belongs_to(self, handler: Any) -> bool:
+        # A bound method compares equal to another of the same object and function; an object
+        # owns what its attach registered (its bound methods, closures, itself).
+        return (
+            self.handler == handler
+            or self.owner is handler
+            or getattr(self.handler, "__self__", None) is handler
+        )
 
     def wants(self, event: Event) -> bool:
         counter_name = _COUNTER.get(event.name)
@@ -143,6 +199,7 @@ class Events:
 
     def __init__(self, *handlers: Any) -> None:
         self._handlers: dict[str, list[_Registration]] = {name: [] for name in EVENT_NAMES}
+        self._adding: Any = None  # the object whose attach() is running, inside add()
         self.add(*handlers)
 
     def add(self, *handlers: Any) -> Events:
@@ -181,7 +238,58 @@ class Events:
                     "method, so it does not say on which event it runs. Register a plain "
                     "function with events.on('step_end', handler, every=100)."
                 )
-            attach(self)
+            outer, self._adding = self._adding, handler
+            try:
+                attach(self)
+            finally:
+                self._adding = outer
+        return self
+
+    def remove(self, handler: Any) -> Events:
+        """Unregister ``handler`` from every event: a function given to :meth:`on`, or a
+        handler object given to :meth:`add` or attached with ``handler.attach(events)`` (all
+        that its ``attach`` registered goes).
+
+        Removing during an emission (a handler removing itself or another) takes effect from
+        the next event: the emission under way calls the handlers it started with.
+
+        Args:
+            handler: the function or handler object to remove.
+
+        Returns:
+            ``self``, so calls chain.
+
+        Raises:
+            ValueError: ``handler`` is not registered (the message lists those that are).
+
+        Example:
+            >>> seen = []
+            >>> record = seen.append
+            >>> events = Events().on("step_end", record)
+            >>> _ = events.emit(Event("step_end", state=None, step=1))
+            >>> _ = events.remove(record).emit(Event("step_end", state=None, step=2))
+            >>> [event.step for event in seen]
+            [1]
+        """
+        found = False
+        for name, registrations in self._handlers.items():
+            kept = [r for r in registrations if not r.belongs_to(handler)]
+            found = found or len(kept) < len(registrations)
+            # A new list, not an in-place change: an emission under way iterates the old one.
+            self._handlers[name] = kept
+        if not found:
+            registered = sorted(
+                {
+                    f"{name}: {r.handler!r}"
+                    for name, registrations in self._handlers.items()
+                    for r in registrations
+                }
+            )
+            raise ValueError(
+                f"Events.remove received {handler!r}, which is not registered on these Events "
+                f"(registered: {'; '.join(registered) or 'nothing'}). Pass the same function "
+                "given to events.on(...), or the handler object given to Events(...)/add(...)."
+            )
         return self
 
     def on(
@@ -229,10 +337,16 @@ class Events:
             )
         if (every is not None or once is not None) and name not in _COUNTER:
             raise ValueError(
-                f"Events.on({name!r}) received every/once, but {name!r} has no counter: it "
-                f"fires at most once per run. every/once apply to: {', '.join(_COUNTER)}."
+                f"Events.on({name!r}) received every/once, but {name!r} has no counter to "
+                "count them by; register it without them (its handler sees event.step). "
+                f"every/once apply to: {', '.join(_COUNTER)}."
             )
-        self._handlers[name].append(_Registration(handler, every, once))
+        # A new list, not an append: an emission under way iterates the old one, so that a
+        # handler registered during it is called from the next event on (as for remove).
+        self._handlers[name] = [
+            *self._handlers[name],
+            _Registration(handler, every, once, self._adding),
+        ]
         return self
 
     def has(self, name: str) -> bool:
@@ -243,7 +357,12 @@ class Events:
         """Call the handlers of ``event.name`` that want this event, in registration order.
 
         A :class:`NewState` from one handler is seen by the handlers after it (the event's
-        counters are taken from the new state).
+        counters are taken from the new state). An :class:`Emitted` (a handler that emitted an
+        event of its own) counts as its state and its stop. The handlers are those registered
+        when the emission starts: one added or removed during it counts from the next event.
+
+        Args:
+            event: the event; ``event.name`` says which handlers run.
 
         Returns:
             The state after the handlers, and the first :class:`Stop` requested (if any).
@@ -253,6 +372,9 @@ class Events:
             if not registration.wants(event):
                 continue
             result = registration.handler(event)
+            if isinstance(result, Emitted):
+                stop = stop or result.stop
+                result = NewState(result.state) if result.state is not state else None
             if isinstance(result, NewState):
                 state = result.state
                 # The counters follow the new state, so that later handlers' every/once and

@@ -111,7 +111,7 @@ def _iterate(
         max_epochs = state.epoch + 1
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
-            state, stop = _emit(events, _event("epoch_start", state), state)
+            state, stop = _emit(events, Event.at("epoch_start", state), state)
             if stop is not None:
                 break
             total = _length(data)
@@ -143,18 +143,18 @@ def _iterate(
                     )
                     yield state, flushed
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
-                state, epoch_stop = _emit(events, _event("epoch_end", state), state)
+                state, epoch_stop = _emit(events, Event.at("epoch_end", state), state)
                 stop = stop or epoch_stop
         state.settle_scheduler()  # a scheduler whose position was on the device, for fit_end
-        state, _ = _emit(events, _event("fit_end", state), state)
+        state, _ = _emit(events, Event.at("fit_end", state), state)
     except GeneratorExit:
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
         state.settle_scheduler()
-        _emit(events, _event("fit_end", state), state)
+        _emit(events, Event.at("fit_end", state), state)
         raise
     except BaseException as error:
-        _emit(events, dataclasses.replace(_event("exception", state), error=error), state)
+        _emit(events, Event.at("exception", state, error=error), state)
         raise
     return state
 
@@ -247,10 +247,6 @@ def _length(data: Iterable[Any]) -> int | None:
         return len(data)  # type: ignore[arg-type]
     except TypeError:
         return None
-
-
-def _event(name: str, state: TrainState) -> Event:
-    return Event(name, state, step=state.step, micro_step=state.micro_step, epoch=state.epoch)
 
 
 def _emit(events: Events, event: Event, state: TrainState) -> tuple[TrainState, Stop | None]:

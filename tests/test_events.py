@@ -274,7 +274,9 @@ def test_every_and_once_together_are_refused():
     assert "register the handler twice" in message
 
 
-@pytest.mark.parametrize("name", ["fit_start", "fit_end", "exception"])
+@pytest.mark.parametrize(
+    "name", ["fit_start", "fit_end", "exception", "validation_end", "checkpoint_end"]
+)
 @pytest.mark.parametrize("label", ["every", "once"])
 def test_every_or_once_on_an_event_without_a_counter_is_refused(name, label):
     with pytest.raises(ValueError) as info:

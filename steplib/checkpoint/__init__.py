@@ -14,9 +14,11 @@ is initialised; see ``steplib.checkpoint.sharded``.
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot
 from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
-from steplib.checkpoint.handlers import Checkpointer, checkpoint_every, default_metrics
+from steplib.checkpoint.every import checkpoint_every
+from steplib.checkpoint.handlers import Checkpointer
 from steplib.checkpoint.listing import CheckpointInfo, latest, list_checkpoints
 from steplib.checkpoint.loading import load
+from steplib.checkpoint.metrics import default_metrics
 from steplib.checkpoint.preemption import Preemption, preemption
 from steplib.checkpoint.resume import Resume, resume_from
 from steplib.checkpoint.retention import best_checkpoint, prune, select_retained

@@ -85,7 +85,7 @@ class AsyncSaver:
         metrics: Mapping[str, Any] | None = None,
         storage_options: StorageOptions = None,
         durable: bool = True,
-        after: Callable[[], Any] | None = None,
+        after: Callable[[str], Any] | None = None,
     ) -> str:
         """Snapshot ``state`` and write it in the background; see ``steplib.checkpoint.save``.
 
@@ -99,8 +99,9 @@ class AsyncSaver:
             storage_options: passed to fsspec, as for ``save``.
             durable: as for ``save``: fsync the checkpoint before it counts as committed
                 (``True``), or not (``False``; a power loss soon after may lose it).
-            after: called in the background thread once the checkpoint is committed (e.g.
-                pruning old checkpoints); its errors surface like the write's.
+            after: called with the checkpoint's URL in the background thread once the
+                checkpoint is committed (e.g. pruning old checkpoints, queueing a report); its
+                errors surface like the write's.
 
         Returns:
             The URL the checkpoint will have once committed.
@@ -213,12 +214,12 @@ class AsyncSaver:
             self._group_of = world
         return self._group
 
-    def _write(self, write_plan: Callable[[], Any], after: Callable[[], Any] | None) -> None:
+    def _write(self, write_plan: Callable[[], str], after: Callable[[str], Any] | None) -> None:
         _lowest_priority()
         try:
-            write_plan()
+            url = write_plan()
             if after is not None:
-                after()
+                after(url)
         except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
             self._error = err
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from math import inf
 from typing import Any
 
 from torch import nn
@@ -21,7 +22,7 @@ from torch import nn
 from steplib import errors
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events, NewState
+from steplib.events import Emitted, Event, Events, NewState
 from steplib.handlers.eval_step import Metrics, as_metrics, evaluate
 from steplib.handlers.logging.base import Log, Logger, event_counters
 from steplib.handlers.stopping import BestValue
@@ -41,6 +42,14 @@ class Evaluator:
     ``<set>_<metric>`` (``val_loss``, ``ood_loss``); ``monitor="ood_loss"`` tracks that one,
     and ``EarlyStopping("ood_loss")`` or ``export_best(monitor="ood_loss")`` watch it in the
     extras. One evaluation gives one history entry and one log record with every set's values.
+    ``combine="loss"`` adds their weighted mean, ``mean_loss``, and monitors it: the one
+    metric that ``EarlyStopping(evaluator)``, ``checkpoint_every(metric=evaluator)`` and
+    ``best_checkpoint(directory, evaluator)`` then watch.
+
+    After each evaluation (not the sanity one) the evaluator emits ``validation_end`` on the
+    ``Events`` it was last attached to, with the recorded values in ``event.metrics`` and the
+    state that holds them in ``event.state``; a ``Stop`` or ``NewState`` returned by those
+    handlers reaches the loop.
 
     Args:
         eval_step: from :func:`~steplib.handlers.eval_step.make_eval_step`.
@@ -59,16 +68,23 @@ class Evaluator:
             starting its iteration draws from the global RNG.
         prefix: put in front of every name; by default ``"val_"`` for one set and ``""`` for
             a mapping (whose set names already say which set a value is from).
-        monitor: the (prefixed) name whose best value to track, e.g. ``"val_loss"``.
+        monitor: the (prefixed) name whose best value to track, e.g. ``"val_loss"``; with
+            ``combine``, the combined value by default.
         mode: ``"min"`` or ``"max"``, for ``monitor``.
+        combine: with several sets, the metric (e.g. ``"loss"``) whose weighted mean over the
+            sets is recorded as ``prefix + "mean_" + combine`` (``mean_loss``).
+        weights: ``{set name: weight >= 0}`` for ``combine``, one per set (``None``: equal);
+            the combined value is ``sum(weight * value) / sum(weight)``.
         model: evaluate this module instead of ``state.model`` (e.g. ``ema.module``).
         sinks: loggers that get ``{step, epoch, micro_step, time, values...}`` (rank 0).
 
     Raises:
         ConfigError: a bad argument: non-Metric metrics, ``every`` <= 0, neither ``every``
             nor ``at_epoch_end``, a ``mode`` other than min/max, an empty ``data`` mapping or
-            one with a name that is not a non-empty string; at the first (sanity)
-            evaluation, a ``monitor`` that is not among the values (the message lists them).
+            one with a name that is not a non-empty string, ``combine`` without several sets,
+            ``weights`` without ``combine`` or not one number >= 0 per set; at the first
+            (sanity) evaluation, a ``monitor`` or ``combine`` metric that is not among the
+            values (the message lists them).
 
     Example:
         >>> import torch, torchmetrics
@@ -102,6 +118,8 @@ class Evaluator:
         mode: str = "min",
         model: nn.Module | None = None,
         sinks: Logger | Sequence[Logger] = (),
+        combine: str | None = None,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         self.metrics = as_metrics(metrics, owner="Evaluator")
         self.every = errors.optional_positive_int("Evaluator", "every", every)
@@ -137,6 +155,11 @@ class Evaluator:
         )
         # Label -> set: the label goes in front of the metric names ("val_", "ood_").
         self.datasets = _named_datasets(data, self.prefix)
+        # Label -> weight of the combined value, and its name; {} and None without combine.
+        self.weights, self.combined = _combined_value(data, self.prefix, combine, weights)
+        self.combine = combine
+        if monitor is None:
+            monitor = self.combined
         self.at_epoch_end = at_epoch_end
         self.at_fit_end = at_fit_end
         self.limit_batches = limit_batches
@@ -148,6 +171,7 @@ class Evaluator:
         self._log = Log(sinks, sources=())
         self.history: list[tuple[int, dict[str, Any]]] = []
         self.sanity_values: dict[str, Any] | None = None
+        self.events: Events | None = None
         self._evaluated_step: int | None = None
 
     @property
@@ -157,11 +181,12 @@ class Evaluator:
 
     def attach(self, events: Events) -> Events:
         """Register on ``fit_start`` (sanity), ``step_end`` (``every``), ``epoch_end`` and
-        ``fit_end``, as configured.
+        ``fit_end``, as configured; ``validation_end`` is emitted on ``events`` from now on.
 
         Returns:
             ``events``, so calls chain.
         """
+        self.events = events
         if self.sanity_batches:
             events.on("fit_start", self.sanity_check)
         if self.every is not None:
@@ -186,6 +211,8 @@ class Evaluator:
                 limit_batches=limit_batches if limit_batches is not None else self.limit_batches,
             )
             values.update({label + name: value for name, value in computed.items()})
+        if self.combined is not None:
+            values[self.combined] = self._weighted_mean(values)
         return values
 
     def sanity_check(self, event: Event) -> None:
@@ -194,8 +221,9 @@ class Evaluator:
         self.sanity_values = self.run(event.state, limit_batches=self.sanity_batches)
         self._monitored(self.sanity_values)
 
-    def __call__(self, event: Event) -> NewState:
-        """Evaluate, record, log; return the state with the values in its extras."""
+    def __call__(self, event: Event) -> NewState | Emitted:
+        """Evaluate, record, log; emit ``validation_end`` with the state that holds the values
+        in its extras (and return that emission), or return that state when not attached."""
         values = self.run(event.state)
         self._evaluated_step = event.step
         self.history.append((event.step, values))
@@ -207,9 +235,14 @@ class Evaluator:
             extras[f"best_{self.monitor}"] = self.best.value
         if is_main():
             self._log.write({**event_counters(event), **values})
-        return NewState(event.state.replace(extras=types.MappingProxyType(extras)))
+        state = event.state.replace(extras=types.MappingProxyType(extras))
+        if self.events is None:
+            return NewState(state)
+        return self.events.emit(
+            Event.at("validation_end", state, metrics=types.MappingProxyType(values))
+        )
 
-    def unless_evaluated(self, event: Event) -> NewState | None:
+    def unless_evaluated(self, event: Event) -> NewState | Emitted | None:
         """Evaluate unless this update was evaluated already (e.g. ``every`` divides it)."""
         if self._evaluated_step == event.step:
             return None
@@ -230,6 +263,20 @@ class Evaluator:
             )
         return float(values[self.monitor])
 
+    def _weighted_mean(self, values: Mapping[str, Any]) -> float:
+        names = {label + str(self.combine): label for label in self.weights}
+        missing = [name for name in names if name not in values]
+        if missing:
+            raise ConfigError(
+                f"Evaluator(combine={self.combine!r}) found no {', '.join(map(repr, missing))} "
+                f"among the evaluated values ({', '.join(sorted(values))}). Pass the name of "
+                "one of the metrics, as the sets' values name it after their prefix."
+            )
+        total = sum(self.weights.values())
+        return (
+            sum(self.weights[label] * float(values[name]) for name, label in names.items()) / total
+        )
+
 
 def _named_datasets(data: Any, prefix: str) -> dict[str, Any]:
     """``{label: batches}``: one set labelled ``prefix``, or each set of a mapping labelled
@@ -244,3 +291,56 @@ def _named_datasets(data: Any, prefix: str) -> dict[str, Any]:
             "e.g. data={'val': val_loader, 'ood': ood_loader} (values val_loss, ood_loss)."
         )
     return {f"{prefix}{name}_": batches for name, batches in data.items()}
+
+
+def _combined_value(
+    data: Any, prefix: str, combine: Any, weights: Any
+) -> tuple[dict[str, float], str | None]:
+    """``({label: weight}, name)`` of the combined value, checked; ``({}, None)`` without
+    ``combine``."""
+    if combine is None:
+        if weights is not None:
+            raise ConfigError(
+                f"Evaluator(weights=...) received {describe(weights)} without combine=...; the "
+                "weights weigh the sets' values of one metric. Pass combine='loss' too."
+            )
+        return {}, None
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"Evaluator(combine={combine!r}) needs several validation sets, but data is one "
+            f"({describe(data)}). Pass data={{'wiki': wiki_loader, 'code': code_loader}}, or "
+            "with one set leave combine out and monitor its value: monitor='val_loss'."
+        )
+    if not isinstance(combine, str) or not combine:
+        raise ConfigError(
+            f"Evaluator(combine=...) received {describe(combine)}; pass the name of the "
+            "metric whose values to combine over the sets, e.g. combine='loss'."
+        )
+    if weights is None:
+        weights = dict.fromkeys(data, 1.0)
+    if not isinstance(weights, Mapping) or set(weights) != set(data):
+        raise ConfigError(
+            f"Evaluator(weights=...) received {describe(weights)}; it must give one weight per "
+            f"validation set ({', '.join(map(repr, data))}), e.g. weights="
+            f"{ {name: 1.0 for name in data} }."
+        )
+    for set_name, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < inf:
+            raise ConfigError(
+                f"Evaluator(weights=...) received {describe(weight)} for the set {set_name!r}; "
+                "a weight is a finite number >= 0 (0 leaves that set out of the mean), e.g. "
+                f"weights={ {name: 1.0 for name in data} }."
+            )
+    numbers = {set_name: float(weight) for set_name, weight in weights.items()}
+    if not sum(numbers.values()) > 0:
+        raise ConfigError(
+            f"Evaluator(weights={dict(weights)!r}) are all 0, so there is no weighted mean. "
+            "Give at least one set a positive weight."
+        )
+    name = f"{prefix}mean_{combine}"
+    if "mean" in data:
+        raise ConfigError(
+            f"Evaluator(combine={combine!r}): a validation set named 'mean' would give its "
+            f"value the combined value's name {name!r}. Rename that set."
+        )
+    return {f"{prefix}{set_name}_": w for set_name, w in numbers.items()}, name
