@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.contents import MODEL
@@ -24,6 +23,7 @@ from steplib.checkpoint.listing import StorageOptions, candidates, committed_man
 from steplib.checkpoint.manifest import SHARDED, Manifest
 from steplib.checkpoint.sharded.layout import holds_dtensor_parameters
 from steplib.checkpoint.storage import Location
+from steplib.distributed.parallelize import inner_module
 from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
 
@@ -158,14 +158,7 @@ def _target(model: Any) -> nn.Module:
             f"load_weights received model={describe(model)}, which is neither an nn.Module "
             "nor a TrainState. Pass the model to load into: load_weights(model, url)."
         )
-    while True:  # DDP(compile(m)), compile(DDP(m)), ...: the weights go into the module inside
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(inner, nn.Module):
-            model = inner
-        else:
-            return model
+    return inner_module(model)  # DDP(compile(m)), compile(DDP(m)), ...
 
 
 def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dict[str, Any]]:

@@ -135,3 +135,28 @@ def is_parallel_model(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, DistributedDataParallel | FSDPModule)
+
+
+def inner_module(model: nn.Module) -> nn.Module:
+    """The module inside DDP and ``torch.compile`` wrappers, in any nesting: the one whose
+    parameter names carry no ``module.`` / ``_orig_mod.`` prefix.
+
+    Args:
+        model: any module.
+
+    Returns:
+        ``model`` itself when nothing wraps it.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> inner_module(torch.compile(layer)) is layer
+        True
+    """
+    while True:
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(inner, nn.Module):
+            model = inner
+        else:
+            return model

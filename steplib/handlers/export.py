@@ -28,12 +28,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from steplib import errors
 from steplib.checkpoint.storage import Location, resolve
 from steplib.distributed import rank, world_size
 from steplib.distributed.collectives import every_rank
+from steplib.distributed.parallelize import inner_module
 from steplib.errors import ConfigError, StepLibError, describe
 from steplib.events import Event
 from steplib.handlers.stopping import BestValue, monitored_value
@@ -152,14 +152,7 @@ def _unwrapped(state: Any) -> nn.Module:
             f"export_model received {describe(state)} where a TrainState or an nn.Module was "
             "expected. Pass the state (its model is exported) or the module itself."
         )
-    while True:  # DDP(compile(m)), compile(DDP(m)), ...: the names of the plain module
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(inner, nn.Module):
-            model = inner
-        else:
-            return model
+    return inner_module(model)  # DDP(compile(m)), compile(DDP(m)), ...
 
 
 def _check_format(owner: str, format: Any) -> None:
