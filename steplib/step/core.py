@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import torch
@@ -37,9 +36,6 @@ from steplib.step.parts import Gradients, GradReport, Part, Update, plain
 from steplib.step.plan import Plan, check_composition, scaler_active
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
-
-# A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
-_NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,25 +146,32 @@ def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -
     inside the micro-batch contexts (``sync`` False: DDP's ``no_sync``, which must hold for the
     forward pass too)."""
     plan = step.plan
-    with contextlib.ExitStack() if plan.micro_contexts else _NO_CONTEXT as stack:
+    if not plan.micro_contexts:  # the common case: no `with` to enter per micro-batch
+        return _forward_backward(step, state, batch)
+    with contextlib.ExitStack() as stack:
         for enter in plan.micro_contexts:
             stack.enter_context(enter(state, sync))
-        if plan.forward_contexts:
-            with contextlib.ExitStack() as inner:
-                for enter_forward in plan.forward_contexts:
-                    inner.enter_context(enter_forward(state))
-                out = parse_loss_output(step.loss_fn(state.model, batch))
-        else:
+        return _forward_backward(step, state, batch)
+
+
+def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
+    plan = step.plan
+    if plan.forward_contexts:
+        with contextlib.ExitStack() as inner:
+            for enter_forward in plan.forward_contexts:
+                inner.enter_context(enter_forward(state))
             out = parse_loss_output(step.loss_fn(state.model, batch))
-        loss = out.loss_sum
-        scaler = state.scaler  # inline, not scaler_active(): this runs every micro-batch
-        if scaler is not None and scaler.is_enabled():
-            loss = scaler.scale(loss)
-        if plan.hooks:
-            _call(plan, "before_backward", state)
-        loss.backward()
-        if plan.hooks:
-            _call(plan, "after_backward", state)
+    else:
+        out = parse_loss_output(step.loss_fn(state.model, batch))
+    loss = out.loss_sum
+    scaler = state.scaler  # inline, not scaler_active(): this runs every micro-batch
+    if scaler is not None and scaler.is_enabled():
+        loss = scaler.scale(loss)
+    if plan.hooks:
+        _call(plan, "before_backward", state)
+    loss.backward()
+    if plan.hooks:
+        _call(plan, "after_backward", state)
     return out
 
 
