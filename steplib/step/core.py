@@ -175,12 +175,17 @@ def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
     return out
 
 
-def process_grads(step: Step, state: TrainState) -> GradReport:
+def process_grads(
+    step: Step, state: TrainState, *, window: tuple[torch.Tensor, Any] | None = None
+) -> GradReport:
     """Phase 2: the window's sums over the processes, then every gradient transform in rank
-    order. Every operation stays on the device; the non-finite flag is a tensor."""
+    order. Every operation stays on the device; the non-finite flag is a tensor. ``window``:
+    the window's ``(loss_sum, targets)`` when ``state`` does not hold them yet (a compiled
+    step's closing micro-batch runs phase 2 in its own graph)."""
     plan = step.plan
-    window_loss: torch.Tensor = state.window_loss  # type: ignore[assignment]  # non-empty
-    loss_sum, targets, averaged = plan.sync.reduce_window(state, window_loss, state.window_targets)
+    if window is None:  # the window is not empty: its loss is a tensor
+        window = (state.window_loss, state.window_targets)  # type: ignore[assignment]
+    loss_sum, targets, averaged = plan.sync.reduce_window(state, *window)  # type: ignore[misc]
     # DDP already averaged the gradients over `averaged` processes: divide by the rest.
     grads = Gradients(
         state,
