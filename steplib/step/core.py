@@ -145,11 +145,10 @@ def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -
     """Phase 1: forward under the forward contexts, backward of the (scaled) loss sum, both
     inside the micro-batch contexts (``sync`` False: DDP's ``no_sync``, which must hold for the
     forward pass too)."""
-    plan = step.plan
-    if not plan.micro_contexts:  # the common case: no `with` to enter per micro-batch
+    if not step.plan.micro_contexts:  # the common case: no `with` to enter per micro-batch
         return _forward_backward(step, state, batch)
     with contextlib.ExitStack() as stack:
-        for enter in plan.micro_contexts:
+        for enter in step.plan.micro_contexts:
             stack.enter_context(enter(state, sync))
         return _forward_backward(step, state, batch)
 
@@ -179,20 +178,15 @@ def process_grads(
     step: Step, state: TrainState, *, window: tuple[torch.Tensor, Any] | None = None
 ) -> GradReport:
     """Phase 2: the window's sums over the processes, then every gradient transform in rank
-    order. Every operation stays on the device; the non-finite flag is a tensor. ``window``:
-    the window's ``(loss_sum, targets)`` when ``state`` does not hold them yet (a compiled
-    step's closing micro-batch runs phase 2 in its own graph)."""
+    order, all on the device. ``window``: the window's ``(loss_sum, targets)`` where ``state``
+    does not hold them yet (a compiled step's closing micro-batch runs phase 2 in its graph)."""
     plan = step.plan
-    if window is None:  # the window is not empty: its loss is a tensor
-        window = (state.window_loss, state.window_targets)  # type: ignore[assignment]
-    loss_sum, targets, averaged = plan.sync.reduce_window(state, *window)  # type: ignore[misc]
+    loss, count = (state.window_loss, state.window_targets) if window is None else window
+    loss_sum, targets, averaged = plan.sync.reduce_window(state, loss, count)  # type: ignore[arg-type]
     # DDP already averaged the gradients over `averaged` processes: divide by the rest.
+    divisor = targets if averaged == 1 else targets / averaged
     grads = Gradients(
-        state,
-        loss_sum=loss_sum,
-        num_targets=targets,
-        divisor=targets if averaged == 1 else targets / averaged,
-        sync=plan.sync,
+        state, loss_sum=loss_sum, num_targets=targets, divisor=divisor, sync=plan.sync
     )
     for transform in plan.transforms:
         transform(grads)
