@@ -16,7 +16,6 @@ steplib is functional where Python can afford it and PyTorch where it cannot:
 from __future__ import annotations
 
 import dataclasses
-import operator
 import threading
 import types
 from collections.abc import Mapping
@@ -256,23 +255,27 @@ class TrainState:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
 _FIELD_SET = frozenset(_FIELDS)
-_INDEX = types.MappingProxyType({name: i for i, name in enumerate(_FIELDS)})
-# Every field's value in one C call; the slot descriptors' setters, which skip the frozen
-# __setattr__ check.
-_VALUES = operator.attrgetter(*_FIELDS)
 _SETTERS = tuple(vars(TrainState)[name].__set__ for name in _FIELDS)
 
 
-def _evolve(state: TrainState, changes: dict[str, Any]) -> TrainState:
-    """``dataclasses.replace`` without its per-call field introspection and ``__init__`` (the
-    step calls this on every micro-batch). Callers pass only field names."""
-    values = list(_VALUES(state))
-    for name, value in changes.items():
-        values[_INDEX[name]] = value
-    new = object.__new__(TrainState)
-    for set_, value in zip(_SETTERS, values):  # noqa: B905 - one length by construction
-        set_(new, value)
-    return new
+def _copier() -> Any:
+    """``_evolve(state, changes)``: the next state, ``dataclasses.replace`` without its per-call
+    field introspection and ``__init__``. Its body is written out field by field when this
+    module is imported, as ``dataclasses`` writes ``__init__``: the step calls it on every
+    micro-batch, where a loop over the fields cost ~30 us more per update of the tiny MLP
+    (``benchmarks/bench_overhead.py``). Callers pass only field names."""
+    body = "".join(
+        f"    set_{name}(new, changes['{name}'] if '{name}' in changes else state.{name})\n"
+        for name in _FIELDS
+    )
+    scope: dict[str, Any] = {f"set_{n}": set_ for n, set_ in zip(_FIELDS, _SETTERS, strict=True)}
+    scope["new_state"] = TrainState.__new__
+    scope["cls"] = TrainState
+    exec(f"def _evolve(state, changes):\n    new = new_state(cls)\n{body}    return new\n", scope)
+    return scope["_evolve"]
+
+
+_evolve: Any = _copier()
 
 
 class StepOutput:
