@@ -97,7 +97,8 @@ def compile_step(step: Step, **compile_kwargs: Any) -> Step:
     Args:
         step: the step to compile.
         **compile_kwargs: passed to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``,
-            ``options``, ``backend`` — a backend name or callable; the default is inductor).
+            ``options``, ``backend`` — a backend name or callable; the default is inductor,
+            whose ``size_asserts`` are off unless ``options`` sets them).
 
     Returns:
         The compiled step. Numerically it matches the eager one within floating-point
