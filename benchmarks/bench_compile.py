@@ -6,6 +6,7 @@ Usage (from the repository root)::
     python -m benchmarks.bench_compile --quick             # a smoke test
     python -m benchmarks.bench_compile --steps-per-round 1 --rounds 400
     python -m benchmarks.bench_compile --mode max-autotune-no-cudagraphs
+    python -m benchmarks.bench_compile --device cuda --mode reduce-overhead   # CUDA graphs
 
 What it does (the recipe of ``benchmarks/workloads.py``: accumulation 4, clip 1.0, AdamW with a
 warmup LambdaLR, fp32; one intra-op thread):
@@ -52,6 +53,8 @@ from benchmarks.workloads import WORKLOADS, Setup, Workload
 from steplib import compile_step
 from steplib.step import compile_stats
 
+CPU = torch.device("cpu")
+
 
 class CompiledContender(SteplibContender):
     """The steplib step of :class:`SteplibContender` under ``compile_step``."""
@@ -84,7 +87,8 @@ class TorchCompileContender(RawContender):
         super().build()
         compiled: nn.Module = torch.compile(self.model)  # type: ignore[assignment]
         for group in self.optimizer.param_groups:
-            group["lr"] = torch.tensor(group["lr"])  # the tutorial's float32 tensor LR
+            # the tutorial's float32 tensor LR, where the parameters are
+            group["lr"] = torch.tensor(group["lr"], device=group["params"][0].device)
         optimizer = self.optimizer
 
         @torch.compile
@@ -109,10 +113,15 @@ class TorchCompileContender(RawContender):
 
 
 def numerics(
-    workload: Workload, cls: type[Contender], *, updates: int, seed: int
+    workload: Workload,
+    cls: type[Contender],
+    *,
+    updates: int,
+    seed: int,
+    device: torch.device = CPU,
 ) -> dict[str, Any]:
     """Max |w - w_raw| of fresh copies after 1, 10 and ``updates`` updates."""
-    setup = Setup.create(workload, torch.device("cpu"), total_steps=updates, seed=seed)
+    setup = Setup.create(workload, device, total_steps=updates, seed=seed)
     raw, other = RawContender(setup), cls(setup)
     raw.build()
     other.build()
@@ -128,13 +137,16 @@ def numerics(
     return out
 
 
-def cold_compile(workload: Workload, cls: type[CompiledContender], *, seed: int) -> float:
+def cold_compile(
+    workload: Workload, cls: type[CompiledContender], *, seed: int, device: torch.device = CPU
+) -> float:
     """Seconds for build + the first three updates of a fresh compiled contender."""
-    setup = Setup.create(workload, torch.device("cpu"), total_steps=10, seed=seed)
+    setup = Setup.create(workload, device, total_steps=10, seed=seed)
     contender = cls(setup)
     start = time.perf_counter()
     contender.build()
     contender.advance(3)
+    setup.sync()
     return time.perf_counter() - start
 
 
@@ -146,9 +158,10 @@ def timed_rounds(
     rounds: int,
     steps_per_round: int,
     seed: int,
+    device: torch.device = CPU,
 ) -> dict[str, Any]:
     total = warmup + (rounds + 2) * steps_per_round
-    setup = Setup.create(workload, torch.device("cpu"), total_steps=total, seed=seed)
+    setup = Setup.create(workload, device, total_steps=total, seed=seed)
     live: dict[str, Contender] = {}
     for cls in classes:
         contender = cls(setup)
@@ -169,6 +182,7 @@ def timed_rounds(
             gc.collect(0)  # outside the clock: the previous contender's garbage is not charged
             start = time.perf_counter_ns()
             live[name].advance(steps_per_round)
+            setup.sync()  # a GPU's queued kernels belong to the chunk that queued them
             elapsed = time.perf_counter_ns() - start
             if index >= 2:  # two rounds discarded: the order settles
                 chunks[name].append(elapsed)
@@ -213,6 +227,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gate-updates", type=int, default=200)
     parser.add_argument("--atol", type=float, default=1e-5)
     parser.add_argument("--mode", help="torch.compile mode for compile_step")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
         "--torch-recipe",
         action="store_true",
@@ -230,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # compile time cold (no kernel or graph from an earlier run on disk).
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="steplib-inductor-")
     torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here; skipping the GPU benchmark.")
+        return 0
     workload = WORKLOADS[args.workload]
     if args.quick:
         args.rounds, args.warmup, args.gate_updates = 3, 3, 12
@@ -239,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {"compile_kwargs": {"mode": args.mode} if args.mode else {}},
     )
     print(f"inductor cache: {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'the default (warm)')}")
-    cold = cold_compile(workload, compiled, seed=args.seed)
+    cold = cold_compile(workload, compiled, seed=args.seed, device=device)
     print(f"cold start (build + 3 updates, compiles included): {cold:.1f} s")
 
     candidates: list[type[Contender]] = [compiled]
@@ -247,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         candidates.append(TorchCompileContender)
     timed: list[type[Contender]] = [RawContender, SteplibContender]
     for cls in candidates:
-        check = numerics(workload, cls, updates=args.gate_updates, seed=args.seed)
+        check = numerics(workload, cls, updates=args.gate_updates, seed=args.seed, device=device)
         worst = check[f"max_abs_diff_after_{args.gate_updates}"]
         shown = ", ".join(f"{k.rsplit('_', 1)[1]}: {v:.1e}" for k, v in check.items())
         verdict = "ok" if worst <= args.atol else f"FAILED (> {args.atol:g}): not timed"
@@ -262,10 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds=args.rounds,
         steps_per_round=args.steps_per_round,
         seed=args.seed,
+        device=device,
     )
     print(
         f"\n{workload.name}: {workload.description}; {args.rounds} rounds of "
-        f"{args.steps_per_round} update(s) each, interleaved"
+        f"{args.steps_per_round} update(s) each, interleaved, on {device.type}"
     )
     print(
         f"{'contender':<14} {'us/update':>9} {'speedup':>8} {'95% CI':>11} {'p10-p90':>11}"

@@ -6,6 +6,7 @@ Usage (from the repository root)::
     python -m benchmarks.bench_overhead --workload tiny --quick
     python -m benchmarks.bench_overhead --workload transformer-big --contenders steplib  # ~75 s
     python -m benchmarks.bench_overhead --device cuda        # adds host syncs per step
+    python -m benchmarks.bench_overhead --workload tiny --contenders steplib --profile
 
 What it does, per workload:
 
@@ -25,6 +26,8 @@ What it does, per workload:
    after build, the peak during training above that (the kernel's RSS high-water mark is reset
    after build via /proc/self/clear_refs), and on CUDA the allocator peak above the build.
 6. On CUDA, host syncs per update are counted with ``torch.cuda.set_sync_debug_mode("warn")``.
+7. ``--profile``: where one update's time goes, microseconds per phase for steplib and for the
+   raw loop's equivalent lines, interleaved (``benchmarks/profile_phases.py``).
 
 Writes JSON (``--output``, default ``benchmarks/results/overhead.json``) and prints a table.
 """
@@ -58,6 +61,7 @@ from typing import Any
 import torch
 
 from benchmarks.contenders import Contender, registry
+from benchmarks.profile_phases import format_profile, profile
 from benchmarks.workloads import WORKLOADS, Setup, Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,6 +133,8 @@ PLANS: dict[str, Plan] = {
         min_rounds=8,
     ),
 }
+# --profile: (rounds, updates per round) of the per-phase profile.
+PROFILE_PLANS = {"tiny": (150, 4), "transformer": (12, 1), "transformer-big": (6, 1)}
 # What "--workload all" (the default) runs: transformer-big (~75 s for raw + steplib alone) is
 # for the "how the cost grows" table and runs only when named.
 DEFAULT_WORKLOADS = ("tiny", "transformer")
@@ -637,6 +643,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="override the recorded rounds")
     parser.add_argument("--steps-per-round", type=int, help="override updates per chunk")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print microseconds per phase of one update, steplib vs the raw loop",
+    )
     parser.add_argument("--atol", type=float, default=0.0, help="weight tolerance (0: bitwise)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
@@ -705,10 +716,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             atol=args.atol,
             seed=args.seed,
         )
+        if args.profile:
+            rounds, per_round = PROFILE_PLANS[name] if not args.quick else (3, 1)
+            report["workloads"][name]["profile"] = profile(
+                WORKLOADS[name],
+                rounds=rounds,
+                updates_per_round=per_round,
+                device=device,
+                seed=args.seed,
+            )
     report["wall_s"] = round(time.perf_counter() - started, 1)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")
     print(format_table(report))
+    for name, section in report["workloads"].items():
+        if "profile" in section:
+            print(f"\n{name}: " + format_profile(section["profile"]))
     print(f"\nwrote {args.output} in {report['wall_s']} s")
     return 0
 

@@ -51,14 +51,16 @@ class StepOutput:
         lr: torch.Tensor | float,
         aux: Mapping[str, torch.Tensor],
     ) -> None:
-        set_ = object.__setattr__
-        set_(self, "_sum", loss_sum)
-        set_(self, "_targets", num_targets)
-        set_(self, "_did_update", did_update)
-        set_(self, "_skipped", skipped)
-        set_(self, "grad_norm", grad_norm)
-        set_(self, "_lr", lr)  # the caller passes a copy when the LR is a tensor
-        set_(self, "_aux", aux)
+        # The slot descriptors' setters: this runs on every micro-batch, and the class's own
+        # __setattr__ refuses every assignment.
+        set_sum, set_targets, set_did, set_skipped, set_norm, set_lr, set_aux = _OUTPUT_SETTERS
+        set_sum(self, loss_sum)
+        set_targets(self, num_targets)
+        set_did(self, did_update)
+        set_skipped(self, skipped)
+        set_norm(self, grad_norm)
+        set_lr(self, lr)  # the caller passes a copy when the LR is a tensor
+        set_aux(self, aux)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"StepOutput is read-only; cannot set {name!r}")
@@ -96,3 +98,9 @@ class StepOutput:
     def __repr__(self) -> str:
         names = ("loss", "num_targets", "did_update", "skipped", "grad_norm", "lr", "aux")
         return "StepOutput(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
+
+
+_OUTPUT_SETTERS = tuple(
+    vars(StepOutput)[name].__set__
+    for name in ("_sum", "_targets", "_did_update", "_skipped", "grad_norm", "_lr", "_aux")
+)

@@ -186,3 +186,22 @@ def test_cuda_quick_run_counts_host_syncs(tmp_path: Path) -> None:
     for name in ("raw", "steplib"):
         assert contenders[name]["status"] == "ok", contenders[name].get("reason")
         assert contenders[name]["host_syncs_per_step"] >= 0
+
+
+def test_profile_reports_every_phase_and_restores_steplib() -> None:
+    from benchmarks.profile_phases import ROWS, profile
+    from steplib.state import TrainState
+    from steplib.step import core
+
+    originals = (core.Step.__call__, core.apply, TrainState.replace, core.Runner.process_grads)
+    report = profile(WORKLOADS["tiny"], rounds=2, updates_per_round=1)
+
+    rows = report["us_per_update"]
+    assert list(rows) == [*ROWS, "total"]
+    for row in ROWS:  # steplib runs every phase; the raw loop has no bookkeeping of its own
+        assert rows[row]["steplib"] > 0, row
+    assert rows["step call bookkeeping"]["raw"] == rows["state replacement"]["raw"] == 0
+    assert rows["phase 2: grad processing"]["raw"] > 0
+    # the timers are gone once the profile is taken
+    after = (core.Step.__call__, core.apply, TrainState.replace, core.Runner.process_grads)
+    assert after == originals

@@ -14,7 +14,14 @@ from steplib import (
     skip_nonfinite,
 )
 from steplib.errors import TooManySkipsError
-from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
+from tests.reference import (
+    concat,
+    make_batches,
+    mean_loss,
+    reference_loop,
+    tiny_model,
+    token_loss,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -116,3 +123,26 @@ def test_gpu_async_save_holds_the_values_at_save_time_while_training_goes_on(tmp
     for name, value in loaded.model.state_dict().items():
         assert torch.equal(value, at_save[name])
         assert not torch.equal(value, state.model.state_dict()[name])
+
+
+def test_gpu_compile_step_with_cuda_graphs_matches_eager_without_recompiling() -> None:
+    from steplib import compile_step
+    from steplib.step import compile_stats
+
+    batches = _cuda(make_batches(8))  # every micro-batch the same shape: one graph each
+    models = []
+    for compiled in (False, True):
+        model = tiny_model(0).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        state = TrainState.create(model=model, optimizer=opt)
+        step = accumulate(clip(make_train_step(mean_loss), max_norm=1.0), 2)
+        if compiled:
+            step = compile_step(step, mode="reduce-overhead")  # CUDA graphs
+        for _ in range(3):
+            for batch in batches:
+                state, _out = step(state, batch)
+        models.append(model)
+    stats = compile_stats(step)
+    assert stats.updates == 12 and stats.recompiles == 0 and stats.fused_backward is True
+    for got, want in zip(*(m.parameters() for m in models), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

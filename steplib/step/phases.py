@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager as ContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,53 +27,56 @@ from steplib.step.plan import Plan, scaler_active
 if TYPE_CHECKING:
     from steplib.step.core import Step
 
-# A nullcontext holds no state, so one instance serves every `with` (no allocation per call).
-_NO_CONTEXT: ContextManager[Any] = contextlib.nullcontext()
-
 
 def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -> LossOutput:
     """Phase 1: forward under the forward contexts, backward of the (scaled) loss sum, both
     inside the micro-batch contexts (``sync`` False: DDP's ``no_sync``, which must hold for the
     forward pass too)."""
-    plan = step.plan
-    with contextlib.ExitStack() if plan.micro_contexts else _NO_CONTEXT as stack:
-        for enter in plan.micro_contexts:
+    if not step.plan.micro_contexts:  # the common case: no `with` to enter per micro-batch
+        return _forward_backward(step, state, batch)
+    with contextlib.ExitStack() as stack:
+        for enter in step.plan.micro_contexts:
             stack.enter_context(enter(state, sync))
-        if plan.forward_contexts:
-            with contextlib.ExitStack() as inner:
-                for enter_forward in plan.forward_contexts:
-                    inner.enter_context(enter_forward(state))
-                out = parse_loss_output(step.loss_fn(state.model, batch))
-        else:
+        return _forward_backward(step, state, batch)
+
+
+def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
+    plan = step.plan
+    if plan.forward_contexts:
+        with contextlib.ExitStack() as inner:
+            for enter_forward in plan.forward_contexts:
+                inner.enter_context(enter_forward(state))
             out = parse_loss_output(step.loss_fn(state.model, batch))
-        loss = out.loss_sum
-        scaler = state.scaler  # inline, not scaler_active(): this runs every micro-batch
-        if scaler is not None and scaler.is_enabled():
-            loss = scaler.scale(loss)
-        if plan.hooks:
-            _call(plan, "before_backward", state)
-        lane = state.lane
-        # Several optimizers: only this one's parameters take gradients, so the generator's
-        # backward through the discriminator leaves the discriminator's open window alone.
-        loss.backward() if lane is None else loss.backward(inputs=lane.params)
-        if plan.hooks:
-            _call(plan, "after_backward", state)
+    else:
+        out = parse_loss_output(step.loss_fn(state.model, batch))
+    loss = out.loss_sum
+    scaler = state.scaler  # inline, not scaler_active(): this runs every micro-batch
+    if scaler is not None and scaler.is_enabled():
+        loss = scaler.scale(loss)
+    if plan.hooks:
+        _call(plan, "before_backward", state)
+    lane = state.lane
+    # Several optimizers: only this one's parameters take gradients, so the generator's
+    # backward through the discriminator leaves the discriminator's open window alone.
+    loss.backward() if lane is None else loss.backward(inputs=lane.params)
+    if plan.hooks:
+        _call(plan, "after_backward", state)
     return out
 
 
-def process_grads(step: Step, state: TrainState) -> GradReport:
+def process_grads(
+    step: Step, state: TrainState, *, window: tuple[torch.Tensor, Any] | None = None
+) -> GradReport:
     """Phase 2: the window's sums over the processes, then every gradient transform in rank
-    order. Every operation stays on the device; the non-finite flag is a tensor."""
+    order, all on the device. ``window``: the window's ``(loss_sum, targets)`` where ``state``
+    does not hold them yet (a compiled step's closing micro-batch runs phase 2 in its graph)."""
     plan = step.plan
-    window_loss: torch.Tensor = state.window_loss  # type: ignore[assignment]  # non-empty
-    loss_sum, targets, averaged = plan.sync.reduce_window(state, window_loss, state.window_targets)
+    loss, count = (state.window_loss, state.window_targets) if window is None else window
+    loss_sum, targets, averaged = plan.sync.reduce_window(state, loss, count)  # type: ignore[arg-type]
     # DDP already averaged the gradients over `averaged` processes: divide by the rest.
+    divisor = targets if averaged == 1 else targets / averaged
     grads = Gradients(
-        state,
-        loss_sum=loss_sum,
-        num_targets=targets,
-        divisor=targets if averaged == 1 else targets / averaged,
-        sync=plan.sync,
+        state, loss_sum=loss_sum, num_targets=targets, divisor=divisor, sync=plan.sync
     )
     for transform in plan.transforms:
         transform(grads)

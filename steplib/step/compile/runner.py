@@ -1,7 +1,7 @@
 """``compile_step``: the step's forward, backward, clipping and optimizer update under
 ``torch.compile``.
 
-What runs as a graph once the step is warm (three graphs in all, no graph break):
+What runs as a graph once the step is warm (no graph break):
 
 * **each micro-batch: forward + backward + accumulation, one graph.** The user's
   ``loss_fn(model, batch)`` is differentiated with ``torch.func.grad_and_value`` over
@@ -11,12 +11,14 @@ What runs as a graph once the step is warm (three graphs in all, no graph break)
   (they become ``p.grad``); the others add into ``p.grad`` inside their graph. On a small model
   this is what pays: the eager autograd engine, a compiled forward with an AOTAutograd backward
   and compiled autograd all cost more per micro-batch than this one graph.
-* **phase 2 and the optimizer update, one graph**: the core's ``process_grads`` itself (one code
-  path: the eager step's function, compiled) followed by the body of the optimizer's ``step``
-  without the ``torch._dynamo.graph_break()`` calls its decorator adds. Phase 3 then only
-  records the update. When something must happen between the two (``skip_nonfinite`` decides
-  whether to step, a ``tap(before_update=...)``, optimizer step hooks, a shorter last window,
-  distributed gradients or loss scaling), they are compiled apart or phase 2 runs eagerly.
+* **the closing micro-batch, phase 2 and the optimizer update, one graph**: the micro-batch's
+  graph, the core's ``process_grads`` itself (one code path: the eager step's function,
+  compiled) and the body of the optimizer's ``step`` without the ``graph_break()`` calls its
+  decorator adds: one graph entry per micro-batch, none more per update (a window of one
+  micro-batch: phase 2 and the update as a graph of their own). Phase 3 only records the
+  update. When something must act between them (``skip_nonfinite`` decides whether to step,
+  a ``tap(before_update=...)``, optimizer step hooks, a shorter last window, distributed
+  gradients or loss scaling), they are compiled apart or phase 2 runs eagerly.
 * The learning rate is a float64 0-dim tensor in the param groups. The scheduler stays plain
   Python (once per update, it writes the new rate into that tensor), so a changing rate never
   recompiles; a ``LambdaLR`` lambda cannot be traced without specialising on the step number.
@@ -41,9 +43,8 @@ Overhead: on a small model most of a compiled call is dynamo's entry and guard c
 on torch's and steplib's own functions and constants are dropped (``graphs.keep_guards``); every
 guard on the user's code, model, batch and optimizer is kept.
 
-Every graph compiled is counted in :class:`CompileStats`; a graph compiled for a function that
-already ran compiled code is a recompile (a guard failed: a new shape, dtype, or a Python value
-the graph depended on).
+Every graph compiled is counted in :class:`CompileStats`; one compiled for a function that ran
+compiled code already is a recompile (a guard failed: a new shape, dtype or Python value).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def compile_step(step: Step, **compile_kwargs: Any) -> Step:
     Args:
         step: the step to compile.
         **compile_kwargs: passed to ``torch.compile`` (``mode``, ``dynamic``, ``fullgraph``,
-            ``options``, ``backend`` — a backend name or callable; the default is inductor).
+            ``options``, ``backend`` — a backend name or callable; the default is inductor,
+            whose ``size_asserts`` are off unless ``options`` sets them).
 
     Returns:
         The compiled step. Numerically it matches the eager one within floating-point
@@ -137,10 +139,8 @@ def compile_step(step: Step, **compile_kwargs: Any) -> Step:
 
 class CompiledRunner(Runner):
     """Runs a step's phases through compiled graphs once its optimizer has made one (eager)
-    update; the phases themselves are the core's (one code path), compiled.
-
-    Mutable on purpose (like :class:`CompileStats`): it caches per optimizer, never per state,
-    and holds its optimizers weakly.
+    update; the phases themselves are the core's (one code path), compiled. Mutable on purpose
+    (like :class:`CompileStats`): it caches per optimizer, never per state, holding them weakly.
 
     Attributes:
         stats: the graphs and recompiles counted so far (``step.plan.runner.stats``, also
@@ -155,6 +155,7 @@ class CompiledRunner(Runner):
         self.micro_acc = self._region(micro_acc)
         self.compiled_process = self._region(process_grads)
         self.process_and_update = self._region(_process_and_update)
+        self.micro_and_update = self._region(_micro_and_update)
         self.update = self._region(update)
         self.hooked_update = self._region(hooked_update)
         # optimizer -> whether all its parameters had a gradient at its first (eager) update
@@ -169,6 +170,8 @@ class CompiledRunner(Runner):
         self.autograd: tuple[LossFn, Step] | None = None
         # the optimizer whose update ran inside the phase-2 graph, until phase 3 records it
         self.updated: torch.optim.Optimizer | None = None
+        # phase 2's report when the closing micro-batch's graph ran it, until phase 2 asks
+        self.report: GradReport | None = None
 
     def _region(self, fn: Callable[..., Any], *, ours: bool = True) -> Region:
         guard_filter = keep_guards if ours else None
@@ -185,6 +188,8 @@ class CompiledRunner(Runner):
         plan = self.plan(step, state)
         if plan is not None:
             if plan.checked:
+                if sync and self.updates_in_graph(step, state, state.window_size + 1):
+                    return self.micro_update(plan, step, state, batch)
                 return self.micro(plan, batch)
             try:
                 out = self.micro(plan, batch)
@@ -205,26 +210,59 @@ class CompiledRunner(Runner):
             self.autograd = (step.loss_fn, dataclasses.replace(step, loss_fn=compiled))
         return self.autograd[1]
 
-    def process_grads(self, step: Step, state: TrainState) -> GradReport:
-        optimizer, plan = state.optimizer, step.plan
-        if not (
-            optimizer in self.prepared
-            and plan.sync is LOCAL
+    def compiles_phase2(self, step: Step, state: TrainState, size: int) -> bool:
+        """Whether phase 2 of a window of ``size`` micro-batches runs as a graph."""
+        return (
+            state.optimizer in self.prepared
+            and step.plan.sync is LOCAL
             and not scaler_active(state)
             # A shorter last window (another Python target count) would compile once more.
-            and state.window_size == plan.window
-        ):
-            return process_grads(step, state)
-        if not plan.updates and "before_update" not in plan.hooks and plain_step(optimizer):
+            and size == step.plan.window
+        )
+
+    def updates_in_graph(self, step: Step, state: TrainState, size: int) -> bool:
+        """Whether the update joins phase 2's graph: nothing may act between the two."""
+        plan = step.plan
+        return (
+            self.compiles_phase2(step, state, size)
+            and not plan.updates
+            and "before_update" not in plan.hooks
+            and plain_step(state.optimizer)
+        )
+
+    def micro_update(
+        self, plan: FusedPlan, step: Step, state: TrainState, batch: Any
+    ) -> LossOutput:
+        """The closing micro-batch, phase 2 and the update in one graph (one graph entry fewer
+        per update); phase 2 then returns the report and phase 3 records the update."""
+        if any(p.grad is None for p in plan.params):  # a window of one, or grads set to None
+            return self.micro(plan, batch)
+        if needs_prepare(optimizer := state.optimizer):
+            prepare(optimizer)
+        state.fence.wait()  # what Step._close waits for before an update, which this is
+        raw_step = self.raw_step(optimizer)
+        out, self.report, updated = self.micro_and_update(plan, batch, step, state, raw_step)
+        self.updated = optimizer if updated else None
+        return LossOutput(out[0], out[1], out[2] if out[2] else NO_AUX)
+
+    def process_grads(
+        self, step: Step, state: TrainState, *, window: tuple[torch.Tensor, Any] | None = None
+    ) -> GradReport:
+        optimizer, size = state.optimizer, state.window_size if window is None else 0
+        if self.report is not None:  # the closing micro-batch's graph ran phase 2
+            report, self.report = self.report, None
+            return report
+        if self.updates_in_graph(step, state, size):
             # Phase 2 and the optimizer update in one graph when nothing may skip the update;
             # phase 3's optimizer_step then only records it.
             if needs_prepare(optimizer):
                 prepare(optimizer)
             report, updated = self.process_and_update(step, state, self.raw_step(optimizer))
-            if updated:
-                self.updated = optimizer
+            self.updated = optimizer if updated else None
             return report
-        return self.compiled_process(step, state)
+        if self.compiles_phase2(step, state, size):
+            return self.compiled_process(step, state)
+        return process_grads(step, state, window=window)
 
     def optimizer_step(self, step: Step, optimizer: torch.optim.Optimizer) -> None:
         """Phase 3's optimizer update: eager the first time for this optimizer, then compiled."""
@@ -329,13 +367,28 @@ def compile_stats(step: Step) -> CompileStats:
 
 
 def _process_and_update(
-    step: Step, state: TrainState, raw_step: Callable[..., Any]
+    step: Step, state: TrainState, raw_step: Callable[..., Any], window: Any = None
 ) -> tuple[GradReport, bool]:
     # The update runs in the graph unless a transform may skip it (a non-finite flag exists:
     # known when the graph is traced, so the branch is not in the graph).
     with torch.no_grad():
-        report = process_grads(step, state)
+        report = process_grads(step, state, window=window)
         if report.nonfinite is None:
             raw_step(state.optimizer)
             return report, True
     return report, False
+
+
+def _micro_and_update(
+    plan: FusedPlan,
+    batch: Any,
+    step: Step,
+    state: TrainState,
+    raw_step: Callable[..., Any],
+) -> tuple[tuple[torch.Tensor, Any, Any], GradReport, bool]:
+    # `state` is the closing call's: its window does not hold this micro-batch yet. The
+    # gradients are read here, not passed in: phase 2 reads them again through the optimizer.
+    grads: list[torch.Tensor] = [p.grad for p in plan.params]  # type: ignore[misc]
+    loss_sum, count, aux = micro_acc(plan, grads, batch)
+    window = (state.window_loss + loss_sum, state.window_targets + count)
+    return ((loss_sum, count, aux), *_process_and_update(step, state, raw_step, window))
