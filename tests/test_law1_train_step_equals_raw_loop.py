@@ -58,3 +58,20 @@ def test_law1_output_reports_update_and_lr_used() -> None:
         assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         lrs.append(float(out.lr))
     assert lrs == [0.5, 0.25, 0.5 / 3]
+
+
+def test_the_update_clears_the_gradients_and_calls_an_optimizers_own_zero_grad() -> None:
+    calls: list[bool] = []
+
+    class OwnZeroGrad(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    batch = make_batches(1)[0]
+    for optimizer_class in (torch.optim.SGD, OwnZeroGrad):
+        model = tiny_model(0)
+        opt = optimizer_class(model.parameters(), lr=0.1)
+        make_train_step(mean_loss)(TrainState.create(model=model, optimizer=opt), batch)
+        assert all(p.grad is None for p in model.parameters())
+    assert calls == [True]  # the plain SGD's grads were cleared without its zero_grad
