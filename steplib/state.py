@@ -192,7 +192,8 @@ class TrainState:
         check_frozen(model, [optimizer[name] for name in names])
         first, *rest = names
         others = types.MappingProxyType({n: states[n] for n in rest})
-        return _evolve(states[first], {"lane": Lane(first, trained(optimizer[first]), others)})
+        lane = dataclasses.replace(states[first].lane, others=others)  # type: ignore[type-var]
+        return _evolve(states[first], {"lane": lane})
 
     @classmethod
     def _at_zero(
