@@ -24,6 +24,7 @@ float32, 1e-5 after 200 updates on a smooth (tanh) MLP and, for SGD, on the ReLU
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -293,6 +294,25 @@ def test_a_new_input_shape_after_warm_up_is_counted_as_a_recompile() -> None:
     assert compile_stats(step).warm and compile_stats(step).recompiles == 0
     state, _ = step(state, _data(1, size=7)[0])
     assert compile_stats(step).recompiles >= 1
+
+
+def test_a_trace_that_dynamo_restarts_counts_as_one_graph() -> None:
+    # Dynamo may discard a finished trace and compile the same frame again (it did once per
+    # process for the transformer's closing graph, over a float64 LR): one graph, not two.
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    stats = compile_module.CompileStats()
+    region: Any = types.SimpleNamespace(stats=stats, ran=False)  # what the backend reads
+    backend = compile_module._CountingBackend(lambda graph, inputs: "compiled", region)
+    graph = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
+    with compile_context(CompileContext(CompileId(frame_id=0, frame_compile_id=0))):
+        assert backend(graph, []) == "compiled"
+        backend(graph, [])  # the restarted trace of the same frame compile
+    assert (stats.graphs, stats.recompiles) == (1, 0)
+    region.ran = True
+    with compile_context(CompileContext(CompileId(frame_id=0, frame_compile_id=1))):
+        backend(graph, [])  # a guard failed: a new compile of the same frame
+    assert (stats.graphs, stats.recompiles) == (2, 1)
 
 
 def test_wrapping_after_compile_step_is_refused_with_the_fix() -> None:

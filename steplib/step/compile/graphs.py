@@ -291,13 +291,21 @@ class _CountingBackend:
     def __init__(self, inner: Any, region: Region) -> None:
         self.inner = inner
         self.region = region
+        self.compiled: set[tuple[Any, ...]] = set()
         self.__name__ = "steplib_counting"
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        stats = self.region.stats
-        stats.graphs += 1
-        if self.region.ran:
-            stats.recompiles += 1
+        # Dynamo may throw a finished trace away and trace the same frame again (a "restart":
+        # e.g. once per process, to settle how a float64 learning-rate tensor is passed); the
+        # second graph replaces the first, so one compile id counts once.
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        key = (None,) if compile_id is None else (compile_id.frame_id, compile_id.frame_compile_id)
+        if compile_id is None or key not in self.compiled:
+            self.compiled.add(key)
+            stats = self.region.stats
+            stats.graphs += 1
+            if self.region.ran:
+                stats.recompiles += 1
         return self.inner(graph, example_inputs)
 
     def __getattr__(self, name: str) -> Any:
