@@ -221,20 +221,14 @@ def _after_call(
     *,
     micro_batch: bool = True,
 ) -> tuple[TrainState, Stop | None]:
-    event = Event(
-        "micro_step_end",
-        state,
-        output=out,
-        step=state.step,
-        micro_step=state.micro_step,
-        epoch=state.epoch,
-        batch_index=index,
-    )
+    # An event is built only when a handler listens for it: a loop without step handlers pays
+    # nothing per micro-batch.
     stop = None
-    if micro_batch:
+    if micro_batch and events.has("micro_step_end"):
+        event = Event.at("micro_step_end", state, output=out, batch_index=index)
         state, stop = _emit(events, event, state)
-    if state.step != step_before:  # a window closed: host ints, no tensor read
-        event = dataclasses.replace(event, name="step_end", state=state)
+    if state.step != step_before and events.has("step_end"):  # a window closed: host ints
+        event = Event.at("step_end", state, output=out, batch_index=index)
         state, step_stop = _emit(events, event, state)
         stop = stop or step_stop
     return state, stop

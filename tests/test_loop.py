@@ -137,6 +137,26 @@ def test_step_events_carry_the_output_and_the_batch_index():
     ]
 
 
+def test_step_events_are_built_only_for_a_loop_with_handlers_for_them(monkeypatch):
+    import steplib.loop
+
+    built: list[str] = []
+    real_at = steplib.loop.Event.at
+
+    def counting_at(name, state, **payload):
+        built.append(name)
+        return real_at(name, state, **payload)
+
+    monkeypatch.setattr(steplib.loop.Event, "at", counting_at)
+    events = Events()
+    events.on("epoch_end", lambda e: None)
+    run(accumulate(make_train_step(_mse), 2), _state(), _batches(4), events=events)
+    assert "micro_step_end" not in built and "step_end" not in built
+    events.on("step_end", lambda e: None)
+    run(accumulate(make_train_step(_mse), 2), _state(), _batches(4), events=events)
+    assert built.count("step_end") == 2 and "micro_step_end" not in built
+
+
 # --- run == iterate -------------------------------------------------------------------------------
 
 
