@@ -291,7 +291,7 @@ class _CountingBackend:
     def __init__(self, inner: Any, region: Region) -> None:
         self.inner = inner
         self.region = region
-        self.compiled: set[tuple[Any, ...]] = set()
+        self.compiled: set[tuple[Any, ...] | None] = set()
         self.__name__ = "steplib_counting"
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -299,8 +299,8 @@ class _CountingBackend:
         # e.g. once per process, to settle how a float64 learning-rate tensor is passed); the
         # second graph replaces the first, so one compile id counts once.
         compile_id = torch._guards.CompileContext.current_compile_id()
-        key = (None,) if compile_id is None else (compile_id.frame_id, compile_id.frame_compile_id)
-        if compile_id is None or key not in self.compiled:
+        key = None if compile_id is None else (compile_id.frame_id, compile_id.frame_compile_id)
+        if key is None or key not in self.compiled:
             self.compiled.add(key)
             stats = self.region.stats
             stats.graphs += 1
