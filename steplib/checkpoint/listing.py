@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
@@ -18,6 +18,7 @@ from steplib.checkpoint.manifest import MANIFEST, Manifest, sort_key
 from steplib.checkpoint.storage import Location
 
 StorageOptions = Mapping[str, Any] | None
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,19 +69,14 @@ def latest(
         True
     """
     location = storage.resolve(directory, storage_options, caller="latest")
-    for checkpoint in candidates(location, newest_first=True):
-        try:
-            manifest = committed_manifest(checkpoint)
-            if manifest is None:
-                continue  # not committed
-            if verify:
-                for file_name, record in manifest.files.items():
-                    file = checkpoint.child(file_name)
-                    checksummed.verify(file, record, checkpoint=checkpoint.url)
-            return checkpoint.url
-        except CorruptCheckpointError as err:
-            warn_skipped(err)
-    return None
+
+    def check(checkpoint: Location, manifest: Manifest) -> None:
+        if verify:  # else a readable manifest is enough
+            for file_name, record in manifest.files.items():
+                checksummed.verify(checkpoint.child(file_name), record, checkpoint=checkpoint.url)
+
+    found = newest_valid(location, check)
+    return found[0] if isinstance(found, tuple) else None
 
 
 def list_checkpoints(
@@ -176,11 +172,34 @@ def candidates(location: Location, *, newest_first: bool) -> Iterator[Location]:
         yield location.child(name)
 
 
-def warn_skipped(err: CorruptCheckpointError) -> None:
+def newest_valid(
+    location: Location, read: Callable[[Location, Manifest], T]
+) -> tuple[str, T] | list[str]:
+    """``(url, read(checkpoint, manifest))`` for the newest committed checkpoint of
+    ``location`` that ``read`` gets through without a :class:`CorruptCheckpointError`; each
+    corrupt one on the way is skipped with a :class:`CheckpointWarning`.
+
+    Returns:
+        The URL and what ``read`` returned; else the names of the corrupt checkpoints skipped
+        (an empty list: ``location`` holds no committed checkpoint).
+    """
+    corrupt: list[str] = []
+    for checkpoint in candidates(location, newest_first=True):
+        try:
+            manifest = committed_manifest(checkpoint)
+            if manifest is not None:
+                return checkpoint.url, read(checkpoint, manifest)
+        except CorruptCheckpointError as err:
+            warn_skipped(err, stacklevel=4)  # for latest(): the line that called it
+            corrupt.append(checkpoint.name)
+    return corrupt
+
+
+def warn_skipped(err: CorruptCheckpointError, *, stacklevel: int = 3) -> None:
     warnings.warn(
         f"{err} Skipped; falling back to the previous checkpoint.",
         CheckpointWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 

@@ -16,13 +16,7 @@ from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, check_arguments
 from steplib.checkpoint.errors import CorruptCheckpointError
-from steplib.checkpoint.listing import (
-    StorageOptions,
-    candidates,
-    committed_manifest,
-    read_manifest,
-    warn_skipped,
-)
+from steplib.checkpoint.listing import StorageOptions, newest_valid, read_manifest
 from steplib.checkpoint.manifest import SHARDED, Manifest
 from steplib.checkpoint.restore import apply, check_fingerprint
 from steplib.checkpoint.storage import Location
@@ -121,28 +115,25 @@ def load_newest(
         CorruptCheckpointError: there are committed checkpoints, and every one is corrupt.
     """
     location = storage.resolve(directory, storage_options, caller="resume_from")
-    corrupt: list[str] = []
-    for checkpoint in candidates(location, newest_first=True):
-        try:
-            if committed_manifest(checkpoint) is None:
-                continue
-            loaded = load(
-                checkpoint.url,
-                state,
-                data=data,
-                extras=extras,
-                step=step,
-                storage_options=storage_options,
-            )
-            return checkpoint.url, loaded
-        except CorruptCheckpointError as err:
-            warn_skipped(err)
-            corrupt.append(checkpoint.name)
-    if corrupt:
+
+    def read(checkpoint: Location, manifest: Manifest) -> TrainState:
+        return load(
+            checkpoint.url,
+            state,
+            data=data,
+            extras=extras,
+            step=step,
+            storage_options=storage_options,
+        )
+
+    found = newest_valid(location, read)
+    if isinstance(found, tuple):
+        return found
+    if found:
         # Starting fresh here would silently throw the run away (and retention would then
         # delete the evidence): a person should decide.
         raise CorruptCheckpointError(
-            f"every checkpoint in {location.url} is corrupt ({', '.join(corrupt)}; the "
+            f"every checkpoint in {location.url} is corrupt ({', '.join(found)}; the "
             "warnings say why), so there is nothing valid to resume from. Restore them from a "
             "copy, or move them away to start the run fresh."
         )

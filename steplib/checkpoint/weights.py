@@ -19,7 +19,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.contents import MODEL
 from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
-from steplib.checkpoint.listing import StorageOptions, candidates, committed_manifest, warn_skipped
+from steplib.checkpoint.listing import StorageOptions, committed_manifest, newest_valid
 from steplib.checkpoint.manifest import SHARDED, Manifest
 from steplib.checkpoint.sharded.layout import holds_dtensor_parameters
 from steplib.checkpoint.storage import Location
@@ -168,19 +168,13 @@ def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dic
     manifest = committed_manifest(location)
     if manifest is not None:
         return location.url, _read_checkpoint(location, manifest, storage_options)
-    corrupt: list[str] = []
-    for checkpoint in candidates(location, newest_first=True):
-        try:
-            manifest = committed_manifest(checkpoint)
-            if manifest is not None:
-                return checkpoint.url, _read_checkpoint(checkpoint, manifest, storage_options)
-        except CorruptCheckpointError as err:
-            warn_skipped(err)
-            corrupt.append(checkpoint.name)
-    if corrupt:
+    found = newest_valid(location, lambda c, m: _read_checkpoint(c, m, storage_options))
+    if isinstance(found, tuple):
+        return found
+    if found:
         raise CorruptCheckpointError(
             f"load_weights: every checkpoint in {location.url} is corrupt "
-            f"({', '.join(corrupt)}; the warnings say why). Restore one from a copy, or pass "
+            f"({', '.join(found)}; the warnings say why). Restore one from a copy, or pass "
             "another checkpoint or file."
         )
     raise CheckpointError(
