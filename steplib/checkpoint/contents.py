@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.errors import ConfigError, describe
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
@@ -155,6 +156,32 @@ def optimizer_tree(state: TrainState) -> dict[str, Any]:
     if not state.names:
         return state.optimizer.state_dict()
     return {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
+
+
+def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = False) -> Any:
+    """``torch.load(source, weights_only=True)`` of a checkpoint's file, on the CPU; what it
+    cannot read is a :class:`CorruptCheckpointError` naming the file.
+
+    Args:
+        source: a local path or a file object.
+        checkpoint: the checkpoint's URL, for the message.
+        file_name: the file's name in the checkpoint, for the message.
+        mmap: map a local file instead of reading it.
+    """
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint}: its file {file_name} is missing although the manifest "
+            "lists it. Use an older checkpoint (latest() and resume_from() skip this one)."
+        ) from None
+    except Exception as err:  # any failure to parse the file: UnpicklingError, RuntimeError...
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint}: its file {file_name} cannot be read by "
+            f"torch.load(weights_only=True) ({err}). If its checksum passes, it was written by "
+            "another program or torch version: load it with that version or use another "
+            "checkpoint."
+        ) from err
 
 
 def window_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

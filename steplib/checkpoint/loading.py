@@ -10,11 +10,9 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.checksummed import FileRecord
-from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, check_arguments
+from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, check_arguments, read_tree
 from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.checkpoint.listing import StorageOptions, newest_valid, read_manifest
 from steplib.checkpoint.manifest import SHARDED, Manifest
@@ -152,7 +150,7 @@ def _read_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
     trees = {}
     for file_name, record in manifest.files.items():
         data = checksummed.read_verified(location.child(file_name), record, checkpoint=location.url)
-        trees[file_name] = _torch_load(io.BytesIO(data), location, file_name)
+        trees[file_name] = read_tree(io.BytesIO(data), location.url, file_name)
     return trees
 
 
@@ -168,7 +166,9 @@ def _read_local_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
         trees = {}
         try:
             for file_name in manifest.files:
-                trees[file_name] = _torch_load(location.child(file_name).path, location, file_name)
+                trees[file_name] = read_tree(
+                    location.child(file_name).path, location.url, file_name
+                )
         except CorruptCheckpointError:
             for check in checks:
                 check.result()  # a failed checksum is the better explanation of a failed load
@@ -180,20 +180,3 @@ def _read_local_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
 
 def _verify(location: Location, record: FileRecord, checkpoint: str) -> None:
     checksummed.verify_local(location, record, checkpoint=checkpoint)
-
-
-def _torch_load(source: Any, location: Location, file_name: str) -> Any:
-    try:
-        return torch.load(source, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"checkpoint {location.url}: its file {file_name} is missing although the manifest "
-            "lists it. Use an older checkpoint (latest() and resume_from() skip this one)."
-        ) from None
-    except Exception as err:  # any failure to parse the file: UnpicklingError, RuntimeError...
-        raise CorruptCheckpointError(
-            f"checkpoint {location.url}: its file {file_name} cannot be read by "
-            f"torch.load(weights_only=True) ({err}). If its checksum passes, it was written by "
-            "another program or torch version: load it with that version or use another "
-            "checkpoint."
-        ) from err

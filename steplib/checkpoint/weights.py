@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from steplib.checkpoint import checksummed, storage
-from steplib.checkpoint.contents import MODEL
+from steplib.checkpoint.contents import MODEL, read_tree
 from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from steplib.checkpoint.listing import StorageOptions, committed_manifest, newest_valid
 from steplib.checkpoint.manifest import SHARDED, Manifest
@@ -205,15 +205,7 @@ def _read_checkpoint(
         source = file.path
     else:
         source = io.BytesIO(checksummed.read_verified(file, record, checkpoint=location.url))
-    try:
-        tree = torch.load(source, map_location="cpu", weights_only=True, mmap=file.is_local)
-    except Exception as err:  # any failure to parse a file whose checksum passed
-        raise CorruptCheckpointError(
-            f"checkpoint {location.url}: its file {MODEL} cannot be read by "
-            f"torch.load(weights_only=True) ({err}), although its checksum passes; it was "
-            "written by another program or torch version. Use another checkpoint."
-        ) from err
-    return _state_dict(tree, location.url)
+    return _state_dict(read_tree(source, location.url, MODEL, mmap=file.is_local), location.url)
 
 
 def _read_file(location: Location) -> dict[str, Any]:

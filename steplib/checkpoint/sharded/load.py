@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import checksummed, storage
+from steplib.checkpoint.contents import read_tree
 from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.checkpoint.manifest import Manifest
 from steplib.checkpoint.restore import (
@@ -177,14 +178,7 @@ def _holds_dtensor(tree: Any) -> bool:
 
 def _read_rank_file(location: Location, checkpoint: str) -> dict[str, Any]:
     source: Any = location.path if location.is_local else io.BytesIO(storage.read_bytes(location))
-    try:
-        tree: dict[str, Any] = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as err:  # any failure to parse a file whose checksum passed
-        raise CorruptCheckpointError(
-            f"checkpoint {checkpoint}: its file {location.name} cannot be read by "
-            f"torch.load(weights_only=True) ({err}), although its checksum passes; it was "
-            "written by another program. Use another checkpoint."
-        ) from None
+    tree: dict[str, Any] = read_tree(source, checkpoint, location.name)
     return tree
 
 
