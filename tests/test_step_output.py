@@ -23,6 +23,27 @@ def test_lr_held_as_a_tensor_is_copied_into_each_output() -> None:
     assert [float(o.lr) for o in outs] == [0.5, 0.375, 0.25]
 
 
+def test_a_tensor_lr_is_copied_once_per_value_and_every_write_is_seen() -> None:
+    # The micro-batches of a window share one copy of an unchanged tensor LR; any in-place
+    # write (the scheduler's, or the user's between two micro-batches) makes a new one.
+    model = tiny_model(0)
+    lr = torch.tensor(0.5, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 8)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+    step = accumulate(make_train_step(mean_loss), 3)
+    outs = []
+    for n, batch in enumerate(make_batches(6)):
+        if n == 4:
+            with torch.no_grad():
+                opt.param_groups[0]["lr"].fill_(0.125)  # mid-window, by hand
+        state, out = step(state, batch)
+        outs.append(out)
+    assert [float(o.lr) for o in outs] == [0.5, 0.5, 0.5, 0.4375, 0.125, 0.125]
+    assert outs[0].lr is outs[1].lr and outs[3].lr is not outs[4].lr
+    assert all(o.lr is not opt.param_groups[0]["lr"] for o in outs)
+
+
 def test_micro_step_outputs_report_their_own_loss_and_the_update_the_window_loss() -> None:
     model = tiny_model(0)
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import optimizer as optim_module
 
 from steplib.errors import ConfigError
 from steplib.step.loss_output import NO_AUX, parse_loss_output
@@ -155,8 +156,6 @@ def hooked_update(optimizer: torch.optim.Optimizer) -> None:
 
 def plain_step(optimizer: torch.optim.Optimizer) -> bool:
     """True when the optimizer's step has no hooks to run and is not differentiable."""
-    from torch.optim import optimizer as optim_module
-
     return not (
         getattr(optimizer, "_optimizer_step_pre_hooks", None)
         or getattr(optimizer, "_optimizer_step_post_hooks", None)
