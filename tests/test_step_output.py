@@ -56,3 +56,14 @@ def test_micro_step_outputs_report_their_own_loss_and_the_update_the_window_loss
     torch.testing.assert_close(first.loss, (sum_a / n_a).detach())
     torch.testing.assert_close(second.loss, ((sum_a + sum_b) / (n_a + n_b)).detach())
     assert int(second.num_targets) == int(n_a + n_b)
+
+
+def test_outputs_and_the_window_hold_no_autograd_graph() -> None:
+    # The forward's graph (and every activation it saves) must not live on in what a step
+    # returns: the output's loss and the open window's running sum are detached.
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = accumulate(make_train_step(mean_loss), 2)
+    state, out = step(state, make_batches(1)[0])
+    assert out.loss.grad_fn is None and not out.loss.requires_grad
+    assert isinstance(state.window_loss, torch.Tensor) and state.window_loss.grad_fn is None

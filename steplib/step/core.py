@@ -89,7 +89,9 @@ class Step:
         size = state.window_size + 1
         closes = close_window or size >= self.plan.window
         out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
-        loss_sum = out.loss_sum.detach()
+        loss_sum = out.loss_sum
+        if loss_sum.requires_grad:  # eager: the state and output must not keep the graph alive
+            loss_sum = loss_sum.detach()  # (a compiled graph's output has none: ~2.5 us saved)
         state = state.replace(
             micro_step=state.micro_step + 1,
             window_size=size,
