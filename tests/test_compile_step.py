@@ -73,7 +73,8 @@ def _train(
     if optimizer == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        foreach = True if optimizer == "adamw-foreach" else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=foreach)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup=20, total=updates))
     state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
     losses = []
@@ -161,6 +162,20 @@ def test_compiled_adamw_in_float32_is_within_1e5_of_eager_after_200_updates() ->
     assert _max_diff(model, eager_model) < 1e-5
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), atol=1e-5, rtol=1e-5)
     assert compile_stats(compiled).recompiles == 0
+
+
+def test_adamw_with_foreach_set_compiles_with_the_single_tensor_update() -> None:
+    # Adam's foreach implementation refuses the tensor LR compile_step gives it ("lr as a
+    # Tensor is not supported for capturable=False and foreach=True", at the first compiled
+    # update): the group is switched to the single-tensor implementation, as torch's default is.
+    batches = _data(16)
+    kwargs: dict[str, Any] = {"optimizer": "adamw-foreach", "activation": nn.Tanh}
+    eager_model, _ = _train(_eager(), 50, batches, **kwargs)
+    compiled = compile_step(_eager())
+    model, _ = _train(compiled, 50, batches, **kwargs)
+    assert _max_diff(model, eager_model) < 1e-5
+    stats = compile_stats(compiled)
+    assert (stats.recompiles, stats.updates) == (0, 50)
 
 
 def _run_both(

@@ -184,6 +184,14 @@ def prepare(optimizer: torch.optim.Optimizer) -> None:
     """LR as a tensor; float32 CPU step counters widened to float64 (see the module doc)."""
     for group in optimizer.param_groups:
         _lr_as_tensor(group)
+        if (
+            isinstance(optimizer, torch.optim.Adam)  # AdamW too
+            and group.get("foreach")
+            and not group.get("capturable")
+        ):
+            # Adam's foreach implementation refuses a tensor LR unless capturable; torch's
+            # own default picks the single-tensor one for a tensor LR, and so does this.
+            group["foreach"] = False
         if not _widens_counters(group):
             continue
         for p in group["params"]:
