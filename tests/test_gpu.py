@@ -146,3 +146,26 @@ def test_gpu_compile_step_with_cuda_graphs_matches_eager_without_recompiling() -
     assert stats.updates == 12 and stats.recompiles == 0 and stats.fused_backward is True
     for got, want in zip(*(m.parameters() for m in models), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_compiled_step_makes_no_host_sync_once_warm() -> None:
+    # The compiled graphs and dynamo's guards must not read a CUDA tensor on the host (a guard
+    # that checks the LR tensor with .item() would, on every call). On the CPU dynamo guards
+    # the float64 LR and step counters with `not isnan(x.item())`: a host read, no sync there.
+    from steplib import compile_step
+
+    model = tiny_model(0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # no .item() of its own
+    state = TrainState.create(model=model, optimizer=opt)
+    step = compile_step(accumulate(clip(make_train_step(mean_loss), max_norm=1.0), 2))
+    batches = _cuda(make_batches(8))
+    for batch in batches[:4]:  # the eager first update, then the one that compiles
+        state, _ = step(state, batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches[4:]:
+            state, _ = step(state, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert state.step == 4
