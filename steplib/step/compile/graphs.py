@@ -181,7 +181,8 @@ def needs_prepare(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def prepare(optimizer: torch.optim.Optimizer) -> None:
-    """LR as a tensor; float32 CPU step counters widened to float64 (see the module doc)."""
+    """LR as a tensor (and Adam's foreach update, which refuses one, off); float32 CPU step
+    counters widened to float64 (see the module doc)."""
     for group in optimizer.param_groups:
         _lr_as_tensor(group)
         if (
