@@ -178,6 +178,25 @@ def test_adamw_with_foreach_set_compiles_with_the_single_tensor_update() -> None
     assert (stats.recompiles, stats.updates) == (0, 50)
 
 
+def test_onecyclelr_cycling_adams_beta1_does_not_recompile() -> None:
+    # OneCycleLR writes a new beta1 (a Python float) with every LR: compile_step keeps the
+    # betas as float64 tensors, so each new value is an input of the graph, not a recompile.
+    models, steps = [], []
+    for compiled in (False, True):
+        model = _mlp(nn.Tanh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=40)
+        state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+        step = compile_step(_eager()) if compiled else _eager()
+        for batch in _data(16) * 10:  # 160 micro-batches: 40 updates
+            state, _ = step(state, batch)
+        models.append(model)
+        steps.append(step)
+    assert _max_diff(models[1], models[0]) < 1e-5
+    stats = compile_stats(steps[1])
+    assert (stats.graphs, stats.recompiles, stats.updates) == (3, 0, 40)
+
+
 def _run_both(
     make_model: Any, loss_fn: Any, batches: list[Any], *, k: int = 2, backend: str = "aot_eager"
 ) -> tuple[nn.Module, nn.Module, Any, list[Any], list[Any]]:

@@ -176,25 +176,29 @@ def needs_prepare(optimizer: torch.optim.Optimizer) -> bool:
         return True
     if not _widens_counters(group) or not group["params"]:
         return False
+    if _is_adam(optimizer) and not isinstance(group["betas"][0], torch.Tensor):
+        return True  # e.g. OneCycleLR wrote beta1 back as a float
     step = optimizer.state.get(group["params"][0], {}).get("step")
     return isinstance(step, torch.Tensor) and step.dtype == torch.float32
 
 
 def prepare(optimizer: torch.optim.Optimizer) -> None:
-    """LR as a tensor (and Adam's foreach update, which refuses one, off); float32 CPU step
-    counters widened to float64 (see the module doc)."""
+    """What a scheduler changes as float64 tensors (the LR; Adam's betas), so that a new value
+    is a new input, not a recompile; float32 CPU step counters widened to float64 (see the
+    module doc)."""
+    adam = _is_adam(optimizer)
     for group in optimizer.param_groups:
-        _lr_as_tensor(group)
-        if (
-            isinstance(optimizer, torch.optim.Adam)  # AdamW too
-            and group.get("foreach")
-            and not group.get("capturable")
-        ):
-            # Adam's foreach implementation refuses a tensor LR unless capturable; torch's
-            # own default picks the single-tensor one for a tensor LR, and so does this.
-            group["foreach"] = False
+        group["lr"] = _float64(group["lr"], group)
         if not _widens_counters(group):
             continue
+        if adam:
+            # OneCycleLR cycles beta1 with the LR: as a Python float every new value would
+            # recompile the update (dynamo specialises it).
+            group["betas"] = tuple(_float64(beta, group) for beta in group["betas"])
+            if group.get("foreach"):
+                # Adam's foreach update refuses a tensor LR unless capturable; torch's own
+                # default picks the single-tensor one for a tensor LR, and so does this.
+                group["foreach"] = False
         for p in group["params"]:
             state = optimizer.state.get(p)
             step = state.get("step") if state else None
@@ -207,14 +211,17 @@ def prepare(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] = step.to(torch.float64)  # type: ignore[index]
 
 
-def _lr_as_tensor(group: dict[str, Any]) -> None:
-    if not isinstance(group["lr"], torch.Tensor):
-        # 0-dim, on the parameters' device (schedulers fill it in place), and float64: the
-        # exact value eager code gets from a Python float. A float32 LR differs by ~5e-8
-        # relative, which Adam amplifies near eps into visible divergence.
-        group["lr"] = torch.tensor(
-            group["lr"], dtype=torch.float64, device=group["params"][0].device
-        )
+def _is_adam(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.Adam)  # AdamW too
+
+
+def _float64(value: float | torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    # 0-dim, on the parameters' device (schedulers fill it in place), and float64: the exact
+    # value eager code gets from a Python float. A float32 LR differs by ~5e-8 relative, which
+    # Adam amplifies near eps into visible divergence.
+    return torch.tensor(value, dtype=torch.float64, device=group["params"][0].device)
 
 
 # --- guards and counting -------------------------------------------------------------------

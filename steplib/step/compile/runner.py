@@ -19,9 +19,10 @@ What runs as a graph once the step is warm (no graph break):
   update. When something must act between them (``skip_nonfinite`` decides whether to step,
   a ``tap(before_update=...)``, optimizer step hooks, a shorter last window, distributed
   gradients or loss scaling), they are compiled apart or phase 2 runs eagerly.
-* The learning rate is a float64 0-dim tensor in the param groups. The scheduler stays plain
-  Python (once per update, it writes the new rate into that tensor), so a changing rate never
-  recompiles; a ``LambdaLR`` lambda cannot be traced without specialising on the step number.
+* The learning rate is a float64 0-dim tensor in the param groups (Adam's betas too, which
+  ``OneCycleLR`` cycles). The scheduler stays plain Python (once per update, it writes the new
+  rate into that tensor), so a changing rate never recompiles; a ``LambdaLR`` lambda cannot be
+  traced without specialising on the step number.
 
 The first update of an optimizer runs eagerly (autograd, and the optimizer's lazy state
 creation): it is cheaper than compiling a path that runs once, and it shows which parameters
