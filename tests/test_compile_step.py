@@ -25,6 +25,7 @@ float32, 1e-5 after 200 updates on a smooth (tanh) MLP and, for SGD, on the ReLU
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from torch import nn
 
 import steplib.step.compile.graphs as compile_module
 from steplib import ConfigError, TrainState, accumulate, clip, make_train_step, warmup_cosine
+from steplib.checkpoint import load, save
 from steplib.step.compile import compile_stats, compile_step
 
 
@@ -195,6 +197,41 @@ def test_onecyclelr_cycling_adams_beta1_does_not_recompile() -> None:
     assert _max_diff(models[1], models[0]) < 1e-5
     stats = compile_stats(steps[1])
     assert (stats.graphs, stats.recompiles, stats.updates) == (3, 0, 40)
+
+
+@pytest.mark.parametrize("saved_after", [40, 41], ids=["between-windows", "mid-window"])
+def test_a_compiled_run_resumed_from_a_checkpoint_equals_the_uninterrupted_one(
+    tmp_path: Path, saved_after: int
+) -> None:
+    # The optimizer of a resumed run holds its state already: its first update is compiled,
+    # as the uninterrupted run's was at that point (an eager one differs by ~1e-8).
+    def build() -> tuple[TrainState, Any]:
+        model = _mlp(nn.Tanh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup=3, total=20))
+        state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+        return state, compile_step(_eager())
+
+    batches = _data(16) * 5  # 80 micro-batches: 20 updates
+    state, step = build()
+    reference = []
+    for batch in batches:
+        state, out = step(state, batch)
+        reference.append(out.loss)
+    first, step = build()
+    for batch in batches[:saved_after]:
+        first, _ = step(first, batch)
+    url = save(first, str(tmp_path))
+    resumed, step = build()
+    resumed = load(url, resumed)
+    losses = []
+    for batch in batches[saved_after:]:
+        resumed, out = step(resumed, batch)
+        losses.append(out.loss)
+    assert torch.equal(torch.stack(losses), torch.stack(reference[saved_after:]))
+    for got, want in zip(resumed.model.parameters(), state.model.parameters(), strict=True):
+        assert torch.equal(got, want)
+    assert compile_stats(step).updates == 20 - saved_after // 4
 
 
 def _run_both(

@@ -1,6 +1,7 @@
 """The pieces ``compile_step``'s runner compiles: the fused forward/backward of one micro-batch,
-the optimizer update without its decorators' graph breaks, the optimizer's preparation (an LR
-tensor, widened step counters), and the regions that count the graphs they compile.
+phase 2 with the optimizer update (after the closing micro-batch or alone), the update without
+its decorators' graph breaks, the optimizer's preparation (LR and betas as tensors, widened step
+counters), and the regions that count the graphs they compile.
 
 See :mod:`steplib.step.compile.runner` for what runs where and why.
 """
@@ -11,14 +12,20 @@ import dataclasses
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim import optimizer as optim_module
 
 from steplib.errors import ConfigError
+from steplib.state import TrainState
 from steplib.step.loss_output import NO_AUX, parse_loss_output
+from steplib.step.parts import GradReport
+from steplib.step.phases import process_grads
+
+if TYPE_CHECKING:
+    from steplib.step.core import Step
 
 
 @dataclasses.dataclass
@@ -149,6 +156,34 @@ def hooked_update(optimizer: torch.optim.Optimizer) -> None:
     # The class's step (with its step hooks), not the instance attribute an LR scheduler
     # installs, which dynamo refuses to trace.
     type(optimizer).step(optimizer)
+
+
+def process_and_update(
+    step: Step, state: TrainState, raw_step: Callable[..., Any], window: Any = None
+) -> tuple[GradReport, bool]:
+    # The update runs in the graph unless a transform may skip it (a non-finite flag exists:
+    # known when the graph is traced, so the branch is not in the graph).
+    with torch.no_grad():
+        report = process_grads(step, state, window=window)
+        if report.nonfinite is None:
+            raw_step(state.optimizer)
+            return report, True
+    return report, False
+
+
+def micro_and_update(
+    plan: FusedPlan,
+    batch: Any,
+    step: Step,
+    state: TrainState,
+    raw_step: Callable[..., Any],
+) -> tuple[tuple[torch.Tensor, Any, Any], GradReport, bool]:
+    # `state` is the closing call's: its window does not hold this micro-batch yet. The
+    # gradients are read here, not passed in: phase 2 reads them again through the optimizer.
+    grads: list[torch.Tensor] = [p.grad for p in plan.params]  # type: ignore[misc]
+    loss_sum, count, aux = micro_acc(plan, grads, batch)
+    window = (state.window_loss + loss_sum, state.window_targets + count)
+    return ((loss_sum, count, aux), *process_and_update(step, state, raw_step, window))
 
 
 # --- the optimizer -------------------------------------------------------------------------

@@ -26,13 +26,15 @@ What runs as a graph once the step is warm (no graph break):
 
 The first update of an optimizer runs eagerly (autograd, and the optimizer's lazy state
 creation): it is cheaper than compiling a path that runs once, and it shows which parameters
-receive gradients. The fused forward/backward is used when every parameter of the optimizer
-received one, the gradients are local (no ``ddp_wrap`` / ``fsdp_wrap`` / ``detect_anomaly``:
-they work in autograd hooks), there is no autocast or loss scaling and no ``tap`` around
-backward; and if its first trace fails (a buffer updated in place inside the forward, as
-BatchNorm's running statistics are, is refused by the transform) the step says why in
-:class:`CompileStats` and uses autograd. The autograd path compiles ``loss_fn`` alone
-(AOTAutograd compiles the backward).
+receive gradients. An optimizer that holds state for every parameter already (loaded from a
+checkpoint) is compiled from its first update, as it was in the run that saved it: a resumed run
+then computes the same numbers as the uninterrupted one. The fused forward/backward is used when
+every parameter of the optimizer received one, the gradients are local (no ``ddp_wrap`` /
+``fsdp_wrap`` / ``detect_anomaly``: they work in autograd hooks), there is no autocast or loss
+scaling and no ``tap`` around backward; and if its first trace fails (a buffer updated in place
+inside the forward, as BatchNorm's running statistics are, is refused by the transform) the step
+says why in :class:`CompileStats` and uses autograd. The autograd path compiles ``loss_fn``
+alone (AOTAutograd compiles the backward).
 
 Numerics: after the first update, Adam-style step counters become float64 CPU tensors. Eager
 code reads a counter with ``.item()`` and computes the bias corrections ``1 - beta ** step`` in
@@ -69,10 +71,12 @@ from steplib.step.compile.graphs import (
     keep_guards,
     make_fused_plan,
     micro_acc,
+    micro_and_update,
     micro_first,
     needs_prepare,
     plain_step,
     prepare,
+    process_and_update,
     update,
 )
 from steplib.step.core import LossFn, Runner, Step, add_part
@@ -86,8 +90,9 @@ def compile_step(step: Step, **compile_kwargs: Any) -> Step:
     """Compile the step's forward/backward, gradient processing and optimizer update.
 
     Apply it last: the wrappers' settings are captured when it is applied. The first update
-    runs eagerly and the second compiles (seconds on a CPU); ``compile_stats(step)`` counts
-    graphs and recompiles.
+    runs eagerly and the second compiles (seconds on a CPU); an optimizer loaded from a
+    checkpoint compiles at once, so a resumed run equals the uninterrupted one bit for bit.
+    ``compile_stats(step)`` counts graphs and recompiles.
 
     Args:
         step: the step to compile.
@@ -155,8 +160,8 @@ class CompiledRunner(Runner):
         self.micro_first = self._region(micro_first)
         self.micro_acc = self._region(micro_acc)
         self.compiled_process = self._region(process_grads)
-        self.process_and_update = self._region(_process_and_update)
-        self.micro_and_update = self._region(_micro_and_update)
+        self.process_and_update = self._region(process_and_update)
+        self.micro_and_update = self._region(micro_and_update)
         self.update = self._region(update)
         self.hooked_update = self._region(hooked_update)
         # optimizer -> whether all its parameters had a gradient at its first (eager) update
@@ -184,8 +189,8 @@ class CompiledRunner(Runner):
     def forward_backward(
         self, step: Step, state: TrainState, batch: Any, *, sync: bool
     ) -> LossOutput:
-        if state.optimizer not in self.prepared:  # the eager first update
-            return forward_backward(step, state, batch, sync=sync)
+        if state.optimizer not in self.prepared and not self.adopt(state.optimizer):
+            return forward_backward(step, state, batch, sync=sync)  # the eager first update
         plan = self.plan(step, state)
         if plan is not None:
             if plan.checked:
@@ -203,6 +208,18 @@ class CompiledRunner(Runner):
                 plan.checked = True
                 return out
         return forward_backward(self.autograd_step(step), state, batch, sync=sync)
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Take an optimizer that holds state for every parameter already (loaded from a
+        checkpoint, or stepped before) as prepared: its next update is compiled, as it was in
+        the run that saved it, so a resumed run computes the same numbers. A fresh one makes
+        its first update eagerly (it creates its state then)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not params or not all(optimizer.state.get(p) for p in params):
+            return False
+        prepare(optimizer)
+        self.prepared[optimizer] = True  # each parameter had a gradient: it has state
+        return True
 
     def autograd_step(self, step: Step) -> Step:
         """``step`` with its ``loss_fn`` compiled (AOTAutograd compiles the backward)."""
@@ -365,31 +382,3 @@ def compile_stats(step: Step) -> CompileStats:
             "Compile it first: step = compile_step(step)."
         )
     return runner.stats
-
-
-def _process_and_update(
-    step: Step, state: TrainState, raw_step: Callable[..., Any], window: Any = None
-) -> tuple[GradReport, bool]:
-    # The update runs in the graph unless a transform may skip it (a non-finite flag exists:
-    # known when the graph is traced, so the branch is not in the graph).
-    with torch.no_grad():
-        report = process_grads(step, state, window=window)
-        if report.nonfinite is None:
-            raw_step(state.optimizer)
-            return report, True
-    return report, False
-
-
-def _micro_and_update(
-    plan: FusedPlan,
-    batch: Any,
-    step: Step,
-    state: TrainState,
-    raw_step: Callable[..., Any],
-) -> tuple[tuple[torch.Tensor, Any, Any], GradReport, bool]:
-    # `state` is the closing call's: its window does not hold this micro-batch yet. The
-    # gradients are read here, not passed in: phase 2 reads them again through the optimizer.
-    grads: list[torch.Tensor] = [p.grad for p in plan.params]  # type: ignore[misc]
-    loss_sum, count, aux = micro_acc(plan, grads, batch)
-    window = (state.window_loss + loss_sum, state.window_targets + count)
-    return ((loss_sum, count, aux), *_process_and_update(step, state, raw_step, window))
