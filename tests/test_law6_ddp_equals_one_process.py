@@ -16,11 +16,13 @@ from steplib import (
     TrainState,
     accumulate,
     clip,
+    compile_step,
     ddp_wrap,
     make_train_step,
     skip_nonfinite,
 )
 from steplib.distributed import apply_ddp
+from steplib.step.compile import compile_stats
 from steplib.testing import run_ranks
 from tests.reference import concat, make_batches, reference_loop, tiny_model, token_loss
 
@@ -186,3 +188,35 @@ def _static_graph(rank: int, world: int) -> str:
 def test_apply_ddp_refuses_static_graph_which_breaks_no_sync() -> None:
     for message in run_ranks(_static_graph):
         assert "static_graph=True) is refused" in message and "Drop it" in message
+
+
+def _ddp_compiled(rank: int, world: int) -> dict[str, Any]:
+    model = DistributedDataParallel(tiny_model(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TrainState.create(model=model, optimizer=opt)
+    step = compile_step(ddp_wrap(clip(accumulate(make_train_step(token_loss), K), max_norm=0.5)))
+    for update in range(UPDATES + 1):  # the first update runs eagerly, the second compiles
+        for batch in _micro(update)[rank * K : (rank + 1) * K]:
+            state, _ = step(state, batch)
+    params = [p.detach().clone() for p in model.module.parameters()]
+    stats = compile_stats(step)
+    del model, state, step
+    return {"params": params, "updates": stats.updates, "fused": stats.fused_backward}
+
+
+# Dynamo reads `.grad` of DDP's non-leaf tensors while it traces and hides torch's warning about
+# it (`safe_has_grad`); this suite's error-on-warning filter turns it into an error regardless.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_law6_holds_under_compile_step() -> None:
+    # DDP reduces in autograd hooks: the compiled step takes the autograd path (a compiled
+    # loss_fn, AOTAutograd's backward) and its update is still the one-process update.
+    results = run_ranks(_ddp_compiled, timeout=300)
+    ref = tiny_model(0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    reference_loop(
+        ref, opt, [concat(_micro(u)) for u in range(UPDATES + 1)], token_loss, max_norm=0.5
+    )
+    for result in results:
+        assert (result["updates"], result["fused"]) == (UPDATES + 1, False)
+        for got, want in zip(result["params"], ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
