@@ -15,11 +15,13 @@ from steplib import (
     TrainState,
     accumulate,
     clip,
+    compile_step,
     fsdp_wrap,
     make_train_step,
     skip_nonfinite,
 )
 from steplib.distributed import apply_fsdp
+from steplib.step.compile import compile_stats
 from steplib.testing import run_ranks
 from tests.reference import concat, make_batches, reference_loop
 
@@ -158,3 +160,32 @@ def test_law6_fsdp_a_nan_on_one_rank_skips_everywhere_also_decided_on_device() -
     assert [r["on_device"] for r in foreach] == [False, False]
     for a, b in zip(fused[0]["params"], foreach[0]["params"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # fused vs foreach AdamW rounding
+
+
+def _fsdp_compiled(rank: int, world: int) -> dict[str, Any]:
+    model = apply_fsdp(_model(), blocks=[])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TrainState.create(model=model, optimizer=opt)
+    step = compile_step(fsdp_wrap(clip(accumulate(make_train_step(_loss), K), max_norm=0.5)))
+    for update in range(3):  # the first update runs eagerly, the second compiles
+        for batch in make_batches(2 * K, SIZES, seed=50 + update)[rank * K : (rank + 1) * K]:
+            state, _ = step(state, batch)
+    params = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    stats = compile_stats(step)
+    del model, state, step, opt
+    return {"params": params, "updates": stats.updates, "fused": stats.fused_backward}
+
+
+# Dynamo reads `.grad` of non-leaf tensors while it traces and hides torch's warning about it
+# (`safe_has_grad`); this suite's error-on-warning filter turns it into an error regardless.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_law6_fsdp_holds_under_compile_step() -> None:
+    results = run_ranks(_fsdp_compiled, timeout=300)
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    windows = [concat(make_batches(2 * K, SIZES, seed=50 + u)) for u in range(3)]
+    reference_loop(ref, opt, windows, _loss, max_norm=0.5)
+    for result in results:
+        assert (result["updates"], result["fused"]) == (3, False)
+        for got, want in zip(result["params"], ref.parameters(), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
