@@ -8,6 +8,7 @@ import io
 import multiprocessing as mp
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -104,7 +105,8 @@ def run_ranks(
     travels back as ``torch.save`` bytes (a tensor sent through a queue is a shared-memory
     handle that dies with its process) and is read with ``weights_only=True``: return
     tensors, numbers, strings and containers of them. ``fn`` must free a DDP/FSDP model
-    before returning (a live reducer can hang the group's teardown).
+    before returning (a live reducer can hang the group's teardown). ``fn`` may compile even
+    where this process has compiled before: each rank compiles in its own thread.
 
     Args:
         fn: ``fn(rank, world) -> result``, run after ``init_process_group("gloo")``.
@@ -168,6 +170,7 @@ def run_ranks(
 
 def _worker(fn: Callable[[int, int], Any], rank: int, world: int, port: int, out: Any) -> None:
     torch.set_num_threads(1)  # a forked child must not share the parent's OpenMP pool
+    _compile_in_process()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
     os.environ.update({**env, "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     try:
@@ -182,6 +185,17 @@ def _worker(fn: Callable[[int, int], Any], rank: int, world: int, port: int, out
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _compile_in_process() -> None:
+    # A parent that has compiled holds inductor's compile ThreadPoolExecutor; a forked child
+    # inherits the executor but not its threads, and torch's at-fork hook resets only the
+    # process pool (torch 2.13). A kernel the child submits there never runs: the rank hangs
+    # at its first cache miss. One compile thread makes inductor compile in the calling thread.
+    if "torch._inductor.config" in sys.modules:  # else the child starts its own, live, pools
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1
 
 
 def _free_port() -> int:
