@@ -3,15 +3,21 @@ multi-process gloo runner for CPU tests of distributed steps."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import io
 import multiprocessing as mp
 import os
+import queue
+import signal
 import socket
 import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -118,7 +124,8 @@ def run_ranks(
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or did not answer in
-            time.
+            time (the message holds the Python stack of each thread of each rank that was still
+            running, or the exit code of one that died).
 
     Example:
         Two ranks each contribute ``rank + 1`` to an all-reduce (well under a second):
@@ -143,33 +150,80 @@ def run_ranks(
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    errors = []
-    try:
-        for _ in procs:
-            rank, status, payload = out.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
-            else:
-                errors.append(f"rank {rank} failed:\n{payload}")
-    except Exception as err:  # queue.Empty: a rank hung or died
-        errors.append(f"a rank did not answer within {timeout}s ({type(err).__name__})")
-    finally:
+    with contextlib.ExitStack() as files:  # where a rank that does not answer writes its stacks
+        stacks = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world, port, out, stacks[r]))
+            for r in range(world)
+        ]
         for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.start()
+        try:
+            results, errors, silent = _collect(out, procs, timeout)
+            for rank in silent:
+                errors.append(_where(rank, procs[rank], stacks[rank], timeout))
+                procs[rank].kill()  # nothing more to wait for
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)  # an answered rank may still be leaving its group
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
     if errors:
         raise AssertionError("run_ranks: " + "\n".join(errors))
     return [results[r] for r in range(world)]
 
 
-def _worker(fn: Callable[[int, int], Any], rank: int, world: int, port: int, out: Any) -> None:
+def _collect(
+    out: Any, procs: list[Any], timeout: float
+) -> tuple[dict[int, Any], list[str], list[int]]:
+    """Each rank's result or error, until all answered, one died, or ``timeout`` passed; and
+    the ranks that did not answer."""
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    pending = set(range(len(procs)))
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        # Seen dead before the read: whatever such a rank sent is already in the pipe.
+        dead = [rank for rank in pending if not procs[rank].is_alive()]
+        try:
+            rank, status, payload = out.get(timeout=0.2)
+        except queue.Empty:
+            if dead:
+                break
+            continue
+        pending.discard(rank)
+        if status != "ok":
+            errors.append(f"rank {rank} failed:\n{payload}")
+            continue
+        try:
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+        except Exception as err:
+            errors.append(
+                f"rank {rank}'s result could not be read back ({err}); return tensors, numbers, "
+                "strings and containers of them."
+            )
+    return results, errors, sorted(pending)
+
+
+def _where(rank: int, proc: Any, stacks: IO[bytes], timeout: float) -> str:
+    """Why a rank did not answer: how it ended, or its threads' Python stacks."""
+    if not proc.is_alive():
+        return f"rank {rank} died without an answer (exit code {proc.exitcode})."
+    os.kill(proc.pid, signal.SIGUSR1)  # faulthandler in the rank writes every thread's stack
+    deadline = time.monotonic() + 5
+    while os.fstat(stacks.fileno()).st_size == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stacks.seek(0)
+    text = stacks.read().decode(errors="replace").strip() or "(it wrote no stack in 5 s)"
+    return f"rank {rank} did not answer within {timeout}s; it was still running, at:\n{text}\n"
+
+
+def _worker(
+    fn: Callable[[int, int], Any], rank: int, world: int, port: int, out: Any, stacks: IO[bytes]
+) -> None:
     torch.set_num_threads(1)  # a forked child must not share the parent's OpenMP pool
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     _compile_in_process()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
     os.environ.update({**env, "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})

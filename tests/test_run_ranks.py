@@ -1,4 +1,5 @@
-"""``run_ranks`` from a process that has already compiled: the forked ranks compile too.
+"""``run_ranks``: ranks forked from a process that has already compiled compile too, and a rank
+that hangs or dies is reported with where it was.
 
 A process that has compiled holds inductor's compile thread pool. A forked rank inherits the
 pool object but not its threads, so before the fix its first compile that missed the on-disk
@@ -9,8 +10,12 @@ served from an earlier run's cache.
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -42,3 +47,32 @@ def test_ranks_forked_after_a_compile_compile_their_own_kernels() -> None:
     results = run_ranks(_compile_fresh, timeout=120)
     for result in results:
         assert abs(result - expected) < 1e-4
+
+
+def _rank_1_waits_forever(rank: int, world: int) -> int:
+    if rank == 1:
+        threading.Event().wait()
+    return rank
+
+
+def _rank_1_dies(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def test_a_rank_that_does_not_answer_is_shown_where_it_waits() -> None:
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_rank_1_waits_forever, timeout=5)
+    message = str(info.value)
+    assert "rank 1 did not answer within 5s; it was still running, at:" in message
+    assert "in _rank_1_waits_forever" in message  # the hung rank's own frame
+    assert "rank 0" not in message  # rank 0 answered: nothing to say about it
+
+
+def test_a_rank_that_died_is_named_with_its_exit_code_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 died without an answer \\(exit code 3\\)"):
+        run_ranks(_rank_1_dies, timeout=120)
+    # Not after the timeout: a dead rank is noticed while the others are waited for.
+    assert time.monotonic() - started < 60
