@@ -26,6 +26,8 @@ from torch import nn
 from steplib.errors import ConfigError
 
 _SHOWN = 5  # differing parameters named in a message before "and N more"
+# Asks a rank that did not answer for its stacks. Not SIGUSR1: `preemption` listens for that one.
+_DUMP_STACKS = signal.SIGUSR2
 
 
 def assert_ranks_in_sync(model: nn.Module, *, grads: bool = True) -> None:
@@ -210,7 +212,7 @@ def _where(rank: int, proc: Any, stacks: IO[bytes], timeout: float) -> str:
     """Why a rank did not answer: how it ended, or its threads' Python stacks."""
     if not proc.is_alive():
         return f"rank {rank} died without an answer (exit code {proc.exitcode})."
-    os.kill(proc.pid, signal.SIGUSR1)  # faulthandler in the rank writes every thread's stack
+    os.kill(proc.pid, _DUMP_STACKS)  # faulthandler in the rank writes every thread's stack
     deadline = time.monotonic() + 5
     while os.fstat(stacks.fileno()).st_size == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -223,7 +225,7 @@ def _worker(
     fn: Callable[[int, int], Any], rank: int, world: int, port: int, out: Any, stacks: IO[bytes]
 ) -> None:
     torch.set_num_threads(1)  # a forked child must not share the parent's OpenMP pool
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(_DUMP_STACKS, file=stacks, all_threads=True)
     _compile_in_process()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
     os.environ.update({**env, "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
