@@ -76,3 +76,21 @@ def test_a_rank_that_died_is_named_with_its_exit_code_at_once() -> None:
         run_ranks(_rank_1_dies, timeout=120)
     # Not after the timeout: a dead rank is noticed while the others are waited for.
     assert time.monotonic() - started < 60
+
+
+class _NotATensor:
+    """A result ``torch.load(weights_only=True)`` refuses to rebuild."""
+
+
+def _returns_an_object(rank: int, world: int) -> _NotATensor:
+    return _NotATensor()
+
+
+def test_a_result_that_cannot_be_read_back_is_named_as_such() -> None:
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_returns_an_object, timeout=60)
+    message = str(info.value)
+    for rank in (0, 1):
+        assert f"rank {rank}'s result could not be read back" in message
+    assert "return tensors, numbers, strings and containers of them" in message
+    assert "did not answer" not in message  # both answered: no timeout is claimed
