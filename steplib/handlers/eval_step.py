@@ -20,19 +20,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torchmetrics import Metric, MetricCollection
 
 from steplib import errors
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
 
+if TYPE_CHECKING:
+    # torchmetrics (with matplotlib, and transformers where installed) costs more to import
+    # than the rest of steplib: it is imported at the first evaluation, not with steplib.
+    from torchmetrics import Metric, MetricCollection
+
+    Metrics = Metric | MetricCollection | Mapping[str, Metric]
+
 EvalFn = Callable[[nn.Module, Any], Any]
-Metrics = Metric | MetricCollection | Mapping[str, Metric]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -163,6 +168,8 @@ def as_metrics(metrics: Any, *, owner: str = "evaluate") -> Metric | MetricColle
         >>> type(as_metrics({"mse": torchmetrics.MeanSquaredError()})).__name__
         'MetricCollection'
     """
+    from torchmetrics import Metric, MetricCollection
+
     if isinstance(metrics, Metric | MetricCollection):
         return metrics
     if isinstance(metrics, Mapping) and metrics:
@@ -218,6 +225,8 @@ def evaluate(
         >>> evaluate(eval_step, model, data, metrics=metrics, limit_batches=2)
         {'mse': 1.0}
     """
+    from torchmetrics import Metric
+
     limit_batches = errors.optional_positive_int("evaluate", "limit_batches", limit_batches)
     collection = as_metrics(metrics)
     model = _model_of(state)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from math import inf
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -23,10 +23,13 @@ from steplib import errors
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Events, NewState
-from steplib.handlers.eval_step import Metrics, as_metrics, evaluate
+from steplib.handlers.eval_step import as_metrics, evaluate
 from steplib.handlers.logging.base import Log, Logger, event_counters
 from steplib.handlers.stopping import BestValue
 from steplib.state import TrainState
+
+if TYPE_CHECKING:
+    from steplib.handlers.eval_step import Metrics
 
 
 class Evaluator:
