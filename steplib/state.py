@@ -297,24 +297,13 @@ class TrainState:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
 _FIELD_SET = frozenset(_FIELDS)
-_SETTERS = tuple(vars(TrainState)[name].__set__ for name in _FIELDS)
+_SETTERS = tuple(zip(_FIELDS, (vars(TrainState)[name].__set__ for name in _FIELDS), strict=True))
 
 
-def _copier() -> Any:
-    """``_evolve(state, changes)``: the next state, ``dataclasses.replace`` without its per-call
-    field introspection and ``__init__``. Its body is written out field by field when this
-    module is imported, as ``dataclasses`` writes ``__init__``: the step calls it on every
-    micro-batch, where a loop over the fields cost ~30 us more per update of the tiny MLP
-    (``benchmarks/bench_overhead.py``). Callers pass only field names."""
-    body = "".join(
-        f"    set_{name}(new, changes['{name}'] if '{name}' in changes else state.{name})\n"
-        for name in _FIELDS
-    )
-    scope: dict[str, Any] = {f"set_{n}": set_ for n, set_ in zip(_FIELDS, _SETTERS, strict=True)}
-    scope["new_state"] = TrainState.__new__
-    scope["cls"] = TrainState
-    exec(f"def _evolve(state, changes):\n    new = new_state(cls)\n{body}    return new\n", scope)
-    return scope["_evolve"]
-
-
-_evolve: Any = _copier()
+def _evolve(state: TrainState, changes: Mapping[str, Any]) -> TrainState:
+    """The next state: ``dataclasses.replace`` without its per-call checks and ``__init__``
+    (the step calls it on every micro-batch). Callers pass only field names."""
+    new = TrainState.__new__(TrainState)
+    for name, set_field in _SETTERS:  # a frozen dataclass's fields are set through their slots
+        set_field(new, changes[name] if name in changes else getattr(state, name))
+    return new

@@ -178,3 +178,37 @@ def test_sizes() -> None:
 def test_the_top_level_holds_the_everyday_names_only() -> None:
     assert len(steplib.__all__) <= 40, sorted(steplib.__all__)
     assert not [n for n in steplib.__all__ if re.fullmatch(r"_.*", n)]
+
+
+def test_no_tricks_global_exec_or_private_writes() -> None:
+    # DESIGN.md §5.11: no `global`, no exec/eval, no write to another object's private
+    # attribute (torch's `scheduler._last_lr`, `optimizer._opt_called`: they change between
+    # torch versions without notice). An object sets its own (`self._x = ...`).
+    found = []
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                found.append(f"{name}:{node.lineno}: global {', '.join(node.names)}")
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in {"exec", "eval"}:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node.func)}(...)")
+            for target in _assigned(node):
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr.startswith("_")
+                    and not target.attr.startswith("__")
+                    and ast.unparse(target.value) not in {"self", "cls"}
+                ):
+                    found.append(f"{name}:{target.lineno}: {ast.unparse(target)} = ...")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+                attr = node.args[1] if len(node.args) > 1 else None
+                if isinstance(attr, ast.Constant) and str(attr.value).startswith("_"):
+                    found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []
+
+
+def _assigned(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, ast.Assign):
+        return node.targets
+    if isinstance(node, ast.AugAssign | ast.AnnAssign):
+        return [node.target]
+    return []

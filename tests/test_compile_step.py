@@ -435,3 +435,23 @@ def test_inductor_size_asserts_are_off_unless_options_set_them() -> None:
     assert with_mode.plan.runner.inner.config["size_asserts"] is False
     kept = compile_step(_eager(), options={"size_asserts": True})
     assert kept.plan.runner.inner.config["size_asserts"] is True
+
+
+def test_a_fresh_scheduler_over_an_optimizer_with_state_sees_its_first_update_run() -> None:
+    # Fine-tuning from a loaded optimizer with a new schedule: torch's scheduler checks at its
+    # first step that the optimizer's own step() ran (it warns otherwise, an error here).
+    torch.manual_seed(0)
+    model = _mlp()
+    warm = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = _data(1)[0]
+    _loss(model, batch).backward()
+    warm.step()
+    model.zero_grad()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.load_state_dict(warm.state_dict())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup=2, total=8))
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+    step = compile_step(make_train_step(_loss))
+    for batch in _data(3):
+        state, _ = step(state, batch)
+    assert sched.last_epoch == 3

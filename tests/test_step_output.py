@@ -23,9 +23,9 @@ def test_lr_held_as_a_tensor_is_copied_into_each_output() -> None:
     assert [float(o.lr) for o in outs] == [0.5, 0.375, 0.25]
 
 
-def test_a_tensor_lr_is_copied_once_per_value_and_every_write_is_seen() -> None:
-    # The micro-batches of a window share one copy of an unchanged tensor LR; any in-place
-    # write (the scheduler's, or the user's between two micro-batches) makes a new one.
+def test_a_tensor_lr_is_reported_as_a_copy_and_every_write_is_seen() -> None:
+    # out.lr is a copy of a tensor LR (its scheduler writes it in place), taken at each call:
+    # any in-place write (the scheduler's, or the user's between two micro-batches) shows.
     model = tiny_model(0)
     lr = torch.tensor(0.5, dtype=torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -40,7 +40,6 @@ def test_a_tensor_lr_is_copied_once_per_value_and_every_write_is_seen() -> None:
         state, out = step(state, batch)
         outs.append(out)
     assert [float(o.lr) for o in outs] == [0.5, 0.5, 0.5, 0.4375, 0.125, 0.125]
-    assert outs[0].lr is outs[1].lr and outs[3].lr is not outs[4].lr
     assert all(o.lr is not opt.param_groups[0]["lr"] for o in outs)
 
 

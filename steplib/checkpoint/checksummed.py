@@ -198,12 +198,14 @@ def _without_torch_zip_crc() -> Iterator[Callable[[], None]]:
 
 
 @contextlib.contextmanager
-def _open_write(location: Location, *, fsync: bool) -> Iterator[_ChecksumWriter]:
+def _open_write(
+    location: Location, *, fsync: bool, on_first_write: Callable[[], None] | None = None
+) -> Iterator[_ChecksumWriter]:
     if location.is_local:
         with open(location.path, "wb") as raw:
             early = _START_WRITEBACK is not None or hasattr(os, "fdatasync")
             syncer = _EarlyWriteback(raw) if fsync and early else None
-            writer = _ChecksumWriter(raw, syncer=syncer)
+            writer = _ChecksumWriter(raw, on_first_write, syncer=syncer)
             try:
                 yield writer
             finally:
@@ -215,7 +217,7 @@ def _open_write(location: Location, *, fsync: bool) -> Iterator[_ChecksumWriter]
                 os.fsync(raw.fileno())
     else:
         with location.fs.open(location.path, "wb") as raw:
-            writer = _ChecksumWriter(raw)
+            writer = _ChecksumWriter(raw, on_first_write)
             try:
                 yield writer
             finally:
@@ -224,8 +226,10 @@ def _open_write(location: Location, *, fsync: bool) -> Iterator[_ChecksumWriter]
 
 def write_tensors(location: Location, tree: Any, *, fsync: bool) -> FileRecord:
     """``torch.save`` ``tree`` to ``location``, checksummed on the way."""
-    with _open_write(location, fsync=fsync) as writer, _without_torch_zip_crc() as restore:
-        writer._on_first_write = restore
+    with (
+        _without_torch_zip_crc() as restore,
+        _open_write(location, fsync=fsync, on_first_write=restore) as writer,
+    ):
         torch.save(tree, writer)  # type: ignore[arg-type]
     return writer.record()
 

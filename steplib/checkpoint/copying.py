@@ -26,6 +26,7 @@ import ctypes
 import sys
 import threading
 from collections.abc import Container, Sequence
+from copy import copy as shallow_copy
 from typing import Any
 
 import torch
@@ -115,9 +116,10 @@ def snapshot_tree(
         if isinstance(obj, dict):
             out = {k: copy(v, (*path, k)) for k, v in obj.items()}
             if isinstance(obj, collections.OrderedDict):
-                ordered = collections.OrderedDict(out)
-                if hasattr(obj, "_metadata"):  # module versions, used by load_state_dict
-                    ordered._metadata = obj._metadata  # type: ignore[attr-defined]
+                # A shallow copy keeps what the state dict carries beside its items (torch's
+                # module versions, which load_state_dict reads); the items are then replaced.
+                ordered = shallow_copy(obj)
+                ordered.update(out)
                 return ordered
             return out
         if isinstance(obj, list | tuple):

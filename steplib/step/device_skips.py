@@ -124,9 +124,13 @@ class DeviceSkips:
         if self.position is None:
             return
         position = int(self.position)
-        scheduler.last_epoch = position
-        scheduler._last_lr = lr_row(scheduler, position)
-        scheduler._step_count = position + 1  # a fresh scheduler steps once when it is built
+        # Through the scheduler's own state format: what stepping it once per applied update
+        # would have left (a fresh scheduler steps once when it is built, hence the + 1).
+        settled = scheduler.state_dict()
+        settled.update(
+            last_epoch=position, _last_lr=lr_row(scheduler, position), _step_count=position + 1
+        )
+        scheduler.load_state_dict(settled)
 
 
 def lr_row(scheduler: Any, position: int) -> list[float]:

@@ -195,24 +195,8 @@ def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
     )
 
 
-# The tensor LR that ``lr_now`` read last, its version counter then, and the copy it made.
-_last_lr: tuple[torch.Tensor, int, torch.Tensor] | None = None
-
-
 def lr_now(state: TrainState) -> torch.Tensor | float:
     """The first group's learning rate as this call sees it: a float, or a copy of a tensor LR
     (which its scheduler changes in place, so an output must not hold the tensor itself)."""
-    global _last_lr
     lr = state.optimizer.param_groups[0]["lr"]
-    if not isinstance(lr, torch.Tensor):
-        return lr
-    # Every micro-batch of a window reads the same value: while the tensor's version counter
-    # (moved by every in-place write) has not changed, the last copy is still that value and
-    # is handed out again. One copy per update instead of one per micro-batch: ~4 us each.
-    version = -1 if lr.is_inference() else lr._version  # inference tensors have no counter
-    last = _last_lr
-    if last is not None and last[0] is lr and version >= 0 and last[1] == version:
-        return last[2]
-    copy = lr.detach().clone()
-    _last_lr = (lr, version, copy)
-    return copy
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr

@@ -189,7 +189,7 @@ class CompiledRunner(Runner):
     def forward_backward(
         self, step: Step, state: TrainState, batch: Any, *, sync: bool
     ) -> LossOutput:
-        if state.optimizer not in self.prepared and not self.adopt(state.optimizer):
+        if state.optimizer not in self.prepared and not self.adopt(state):
             return forward_backward(step, state, batch, sync=sync)  # the eager first update
         plan = self.plan(step, state)
         if plan is not None:
@@ -209,11 +209,16 @@ class CompiledRunner(Runner):
                 return out
         return forward_backward(self.autograd_step(step), state, batch, sync=sync)
 
-    def adopt(self, optimizer: torch.optim.Optimizer) -> bool:
+    def adopt(self, state: TrainState) -> bool:
         """Take an optimizer that holds state for every parameter already (loaded from a
         checkpoint, or stepped before) as prepared: its next update is compiled, as it was in
         the run that saved it, so a resumed run computes the same numbers. A fresh one makes
-        its first update eagerly (it creates its state then)."""
+        its first update eagerly (it creates its state then), and so does one whose scheduler
+        has never stepped: torch's schedulers check at their first step that the optimizer's
+        own ``step`` ran, which a graph running the update's body does not tell them."""
+        optimizer, scheduler = state.optimizer, state.scheduler
+        if scheduler is not None and getattr(scheduler, "last_epoch", 1) <= 0:
+            return False
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not params or not all(optimizer.state.get(p) for p in params):
             return False
@@ -286,7 +291,6 @@ class CompiledRunner(Runner):
         """Phase 3's optimizer update: eager the first time for this optimizer, then compiled."""
         if self.updated is optimizer:  # done by the phase-2 graph
             self.updated = None
-            optimizer._opt_called = True  # type: ignore[attr-defined]
         elif optimizer not in self.prepared:
             has_grads = all(p.grad is not None for g in optimizer.param_groups for p in g["params"])
             optimizer.step()  # creates the optimizer's state lazily: not worth a graph
@@ -299,7 +303,6 @@ class CompiledRunner(Runner):
                 self.update(self.raw_step(optimizer), optimizer)
             else:
                 self.hooked_update(optimizer)
-            optimizer._opt_called = True  # type: ignore[attr-defined]  # the scheduler checks it
         self.stats.updates += 1
 
     def raw_step(self, optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
