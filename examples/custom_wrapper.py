@@ -4,7 +4,7 @@ AGC (Brock et al., 2021, "High-Performance Large-Scale Image Recognition Without
 Normalization") clips each output unit's gradient relative to the norm of its weights: a unit
 whose gradient is larger than ``clipping`` times its weight norm is scaled down to that size.
 
-The wrapper contributes a gradient transform (``Part(grad_transform=..., rank=...)``), the same
+The wrapper contributes a gradient transform (``Part(grad_transform=..., order=...)``), the same
 API the built-in ``clip`` uses. Ranked just after ``CLIP``, it sees the window's final gradients
 whatever order the wrappers were applied in: summed over the micro-batches, divided by the
 window's targets, unscaled (float16), clipped by ``clip``, synchronised across ranks (DDP). So
@@ -96,7 +96,7 @@ def adaptive_clip(step: Step, *, clipping: float = 0.01, eps: float = 1e-3) -> S
         name="adaptive_clip",
         settings=settings,
         grad_transform=transform,
-        rank=(CLIP + FINITE) / 2,
+        order=(CLIP + FINITE) / 2,
     )
     return add_part(step, part)
 

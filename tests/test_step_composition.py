@@ -37,7 +37,7 @@ def my_clip(step: Step, *, max_norm: float) -> Step:
         grads.scale_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))  # clip_grad_norm_'s formula
 
     part = Part(
-        name="my_clip", settings={"max_norm": max_norm}, grad_transform=clip_by_norm, rank=CLIP
+        name="my_clip", settings={"max_norm": max_norm}, grad_transform=clip_by_norm, order=CLIP
     )
     return add_part(step, part)
 
@@ -51,7 +51,7 @@ def my_skip(step: Step, *, max_consecutive: int) -> Step:
     part = Part(
         name="my_skip",
         grad_transform=check_finite,
-        rank=FINITE,
+        order=FINITE,
         max_consecutive_skips=max_consecutive,
     )
     return add_part(step, part)
@@ -121,14 +121,14 @@ def test_clip_and_skip_rebuilt_with_the_public_api_equal_the_built_ins_in_every_
         _same(built_in, want)
 
 
-def test_the_core_runs_gradient_transforms_by_rank_whatever_the_order_of_application() -> None:
+def test_the_core_runs_gradient_transforms_in_order_whatever_the_order_of_application() -> None:
     seen: list[str] = []
 
-    def recorder(name: str, rank: float) -> Callable[[Step], Step]:
+    def recorder(name: str, order: float) -> Callable[[Step], Step]:
         def transform(grads: Gradients) -> None:
             seen.append(name)
 
-        return lambda s: add_part(s, Part(name=name, grad_transform=transform, rank=rank))
+        return lambda s: add_part(s, Part(name=name, grad_transform=transform, order=order))
 
     wrappers = [
         recorder("after unscale", UNSCALE + 1),

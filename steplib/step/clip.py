@@ -71,7 +71,7 @@ def clip(
 
     settings = {"max_norm": limit, "norm_type": order, "max_value": value}
     return add_part(
-        step, Part(name="clip", settings=settings, grad_transform=clip_grads, rank=CLIP)
+        step, Part(name="clip", settings=settings, grad_transform=clip_grads, order=CLIP)
     )
 
 

@@ -7,7 +7,7 @@ whatever order the wrappers were applied in:
 1. per micro-batch: ``micro_context`` (around forward *and* backward: ``no_sync``, anomaly mode)
    -> ``forward_context`` (around ``loss_fn`` only: autocast) -> backward (``before_backward`` /
    ``after_backward`` hooks);
-2. when the window closes, the gradient transforms by ``rank``: ``UNSCALE`` (the state's
+2. when the window closes, the gradient transforms by ``order``: ``UNSCALE`` (the state's
    ``GradScaler``) -> ``NORMALISE`` (divide by the window's target count) -> ``TRANSFORM``
    (the default for yours) -> ``CLIP`` -> ``FINITE`` (decide whether to skip);
 3. the update: ``before_update`` -> each part's ``update`` around the optimizer step ->
@@ -222,10 +222,11 @@ class Part:
             must stay local. Contexts nest in the order the wrappers were applied (the first
             outermost).
         forward_context: ``fn(state) -> context manager`` entered around ``loss_fn`` only.
-        grad_transform: ``fn(gradients)`` run when the window closes, at ``rank``; see
+        grad_transform: ``fn(gradients)`` run when the window closes, at ``order``; see
             :class:`Gradients`.
-        rank: where ``grad_transform`` runs: ``UNSCALE`` < ``NORMALISE`` < ``TRANSFORM`` (the
-            default) < ``CLIP`` < ``FINITE``, or any number between.
+        order: where ``grad_transform`` runs in the gradient order: ``UNSCALE`` <
+            ``NORMALISE`` < ``TRANSFORM`` (the default) < ``CLIP`` < ``FINITE``, or any number
+            between.
         update: ``fn(state, apply)`` around the optimizer update: call ``apply()`` once to
             run it (and the parts inside). Not called for an update skipped on the host.
         hooks: ``{point: fn(state)}`` for points in ``HOOK_POINTS``.
@@ -241,7 +242,7 @@ class Part:
     micro_context: Callable[[TrainState, bool], ContextManager[Any]] | None = None
     forward_context: Callable[[TrainState], ContextManager[Any]] | None = None
     grad_transform: GradTransform | None = None
-    rank: float = TRANSFORM
+    order: float = TRANSFORM
     update: Update | None = None
     hooks: Mapping[str, Hook] = dataclasses.field(default_factory=dict)
     sync: GradSync | None = None

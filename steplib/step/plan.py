@@ -58,7 +58,7 @@ class Plan:
         window: micro-batches per update.
         micro_contexts: ``(fn, ...)`` entered around forward and backward, outermost first.
         forward_contexts: ``(fn, ...)`` entered around ``loss_fn``, outermost first.
-        transforms: every gradient transform in rank order, the core's own included.
+        transforms: every gradient transform in the gradient order, the core's own included.
         updates: the parts' update functions, outermost first.
         hooks: ``{point: (fn, ...)}`` for the points some part hooks.
         sync: the step's :class:`GradSync`.
@@ -83,11 +83,11 @@ class Plan:
         *,
         default_runner: Any,
     ) -> Plan:
-        """Add up ``parts``; the core's own transforms go first at a tie of ranks."""
-        ranked: list[tuple[float, int, GradTransform]] = [
-            (rank, 0, fn) for rank, fn in CORE_TRANSFORMS
+        """Add up ``parts``; the core's own transforms go first at a tie."""
+        ordered: list[tuple[float, int, GradTransform]] = [
+            (order, 0, fn) for order, fn in CORE_TRANSFORMS
         ]
-        ranked += [(p.rank, 1, p.grad_transform) for p in parts if p.grad_transform is not None]
+        ordered += [(p.order, 1, p.grad_transform) for p in parts if p.grad_transform is not None]
         hooks: dict[str, tuple[Hook, ...]] = {}
         for part in parts:
             for point, hook in part.hooks.items():
@@ -100,7 +100,7 @@ class Plan:
                 p.forward_context for p in parts if p.forward_context is not None
             ),
             # sorted is stable: the core's own first at a tie, then the order of application
-            transforms=tuple(fn for _, _, fn in sorted(ranked, key=lambda r: (r[0], r[1]))),
+            transforms=tuple(fn for _, _, fn in sorted(ordered, key=lambda r: (r[0], r[1]))),
             updates=tuple(p.update for p in parts if p.update is not None),
             hooks=hooks,
             sync=next((p.sync for p in parts if p.sync is not None), LOCAL),

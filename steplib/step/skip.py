@@ -59,7 +59,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 10) -> Step:
         name="skip_nonfinite",
         settings={"max_consecutive": max_consecutive},
         grad_transform=check_finite,
-        rank=FINITE,
+        order=FINITE,
         max_consecutive_skips=max_consecutive,
     )
     return add_part(step, part)
