@@ -19,9 +19,11 @@ the state of every generator, so that a resume continues where the run was.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -315,3 +317,49 @@ def restore_rng(state: RngState) -> None:
         )
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
+
+
+@contextlib.contextmanager
+def forked_rng(devices: Iterable[torch.device] = ()) -> Iterator[None]:
+    """Run a block, then give every global generator back the state it had before: torch's
+    CPU generator, the CUDA generators of ``devices``, numpy's and Python's.
+
+    Evaluation runs inside it (``steplib.handlers.evaluate``, and so every ``Evaluator``):
+    starting a ``DataLoader`` iterator draws its base seed from torch's generator, a sampler
+    that shuffles draws from it, and so may an eval step. Without the fork, turning
+    evaluation on or off would change every later dropout mask and shuffle of training.
+
+    Args:
+        devices: the devices whose CUDA generators to fork as well (CPU devices are ignored:
+            the CPU generator is always forked). Naming only the devices in use avoids
+            creating a CUDA context on every visible GPU.
+
+    Yields:
+        Nothing; the block runs with the generators as they were, and whatever it draws is
+        forgotten at its end (on error too).
+
+    Example:
+        >>> import torch
+        >>> a = torch.rand(1)
+        >>> _ = torch.manual_seed(0)
+        >>> with forked_rng():
+        ...     _ = torch.rand(3)  # what evaluation draws ...
+        >>> after = torch.rand(1)
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(after, torch.rand(1))  # ... is not seen by what follows
+        True
+    """
+    cuda = sorted({_cuda_index(d) for d in devices if d.type == "cuda"})
+    python = random.getstate()
+    numpy_state = np.random.get_state() if np is not None else None
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            if numpy_state is not None:
+                np.random.set_state(numpy_state)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -28,6 +28,7 @@ from torch import nn
 from steplib import errors
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe
+from steplib.seeding import forked_rng
 from steplib.state import TrainState
 
 if TYPE_CHECKING:
@@ -196,7 +197,10 @@ def evaluate(
     """Run ``eval_step`` over ``data``, update ``metrics`` with its outputs, return the values.
 
     The metrics are moved to the model's device, reset before and after. The whole loop runs
-    under ``torch.no_grad()`` with the model in eval mode; both are restored after.
+    under ``torch.no_grad()`` with the model in eval mode, and under a forked RNG
+    (:func:`steplib.seeding.forked_rng`): what the loop draws from the global generators (a
+    ``DataLoader``'s base seed, a shuffling sampler, the eval step itself) is forgotten after,
+    so evaluating never changes what training draws next (law 10). All are restored after.
 
     Args:
         eval_step: from :func:`make_eval_step` (or any ``f(state, batch)``).
@@ -235,7 +239,10 @@ def evaluate(
         collection.to(first.device)
     collection.reset()
     batches = 0
-    with eval_mode(model), torch.no_grad():
+    # Under a forked RNG: what evaluation draws (a loader's base seed, a shuffle, the eval
+    # step's own randomness) must not move training's generators (law 10).
+    devices = [first.device] if first is not None else []
+    with eval_mode(model), torch.no_grad(), forked_rng(devices):
         for batch in data:
             if limit_batches is not None and batches >= limit_batches:
                 break

@@ -67,8 +67,8 @@ class Evaluator:
         limit_batches: at most this many batches per evaluation.
         sanity_batches: at ``fit_start``, evaluate this many batches and discard the values,
             so that a broken eval step or a wrong ``monitor`` fails before the first update
-            (0: no sanity evaluation). Avoid a shuffling loader here without its own generator:
-            starting its iteration draws from the global RNG.
+            (0: no sanity evaluation). Every evaluation runs under a forked RNG (law 10): what
+            it draws, a shuffling loader's order included, never changes training's.
         prefix: put in front of every name; by default ``"val_"`` for one set and ``""`` for
             a mapping (whose set names already say which set a value is from).
         monitor: the (prefixed) name whose best value to track, e.g. ``"val_loss"``; with
