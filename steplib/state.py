@@ -30,6 +30,7 @@ from steplib.state_checks import (
     check_disjoint,
     check_frozen,
     check_names,
+    check_owners,
     check_pieces,
     trained,
 )
@@ -189,6 +190,7 @@ class TrainState:
             state = cls._at_zero(modules, opt, sch, sc, extras, fence)
             states[name] = _evolve(state, {"lane": Lane(name, trained(opt))})
         check_disjoint({name: optimizer[name] for name in names})
+        check_owners(model, {name: optimizer[name] for name in names})
         check_frozen(model, [optimizer[name] for name in names])
         first, *rest = names
         others = types.MappingProxyType({n: states[n] for n in rest})

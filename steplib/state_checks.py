@@ -26,6 +26,13 @@ def as_module(model: Any) -> nn.Module:
                     f"TrainState.create(model=...) received the module name {name!r}; name "
                     "each module with an identifier, e.g. model={'G': generator, 'D': critic}."
                 )
+            if hasattr(nn.ModuleDict, name):
+                raise ConfigError(
+                    f"TrainState.create(model=...) received a module named {name!r}, which is "
+                    f"the name of an nn.Module method or attribute (model.{name}), so the "
+                    "ModuleDict that holds the modules cannot take it. Rename it, e.g. "
+                    f"model={{{name + '_net'!r}: ...}}."
+                )
             if not isinstance(module, nn.Module):
                 raise ConfigError(
                     f"TrainState.create(model=...) received a dict whose {name!r} is "
@@ -145,6 +152,28 @@ def check_disjoint(optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
                     f"optimizer {first!r} and optimizer {name!r}. Each parameter belongs to one "
                     "optimizer: build each from its own module's parameters."
                 )
+
+
+def check_owners(model: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    """For a dict of named modules and named optimizers: raise ``ConfigError`` if an optimizer
+    named like a module updates none of that module's parameters but another's (``{"G":
+    Adam(D.parameters()), "D": Adam(G.parameters())}``: the "G" step would train D)."""
+    if not isinstance(model, Mapping):
+        return
+    module_of = {id(p): name for name, module in model.items() for p in module.parameters()}
+    for name, optimizer in optimizers.items():
+        if name not in model:
+            continue  # named after no module: nothing to match
+        owners = {module_of.get(id(p)) for p in trained(optimizer)}
+        elsewhere = {owner for owner in owners if owner is not None and owner != name}
+        if elsewhere and name not in owners:  # one that also trains a shared module is fine
+            others = ", ".join(f"model[{other!r}]" for other in sorted(elsewhere))
+            raise ConfigError(
+                f"TrainState.create: optimizer {name!r} updates parameters of {others}, none of "
+                f"model[{name!r}], whose name it has; the step for {name!r} would train "
+                f"{others}. Build each optimizer from its own module: optimizer={{{name!r}: "
+                f"torch.optim.Adam(model[{name!r}].parameters()), ...}}."
+            )
 
 
 def check_frozen(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:

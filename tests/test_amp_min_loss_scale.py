@@ -141,3 +141,12 @@ def test_with_several_optimizers_each_step_watches_its_own_scaler():
             state, _ = step_b(state, bad)
     assert state["b"].step == 4 and state["a"].step == 5  # b raised in its fifth update
     assert scalers["a"].get_scale() == 16.0 and scalers["b"].get_scale() == 0.5
+
+
+def test_a_minimum_above_the_initial_scale_is_a_setting_error_not_divergence():
+    step = amp_wrap(make_train_step(mean_loss), dtype=torch.float16, min_loss_scale=1e5)
+    with pytest.raises(ConfigError) as info:
+        step(_state(init_scale=2.0**16), make_batches(1)[0])
+    message = str(info.value)
+    assert "min_loss_scale=100000" in message and "initial scale (65536)" in message
+    assert "GradScaler(init_scale=" in message and "diverged" not in message

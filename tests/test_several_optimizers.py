@@ -244,6 +244,31 @@ def test_the_errors_say_which_optimizer_and_the_fix() -> None:
         make_train_step(g_loss, optimizer="G")(single, batch)
 
 
+def test_optimizers_swapped_between_named_models_are_refused() -> None:
+    # The "G" step would train D, and the "D" step G: every loss right, the wrong net moved.
+    g, d = _nets()
+    swapped = {"G": torch.optim.Adam(d.parameters()), "D": torch.optim.Adam(g.parameters())}
+    with pytest.raises(ConfigError) as info:
+        TrainState.create(model={"G": g, "D": d}, optimizer=swapped)
+    assert "optimizer 'G' updates parameters of model['D'], none of model['G']" in str(info.value)
+    assert "torch.optim.Adam(model['G'].parameters())" in str(info.value)
+    # Named after no module, or training its own module and a shared one: accepted.
+    shared = nn.Linear(2, 2)
+    TrainState.create(
+        model={"G": g, "D": d, "E": shared},
+        optimizer={
+            "G": torch.optim.Adam([*g.parameters(), *shared.parameters()]),
+            "critic": torch.optim.Adam(d.parameters()),
+        },
+    )
+
+
+def test_a_module_named_like_an_nn_module_method_is_refused_with_the_fix() -> None:
+    g, _ = _nets()
+    with pytest.raises(ConfigError, match=r"module named 'train'.*model=\{'train_net': \.\.\.\}"):
+        TrainState.create(model={"train": g}, optimizer=torch.optim.Adam(g.parameters()))
+
+
 def _ddp_gan(rank: int, world: int) -> list[torch.Tensor]:
     from steplib.distributed import apply_ddp
 

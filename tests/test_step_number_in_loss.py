@@ -98,3 +98,45 @@ def test_compile_step_does_not_recompile_as_the_step_advances() -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     stats = compile_stats(compiled)
     assert stats.warm and stats.recompiles == 0
+
+
+def test_an_in_place_add_to_the_step_in_the_loss_changes_nothing_outside() -> None:
+    seen: list[int] = []
+
+    def counting(model: nn.Module, batch: Any, step: torch.Tensor) -> torch.Tensor:
+        seen.append(int(step))
+        step += 1  # an in-place add on the tensor the loss was given
+        return annealed(model, batch, step)
+
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = accumulate(make_train_step(counting), 2)
+    for batch in make_batches(6):
+        state, _ = step(state, batch)
+    assert seen == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_step_parameter_with_a_default_or_keyword_only_receives_the_step() -> None:
+    def with_default(model: nn.Module, batch: Any, step: Any = None) -> torch.Tensor:
+        assert isinstance(step, torch.Tensor), "the default was kept"
+        seen.append(int(step))
+        return annealed(model, batch, step)
+
+    def keyword_only(model: nn.Module, batch: Any, *, step: torch.Tensor) -> torch.Tensor:
+        seen.append(int(step))
+        return annealed(model, batch, step)
+
+    def other_default(model: nn.Module, batch: Any, scale: float = 1.0) -> torch.Tensor:
+        x, y, _ = batch
+        return F.mse_loss(model(x) * scale, y)  # a step here would be a tensor, not 1.0
+
+    for loss_fn in (with_default, keyword_only):
+        seen: list[int] = []
+        model = tiny_model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = TrainState.create(model=model, optimizer=opt)
+        step = make_train_step(loss_fn)  # type: ignore[arg-type]  # step by keyword
+        for batch in make_batches(3):
+            state, _ = step(state, batch)
+        assert seen == [0, 1, 2]
+    assert not make_train_step(other_default).takes_step

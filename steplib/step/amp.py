@@ -81,6 +81,8 @@ def amp_wrap(
                 f"TrainState.create(..., scaler=torch.amp.GradScaler({state.device.type!r})), "
                 "or use dtype=torch.bfloat16, which needs no scaler."
             )
+        if min_loss_scale is not None and state.scaler is not None:
+            _check_initial_scale(state.scaler, min_loss_scale)
         return torch.autocast(state.device.type, dtype=dtype)
 
     # min_loss_scale stays out of the settings: a guard that changes no number, so a checkpoint
@@ -89,6 +91,19 @@ def amp_wrap(
     hooks = {} if min_loss_scale is None else {"after_zero_grad": _MinLossScale(min_loss_scale)}
     part = Part(name="amp_wrap", settings=settings, forward_context=autocast, hooks=hooks)
     return add_part(step, part)
+
+
+def _check_initial_scale(scaler: torch.amp.GradScaler, minimum: float) -> None:
+    """Refuse a minimum above the scale a scaler starts at. Only a scaler that has not scaled
+    yet (its first micro-batch) is checked: it reports its initial scale without a device read.
+    """
+    if scaler._scale is None and scaler.is_enabled() and scaler.get_scale() < minimum:
+        raise ConfigError(
+            f"amp_wrap(min_loss_scale={minimum:g}) is above the GradScaler's initial scale "
+            f"({scaler.get_scale():g}), so the first update would be reported as divergence. "
+            "Pass a minimum below it, e.g. min_loss_scale=1e-4, or start the scaler higher: "
+            f"torch.amp.GradScaler(init_scale={minimum * 2**16:g})."
+        )
 
 
 class _MinLossScale:

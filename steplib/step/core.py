@@ -203,7 +203,9 @@ def make_train_step(
             tensors: ``(loss, aux)`` / ``(loss_sum, num_targets, aux)``. A loss with a third
             parameter, ``loss_fn(model, batch, step)``, also receives the number of updates
             so far (``state.step``) as a 0-dim int64 tensor on the model's device: for a
-            curriculum or an annealed coefficient, with no host read and no recompile.
+            curriculum or an annealed coefficient, with no host read and no recompile. A
+            parameter named ``step`` with a default or keyword-only gets it by keyword. Each
+            call gets its own copy (``step += 1`` in the loss changes nothing outside).
         optimizer: in a state with several named optimizers (a GAN's ``{"G": ..., "D":
             ...}``), the one this step updates: its window, scaler, scheduler and counters
             advance, and only its parameters receive gradients.
@@ -231,12 +233,19 @@ def make_train_step(
         >>> state.step, bool(out.did_update)
         (1, True)
     """
-    takes_step = _takes_step(loss_fn)
+    step_argument = _step_argument(loss_fn)
+    takes_step = step_argument is not None
     fn: LossFn = loss_fn  # type: ignore[assignment]  # the two-parameter case
-    if takes_step:
+    if step_argument == "positional":
 
         def fn(model: Any, batch_and_step: Any) -> Any:
             return loss_fn(model, *batch_and_step)
+
+    elif step_argument == "keyword":
+
+        def fn(model: Any, batch_and_step: Any) -> Any:
+            batch, step = batch_and_step
+            return loss_fn(model, batch, step=step)  # type: ignore[call-arg]
 
     model_batch_fn("make_train_step", "loss_fn", fn, "return F.cross_entropy(model(x), y)")
     if optimizer is not None and not (isinstance(optimizer, str) and optimizer):
@@ -259,21 +268,35 @@ def _with_step_number(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     if held is None or held[0] != state.step:  # first call, or the counter was set (a load)
         held = (state.step, torch.tensor(state.step, device=state.device))
         state = state.replace(step_tensor=held)
-    return state, (batch, held[1])
+    # A copy for the loss: `step += 1` in it is an in-place add, which must not move the
+    # counter that later micro-batches and states share.
+    return state, (batch, held[1].clone())
 
 
-def _takes_step(loss_fn: Any) -> bool:
-    """Whether ``loss_fn`` is ``loss_fn(model, batch, step)``."""
+def _step_argument(loss_fn: Any) -> str | None:
+    """How ``loss_fn`` takes the step number: ``"positional"`` for ``loss_fn(model, batch,
+    step)`` (a third positional parameter without a default, whatever its name), ``"keyword"``
+    for a parameter named ``step`` with a default or keyword-only (``loss_fn(model, batch,
+    step=None)`` must not silently keep its default), else ``None``."""
     try:
         signature = inspect.signature(loss_fn)
-        signature.bind(object(), object(), object())
     except (TypeError, ValueError):
-        return False
+        return None
     try:
-        signature.bind(object(), object())
+        signature.bind(object(), object(), object())
+        try:
+            signature.bind(object(), object())
+        except TypeError:
+            return "positional"  # three positional parameters, all needed
     except TypeError:
-        return True  # three positional parameters, all needed
-    return False
+        pass
+    if "step" not in signature.parameters:
+        return None
+    try:
+        signature.bind(object(), object(), step=object())
+    except TypeError:
+        return None  # e.g. a fourth parameter to fill: the check of the call shape says so
+    return "keyword"
 
 
 def _lane_of(step: Step, state: TrainState) -> TrainState:
