@@ -32,7 +32,6 @@ from steplib.state_checks import (
     check_names,
     check_owners,
     check_pieces,
-    trained,
 )
 
 _Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPlateau-style objects
@@ -46,9 +45,11 @@ class Lane:
 
     Attributes:
         name: the optimizer's name.
-        params: the trainable parameters it updates. The backward of a step for this optimizer
-            accumulates into these only (``loss.backward(inputs=...)``), so the generator's
-            step never adds to the discriminator's open accumulation window.
+        params: the parameters it updates. The backward of a step for this optimizer
+            accumulates into those of them that require a gradient at that moment
+            (``loss.backward(inputs=...)``, decided per micro-batch as plain torch does, so a
+            parameter frozen or unfrozen later is handled), so the generator's step never adds
+            to the discriminator's open accumulation window.
         others: on the first optimizer's state, the other optimizers' states by name, as
             their steps left them; empty on theirs.
     """
@@ -188,7 +189,8 @@ class TrainState:
             opt, sch, sc = optimizer[name], schedulers.get(name), scalers.get(name)
             check_pieces(modules, opt, sch, sc, key=f"[{name!r}]")
             state = cls._at_zero(modules, opt, sch, sc, extras, fence)
-            states[name] = _evolve(state, {"lane": Lane(name, trained(opt))})
+            params = tuple(p for group in opt.param_groups for p in group["params"])
+            states[name] = _evolve(state, {"lane": Lane(name, params)})
         check_disjoint({name: optimizer[name] for name in names})
         check_owners(model, {name: optimizer[name] for name in names})
         check_frozen(model, [optimizer[name] for name in names])

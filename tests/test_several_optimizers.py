@@ -302,3 +302,47 @@ def test_ddp_with_two_models_equals_one_process_on_the_whole_batch() -> None:
     for got in run_ranks(_ddp_gan):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+def _freeze_schedule_run(use_steplib: bool) -> list[torch.Tensor]:
+    """Two named optimizers; the net's body frozen at the start, unfrozen after update 2, its
+    head frozen after update 4: what is trained is decided at each update, as plain torch
+    decides it."""
+    torch.manual_seed(0)
+    body, head, critic = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(2, 1)
+    net = nn.Sequential(body, nn.Tanh(), head)
+    body.requires_grad_(False)
+    opt_net = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    opt_critic = torch.optim.SGD(critic.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)) for _ in range(6)
+    ]
+
+    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(model["net"](x), y)
+
+    state = TrainState.create(
+        model={"net": net, "critic": critic}, optimizer={"net": opt_net, "critic": opt_critic}
+    )
+    step = make_train_step(loss_fn, optimizer="net")
+    for n, (x, y) in enumerate(batches):
+        if n == 2:
+            body.requires_grad_(True)
+        if n == 4:
+            head.requires_grad_(False)
+        if use_steplib:
+            state, _ = step(state, (x, y))
+        else:
+            F.mse_loss(net(x), y).backward()
+            opt_net.step()
+            opt_net.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_what_is_trained_follows_requires_grad_at_each_update_as_in_plain_torch() -> None:
+    plain = _freeze_schedule_run(use_steplib=False)
+    mine = _freeze_schedule_run(use_steplib=True)
+    for a, b in zip(mine, plain, strict=True):
+        assert torch.equal(a, b)

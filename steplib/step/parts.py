@@ -96,7 +96,7 @@ LOCAL = GradSync()
 
 class Gradients:
     """The window's gradients as the transforms see them, made once per update and passed to
-    every ``grad_transform`` in rank order. Change ``grads`` in place (or :meth:`scale_` them);
+    every ``grad_transform`` in order. Change ``grads`` in place (or :meth:`scale_` them);
     set ``grad_norm`` when you measure it (it is reported as ``out.grad_norm``); call
     :meth:`flag_nonfinite` to skip the update. Nothing here is read on the host.
 

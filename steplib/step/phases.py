@@ -60,7 +60,10 @@ def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
     lane = state.lane
     # Several optimizers: only this one's parameters take gradients, so the generator's
     # backward through the discriminator leaves the discriminator's open window alone.
-    loss.backward() if lane is None else loss.backward(inputs=lane.params)
+    if lane is None:
+        loss.backward()
+    else:  # what requires a gradient now: a parameter may have been (un)frozen since
+        loss.backward(inputs=[p for p in lane.params if p.requires_grad])
     if plan.hooks:
         _call(plan, "after_backward", state)
     return out
