@@ -13,9 +13,10 @@ import fsspec
 import pytest
 import torch
 
-from steplib import ConfigError, Event, Events, NewState, make_train_step, run
+from steplib import ConfigError, Event, Events, NewState, TrainState, make_train_step, run
 from steplib.checkpoint import (
     CheckpointInfo,
+    best_checkpoint,
     checkpoint_every,
     handlers,
     list_checkpoints,
@@ -24,6 +25,7 @@ from steplib.checkpoint import (
     select_retained,
     storage,
 )
+from steplib.handlers import BestValue
 from tests.checkpoint_helpers import make_state, memory_dir
 from tests.reference import make_batches, mean_loss
 
@@ -62,9 +64,28 @@ def test_keep_best_alone_still_keeps_the_newest_and_ignores_missing_or_nan() -> 
     assert _steps(kept) == [4, 5]
 
 
-def test_ties_go_to_the_newer_checkpoint() -> None:
+def test_a_tie_is_not_an_improvement_the_older_checkpoint_is_kept() -> None:
     kept = select_retained(_infos([0.1, 0.1, 0.5]), keep_last=1, keep_best=1, metric="val")
-    assert _steps(kept) == [2, 3]
+    assert _steps(kept) == [1, 3]
+
+
+def test_one_tie_rule_for_keep_best_best_checkpoint_and_best_value() -> None:
+    # Equal values at steps 2 and 3: each of them names step 2, the first to reach it.
+    values = [0.5, 0.1, 0.1, 0.3]
+    best = BestValue(mode="min")
+    for step, value in enumerate(values, start=1):
+        best.update(value, step=step)
+    kept = select_retained(_infos(values), keep_last=1, keep_best=1, metric="val")
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    directory = "memory://test-one-tie-rule"
+    urls = [
+        save(state.replace(step=step), directory, metrics={"val": value})
+        for step, value in enumerate(values, start=1)
+    ]
+    assert best.step == 2
+    assert _steps(kept) == [2, 4]
+    assert best_checkpoint(directory, "val") == urls[1]
 
 
 def test_no_retention_keeps_everything() -> None:

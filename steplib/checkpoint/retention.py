@@ -79,7 +79,9 @@ def select_retained(
         keep_last: keep the newest this many (at least the newest one is always kept); with
             both ``keep_last`` and ``keep_best`` ``None``, everything is kept.
         keep_best: keep the best this many by ``metric``; checkpoints without the metric (or
-            with NaN) are never among the best. Ties go to the newer one.
+            with NaN) are never among the best. A tie is not an improvement: of equal values
+            the older checkpoint ranks first, as ``Evaluator.best``, ``EarlyStopping`` and
+            ``export_best`` decide (``BestValue``).
         metric: the metric name ``keep_best`` ranks by.
         mode: ``"min"`` or ``"max"``: whether a lower or a higher value is better.
 
@@ -104,7 +106,7 @@ def select_retained(
     if keep_best is not None:
         sign = 1.0 if mode == "min" else -1.0
         ranked = [
-            (sign * c.metrics[metric], -index, c)  # type: ignore[index]
+            (sign * c.metrics[metric], index, c)  # type: ignore[index]
             for index, c in enumerate(checkpoints)
             if metric in c.metrics and not math.isnan(c.metrics[metric])  # type: ignore[index]
         ]
@@ -218,7 +220,8 @@ def best_checkpoint(
         storage_options: passed to fsspec.
 
     Returns:
-        The URL of the checkpoint with the best value (the newest of equal ones).
+        The URL of the checkpoint with the best value (the oldest of equal ones: a tie is not
+        an improvement, as for ``Evaluator.best``).
 
     Raises:
         CheckpointError: no checkpoint in ``directory`` records ``metric`` (the message lists
@@ -239,7 +242,7 @@ def best_checkpoint(
     name, mode = errors.monitor_and_mode("best_checkpoint", metric, mode)
     check_retention("best_checkpoint", keep_last=None, keep_best=1, metric=name, mode=mode)
     infos = list_checkpoints(directory, storage_options=storage_options)
-    ranked = [c for c in reversed(infos) if not math.isnan(c.metrics.get(name, math.nan))]
+    ranked = [c for c in infos if not math.isnan(c.metrics.get(name, math.nan))]
     if not ranked:
         recorded = sorted({key for info in infos for key in info.metrics})
         raise CheckpointError(
@@ -248,4 +251,4 @@ def best_checkpoint(
             "one of those, or save with checkpoint_every(..., metric=...)."
         )
     sign = 1.0 if mode == "min" else -1.0
-    return min(ranked, key=lambda c: sign * c.metrics[name]).url  # newest first: newest wins a tie
+    return min(ranked, key=lambda c: sign * c.metrics[name]).url  # oldest first: it wins a tie
