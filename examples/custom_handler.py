@@ -7,9 +7,10 @@ the loop then ends cleanly (``fit_end`` handlers run, a checkpoint handler saves
 
 It shows the shape of a stateful handler: an object you build and hold, an ``attach`` that
 registers its methods, work on the device on every event and host reads on an interval, a
-``Stop`` to end the run, and ``state_dict`` / ``load_state_dict`` so that a checkpoint can carry
-it (``checkpoint_every(..., extras={"spikes": spikes})``). ``docs/custom_wrappers_and_handlers.md``
-walks through it; ``tests/test_custom_examples.py`` tests it.
+``Stop`` to end the run, and ``state_dict`` / ``load_state_dict`` so that a checkpoint carries
+it (attached to the run, it is saved by ``checkpoint_every`` and restored by ``resume_from``).
+``docs/custom_wrappers_and_handlers.md`` walks through it; ``tests/test_custom_examples.py``
+tests it.
 
     python examples/custom_handler.py
 """

@@ -28,12 +28,7 @@ EVENT_NAMES = (
 
 # The counter that `every` and `once` count for each event; the others fire every time.
 _COUNTER = types.MappingProxyType(
-    {
-        "micro_step_end": "micro_step",
-        "step_end": "step",
-        "epoch_start": "epoch",
-        "epoch_end": "epoch",
-    }
+    dict(micro_step_end="micro_step", step_end="step", epoch_start="epoch", epoch_end="epoch")
 )
 
 
@@ -55,6 +50,8 @@ class Event:
             ``validation_end``.
         checkpoint: the ``CheckpointInfo`` (``url``, ``step``, ``epoch``, ``metrics``, ...) of
             the checkpoint just committed, for ``checkpoint_end``.
+        data: for ``fit_start``, the batches ``run`` draws from (a checkpoint saves their position).
+        events: the :class:`Events` emitting ``fit_start`` (see :meth:`Events.attached`).
     """
 
     name: str
@@ -67,6 +64,8 @@ class Event:
     error: BaseException | None = None
     metrics: Mapping[str, Any] | None = None
     checkpoint: Any = None
+    data: Any = None
+    events: Events | None = None
 
     @classmethod
     def at(cls, name: str, state: Any, **payload: Any) -> Event:
@@ -278,13 +277,8 @@ class Events:
             # A new list, not an in-place change: an emission under way iterates the old one.
             self._handlers[name] = kept
         if not found:
-            registered = sorted(
-                {
-                    f"{name}: {r.handler!r}"
-                    for name, registrations in self._handlers.items()
-                    for r in registrations
-                }
-            )
+            pairs = [(name, r) for name, rs in self._handlers.items() for r in rs]
+            registered = sorted({f"{name}: {r.handler!r}" for name, r in pairs})
             raise ValueError(
                 f"Events.remove received {handler!r}, which is not registered on these Events "
                 f"(registered: {'; '.join(registered) or 'nothing'}). Pass the same function "
@@ -348,6 +342,21 @@ class Events:
             _Registration(handler, every, once, self._adding),
         ]
         return self
+
+    def attached(self) -> list[Any]:
+        """The handler objects registered, each once (by event, then in registration order):
+        those given to :meth:`add`, and those whose methods or selves were given to :meth:`on`.
+
+        Example:
+            >>> Events().on("step_end", print).on("fit_end", print).attached() == [print]
+            True
+        """
+        found: dict[int, Any] = {}
+        for r in [r for registrations in self._handlers.values() for r in registrations]:
+            method = r.handler if isinstance(r.handler, types.MethodType) else None
+            obj = r.owner if r.owner is not None else method.__self__ if method else r.handler
+            found.setdefault(id(obj), obj)
+        return list(found.values())
 
     def has(self, name: str) -> bool:
         """Whether any handler is registered for ``name`` (lets the loop skip building payloads)."""

@@ -104,7 +104,8 @@ def _iterate(
     max_steps: int | None,
     max_epochs: int | None,
 ) -> Generator[tuple[TrainState, StepOutput], None, TrainState]:
-    state, stop = _emit(events, Event("fit_start", state), state)
+    start = Event("fit_start", state, data=data, events=events)
+    state, stop = _emit(events, start, state)
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
         # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
@@ -170,9 +171,10 @@ def run(
 ) -> TrainState:
     """Drive ``step`` over ``data`` and return the final state; see :func:`iterate`.
 
-    Emits ``fit_start``, then per epoch ``epoch_start``, ``micro_step_end`` after every step
-    call, ``step_end`` after every update, ``epoch_end``, and finally ``fit_end`` (or
-    ``exception``, then re-raises).
+    Emits ``fit_start`` (with ``data`` and ``events`` in the event, where a checkpoint finds
+    the loader and the handlers whose state it saves), then per epoch ``epoch_start``,
+    ``micro_step_end`` after every step call, ``step_end`` after every update, ``epoch_end``,
+    and finally ``fit_end`` (or ``exception``, then re-raises).
 
     Args:
         step: a ``Step`` (``make_train_step`` and its wrappers).

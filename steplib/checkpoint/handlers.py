@@ -3,11 +3,13 @@ handler. Build it with ``checkpoint_every`` (``every.py``).
 
 With its companions ``resume_from`` (``resume.py``) and ``preemption`` (``preemption.py``)::
 
-    ckpt = checkpoint_every("runs/exp/ckpt", every=500, keep_last=3, data=loader, step=step)
-    events.on("fit_start", resume_from("runs/exp/ckpt", data=loader, step=step))
-    ckpt.attach(events)
-    preemption(ckpt).attach(events)   # SIGTERM / SIGUSR1: save at the next update, then stop
+    ckpt = checkpoint_every("runs/exp/ckpt", every=500, keep_last=3, step=step)
+    events = Events(resume_from(ckpt), evaluator, ckpt, preemption(ckpt))
     state = run(step, state, loader, events=events, max_steps=10_000)
+
+Each save holds, beyond the state, the position of the stateful loader ``run`` draws from and
+the state of every handler with ``state_dict`` attached to the same ``Events``
+(``checkpoint.attached``); ``resume_from`` restores them.
 
 Imports ``events``, ``state``, ``errors`` and the checkpoint package only (never the loop or
 the step).
@@ -21,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from steplib.checkpoint import storage
+from steplib.checkpoint.attached import run_data, with_handlers
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import check_metrics
 from steplib.checkpoint.errors import CheckpointError
@@ -49,9 +52,14 @@ class Checkpointer:
     reported as ``checkpoint_end`` on the ``Events`` it was last attached to, on the training
     thread, with its ``CheckpointInfo`` in ``event.checkpoint`` (see ``checkpoint.reports``).
 
+    Each save holds the position of the stateful loader ``run`` draws from (``data=`` names
+    another) and the state of every handler with ``state_dict`` / ``load_state_dict`` attached
+    to :attr:`events` (see ``checkpoint.attached``), with the objects named in ``extras``.
+
     Attributes:
         last_saved: the URL of the last checkpoint this handler saved, or ``None``.
-        events: the ``Events`` it reports ``checkpoint_end`` to (``None`` until attached).
+        events: the ``Events`` it reports ``checkpoint_end`` to and whose attached handlers'
+            state it saves (``None`` until attached).
 
     Example:
         >>> from steplib.checkpoint import checkpoint_every
@@ -96,6 +104,7 @@ class Checkpointer:
         self.at_end = at_end
         self.storage_options = storage_options
         self.durable = durable
+        self._run_data: Any = None  # the stateful loader run() draws from (its fit_start's)
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
         self.last_saved: str | None = None
@@ -124,12 +133,14 @@ class Checkpointer:
 
     def on_fit_start(self, event: Event) -> None:
         """Check that the directory can be written, remove what a killed save left in it, and
-        remember where the run starts (a resumed state is not saved again at the end).
+        remember where the run starts (a resumed state is not saved again at the end) and the
+        stateful loader it draws from (``event.data``), whose position each save holds.
 
         Raises:
             CheckpointError: the directory cannot be created or written.
         """
         self._saved_at = _position(event.state)
+        self._run_data = run_data(self.data, event)
         directory = storage.resolve(self.directory, self.storage_options, caller=repr(self))
         storage.check_writable(directory, caller=repr(self))
         if prunes_here(event.state) and (self._saver is None or not self._saver.pending):
@@ -231,8 +242,8 @@ class Checkpointer:
                 ", ".join(sorted(metrics)) or "none",
             )
         arguments: dict[str, Any] = {
-            "data": self.data,
-            "extras": self.extras,
+            "data": self.data if self.data is not None else self._run_data,
+            "extras": with_handlers("checkpoint_every", self.extras, self.events),
             "step": self.step,
             "metrics": metrics,
             "storage_options": self.storage_options,

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 import torch
 
+from steplib.checkpoint.attached import HANDLERS, HandlerStates
 from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, WINDOW_GRADS
 from steplib.data.loader import restore_position
 from steplib.errors import ConfigError
@@ -150,7 +151,8 @@ def restore_train_state(
             saved = grads.get(name)
             p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
     for name, obj in extras.items():
-        obj.load_state_dict(train_state["objects"][name])
+        if name in train_state["objects"]:  # the handlers' are not in an older checkpoint
+            obj.load_state_dict(train_state["objects"][name])
     epoch_done = False
     if data is not None:
         epoch_done = restore_position(data, train_state["data"])
@@ -267,10 +269,17 @@ def check_train_state(
                 f"this state a {type(lane.scheduler).__name__}. Build the same scheduler as "
                 "the saving run."
             )
-    saved_objects = set(train_state["objects"])
-    if saved_objects != set(extras):
+    # The attached handlers' states are compared by their own check; a load that is not given
+    # them (by hand, or to fine-tune) leaves them out.
+    objects = train_state["objects"]
+    handlers = extras.get(HANDLERS)
+    if isinstance(handlers, HandlerStates):
+        handlers.check(objects.get(HANDLERS), checkpoint=checkpoint)
+    named = {name for name, obj in extras.items() if not isinstance(obj, HandlerStates)}
+    saved_objects = set(objects) - ({HANDLERS} - named)
+    if saved_objects != named:
         raise ConfigError(
-            f"load(extras=...) received the names {sorted(extras)}, but checkpoint "
+            f"load(extras=...) received the names {sorted(named)}, but checkpoint "
             f"{checkpoint} holds {sorted(saved_objects)}. Pass the same names as to save()."
         )
     if data is not None and train_state["data"] is None:

@@ -3,12 +3,12 @@
 :class:`EMA` is an object the user holds, not a field of the ``TrainState``: the averaged copy
 is a model's worth of tensors that changes in place every update, which is what a
 ``TrainState``'s frozen fields are not for, and the checkpoint keeps ``state.extras`` to plain
-values. It has ``state_dict`` / ``load_state_dict``, so it is saved with a checkpoint as a named
-extra object::
+values. It has ``state_dict`` / ``load_state_dict``, so once attached to the run it is saved
+with each checkpoint and restored on resume, without being named::
 
     ema = EMA(model, decay=0.999)
     ema.attach(events)                                   # updates on every step_end
-    checkpoint_every(..., extras={"ema": ema})           # saved and restored with the run
+    checkpoint_every(...).attach(events)                 # saved and restored with the run
     evaluate(eval_step, ema.module, val_data, metrics=m) # evaluate the averaged weights
     Evaluator(..., model=ema.module)                     # or during training
 

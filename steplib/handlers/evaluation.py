@@ -255,6 +255,37 @@ class Evaluator:
         """Close the sinks."""
         self._log.close()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What decides its later records: the best value and its step, whether the last
+        evaluation improved it, the history and the last evaluated update. Attached to a run,
+        it is saved with each checkpoint and restored on resume (``checkpoint.attached``).
+
+        Example:
+            >>> import torchmetrics
+            >>> evaluator = Evaluator(lambda m, b: b, [], metrics=torchmetrics.MeanMetric(),
+            ...                       every=10, monitor="val_mean")
+            >>> evaluator.best.update(0.5, step=10)
+            True
+            >>> fresh = Evaluator(lambda m, b: b, [], metrics=torchmetrics.MeanMetric(),
+            ...                   every=10, monitor="val_mean")
+            >>> fresh.load_state_dict(evaluator.state_dict())
+            >>> fresh.best.value, fresh.best.step
+            (0.5, 10)
+        """
+        return {
+            "best": self.best.state_dict(),
+            "improved": self.improved,
+            "history": [[step, dict(values)] for step, values in self.history],
+            "evaluated_step": self._evaluated_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.best.load_state_dict(state["best"])
+        self.improved = bool(state["improved"])
+        self.history = [(int(step), dict(values)) for step, values in state["history"]]
+        self._evaluated_step = state["evaluated_step"]
+
     def _monitored(self, values: Mapping[str, Any]) -> float | None:
         if self.monitor is None:
             return None

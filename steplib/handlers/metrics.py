@@ -20,6 +20,7 @@ Imports ``events`` only (handlers never import ``loop`` or ``step``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -101,6 +102,32 @@ class TrainMetrics:
         self._lr = out.lr
         self._updates += 1
 
+    def state_dict(self) -> dict[str, Any]:
+        """The sums of the interval not yet read. Attached to a run, they are saved with each
+        checkpoint and restored on resume (``checkpoint.attached``), so that the first record
+        after a resume covers the same updates as without the interruption.
+
+        Example:
+            >>> TrainMetrics().state_dict()["updates"]
+            0
+        """
+        return {
+            "loss": self._loss,
+            "targets": self._targets,
+            "skipped": self._skipped,
+            "aux": {name: [total, count] for name, (total, count) in self._aux.items()},
+            "lr": self._lr,
+            "updates": self._updates,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the sums stay where they were loaded:
+        :meth:`read` brings them to the device of the latest update)."""
+        self._loss, self._targets = state["loss"], state["targets"]
+        self._skipped, self._lr = state["skipped"], state["lr"]
+        self._aux = {name: (total, int(count)) for name, (total, count) in state["aux"].items()}
+        self._updates = int(state["updates"])
+
     def read(self, event: Event | None) -> dict[str, Any]:
         """The means since the last read, then reset: one host transfer (and, with a process
         group, one all-reduce of the aux sums, so every rank must call it).
@@ -122,7 +149,8 @@ class TrainMetrics:
         aux = [self._aux[name][0] for name in names]
         counts = [float(self._aux[name][1]) for name in names]
         device = self._loss.device
-        sums = torch.stack([self._loss, self._targets, self._skipped, *aux])
+        # A resumed interval's sums may sit on the CPU (as loaded) and the new ones on the GPU.
+        sums = torch.stack([t.to(device) for t in (self._loss, self._targets, self._skipped, *aux)])
         if names and dist.is_available() and dist.is_initialized():
             # Aux values are per rank; the loss and targets a step reports are already summed
             # over ranks, so they are not reduced again.

@@ -225,13 +225,16 @@ class EarlyStopping:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The best value and the checks waited (save it with a checkpoint's ``extras``)."""
-        return {"best": self.best.state_dict(), "wait": self.wait}
+        """The best value, the checks waited and the evaluations seen. Attached to a run, it
+        is saved with each checkpoint and restored on resume (``checkpoint.attached``)."""
+        return {"best": self.best.state_dict(), "wait": self.wait, "evaluations": self._evaluations}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (a resumed run keeps its patience)."""
         self.best.load_state_dict(state["best"])
         self.wait = int(state["wait"])
+        # Absent from a state saved before steplib 0.2.0: as if no evaluation had been seen.
+        self._evaluations = int(state.get("evaluations", 0))
 
 
 class TimeLimit:
