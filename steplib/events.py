@@ -50,7 +50,7 @@ class Event:
             ``validation_end``.
         checkpoint: the ``CheckpointInfo`` (``url``, ``step``, ``epoch``, ``metrics``, ...) of
             the checkpoint just committed, for ``checkpoint_end``.
-        data: for ``fit_start``, the batches ``run`` draws from (a checkpoint saves their position).
+        data: for ``fit_start``, the batches ``run`` draws from (their position is saved).
         events: the :class:`Events` emitting ``fit_start`` (see :meth:`Events.attached`).
     """
 
@@ -76,9 +76,6 @@ class Event:
             state: the ``TrainState`` at the moment of the event.
             **payload: the other fields (``output``, ``metrics``, ``checkpoint``, ...).
 
-        Returns:
-            The event.
-
         Example:
             >>> import types
             >>> state = types.SimpleNamespace(step=4, micro_step=8, epoch=1)
@@ -86,14 +83,12 @@ class Event:
             >>> event.step, event.micro_step, event.epoch, event.metrics
             (4, 8, 1, {'val_loss': 0.5})
         """
-        return cls(
-            name,
-            state,
-            step=getattr(state, "step", 0),
-            micro_step=getattr(state, "micro_step", 0),
-            epoch=getattr(state, "epoch", 0),
-            **payload,
-        )
+        return cls(name, state, **_counters(state), **payload)
+
+
+def _counters(state: Any, before: Event | None = None) -> dict[str, Any]:
+    """``state``'s ``step``, ``micro_step`` and ``epoch`` (``before``'s, else 0, if it has none)."""
+    return {k: getattr(state, k, getattr(before, k, 0)) for k in ("step", "micro_step", "epoch")}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,6 +152,7 @@ class _Registration:
     every: int | None
     once: int | None
     owner: Any  # the object whose attach() registered it (Events.add), for Events.remove
+    last: bool  # called after the handlers registered without last=True
 
     def belongs_to(self, handler: Any) -> bool:
         # A bound method compares equal to another of the same object and function; an object
@@ -180,8 +176,8 @@ class _Registration:
 
 
 class Events:
-    """Handlers by event name, called in registration order. Safe to rebuild in a notebook:
-    nothing is global, an ``Events`` is just a value.
+    """Handlers by event name, called in registration order (those registered with
+    ``last=True`` after the others). Safe to rebuild in a notebook: nothing is global.
 
     Args:
         *handlers: handler objects to :meth:`add` now, in order (each attaches itself).
@@ -249,8 +245,7 @@ class Events:
         handler object given to :meth:`add` or attached with ``handler.attach(events)`` (all
         that its ``attach`` registered goes).
 
-        Removing during an emission (a handler removing itself or another) takes effect from
-        the next event: the emission under way calls the handlers it started with.
+        Removing during an emission takes effect from the next event.
 
         Args:
             handler: the function or handler object to remove.
@@ -287,9 +282,15 @@ class Events:
         return self
 
     def on(
-        self, name: str, handler: Handler, *, every: int | None = None, once: int | None = None
+        self,
+        name: str,
+        handler: Handler,
+        *,
+        every: int | None = None,
+        once: int | None = None,
+        last: bool = False,
     ) -> Events:
-        """Register ``handler`` for event ``name``.
+        """Register ``handler`` for event ``name``, after those registered before it.
 
         Args:
             name: one of ``EVENT_NAMES``.
@@ -297,6 +298,8 @@ class Events:
             every: call it only when the event's counter is a multiple of this (``step`` for
                 ``step_end``, ``micro_step`` for ``micro_step_end``, ``epoch`` for epoch events).
             once: call it only when the event's counter equals this.
+            last: call it after every handler registered without ``last`` (what a save does:
+                it must hold what the others did at this event, e.g. a scheduler's step).
 
         Returns:
             ``self``, so registrations chain.
@@ -335,12 +338,13 @@ class Events:
                 "count them by; register it without them (its handler sees event.step). "
                 f"every/once apply to: {', '.join(_COUNTER)}."
             )
-        # A new list, not an append: an emission under way iterates the old one, so that a
-        # handler registered during it is called from the next event on (as for remove).
-        self._handlers[name] = [
-            *self._handlers[name],
-            _Registration(handler, every, once, self._adding),
-        ]
+        # A new list, not an insert: an emission under way iterates the old one, so that a
+        # handler registered during it is called from the next event on (as for remove). The
+        # list keeps the `last` handlers at its end, each group in registration order.
+        old = self._handlers[name]
+        at = len(old) if last else sum(1 for r in old if not r.last)
+        new = _Registration(handler, every, once, self._adding, last)
+        self._handlers[name] = [*old[:at], new, *old[at:]]
         return self
 
     def attached(self) -> list[Any]:
@@ -363,12 +367,12 @@ class Events:
         return bool(self._handlers.get(name))
 
     def emit(self, event: Event) -> Emitted:
-        """Call the handlers of ``event.name`` that want this event, in registration order.
+        """Call the handlers of ``event.name`` that want this event, in their order.
 
         A :class:`NewState` from one handler is seen by the handlers after it (the event's
         counters are taken from the new state). An :class:`Emitted` (a handler that emitted an
-        event of its own) counts as its state and its stop. The handlers are those registered
-        when the emission starts: one added or removed during it counts from the next event.
+        event of its own) counts as its state and its stop. A handler added or removed during
+        an emission counts from the next event.
 
         Args:
             event: the event; ``event.name`` says which handlers run.
@@ -388,13 +392,7 @@ class Events:
                 state = result.state
                 # The counters follow the new state, so that later handlers' every/once and
                 # event.step agree with event.state (a resumed state has other counters).
-                event = dataclasses.replace(
-                    event,
-                    state=state,
-                    step=getattr(state, "step", event.step),
-                    micro_step=getattr(state, "micro_step", event.micro_step),
-                    epoch=getattr(state, "epoch", event.epoch),
-                )
+                event = dataclasses.replace(event, state=state, **_counters(state, event))
             elif isinstance(result, Stop):
                 stop = stop or result
         return Emitted(state, stop)

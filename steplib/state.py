@@ -34,6 +34,7 @@ from steplib.state_checks import (
     check_pieces,
 )
 
+EVALUATED_AT = "evaluated_at"  # extras: {value name: the update whose model it evaluated}
 _Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPlateau-style objects
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 
@@ -87,6 +88,9 @@ class TrainState:
         consecutive_skips: updates skipped in a row up to now (an int or a tensor, likewise).
         device: the device of the model's parameters (where the window tensors live).
         extras: a read-only mapping for the user's own values (replace it, do not mutate it).
+            An evaluation puts its values here, and under ``extras[EVALUATED_AT]`` the update
+            each value belongs to (``{"val_loss": 20}``), so that a checkpoint of a later
+            model does not record it as its own.
         device_skips: the bookkeeping of a skip decision kept on the device (the scheduler's
             position and its learning-rate table), else ``None``. Checkpoints do not store it:
             it is rebuilt from the scheduler on the next update.

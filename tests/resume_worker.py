@@ -177,11 +177,13 @@ def logged_run(setup: Setup, directory: str, log_path: str, *, background: bool)
     events = Events().on("fit_start", resume_from(directory, data=loader, step=step))
     events.on("fit_start", lambda e: log(f"start {e.step}"))
     events.on("micro_step_end", lambda e: log(f"loss {e.micro_step} {float(e.output.loss).hex()}"))
-    events.on("step_end", lambda e: log(f"saving {e.step}"))
+    # The checkpoint handler saves after the other handlers (last=True): these two lines
+    # bracket its save as the last handlers too, in registration order.
+    events.on("step_end", lambda e: log(f"saving {e.step}"), last=True)
     checkpoint_every(
         directory, every=1, keep_last=2, data=loader, step=step, background=background
     ).attach(events)
-    events.on("step_end", lambda e: log(f"saved {e.step}"))
+    events.on("step_end", lambda e: log(f"saved {e.step}"), last=True)
     state = run(step, state, loader, events=events, max_steps=setup.steps)
     torch.save(result(state, []), log_path + ".final.pt")
     log("done")

@@ -378,7 +378,7 @@ def _preempted_on_rank_1(rank: int, world: int, *, root: str) -> dict[str, Any]:
         if rank == 1 and event.step == 2:
             os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler would, to one rank only
 
-    events.on("step_end", signal_rank_1)
+    events.on("step_end", signal_rank_1, last=True)  # after the preemption check of update 2
     state, _ = train(state, step, loader, events=events)
     result = {"step": state.step, "saved": handler.saved, "exit_code": handler.exit_code}
     del state, step, loader

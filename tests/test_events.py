@@ -280,7 +280,7 @@ def test_every_and_once_together_are_refused():
 @pytest.mark.parametrize("label", ["every", "once"])
 def test_every_or_once_on_an_event_without_a_counter_is_refused(name, label):
     with pytest.raises(ValueError) as info:
-        Events().on(name, lambda e: None, **{label: 2})
+        Events().on(name, lambda e: None, **{label: 2})  # type: ignore[arg-type]
     message = str(info.value)
     assert f"{name!r} has no counter" in message
     for counted in ("micro_step_end", "step_end", "epoch_start", "epoch_end"):
@@ -301,3 +301,13 @@ def test_a_refused_registration_leaves_no_handler_behind():
     with pytest.raises(ValueError):
         events.on("step_end", lambda e: None, every=0)
     assert not events.has("step_end")
+
+
+def test_handlers_registered_last_run_after_the_others_whatever_the_order() -> None:
+    seen: list[str] = []
+    events = Events().on("step_end", lambda e: seen.append("save"), last=True)
+    events.on("step_end", lambda e: seen.append("evaluate"))
+    events.on("step_end", lambda e: seen.append("export"), last=True)
+    events.on("step_end", lambda e: seen.append("schedule"))
+    events.emit(Event("step_end", state=None, step=1))
+    assert seen == ["evaluate", "schedule", "save", "export"]

@@ -125,7 +125,7 @@ def _train(root: Path, *, kill_at: int | None = None, names_nothing: bool = Fals
         raise KilledError
 
     if kill_at is not None:
-        events.on("step_end", kill, once=kill_at)
+        events.on("step_end", kill, once=kill_at, last=True)  # after the save, as a kill is
     state = run(step, state, loader, events=events, max_steps=MAX_STEPS)
     return Run(
         state, evaluator, stopper, exporter, train, ema, mine, losses, records, root / "ckpt"

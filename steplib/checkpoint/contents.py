@@ -110,7 +110,8 @@ def train_state_tree(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
 ) -> dict[str, Any]:
     """Everything of ``state`` but the model and the optimizer tensors, as plain data: the
-    counters, window, scheduler, scaler, extras, RNG states and the data position."""
+    counters, window, scheduler, scaler, extras, RNG states, the data position and which
+    parameters are frozen (a run resumed past an unfreeze trains what the saved run did)."""
     # A LambdaLR whose position lives on the device is brought up to date first (a host read;
     # the save reads everything anyway).
     state.settle_scheduler()
@@ -121,6 +122,7 @@ def train_state_tree(
         objects={name: obj.state_dict() for name, obj in extras.items()},
         rng=capture_rng() if rng else None,
         data=None if data is None else data.state_dict(),
+        frozen=[name for name, p in state.model.named_parameters() if not p.requires_grad],
     )
     if state.names:
         tree["lanes"] = {name: lane_tree(state[name]) for name in state.names[1:]}

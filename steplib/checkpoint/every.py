@@ -99,6 +99,9 @@ def checkpoint_every(
         [4, 5]
     """
     epochs = check_cadence(every, epochs, at_epoch_end)
+    # A name typed by hand may be misspelt: a scheduled save refuses it when it is missing. An
+    # evaluator's own name is not, and is missing only before its first evaluation.
+    typed = isinstance(metric, str)
     if metric is not None:
         metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
     mode = mode or "min"
@@ -122,6 +125,7 @@ def checkpoint_every(
         at_end=at_end,
         storage_options=storage_options,
         durable=durable,
+        check_metric=typed,
     )
 
 

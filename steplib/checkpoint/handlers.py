@@ -28,7 +28,7 @@ from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import check_metrics
 from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
-from steplib.checkpoint.metrics import Metrics, default_metrics
+from steplib.checkpoint.metrics import Metrics, default_metrics, stale_values
 from steplib.checkpoint.reports import Reports, committed_info
 from steplib.checkpoint.retention import check_ranked_metric, prune
 from steplib.checkpoint.saving import save
@@ -89,6 +89,7 @@ class Checkpointer:
         at_end: bool,
         storage_options: StorageOptions,
         durable: bool = True,
+        check_metric: bool = True,
     ) -> None:
         self.directory = directory
         self.every = every
@@ -104,6 +105,7 @@ class Checkpointer:
         self.at_end = at_end
         self.storage_options = storage_options
         self.durable = durable
+        self.check_metric = check_metric
         self._run_data: Any = None  # the stateful loader run() draws from (its fit_start's)
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
@@ -121,10 +123,12 @@ class Checkpointer:
         """
         self.events = events
         events.on("fit_start", self.on_fit_start)
-        events.on("step_end", self.on_step_end)
+        # Last at each event: a save holds what every other handler did there (an evaluation,
+        # a scheduler's step), in whatever order they were attached.
+        events.on("step_end", self.on_step_end, last=True)
         if self.epochs is not None:
-            events.on("epoch_end", self.on_epoch_end, every=self.epochs)
-        events.on("fit_end", self.on_fit_end)
+            events.on("epoch_end", self.on_epoch_end, every=self.epochs, last=True)
+        events.on("fit_end", self.on_fit_end, last=True)
         events.on("exception", self.on_exception)
         return events
 
@@ -229,8 +233,11 @@ class Checkpointer:
                 self.wait()
             return self.last_saved
         metrics = self.metrics(event)
-        ranked = self.keep_best is None or self.metric in metrics
-        if strict:
+        # Not evaluated at this update (an earlier evaluation scored another model, or none
+        # yet): this save records no score and does not compete for best, but may prune.
+        known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
+        ranked = self.keep_best is None or self.metric in metrics or known
+        if strict and not known:
             check_ranked_metric(
                 "checkpoint_every", keep_best=self.keep_best, metric=self.metric, recorded=metrics
             )

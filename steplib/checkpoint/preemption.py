@@ -50,7 +50,7 @@ class Preemption:
             ``events``, so calls chain.
         """
         events.on("fit_start", self.on_fit_start)
-        events.on("step_end", self.on_step_end)
+        events.on("step_end", self.on_step_end, last=True)  # saves: after the others
         events.on("fit_end", self.on_fit_end)
         events.on("exception", self.on_exception)
         return events

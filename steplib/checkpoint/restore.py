@@ -146,10 +146,14 @@ def restore_train_state(
     for name in state.names[1:]:
         state = state.with_lane(_restore_lane(trees[name], state[name]))
     state = _restore_lane(train_state, state)
+    frozen = train_state.get("frozen")  # None: a checkpoint from before it was saved
+    frozen = None if frozen is None else set(frozen)
     with torch.no_grad():
         for name, p in state.model.named_parameters():
             saved = grads.get(name)
             p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
+            if frozen is not None:
+                p.requires_grad_(name not in frozen)
     for name, obj in extras.items():
         if name in train_state["objects"]:  # the handlers' are not in an older checkpoint
             obj.load_state_dict(train_state["objects"][name])

@@ -57,10 +57,8 @@ def check_ranked_metric(
     raise ConfigError(
         f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among the "
         f"metrics of this checkpoint; they are: {numbers}. Nothing was saved or pruned. Name "
-        "one of them (an evaluator's names carry its prefix: 'val_accuracy'); if it is the "
-        "evaluator's, register the evaluator before this handler and let it evaluate at every "
-        "save (its every= a divisor of this one's every=), or pass metrics= a function that "
-        "returns it."
+        "one of them (an evaluator's names carry its prefix: 'val_accuracy'), pass "
+        "metric=evaluator, or pass metrics= a function that returns it."
     )
 
 

@@ -4,7 +4,8 @@ Every handler of steplib is here, one concept per module: evaluation (``eval_ste
 step and ``evaluate``; ``evaluation``: the ``Evaluator`` handler), training metrics
 (``metrics``), logs (``logging/``), the progress bar (``progress``, drawn with the tqdm class of
 ``terminal``), stopping rules (``stopping``), monitors of the gradient norm, the LR and
-non-finite values (``monitors``), ``throughput``, ``profiling``, ``ema`` and ``export``.
+non-finite values (``monitors``), ``throughput``, ``profiling``, ``ema``, ``export`` and the
+per-epoch or plateau ``Scheduler`` (``scheduling``).
 
 Handlers import ``events``, ``state``, ``errors``, ``distributed`` and ``checkpoint``; never
 ``loop`` or ``step``, so that a handler works with any loop that emits the events.
@@ -37,6 +38,7 @@ from steplib.handlers.metrics import TrainMetrics
 from steplib.handlers.monitors import GradNormMonitor, LRMonitor, NonFiniteAlarm, NonFiniteError
 from steplib.handlers.profiling import Profiler
 from steplib.handlers.progress import ProgressBar
+from steplib.handlers.scheduling import Scheduler
 from steplib.handlers.stopping import BestValue, EarlyStopping, StopFile, TimeLimit
 from steplib.handlers.throughput import Throughput, count_flops, flops_per_batch
 
@@ -61,6 +63,7 @@ __all__ = [
     "NonFiniteError",
     "Profiler",
     "ProgressBar",
+    "Scheduler",
     "StopFile",
     "TensorBoardLogger",
     "Throughput",

@@ -26,7 +26,7 @@ from steplib.events import Emitted, Event, Events, NewState
 from steplib.handlers.eval_step import as_metrics, evaluate
 from steplib.handlers.logging.base import Log, Logger, event_counters
 from steplib.handlers.stopping import BestValue
-from steplib.state import TrainState
+from steplib.state import EVALUATED_AT, TrainState
 
 if TYPE_CHECKING:
     from steplib.handlers.eval_step import Metrics
@@ -102,7 +102,7 @@ class Evaluator:
         ...     metrics={"loss": torchmetrics.MeanMetric()}, every=2, monitor="val_loss")
         >>> state = run(step, state, [torch.ones(2, 2)] * 4, events=evaluator.attach(Events()))
         >>> [s for s, _ in evaluator.history], sorted(state.extras)
-        ([2, 4], ['best_val_loss', 'val_loss'])
+        ([2, 4], ['best_val_loss', 'evaluated_at', 'val_loss'])
     """
 
     def __init__(
@@ -232,6 +232,9 @@ class Evaluator:
         self.history.append((event.step, values))
         extras = dict(event.state.extras)
         extras.update(values)
+        # Which update these values belong to: a later save must not record them as its own.
+        # A new plain dict each time (a checkpoint holds plain data), never changed in place.
+        extras[EVALUATED_AT] = {**extras.get(EVALUATED_AT, {}), **dict.fromkeys(values, event.step)}
         monitored = self._monitored(values)
         if monitored is not None:
             self.improved = self.best.update(monitored, step=event.step)

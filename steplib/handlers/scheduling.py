@@ -1,0 +1,132 @@
+"""``Scheduler``: a learning-rate scheduler stepped per epoch or after each evaluation, as a
+handler. A scheduler stepped per optimizer update belongs in the state instead
+(``TrainState.create(scheduler=...)``): the step advances it with each applied update.
+
+Its state is saved with every checkpoint and restored at resume without being named (it is a
+handler with ``state_dict``; see ``steplib.checkpoint.attached``), and checkpoint saves run
+after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
+scheduler from before its step.
+
+Imports ``errors`` and ``events`` only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steplib.errors import ConfigError, describe
+from steplib.events import Event, Events
+
+Plateau = "ReduceLROnPlateau"
+
+
+class Scheduler:
+    """Step ``scheduler`` at every epoch end, or after every evaluation with its value.
+
+    Args:
+        scheduler: a torch LR scheduler (``StepLR``, ``MultiStepLR``, ``ExponentialLR``, ... or
+            ``ReduceLROnPlateau``).
+        metric: for a scheduler that takes a value (``ReduceLROnPlateau``): the ``Evaluator``
+            whose monitored value feeds it after each of its evaluations, or the name of a
+            value an evaluation records (``"val_loss"``). ``None``: step once per epoch.
+
+    Raises:
+        ConfigError: not a scheduler; a ``ReduceLROnPlateau`` without ``metric``, or a
+            ``metric`` for a scheduler that takes none; at ``fit_start``, the same scheduler
+            is the state's too (it would be stepped twice).
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState, make_train_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        >>> state = TrainState.create(model=model, optimizer=opt)
+        >>> per_epoch = Scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+        >>> state = run(make_train_step(lambda m, b: m(b).sum()), state, [torch.ones(1, 2)] * 3,
+        ...             events=[per_epoch], max_epochs=2)
+        >>> opt.param_groups[0]["lr"]
+        0.25
+    """
+
+    def __init__(self, scheduler: Any, *, metric: Any = None) -> None:
+        stepped = callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "state_dict")
+        if not (stepped and hasattr(scheduler, "optimizer")):  # an optimizer has no .optimizer
+            raise ConfigError(
+                f"Scheduler received {describe(scheduler)}, which is not an LR scheduler. Pass "
+                "one built from the optimizer, e.g. Scheduler(torch.optim.lr_scheduler.StepLR("
+                "optimizer, step_size=1, gamma=0.7))."
+            )
+        takes_value = type(scheduler).__name__ == Plateau
+        if takes_value and metric is None:
+            raise ConfigError(
+                "Scheduler received a ReduceLROnPlateau without metric=...: it steps on a "
+                "value. Pass the evaluator whose value it watches: Scheduler(plateau, "
+                "metric=evaluator) (or the value's name, metric='val_loss')."
+            )
+        if metric is not None and not takes_value:
+            raise ConfigError(
+                f"Scheduler received metric={describe(metric)} for a "
+                f"{type(scheduler).__name__}, which takes no value: it steps once per epoch. "
+                "Leave metric out (a metric feeds a ReduceLROnPlateau)."
+            )
+        self.scheduler = scheduler
+        self.metric: str | None = getattr(metric, "monitor", metric)
+        if metric is not None and not (isinstance(self.metric, str) and self.metric):
+            raise ConfigError(
+                f"Scheduler(metric=...) received {describe(metric)}, which names no value. Pass "
+                "an Evaluator built with monitor='val_loss', or the name itself."
+            )
+
+    def attach(self, events: Events) -> Events:
+        """Register on ``fit_start`` (the check) and ``epoch_end``, or ``validation_end`` with
+        a metric.
+
+        Returns:
+            ``events``, so calls chain.
+        """
+        events.on("fit_start", self.check)
+        if self.metric is None:
+            return events.on("epoch_end", self.step)
+        return events.on("validation_end", self.step)
+
+    def check(self, event: Event) -> None:
+        """Refuse a scheduler that the state steps too (per update).
+
+        Raises:
+            ConfigError: ``event.state`` (or one of its optimizers') holds this scheduler.
+        """
+        state = event.state
+        held = [state.scheduler] + [state[n].scheduler for n in getattr(state, "names", ())]
+        if any(s is self.scheduler for s in held):
+            raise ConfigError(
+                "Scheduler received the scheduler the state holds too: the step advances it "
+                "once per update and this handler would step it again. Create the state "
+                "without it (TrainState.create(..., scheduler=None)) for a per-epoch or "
+                "plateau schedule, or drop this handler for a per-update one."
+            )
+
+    def step(self, event: Event) -> None:
+        """Step the scheduler: once, or with the evaluation's value of :attr:`metric`.
+
+        Raises:
+            ConfigError: the evaluation did not record :attr:`metric` (the message lists what
+                it recorded).
+        """
+        if self.metric is None:
+            self.scheduler.step()
+            return
+        values = event.metrics or {}
+        if self.metric not in values:
+            raise ConfigError(
+                f"Scheduler(metric={self.metric!r}): the evaluation recorded "
+                f"{', '.join(sorted(values)) or 'nothing'}. Name one of those."
+            )
+        self.scheduler.step(float(values[self.metric]))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state (saved with each checkpoint, without being named)."""
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.scheduler.load_state_dict(state)

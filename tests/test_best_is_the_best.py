@@ -1,0 +1,115 @@
+"""The best is the best (DESIGN.md §4): a checkpoint's score is always its own model's, a save
+with no evaluation of its model never competes for best, and a save holds what every other
+handler did at its event, whatever order they were attached in.
+
+The 'evaluation' here yields scripted values in turn, so which update scored what is known.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+
+from steplib import (
+    Evaluator,
+    Events,
+    NewState,
+    TrainState,
+    checkpoint_every,
+    make_eval_step,
+    make_train_step,
+    run,
+)
+from steplib.checkpoint import best_checkpoint, list_checkpoints, resume_from
+from steplib.handlers import Scheduler
+
+
+def _state() -> TrainState:
+    model = torch.nn.Linear(2, 1)
+    return TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _evaluator(values: list[float], every: int = 2) -> Evaluator:
+    feed = iter(values)
+    return Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(next(feed))),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=every,
+        monitor="val_mean",
+        sanity_batches=0,
+    )
+
+
+STEP = make_train_step(lambda m, b: m(b).pow(2).mean())
+
+
+def test_a_save_at_fit_end_records_no_score_of_an_earlier_model_and_never_wins(
+    tmp_path: Path,
+) -> None:
+    # Evaluations at 2 and 4 (1.0 is the best, at 4); the run ends at 5, unevaluated. Before,
+    # the save at 5 was labelled 1.0 (update 4's score), tied the real best, won the tie, and
+    # the real best was pruned.
+    evaluator = _evaluator([3.0, 1.0])
+    keep = checkpoint_every(str(tmp_path), every=2, keep_best=1, metric=evaluator)
+    run(STEP, _state(), [torch.ones(3, 2)] * 5, events=[evaluator, keep])
+    kept = {c.step: c.metrics for c in list_checkpoints(str(tmp_path))}
+    assert sorted(kept) == [4, 5]  # the best, and the newest
+    assert kept[4]["val_mean"] == 1.0 and "val_mean" not in kept[5]
+    best = best_checkpoint(str(tmp_path), evaluator)
+    assert [c.step for c in list_checkpoints(str(tmp_path)) if c.url == best] == [4]
+    assert evaluator.best.step == 4
+
+
+def test_saves_between_evaluations_record_none_of_their_values_and_prune(tmp_path: Path) -> None:
+    # Saves every update, evaluations every 3: the saves at 1, 2, 4, 5 scored nothing.
+    evaluator = _evaluator([2.0, 1.0], every=3)
+    keep = checkpoint_every(
+        str(tmp_path), every=1, keep_last=1, keep_best=1, metric=evaluator, at_end=False
+    )
+    run(STEP, _state(), [torch.ones(3, 2)] * 7, events=[evaluator, keep])
+    kept = {c.step: c.metrics.get("val_mean") for c in list_checkpoints(str(tmp_path))}
+    assert kept == {6: 1.0, 7: None}
+
+
+def test_a_save_holds_what_handlers_attached_after_it_did_at_the_same_event(
+    tmp_path: Path,
+) -> None:
+    # The checkpoint handler attached first, the evaluator and a handler that writes the
+    # extras after it: the save at each update still holds both (it runs last at its event).
+    evaluator = _evaluator([3.0, 1.0, 2.0])
+    keep = checkpoint_every(str(tmp_path), every=2, at_end=False)
+
+    def note(event: Any) -> NewState:
+        extras = {**event.state.extras, "noted_at": event.step}
+        return NewState(event.state.replace(extras=extras))
+
+    events = Events(keep, evaluator).on("step_end", note, every=2)
+    run(STEP, _state(), [torch.ones(3, 2)] * 6, events=events)
+    recorded = [(c.step, c.metrics["val_mean"], c.metrics["noted_at"]) for c in
+                list_checkpoints(str(tmp_path))]  # fmt: skip
+    assert recorded == [(2, 3.0, 2), (4, 1.0, 4), (6, 2.0, 6)]
+
+
+def test_a_scheduler_stepped_at_epoch_end_is_saved_after_its_step(tmp_path: Path) -> None:
+    # A per-epoch scheduler attached after checkpoint_every: the checkpoint at each epoch end
+    # holds it after that epoch's step, so the resumed epoch runs at the rate it should.
+    def build() -> tuple[TrainState, Scheduler]:
+        state = _state()
+        sched = torch.optim.lr_scheduler.StepLR(state.optimizer, step_size=1, gamma=0.5)
+        return state, Scheduler(sched)
+
+    state, per_epoch = build()
+    keep = checkpoint_every(str(tmp_path), at_epoch_end=True, at_end=False)
+    run(STEP, state, [torch.ones(3, 2)] * 2, events=Events(keep, per_epoch), max_epochs=2)
+    assert per_epoch.scheduler.last_epoch == 2
+
+    fresh, resumed = build()
+    events = Events(resume_from(str(tmp_path)), resumed)
+    after = run(STEP, fresh, [torch.ones(3, 2)] * 2, events=events, max_epochs=2)
+    assert after.epoch == 2  # resumed at the end: nothing left to train
+    assert resumed.scheduler.last_epoch == 2
+    assert fresh.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**2

@@ -1,0 +1,85 @@
+"""``steplib.handlers.Scheduler``: a scheduler stepped per epoch or after each evaluation,
+saved and resumed without being named; what cannot work is refused with the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torchmetrics import MeanMetric
+
+from steplib import ConfigError, Evaluator, Events, TrainState, make_eval_step, make_train_step, run
+from steplib.checkpoint import checkpoint_every, resume_from
+from steplib.handlers import Scheduler
+
+VALUES = [3.0, 2.0, 2.5, 2.4, 2.6, 1.0, 1.5, 1.4]
+STEP = make_train_step(lambda m, b: m(b).pow(2).mean())
+
+
+def _build(values: list[float]) -> tuple[TrainState, Evaluator, Scheduler]:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    feed = iter(values)
+    evaluator = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(next(feed))),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=1,
+        monitor="val_mean",
+        sanity_batches=0,
+    )
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1)
+    state = TrainState.create(model=model, optimizer=opt)
+    return state, evaluator, Scheduler(plateau, metric=evaluator)
+
+
+def _reference_lrs() -> list[float]:
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=1)
+    lrs = []
+    for value in VALUES:
+        plateau.step(value)
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+def test_a_plateau_scheduler_is_fed_the_evaluators_value_after_each_evaluation() -> None:
+    state, evaluator, plateau = _build(VALUES)
+    lrs: list[float] = []
+    events = Events(evaluator, plateau).on(
+        "validation_end", lambda e: lrs.append(e.state.optimizer.param_groups[0]["lr"])
+    )
+    run(STEP, state, [torch.ones(3, 2)] * len(VALUES), events=events)
+    assert lrs == _reference_lrs()
+    assert lrs[-1] < 1.0  # it did reduce
+
+
+def test_a_plateau_scheduler_resumes_exactly_without_being_named(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    state, evaluator, plateau = _build(VALUES[:5])
+    keep = checkpoint_every(directory, every=5)
+    run(STEP, state, [torch.ones(3, 2)] * 5, events=Events(keep, evaluator, plateau))
+
+    state, evaluator, plateau = _build(VALUES[5:])
+    events = Events(resume_from(directory), evaluator, plateau)
+    lrs: list[float] = []
+    events.on("validation_end", lambda e: lrs.append(e.state.optimizer.param_groups[0]["lr"]))
+    run(STEP, state, [torch.ones(3, 2)] * len(VALUES), events=events, max_steps=len(VALUES))
+    assert lrs == _reference_lrs()[5:]
+
+
+def test_what_cannot_work_is_refused_with_the_fix() -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with pytest.raises(ConfigError, match=r"without metric=.*metric=evaluator"):
+        Scheduler(plateau)
+    with pytest.raises(ConfigError, match=r"takes no value.*Leave metric out"):
+        Scheduler(step_lr, metric="val_loss")
+    with pytest.raises(ConfigError, match=r"not an LR scheduler.*StepLR"):
+        Scheduler(opt)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=step_lr)
+    with pytest.raises(ConfigError, match=r"stepped.*twice|step it again"):
+        run(STEP, state, [torch.ones(3, 2)], events=[Scheduler(step_lr)])
