@@ -20,7 +20,7 @@ $(BIN)/.installed-%: pyproject.toml
 # mkdocs-material prints a banner about MkDocs 2 on every build; it is not about this site.
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test lint docs
+.PHONY: demo test lint docs gpu gpu-wheels
 demo: $(BIN)/.installed-dev
 	$(BIN)/python examples/demo.py $(ARGS)
 
@@ -37,3 +37,21 @@ docs: $(BIN)/.installed-dev   # build the site and serve it on http://127.0.0.1:
 lint: $(BIN)/.installed-dev
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The GPU check (docs/development.md). On a GPU machine, which reaches no package index and has
+# torch + CUDA but neither torchdata nor orjson: `make gpu` installs the wheels `make
+# gpu-wheels` fetched here (carry gpu-wheels/ along), puts this checkout on the path (nothing
+# is built) and runs benchmarks/gpu_check.py: the report goes to $(GPU_REPORT_DIR)/report.md.
+# `make gpu DEVICE=cpu GPU_PYTHON=.venv/bin/python` is the dry run the test suite makes.
+GPU_PYTHON ?= python3
+DEVICE ?= cuda
+GPU_WHEELS := torchdata orjson
+gpu:
+	rm -rf .gpu-site
+	if [ "$(DEVICE)" = cuda ] && ls gpu-wheels/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PYTHON) -m pip install --quiet --no-deps --no-index --target .gpu-site gpu-wheels/*.whl; fi
+	PYTHONPATH=$(CURDIR)/.gpu-site:$(CURDIR) $(GPU_PYTHON) -m benchmarks.gpu_check --device $(DEVICE)
+
+gpu-wheels: $(BIN)/.installed-dev   # CPython 3.12, manylinux x86-64: what the GPU machines run
+	$(BIN)/python -m pip download --quiet --only-binary=:all: --no-deps --python-version 3.12 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d gpu-wheels $(GPU_WHEELS)
