@@ -8,6 +8,8 @@ Each 2-rank scenario runs once (a module fixture) and the tests read its results
 from __future__ import annotations
 
 import functools
+import importlib
+import itertools
 import os
 import pickle
 import signal
@@ -392,6 +394,50 @@ def test_a_signal_on_one_rank_makes_every_rank_save_the_same_update_and_stop(
     # Rank 1 is signalled after update 2's handlers ran: both ranks agree at update 3.
     assert results[0] == results[1]
     assert results[0]["step"] == 3
+    assert results[0]["saved"] == f"{tmp_path}/preempt/step-00000003"
+    assert results[0]["exit_code"] == 128 + signal.SIGUSR1
+    assert [c.step for c in list_checkpoints(f"{tmp_path}/preempt")] == [3]
+
+
+def _signalled_inside_the_all_reduce(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    # The module (the package's name `preemption` is the function that builds the handler).
+    preemption_module: Any = importlib.import_module("steplib.checkpoint.preemption")
+
+    state, step, loader = build("ddp", rank)
+    events = Events()
+    checkpointer = checkpoint_every(f"{root}/preempt", every=100, data=loader, step=step)
+    handler = preemption(checkpointer)
+    handler.attach(checkpointer.attach(events))
+    agree = preemption_module.max_over_ranks
+    calls = itertools.count(1)  # one agreement per update: the second is update 2's
+
+    def signalled_during(value: Any, *, group: Any) -> Any:
+        # The flag was read (0) before the all-reduce; the signal lands while rank 1 is in
+        # it, as a scheduler's SIGTERM can at any moment.
+        if rank == 1 and next(calls) == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return agree(value, group=group)
+
+    preemption_module.max_over_ranks = signalled_during
+    try:
+        state, _ = train(state, step, loader, events=events)
+    finally:
+        preemption_module.max_over_ranks = agree
+    result = {"step": state.step, "saved": handler.saved, "exit_code": handler.exit_code}
+    del state, step, loader
+    return result
+
+
+def test_a_signal_during_the_ranks_agreement_is_acted_on_by_every_rank_together(
+    tmp_path: Path,
+) -> None:
+    # Before: rank 1 read its flag again after the all-reduce (which had given 0), saved alone
+    # and entered the save's collectives while rank 0 trained on: a hang.
+    results = run_ranks(
+        functools.partial(_signalled_inside_the_all_reduce, root=str(tmp_path)), timeout=60
+    )
+    assert results[0] == results[1]
+    assert results[0]["step"] == 3  # the signal came inside update 2's agreement: acted on at 3
     assert results[0]["saved"] == f"{tmp_path}/preempt/step-00000003"
     assert results[0]["exit_code"] == 128 + signal.SIGUSR1
     assert [c.step for c in list_checkpoints(f"{tmp_path}/preempt")] == [3]

@@ -85,19 +85,17 @@ class Preemption:
     def on_step_end(self, event: Event) -> Stop | None:
         """After a signal (on any rank of a sharded state): save now, at this update
         boundary, and stop the loop."""
-        self._agree(event)
-        if self.received is None:
+        decided = self._decide(event)
+        if decided is None:
             return None
         self.saved = self.checkpointer.save(event, blocking=True)
-        name = signal.Signals(self.received).name
+        name = signal.Signals(decided).name
         self._uninstall()
         return Stop(f"preempted by {name} at step {event.step}; saved {self.saved}")
 
     def on_fit_end(self, event: Event) -> None:
         """Save if a signal came after the last update, then restore the signal handlers."""
-        if self.saved is None:
-            self._agree(event)
-        if self.received is not None and self.saved is None:
+        if self.saved is None and self._decide(event) is not None:
             self.saved = self.checkpointer.save(event, blocking=True)
         self._uninstall()
 
@@ -105,13 +103,20 @@ class Preemption:
         """Restore the signal handlers."""
         self._uninstall()
 
-    def _agree(self, event: Event) -> None:
-        """Sharded: every rank takes the signal any rank received (the largest number)."""
+    def _decide(self, event: Event) -> int | None:
+        """The signal to save and stop for at this boundary, or ``None``. Sharded: the largest
+        number any rank had received when it entered the all-reduce, and that alone. A signal
+        that arrives during the all-reduce is acted on at the next boundary, by every rank: a
+        rank that read its own flag again afterwards would save while the others train on."""
+        local = self.received  # read once: the handler may set it at any moment
         if self._group is None or not is_sharded(event.state):
-            return
-        number = int(max_over_ranks(self.received or 0, group=self._group))
-        if self.received is None and number != 0:
+            return local
+        number = int(max_over_ranks(local or 0, group=self._group))
+        if number == 0:
+            return None
+        if self.received is None:
             self.received = number  # another rank was signalled: this one saves too
+        return number
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here would run in the middle of whatever Python was doing
