@@ -49,7 +49,9 @@ def make_pipeline_step(
             (all forwards, then all backwards). Several stages per process (or one):
             ``"interleaved-1f1b"`` (depth first: fewer micro-batches in flight),
             ``"looped-bfs"`` (breadth first: each stage runs all its micro-batches) or
-            ``"interleaved-zero-bubble"`` (splits each backward to fill the bubble).
+            ``"interleaved-zero-bubble"`` (splits each backward to fill the bubble; a stage
+            output that is a view, as an ``nn.Linear`` on a 3-D input returns, is copied
+            first: torch's split backward cannot free a view's graph).
         inputs_and_target: ``batch -> (inputs, target)``; by default the batch is the pair.
             The first stage receives ``inputs`` (a tensor or a tuple of tensors), the last
             stage passes ``target`` to ``loss_fn``; both are cut along dimension 0.
@@ -133,6 +135,12 @@ def make_pipeline_step(
         n_microbatches=n_microbatches,
         inputs_and_target=inputs_and_target or pair,
     )
+    if schedule == "interleaved-zero-bubble":
+        # It splits each backward in two and frees the first half's graph with an in-place
+        # detach_() of the stage outputs, which torch refuses on a view (pytorch#142229): an
+        # nn.Linear on a 3-D input returns one. The hook hands the schedule a copy instead.
+        for stage in mine.values():
+            stage.register_forward_hook(_outputs_not_views)
     built = [PipelineStage(mine[str(i)], i, len(stages), device, group=group) for i in indices]
     # scale_grads=False: the loss is a sum; steplib divides by the target count once.
     runtime.schedule = _schedule_class(schedule)(
@@ -145,6 +153,15 @@ def make_pipeline_step(
     part = Part(name="pipeline", settings=settings, sync=sync, runner=runtime)
     # Step(...) directly: this loss_fn is loss_fn(output, target), checked above.
     return add_part(Step(loss_fn=loss_fn), part)
+
+
+def _outputs_not_views(module: nn.Module, args: Any, output: Any) -> Any:
+    """A stage's output with each tensor that is a view replaced by a copy (a forward hook)."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._is_view() else output
+    if isinstance(output, tuple):
+        return tuple(_outputs_not_views(module, args, item) for item in output)
+    return output
 
 
 def _schedule_class(name: str) -> Any:
