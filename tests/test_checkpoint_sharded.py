@@ -369,56 +369,31 @@ def build_plain(*, seed: int) -> tuple[Any, Any, Any]:
     return state, plain_step(), resumable_loader(data, batch_size=4, seed=0)
 
 
-def _preempted_on_rank_1(rank: int, world: int, *, root: str) -> dict[str, Any]:
-    state, step, loader = build("ddp", rank)
-    events = Events()
-    checkpointer = checkpoint_every(f"{root}/preempt", every=100, data=loader, step=step)
-    handler = preemption(checkpointer)
-    handler.attach(checkpointer.attach(events))
-
-    def signal_rank_1(event: Event) -> None:
-        if rank == 1 and event.step == 2:
-            os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler would, to one rank only
-
-    events.on("step_end", signal_rank_1, last=True)  # after the preemption check of update 2
-    state, _ = train(state, step, loader, events=events)
-    result = {"step": state.step, "saved": handler.saved, "exit_code": handler.exit_code}
-    del state, step, loader
-    return result
-
-
-def test_a_signal_on_one_rank_makes_every_rank_save_the_same_update_and_stop(
-    tmp_path: Path,
-) -> None:
-    results = run_ranks(functools.partial(_preempted_on_rank_1, root=str(tmp_path)), timeout=60)
-    # Rank 1 is signalled after update 2's handlers ran: both ranks agree at update 3.
-    assert results[0] == results[1]
-    assert results[0]["step"] == 3
-    assert results[0]["saved"] == f"{tmp_path}/preempt/step-00000003"
-    assert results[0]["exit_code"] == 128 + signal.SIGUSR1
-    assert [c.step for c in list_checkpoints(f"{tmp_path}/preempt")] == [3]
-
-
-def _signalled_inside_the_all_reduce(rank: int, world: int, *, root: str) -> dict[str, Any]:
+def _preempted(rank: int, world: int, *, root: str, inside_agreement: bool) -> dict[str, Any]:
+    """A DDP run in which rank 1 alone is signalled during update 2: after that update's
+    handlers ran, or while it waits in the ranks' all-reduce of the flag (which it entered
+    having read its flag: 0), as a scheduler's SIGTERM can land at any moment."""
     # The module (the package's name `preemption` is the function that builds the handler).
     preemption_module: Any = importlib.import_module("steplib.checkpoint.preemption")
-
     state, step, loader = build("ddp", rank)
-    events = Events()
     checkpointer = checkpoint_every(f"{root}/preempt", every=100, data=loader, step=step)
     handler = preemption(checkpointer)
-    handler.attach(checkpointer.attach(events))
-    agree = preemption_module.max_over_ranks
-    calls = itertools.count(1)  # one agreement per update: the second is update 2's
+    events = handler.attach(checkpointer.attach(Events()))
+    agree, calls = preemption_module.max_over_ranks, itertools.count(1)
 
-    def signalled_during(value: Any, *, group: Any) -> Any:
-        # The flag was read (0) before the all-reduce; the signal lands while rank 1 is in
-        # it, as a scheduler's SIGTERM can at any moment.
-        if rank == 1 and next(calls) == 2:
-            os.kill(os.getpid(), signal.SIGUSR1)
+    def signal_rank_1() -> None:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler would, to one rank only
+
+    def during_the_agreement(value: Any, *, group: Any) -> Any:
+        if next(calls) == 2:  # one agreement per update: the second is update 2's
+            signal_rank_1()
         return agree(value, group=group)
 
-    preemption_module.max_over_ranks = signalled_during
+    if inside_agreement:
+        preemption_module.max_over_ranks = during_the_agreement
+    else:  # after the preemption check of update 2
+        events.on("step_end", lambda e: signal_rank_1() if e.step == 2 else None, last=True)
     try:
         state, _ = train(state, step, loader, events=events)
     finally:
@@ -428,16 +403,17 @@ def _signalled_inside_the_all_reduce(rank: int, world: int, *, root: str) -> dic
     return result
 
 
-def test_a_signal_during_the_ranks_agreement_is_acted_on_by_every_rank_together(
-    tmp_path: Path,
+@pytest.mark.parametrize("inside_agreement", [False, True], ids=["after-handlers", "mid-reduce"])
+def test_a_signal_on_one_rank_makes_every_rank_save_the_same_update_and_stop(
+    tmp_path: Path, inside_agreement: bool
 ) -> None:
-    # Before: rank 1 read its flag again after the all-reduce (which had given 0), saved alone
-    # and entered the save's collectives while rank 0 trained on: a hang.
-    results = run_ranks(
-        functools.partial(_signalled_inside_the_all_reduce, root=str(tmp_path)), timeout=60
-    )
+    # Signalled during update 2: both ranks agree at update 3. Inside the agreement, before:
+    # rank 1 read its flag again after the all-reduce (which had given 0), saved alone and
+    # entered the save's collectives while rank 0 trained on (a hang).
+    run = functools.partial(_preempted, root=str(tmp_path), inside_agreement=inside_agreement)
+    results = run_ranks(run, timeout=60)
     assert results[0] == results[1]
-    assert results[0]["step"] == 3  # the signal came inside update 2's agreement: acted on at 3
+    assert results[0]["step"] == 3
     assert results[0]["saved"] == f"{tmp_path}/preempt/step-00000003"
     assert results[0]["exit_code"] == 128 + signal.SIGUSR1
     assert [c.step for c in list_checkpoints(f"{tmp_path}/preempt")] == [3]

@@ -13,6 +13,8 @@ of batches, which draws nothing, so both loops train on the same random numbers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,20 +43,24 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-def _data() -> tuple[TensorDataset, list[tuple[torch.Tensor, torch.Tensor]]]:
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _setup() -> tuple[DataLoader[Any], Batches, Net, torch.optim.Optimizer]:
+    """The seed, the data (the training loader shuffles from the global generator, as the
+    original's does), the model and its optimizer: the same for both loops."""
+    torch.manual_seed(1)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(96, 1, 12, 12, generator=gen), torch.randint(0, 10, (96,), generator=gen)
     test = [(x[i : i + 16] * 0.5, y[i : i + 16]) for i in range(0, 48, 16)]
-    return TensorDataset(x, y), test
+    train_loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    model = Net()
+    return train_loader, test, model, torch.optim.Adadelta(model.parameters(), lr=1.0)
 
 
 def _original() -> tuple[list[float], nn.Module, float]:
     """The loop of pytorch/examples mnist/main.py, reduced to what changes the numbers."""
-    torch.manual_seed(1)
-    train_set, test_set = _data()
-    train_loader = DataLoader(train_set, batch_size=16, shuffle=True)
-    model = Net()
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    train_loader, test_set, model, optimizer = _setup()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     losses = []
     for _ in range(EPOCHS):
@@ -74,11 +80,7 @@ def _original() -> tuple[list[float], nn.Module, float]:
 
 
 def _steplib() -> tuple[list[float], nn.Module, float]:
-    torch.manual_seed(1)
-    train_set, test_set = _data()
-    train_loader = DataLoader(train_set, batch_size=16, shuffle=True)
-    model = Net()
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    train_loader, test_set, model, optimizer = _setup()
     state = TrainState.create(model=model, optimizer=optimizer)
     step = make_train_step(lambda m, b: F.nll_loss(m(b[0]), b[1]))
     evaluator = Evaluator(
