@@ -22,7 +22,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from steplib import Event, Events, TrainState, make_train_step, run
+from steplib import Event, Events, TrainState, clip, make_train_step, run
 from steplib.checkpoint import (
     CheckpointWarning,
     checkpoint_every,
@@ -32,7 +32,14 @@ from steplib.checkpoint import (
 )
 from steplib.data import resumable_loader
 from steplib.errors import ConfigError
-from steplib.handlers import EMA, EarlyStopping, Evaluator, TrainMetrics, export_best
+from steplib.handlers import (
+    EMA,
+    EarlyStopping,
+    Evaluator,
+    GradNormMonitor,
+    TrainMetrics,
+    export_best,
+)
 from steplib.handlers.eval_step import make_eval_step
 
 VALUES = {2: 3.0, 4: 1.0, 6: 2.0, 8: 2.5, 10: 1.5, 12: 1.6, 14: 1.7, 16: 1.8, 18: 1.9, 20: 2.0}
@@ -282,3 +289,35 @@ def test_the_name_handlers_is_kept_for_the_attached_handlers(tmp_path: Path) -> 
         resume_from(str(tmp_path), extras={"handlers": EMA(nn.Linear(1, 1))})(
             Event("fit_start", None, events=Events())
         )
+
+
+def _grad_norm_reads(root: Path, *, kill_at: int | None = None) -> list[tuple[int, Any]]:
+    """GradNormMonitor read every 4 updates of a clipped step, checkpoints every 2."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = clip(make_train_step(lambda m, b: m(b[0]).pow(2).sum()), max_norm=100.0)
+    gen = torch.Generator().manual_seed(1)
+    loader = resumable_loader(TensorDataset(torch.randn(8, 2, generator=gen)), batch_size=1)
+    monitor, reads = GradNormMonitor(), []
+    ckpt = checkpoint_every(str(root), every=2, step=step)
+    events = Events(resume_from(ckpt), monitor, ckpt)
+    events.on("step_end", lambda e: reads.append((e.step, monitor.read(e))), every=4)
+
+    def kill(event: Event) -> None:
+        raise KilledError
+
+    if kill_at is not None:
+        events.on("step_end", kill, once=kill_at, last=True)  # after the save, as a kill is
+    run(step, state, loader, events=events, max_steps=8)
+    return reads
+
+
+def test_grad_norm_monitor_first_read_after_a_resume_covers_the_same_updates(
+    tmp_path: Path,
+) -> None:
+    want = _grad_norm_reads(tmp_path / "whole")
+    with pytest.raises(KilledError):
+        _grad_norm_reads(tmp_path / "resumed", kill_at=6)
+    got = _grad_norm_reads(tmp_path / "resumed")  # its first read covers updates 5 to 8
+    assert got == [r for r in want if r[0] > 6] and len(got) == 1

@@ -11,6 +11,7 @@ Imports ``events`` and ``errors`` (handlers never import ``loop`` or ``step``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -184,6 +185,21 @@ class GradNormMonitor:
         else:
             self._sum, self._count = self._sum + norm, self._count + count
             self._max = torch.maximum(self._max, norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sums of the interval not yet read (tensors, or ``None``). Attached to a run, they
+        are saved with each checkpoint and restored on resume (``checkpoint.attached``), so
+        that the first read after a resume covers the same updates as without the interruption.
+
+        Example:
+            >>> GradNormMonitor().state_dict()
+            {'sum': None, 'max': None, 'count': None}
+        """
+        return {"sum": self._sum, "max": self._max, "count": self._count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._sum, self._max, self._count = state["sum"], state["max"], state["count"]
 
     def read(self, event: Event | None) -> dict[str, float]:
         """The mean and max since the last read (empty when no update was seen); resets.
