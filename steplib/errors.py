@@ -27,6 +27,36 @@ class TooManySkipsError(StepLibError, RuntimeError):
     was allowed, or the float16 loss scale fell below ``amp_wrap``'s ``min_loss_scale``."""
 
 
+class AnomalyError(StepLibError, RuntimeError):
+    """The backward pass failed under ``detect_anomaly``; the message holds the forward
+    traceback of the operation whose backward failed."""
+
+
+class NonFiniteError(StepLibError, FloatingPointError):
+    """``NonFiniteAlarm`` saw a NaN or infinite loss or gradient norm."""
+
+
+class CheckpointError(StepLibError):
+    """A checkpoint could not be written, found or read (I/O, a missing filesystem package)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint whose files do not match its manifest (truncated or altered)."""
+
+
+class CheckpointWarning(UserWarning):
+    """Part of a checkpoint was skipped: a corrupt checkpoint, for an older one (``latest``,
+    ``resume_from``), or weights whose names the model lacks (``load_weights(strict=False)``)."""
+
+
+class ExportError(StepLibError, RuntimeError):
+    """Writing an export failed (on rank 0; the other ranks raise this too, so none hangs)."""
+
+
+class LogWriteError(StepLibError, OSError):
+    """A logger could not open, write or close its destination."""
+
+
 def describe(value: object) -> str:
     """A short description of a received value for error messages."""
     text = repr(value)

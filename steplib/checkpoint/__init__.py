@@ -13,7 +13,6 @@ is initialised; see ``steplib.checkpoint.sharded``.
 """
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot
-from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from steplib.checkpoint.every import checkpoint_every
 from steplib.checkpoint.handlers import Checkpointer
 from steplib.checkpoint.listing import CheckpointInfo, latest, list_checkpoints
@@ -24,6 +23,7 @@ from steplib.checkpoint.resume import Resume, resume_from
 from steplib.checkpoint.retention import best_checkpoint, prune, select_retained
 from steplib.checkpoint.saving import save
 from steplib.checkpoint.weights import load_weights
+from steplib.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 
 __all__ = [
     "AsyncSaver",

@@ -21,8 +21,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from steplib.checkpoint.errors import CheckpointWarning
-from steplib.errors import ConfigError
+from steplib.errors import CheckpointWarning, ConfigError
 from steplib.events import Event, Events
 
 HANDLERS = "handlers"  # the name of the attached handlers' states among a checkpoint's objects

@@ -43,11 +43,11 @@ import torch.distributed as dist
 
 from steplib.checkpoint.contents import lanes
 from steplib.checkpoint.copying import BackgroundCopy, Path, snapshot_tree, update_only_storages
-from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.saving import SavePlan, check_durable, prepare, write
 from steplib.checkpoint.sharded.layout import is_sharded
 from steplib.checkpoint.sharded.save import prepare_sharded, snapshot_plan, write_sharded
+from steplib.errors import CheckpointError
 from steplib.state import TrainState
 
 

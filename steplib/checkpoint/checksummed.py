@@ -24,8 +24,8 @@ from typing import IO, Any
 import torch
 
 from steplib.checkpoint.checksum import XXH3_64, digest, file_digest, hasher
-from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.checkpoint.storage import Location, read_bytes
+from steplib.errors import CorruptCheckpointError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from steplib.checkpoint.errors import CorruptCheckpointError
-from steplib.errors import ConfigError, describe
+from steplib.errors import ConfigError, CorruptCheckpointError, describe
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from steplib.checkpoint.errors import CheckpointError
+from steplib.errors import CheckpointError
 
 Path = tuple[Any, ...]  # where a tensor sits in a tree: the key of its reused buffer
 

@@ -26,7 +26,6 @@ from steplib.checkpoint import storage
 from steplib.checkpoint.attached import run_data, with_handlers
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import check_metrics
-from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.metrics import Metrics, default_metrics, stale_values
 from steplib.checkpoint.reports import Reports, committed_info
@@ -34,6 +33,7 @@ from steplib.checkpoint.retention import check_ranked_metric, prune
 from steplib.checkpoint.saving import save
 from steplib.checkpoint.sharded.layout import prunes_here
 from steplib.distributed import is_main
+from steplib.errors import CheckpointError
 from steplib.events import Emitted, Event, Events
 from steplib.state import TrainState
 

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from steplib.checkpoint import checksummed, storage
-from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from steplib.checkpoint.manifest import MANIFEST, Manifest, sort_key
 from steplib.checkpoint.storage import Location
+from steplib.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 
 StorageOptions = Mapping[str, Any] | None
 T = TypeVar("T")

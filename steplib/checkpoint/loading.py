@@ -13,11 +13,11 @@ from typing import Any
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, check_arguments, read_tree
-from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.checkpoint.listing import StorageOptions, newest_valid, read_manifest
 from steplib.checkpoint.manifest import SHARDED, Manifest
 from steplib.checkpoint.restore import apply, check_fingerprint
 from steplib.checkpoint.storage import Location
+from steplib.errors import CorruptCheckpointError
 from steplib.state import TrainState
 
 

@@ -28,7 +28,7 @@ import torch
 
 from steplib.checkpoint.checksum import ALGORITHMS
 from steplib.checkpoint.checksummed import FileRecord
-from steplib.checkpoint.errors import CorruptCheckpointError
+from steplib.errors import CorruptCheckpointError
 
 FORMAT = "steplib-checkpoint"
 # Format versions: 1 single-process, 2 sharded (DCP), both with CRC32 file checksums; 3 either

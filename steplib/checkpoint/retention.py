@@ -12,10 +12,9 @@ from typing import Any
 
 from steplib import errors
 from steplib.checkpoint import storage
-from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import CheckpointInfo, StorageOptions, list_checkpoints, scan
 from steplib.checkpoint.manifest import sort_key
-from steplib.errors import ConfigError, describe
+from steplib.errors import CheckpointError, ConfigError, describe
 
 MODES = ("min", "max")
 

@@ -14,13 +14,12 @@ from typing import Any
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.contents import check_arguments, check_metrics, gather
-from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.manifest import MANIFEST, Manifest, library_versions
 from steplib.checkpoint.sharded.layout import is_sharded
 from steplib.checkpoint.sharded.save import prepare_sharded, write_sharded
 from steplib.checkpoint.storage import Location
-from steplib.errors import ConfigError, describe
+from steplib.errors import CheckpointError, ConfigError, describe
 from steplib.state import TrainState
 
 

@@ -34,8 +34,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from steplib.checkpoint.errors import CheckpointError
-from steplib.errors import ConfigError, describe
+from steplib.errors import CheckpointError, ConfigError, describe
 
 # protocol -> (package that implements it, what to pip install)
 _PACKAGES = types.MappingProxyType(  # read-only: which package implements a protocol

@@ -18,13 +18,18 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.contents import MODEL, read_tree
-from steplib.checkpoint.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from steplib.checkpoint.listing import StorageOptions, committed_manifest, newest_valid
 from steplib.checkpoint.manifest import SHARDED, Manifest
 from steplib.checkpoint.sharded.layout import holds_dtensor_parameters
 from steplib.checkpoint.storage import Location
 from steplib.distributed.parallelize import inner_module
-from steplib.errors import ConfigError, describe
+from steplib.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    ConfigError,
+    CorruptCheckpointError,
+    describe,
+)
 from steplib.state import TrainState
 
 _SHOWN = 20  # names listed in an error or a warning before "and N more"

@@ -11,12 +11,12 @@ Handlers import ``events``, ``state``, ``errors``, ``distributed`` and ``checkpo
 ``loop`` or ``step``, so that a handler works with any loop that emits the events.
 """
 
+from steplib.errors import ExportError, LogWriteError, NonFiniteError
 from steplib.handlers.ema import EMA
 from steplib.handlers.eval_step import EvalStep, as_metrics, eval_mode, evaluate, make_eval_step
 from steplib.handlers.evaluation import Evaluator
 from steplib.handlers.export import (
     ExportBest,
-    ExportError,
     export_best,
     export_model,
     full_state_dict,
@@ -27,7 +27,6 @@ from steplib.handlers.logging import (
     JsonlLogger,
     Log,
     Logger,
-    LogWriteError,
     MLflowLogger,
     TensorBoardLogger,
     WandbLogger,
@@ -35,7 +34,7 @@ from steplib.handlers.logging import (
     event_record,
 )
 from steplib.handlers.metrics import TrainMetrics
-from steplib.handlers.monitors import GradNormMonitor, LRMonitor, NonFiniteAlarm, NonFiniteError
+from steplib.handlers.monitors import GradNormMonitor, LRMonitor, NonFiniteAlarm
 from steplib.handlers.profiling import Profiler
 from steplib.handlers.progress import ProgressBar
 from steplib.handlers.scheduling import Scheduler

@@ -34,16 +34,12 @@ from steplib.checkpoint.storage import Location, resolve
 from steplib.distributed import rank, world_size
 from steplib.distributed.collectives import every_rank
 from steplib.distributed.parallelize import inner_module
-from steplib.errors import ConfigError, StepLibError, describe
+from steplib.errors import ConfigError, ExportError, describe
 from steplib.events import Event
 from steplib.handlers.stopping import BestValue, monitored_value
 from steplib.state import TrainState
 
 FORMATS = ("torch", "safetensors")
-
-
-class ExportError(StepLibError, RuntimeError):
-    """Writing an export failed (on rank 0; the other ranks raise this too, so none hangs)."""
 
 
 def export_model(

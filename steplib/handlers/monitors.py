@@ -17,13 +17,8 @@ from typing import Any
 import torch
 
 from steplib import errors
-from steplib.errors import ConfigError, StepLibError, describe
+from steplib.errors import ConfigError, NonFiniteError, describe
 from steplib.events import Event, Events, Stop
-
-
-class NonFiniteError(StepLibError, FloatingPointError):
-    """:class:`NonFiniteAlarm` saw a NaN or infinite loss or gradient norm."""
-
 
 # Where a micro-batch was: step, epoch, batch index in the epoch, micro-step.
 _Where = tuple[int, int, int | None, int]

@@ -1,9 +1,10 @@
 """The step: ``make_train_step``, the wrappers (each ``Step -> Step``), and the composition API
 they share with yours (``Part``, ``add_part``, ``Gradients``, the ranks)."""
 
+from steplib.errors import AnomalyError
 from steplib.step.accumulate import accumulate
 from steplib.step.amp import amp_wrap
-from steplib.step.anomaly import AnomalyError, detect_anomaly
+from steplib.step.anomaly import detect_anomaly
 from steplib.step.clip import clip
 from steplib.step.compile import CompileStats, compile_stats, compile_step
 from steplib.step.core import Runner, Step, add_part, make_train_step

@@ -27,18 +27,13 @@ from typing import Any
 
 import torch
 
-from steplib.errors import ConfigError, StepLibError, describe
+from steplib.errors import AnomalyError, ConfigError, describe
 from steplib.state import TrainState
 from steplib.step.core import Step, add_part
 from steplib.step.parts import Part
 
 _TRACE_PREFIX = "Error detected in "  # torch's warning with the forward traceback
 _TRIGGERED = " (Triggered internally at"  # the C++ location torch appends to it
-
-
-class AnomalyError(StepLibError, RuntimeError):
-    """The backward pass failed under ``detect_anomaly``; the message holds the forward
-    traceback of the operation whose backward failed."""
 
 
 @contextlib.contextmanager

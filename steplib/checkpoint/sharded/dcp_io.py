@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from steplib.checkpoint.checksum import hasher
 from steplib.checkpoint.checksummed import FileRecord
-from steplib.checkpoint.errors import CheckpointError
+from steplib.errors import CheckpointError
 
 try:  # re-exported by torch.distributed.checkpoint up to torch 2.12, private module since
     from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined]

@@ -25,7 +25,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.contents import read_tree
-from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.checkpoint.manifest import Manifest
 from steplib.checkpoint.restore import (
     check_fingerprint,
@@ -49,7 +48,7 @@ from steplib.checkpoint.sharded.layout import (
 )
 from steplib.checkpoint.storage import Location
 from steplib.data.shards import check_new_world
-from steplib.errors import ConfigError
+from steplib.errors import ConfigError, CorruptCheckpointError
 from steplib.state import TrainState
 
 

@@ -22,7 +22,6 @@ from steplib.checkpoint.contents import (
     window_grads,
 )
 from steplib.checkpoint.copying import snapshot_tree
-from steplib.checkpoint.errors import CheckpointError
 from steplib.checkpoint.manifest import (
     MANIFEST,
     SHARDED,
@@ -32,7 +31,7 @@ from steplib.checkpoint.manifest import (
 from steplib.checkpoint.sharded.layout import DCP_DIR, rank_file
 from steplib.checkpoint.storage import Location
 from steplib.distributed.parallelize import is_parallel_model
-from steplib.errors import ConfigError
+from steplib.errors import CheckpointError, ConfigError
 from steplib.state import TrainState
 
 

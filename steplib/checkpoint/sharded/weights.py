@@ -12,7 +12,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from steplib.checkpoint import checksummed
-from steplib.checkpoint.errors import CorruptCheckpointError
 from steplib.checkpoint.manifest import Manifest
 from steplib.checkpoint.sharded.dcp_io import (
     MetadataReader,
@@ -22,6 +21,7 @@ from steplib.checkpoint.sharded.dcp_io import (
 )
 from steplib.checkpoint.sharded.layout import DCP_DIR, rank_file
 from steplib.checkpoint.storage import Location
+from steplib.errors import CorruptCheckpointError
 
 _MODEL = "model."  # DCP's names of the model's tensors: "model." + the state_dict name
 

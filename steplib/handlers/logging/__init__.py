@@ -4,15 +4,8 @@
 ``file_sink`` the base of the sinks that write one file; each other module is one destination.
 """
 
-from steplib.handlers.logging.base import (
-    Log,
-    Logger,
-    LogWriteError,
-    Record,
-    Source,
-    event_counters,
-    event_record,
-)
+from steplib.errors import LogWriteError
+from steplib.handlers.logging.base import Log, Logger, Record, Source, event_counters, event_record
 from steplib.handlers.logging.console import ConsoleLogger
 from steplib.handlers.logging.csv import CSVLogger
 from steplib.handlers.logging.file_sink import FileSink

@@ -40,7 +40,7 @@ import torch
 
 from steplib import errors
 from steplib.distributed import is_main
-from steplib.errors import ConfigError, StepLibError, describe
+from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
 
 Record = dict[str, Any]
@@ -79,10 +79,6 @@ def select(
     if keys is None:
         return {k: v for k, v in record.items() if k not in default_skip}
     return {k: v for k, v in record.items() if k in keys or k == "step"}
-
-
-class LogWriteError(StepLibError, OSError):
-    """A logger could not open, write or close its destination."""
 
 
 def event_record(event: Event) -> Record:

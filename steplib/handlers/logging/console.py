@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from steplib.distributed import is_main
-from steplib.handlers.logging.base import Logger, LogWriteError, Record, check_keys
+from steplib.errors import LogWriteError
+from steplib.handlers.logging.base import Logger, Record, check_keys
 from steplib.handlers.terminal import tqdm_class
 
 

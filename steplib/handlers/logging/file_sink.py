@@ -12,8 +12,8 @@ from typing import IO, Any
 import fsspec
 
 from steplib.distributed import is_main
-from steplib.errors import ConfigError, describe
-from steplib.handlers.logging.base import Logger, LogWriteError, Record
+from steplib.errors import ConfigError, LogWriteError, describe
+from steplib.handlers.logging.base import Logger, Record
 
 
 class FileSink(Logger):

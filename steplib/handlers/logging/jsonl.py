@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import orjson
 
-from steplib.handlers.logging.base import LogWriteError, Record, check_keys, select
+from steplib.errors import LogWriteError
+from steplib.handlers.logging.base import Record, check_keys, select
 from steplib.handlers.logging.file_sink import FileSink
 
 

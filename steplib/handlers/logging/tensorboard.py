@@ -6,15 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from steplib.distributed import is_main
-from steplib.errors import ConfigError, describe
-from steplib.handlers.logging.base import (
-    COUNTERS,
-    Logger,
-    LogWriteError,
-    Record,
-    check_keys,
-    select,
-)
+from steplib.errors import ConfigError, LogWriteError, describe
+from steplib.handlers.logging.base import COUNTERS, Logger, Record, check_keys, select
 
 
 class TensorBoardLogger(Logger):

@@ -32,15 +32,8 @@ from types import TracebackType
 from typing import Any
 
 from steplib.distributed import is_main
-from steplib.errors import ConfigError, describe
-from steplib.handlers.logging.base import (
-    COUNTERS,
-    Logger,
-    LogWriteError,
-    Record,
-    check_keys,
-    select,
-)
+from steplib.errors import ConfigError, LogWriteError, describe
+from steplib.handlers.logging.base import COUNTERS, Logger, Record, check_keys, select
 
 
 def _numbers(record: Record, keys: tuple[str, ...] | None) -> dict[str, float]:
