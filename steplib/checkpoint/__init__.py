@@ -7,9 +7,9 @@
 * :class:`AsyncSaver`: snapshot now, write in a background thread; :func:`wait_snapshot`.
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
 
-The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when the
-state's model is DDP or FSDP2 or holds DTensor parameters (tensor parallel) and a process group
-is initialised; see ``steplib.checkpoint.sharded``.
+The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when a
+process group is initialised and the state's model is, or holds, a DDP or FSDP2 module, or
+holds DTensor parameters (tensor parallel); see ``steplib.checkpoint.sharded``.
 """
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot

@@ -211,19 +211,26 @@ def _optimizers_by_name(
         ConfigError: the checkpoint holds other optimizers than the state.
     """
     saved = list(tree["optimizers"]) if "optimizers" in tree else []
-    if saved != list(state.names):
-
-        def say(names: list[str]) -> str:
-            return f"the optimizers {names}" if names else "one unnamed optimizer"
-
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} holds {say(saved)}, this state "
-            f"{say(list(state.names))}. Create the state as the run that saved it did: "
-            "TrainState.create(optimizer=...) with the same names in the same order."
-        )
+    check_optimizer_names(saved, state, checkpoint=checkpoint)
     if not saved:
         return {None: tree}
     return dict(tree["optimizers"])
+
+
+def check_optimizer_names(saved: list[str], state: TrainState, *, checkpoint: str) -> None:
+    """Raise ``ConfigError`` unless the checkpoint's optimizers (``saved``, by name; empty for
+    one unnamed optimizer) are the state's, in the same order."""
+    if saved == list(state.names):
+        return
+
+    def say(names: list[str]) -> str:
+        return f"the optimizers {names}" if names else "one unnamed optimizer"
+
+    raise ConfigError(
+        f"load: checkpoint {checkpoint} holds {say(saved)}, this state "
+        f"{say(list(state.names))}. Create the state as the run that saved it did: "
+        "TrainState.create(optimizer=...) with the same names in the same order."
+    )
 
 
 def _on_device(value: Any, device: torch.device) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import ConfigError
@@ -24,7 +25,10 @@ def rank_file(rank: int) -> str:
 
 def is_sharded(state: Any) -> bool:
     """Whether ``state`` is saved as a sharded checkpoint: a process group is initialised and
-    its model is DDP or FSDP2, or holds DTensor parameters (``apply_tp``, FSDP2 x TP).
+    its model is, or holds, a DDP or FSDP2 module (a GAN's ``{"G": apply_ddp(g), "D":
+    apply_ddp(d)}`` too), or holds DTensor parameters (``apply_tp``, FSDP2 x TP). The one
+    decision of which ranks write what: a sharded checkpoint is written by every rank (each
+    its RNG and data position) and committed once, by rank 0; any other by the process alone.
 
     A DTensor parameter is one rank's shard: written as a plain ``model.pt`` by every rank,
     the last writer's shards would win and load into every rank. So every DTensor state is
@@ -37,17 +41,7 @@ def is_sharded(state: Any) -> bool:
     if not isinstance(model, torch.nn.Module):
         return False
     grouped = dist.is_available() and dist.is_initialized()
-    sharded = (grouped and is_parallel_model(model)) or holds_dtensor_parameters(model)
-    names: tuple[str, ...] = getattr(state, "names", ())
-    if sharded and names:
-        raise ConfigError(
-            f"a state with several optimizers ({list(names)}) over one sharded or "
-            f"DDP-wrapped model ({type(model).__name__}) has no checkpoint format yet: sharded "
-            "checkpoints hold one optimizer. Wrap each named module instead, "
-            "model={'G': apply_ddp(g), 'D': apply_ddp(d)}: its checkpoint is a plain one that "
-            "every rank writes alike."
-        )
-    if grouped and is_parallel_model(model):
+    if grouped and any(is_parallel_model(m) for m in model.modules()):
         return True
     if holds_dtensor_parameters(model):
         if not grouped:
@@ -60,6 +54,14 @@ def is_sharded(state: Any) -> bool:
             )
         return True
     return False
+
+
+def holds_only_ddp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is, or holds, DDP modules and no FSDP2 one: an open accumulation
+    window's gradients are then plain per-rank tensors, which a checkpoint can hold (for the
+    same world size)."""
+    parallel = [m for m in model.modules() if is_parallel_model(m)]
+    return bool(parallel) and all(isinstance(m, DistributedDataParallel) for m in parallel)
 
 
 def holds_dtensor_parameters(model: torch.nn.Module) -> bool:

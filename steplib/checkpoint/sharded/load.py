@@ -21,16 +21,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import checksummed, storage
-from steplib.checkpoint.contents import read_tree
+from steplib.checkpoint.contents import lanes, read_tree
 from steplib.checkpoint.manifest import Manifest
 from steplib.checkpoint.restore import (
     check_fingerprint,
     check_model,
     check_optimizer,
+    check_optimizer_names,
     check_train_state,
+    lane_trees,
     restore_train_state,
 )
 from steplib.checkpoint.sharded.dcp_io import (
@@ -43,6 +44,7 @@ from steplib.checkpoint.sharded.dcp_io import (
 from steplib.checkpoint.sharded.layout import (
     DCP_DIR,
     DISTRIBUTION_WRAPPERS,
+    holds_only_ddp,
     is_sharded,
     rank_file,
 )
@@ -93,14 +95,13 @@ def load_sharded(
         )
     rank_tree = _read_rank_file(location.child(own), url)
     train_state = rank_tree["train_state"]
-    optimizer_info = rank_tree["optimizer"]
-    check_optimizer(
-        train_state["optimizer_type"],
-        optimizer_info["group_sizes"],
-        state.optimizer,
-        checkpoint=url,
-    )
+    check_optimizer_names(rank_tree.get("optimizer_names", []), state, checkpoint=url)
     check_train_state(train_state, state, data=data, extras=extras, checkpoint=url)
+    # Each optimizer's record, the first's under "optimizer" (as before several were saved).
+    infos = [rank_tree["optimizer"], *rank_tree.get("lane_optimizers", {}).values()]
+    trees = lane_trees(train_state, state)
+    for lane, info, tree in zip(lanes(state), infos, trees.values(), strict=True):
+        check_optimizer(tree["optimizer_type"], info["group_sizes"], lane.optimizer, checkpoint=url)
     _check_placement(
         manifest, state, data=data, position=train_state["data"], world=world, checkpoint=url
     )
@@ -112,11 +113,12 @@ def load_sharded(
             f"on {manifest.world_size} ranks."
         )
 
-    model, optimizer = state.model, state.optimizer
-    has_state = bool(optimizer_info["has_state"])
+    model = state.model
+    pairs = list(zip(lanes(state), infos, strict=True))
+    stateful = [lane.optimizer for lane, info in pairs if info["has_state"]]
     target = {
         "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer) if has_state else {},
+        "optimizer": get_optimizer_state_dict(model, stateful) if stateful else {},
     }
     tensors, _ = split(target)
     reader_url = location.child(DCP_DIR).url
@@ -131,10 +133,11 @@ def load_sharded(
         )
     loaded = merge(tensors, rank_tree["plain"])
     set_model_state_dict(model, loaded["model"])
-    if has_state:
-        set_optimizer_state_dict(model, optimizer, loaded["optimizer"])
-    else:
-        _load_hyperparameters(optimizer, optimizer_info["groups"])
+    if stateful:
+        set_optimizer_state_dict(model, stateful, loaded["optimizer"])
+    for lane, info in pairs:
+        if not info["has_state"]:
+            _load_hyperparameters(lane.optimizer, info["groups"])
     return restore_train_state(
         train_state,
         state,
@@ -198,9 +201,7 @@ def _check_placement(
         check_new_world(
             data, position, saved_world_size=saved, world_size=world, checkpoint=checkpoint
         )
-    if manifest.window_size > 0 and (
-        world != saved or not isinstance(state.model, DistributedDataParallel)
-    ):
+    if manifest.window_size > 0 and (world != saved or not holds_only_ddp(state.model)):
         raise ConfigError(
             f"load: checkpoint {checkpoint} was taken inside an open accumulation window by "
             f"{saved} DDP ranks, whose unsynchronised gradients only fit {saved} DDP ranks "

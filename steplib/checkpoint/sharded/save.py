@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.checksummed import FileRecord
@@ -18,6 +17,7 @@ from steplib.checkpoint.contents import (
     check_arguments,
     check_metrics,
     check_plain,
+    lanes,
     train_state_tree,
     window_grads,
 )
@@ -28,7 +28,7 @@ from steplib.checkpoint.manifest import (
     Manifest,
     library_versions,
 )
-from steplib.checkpoint.sharded.layout import DCP_DIR, rank_file
+from steplib.checkpoint.sharded.layout import DCP_DIR, holds_only_ddp, rank_file
 from steplib.checkpoint.storage import Location
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import CheckpointError, ConfigError
@@ -80,37 +80,38 @@ def prepare_sharded(
     extras = check_arguments(caller, state, data=data, extras=extras, step=step)
     location = storage.resolve(directory, storage_options, caller=caller)
     numbers = check_metrics(metrics, caller)
-    model, optimizer = state.model, state.optimizer
+    model = state.model
     grads = None
-    if state.window_size > 0:
-        if not isinstance(model, DistributedDataParallel):
+    if any(lane.window_size > 0 for lane in lanes(state)):
+        if not holds_only_ddp(model):
             # FSDP2 keeps the window's gradients unsharded inside its parameter groups, with
             # no public way to read them back; saving without them would resume wrongly.
             # A tensor-parallel model's are DTensors, bound to this run's mesh: not saved either.
-            kind = "an FSDP2" if is_parallel_model(model) else "a tensor-parallel (DTensor)"
+            fsdp = any(is_parallel_model(m) for m in model.modules())
+            kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
             raise ConfigError(
                 f"{caller}: the state is inside an open accumulation window "
-                f"({state.window_size} micro-batches done) of {kind} model, whose "
+                f"({max(lane.window_size for lane in lanes(state))} micro-batches done) of "
+                f"{kind} model, whose "
                 "unsynchronised gradients cannot be saved. Save between windows: "
                 "checkpoint_every and preemption() do; or save when out.did_update is True."
             )
         grads = window_grads(model)
     model_sd = get_model_state_dict(model)
     # get_optimizer_state_dict initialises an empty optimizer state by stepping it once with
-    # lr=0, which changes what the next real step computes (Adam's step count). Before the
-    # first update there is no state to save anyway: only the hyperparameters are saved.
-    has_state = bool(optimizer.state)
-    optim_sd = get_optimizer_state_dict(model, optimizer) if has_state else {}
+    # lr=0, which changes what the next real step computes (Adam's step count). Before an
+    # optimizer's first update there is no state to save anyway: only its hyperparameters.
+    # One DCP state holds every optimizer that has state (a GAN's two: their parameters are
+    # disjoint); each optimizer's settings go in the rank file, the first's as before.
+    stateful = [lane.optimizer for lane in lanes(state) if lane.optimizer.state]
+    optim_sd = get_optimizer_state_dict(model, stateful) if stateful else {}
     tensors, plain = split({"model": model_sd, "optimizer": optim_sd})
+    infos = [optimizer_info(lane.optimizer) for lane in lanes(state)]
     rank_tree = {
         "plain": plain,
-        "optimizer": {
-            "has_state": has_state,
-            "groups": [
-                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-            ],
-            "group_sizes": [len(g["params"]) for g in optimizer.param_groups],
-        },
+        "optimizer": infos[0],
+        "optimizer_names": list(state.names),
+        "lane_optimizers": dict(zip(state.names[1:], infos[1:], strict=True)),
         "train_state": train_state_tree(state, data=data, extras=extras),
         "window_grads": grads,
     }
@@ -120,6 +121,16 @@ def prepare_sharded(
     )
     name = manifest.name
     return ShardedPlan(location, name, tensors, rank_tree, manifest, dict(storage_options or {}))
+
+
+def optimizer_info(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a sharded checkpoint records of an optimizer beside its DCP tensors: whether it
+    had state, and its parameter groups' settings and sizes."""
+    return {
+        "has_state": bool(optimizer.state),
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "group_sizes": [len(g["params"]) for g in optimizer.param_groups],
+    }
 
 
 def snapshot_plan(
