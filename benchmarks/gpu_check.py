@@ -83,7 +83,10 @@ def checks(device: str) -> list[Check]:
     ]
     # The transformer's cold compile alone took 59 s on an H100 (torch 2.11): it gets more.
     for workload, budget in (("tiny", 50),) if quick else (("tiny", 50), ("transformer", 110)):
-        sizes = ("--quick",) if quick else ("--rounds", "10", "--gate-updates", "20")
+        # --atol: on an H100 the compiled transformer drifted 5.6e-5 from the eager loop in 20
+        # updates (inductor's fused kernels round differently): within 1e-4 it is still timed.
+        sizes: tuple[str, ...] = ("--quick",)
+        sizes = sizes if quick else ("--rounds", "10", "--gate-updates", "20", "--atol", "1e-4")
         # CUDA graphs need CUDA: the dry run compiles once, in the default mode.
         for mode in ("default",) if quick else ("default", "reduce-overhead"):
             args = ("benchmarks.bench_compile", "--device", device, "--workload", workload)
