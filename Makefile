@@ -46,10 +46,15 @@ lint: $(BIN)/.installed-dev
 GPU_PYTHON ?= python3
 DEVICE ?= cuda
 GPU_WHEELS := torchdata orjson
+# A wheel with no scripts or data is a zip laid out as site-packages: where a Python has no pip,
+# unpacking it is its install.
 gpu:
 	rm -rf .gpu-site
 	if [ "$(DEVICE)" = cuda ] && ls gpu-wheels/*.whl >/dev/null 2>&1; then \
-	  $(GPU_PYTHON) -m pip install --quiet --no-deps --no-index --target .gpu-site gpu-wheels/*.whl; fi
+	  $(GPU_PYTHON) -m pip install --quiet --no-deps --no-index --target .gpu-site gpu-wheels/*.whl \
+	  || for w in gpu-wheels/*.whl; do $(GPU_PYTHON) -m zipfile -e $$w .gpu-site; done; \
+	elif [ "$(DEVICE)" = cuda ]; then \
+	  echo "no gpu-wheels/*.whl: run 'make gpu-wheels' where PyPI is reachable, carry gpu-wheels/"; fi
 	PYTHONPATH=$(CURDIR)/.gpu-site:$(CURDIR) $(GPU_PYTHON) -m benchmarks.gpu_check --device $(DEVICE)
 
 gpu-wheels: $(BIN)/.installed-dev   # CPython 3.12, manylinux x86-64: what the GPU machines run

@@ -40,13 +40,15 @@ def test_the_gpu_plan_covers_the_tests_both_workloads_and_cuda_graphs_in_8_minut
 def test_a_failing_or_overlong_check_is_reported_and_the_rest_still_run(tmp_path: Path) -> None:
     failing = gpu_check.Check("fails", ("json.tool", str(tmp_path / "missing.json")), 30)
     slow = gpu_check.Check("sleeps", ("timeit", "-n1", "-r1", "import time; time.sleep(30)"), 1)
-    deadline = time.monotonic() + 60
-    results = [gpu_check.run_check(c, deadline=deadline) for c in (failing, slow)]
+    results = [gpu_check.run_check(failing, deadline=time.monotonic() + 60)]
+    results.append(gpu_check.run_check(slow, deadline=time.monotonic() + 1))
     assert results[0].status.startswith("failed (exit")
     assert results[1].status.startswith("out of time") and results[1].seconds < 10
-    gpu_check.write_report(tmp_path / "report.md", "cpu", results)
+    never = gpu_check.Check("never", ("json.tool",), 30)
+    gpu_check.write_report(tmp_path / "report.md", "cpu", results, [never])
     report = (tmp_path / "report.md").read_text()
     assert "| fails | failed (exit" in report and "| sleeps | out of time" in report
+    assert "| never | not run yet |" in report
 
 
 def test_make_gpu_runs_the_check_on_the_device_asked_for() -> None:
@@ -55,3 +57,13 @@ def test_make_gpu_runs_the_check_on_the_device_asked_for() -> None:
     ).stdout
     assert "-m benchmarks.gpu_check --device cpu" in shown
     assert "PYTHONPATH=" in shown  # the checkout on the path: nothing is built
+
+
+def test_the_report_names_the_machine_without_git(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    # The GPU machine runs a copy of the working tree, which may come without git.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    lines = gpu_check.environment("cpu")
+    assert f"- torch {torch.__version__}, CUDA none" in lines
+    assert "- steplib commit unknown" in lines
