@@ -255,8 +255,12 @@ def _float64(value: float | torch.Tensor, group: Mapping[str, Any]) -> torch.Ten
         return value
     # 0-dim, on the parameters' device (schedulers fill it in place), and float64: the exact
     # value eager code gets from a Python float. A float32 LR differs by ~5e-8 relative, which
-    # Adam amplifies near eps into visible divergence.
-    return torch.tensor(value, dtype=torch.float64, device=group["params"][0].device)
+    # Adam amplifies near eps into visible divergence. Except for a fused optimizer on CUDA:
+    # its kernels read a float32 LR tensor (a float64 one fails, as an H100 run showed), and
+    # eager code hands them a float32 value too (device_skips makes the same choice).
+    device = group["params"][0].device
+    fused_cuda = bool(group.get("fused")) and device.type == "cuda"
+    return torch.tensor(value, dtype=torch.float32 if fused_cuda else torch.float64, device=device)
 
 
 # --- guards and counting -------------------------------------------------------------------
