@@ -8,9 +8,11 @@ field becomes one value below, under the same name: ``gradient_accumulation_step
 ``save_steps`` / ``save_total_limit`` / ``load_best_model_at_end`` -> ``checkpoint_every`` +
 ``load``, ``logging_steps`` -> ``Log``, ``EarlyStoppingCallback`` -> ``EarlyStopping``.
 
-The loss is token-weighted: the gradient of each update is divided by the number of real
-(non-padding) labels in the whole accumulation window, which is what the HF Trainer's
-``num_items_in_batch`` fix of late 2024 does.
+The model is a causal LM as Hugging Face's are: ``labels`` are the ``input_ids`` and the model
+shifts them inside (position t predicts token t + 1), so ``loss_fn`` shifts them too
+(``causal_lm_loss``). The loss is token-weighted: the gradient of each update is divided by
+the number of real (non-padding) next tokens in the whole accumulation window, which is what
+the HF Trainer's ``num_items_in_batch`` fix of late 2024 does.
 
     python examples/migrate_from_hf_trainer.py --output-dir runs/migrate_from_hf_trainer
 """
@@ -47,7 +49,7 @@ from steplib import (
 from steplib.checkpoint import list_checkpoints, load
 from steplib.data import resumable_loader
 from steplib.handlers import Log, LRMonitor
-from steplib.losses import token_cross_entropy
+from steplib.losses import causal_lm_loss
 
 VOCAB = 32
 IGNORE = -100  # the label HF models and collators use for padding
@@ -55,8 +57,9 @@ Example = dict[str, torch.Tensor]
 
 
 class TinyLM(nn.Module):
-    """A Hugging Face style model: ``forward(input_ids, labels=None)`` returns a dict with
-    ``logits`` and, when labels are given, their mean ``loss``."""
+    """A Hugging Face style causal LM: ``forward(input_ids, labels=None)`` returns a dict with
+    ``logits`` and, when labels are given, the mean ``loss`` of the logits at t against the
+    label at t + 1 (the model shifts the labels, as ``AutoModelForCausalLM`` does)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,7 +70,7 @@ class TinyLM(nn.Module):
         logits = self.head(torch.tanh(self.embed(input_ids)))
         out = {"logits": logits}
         if labels is not None:
-            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            out["loss"] = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return out
 
 
@@ -85,13 +88,16 @@ class Examples(Dataset[Example]):
 
 
 def make_dataset(n: int, *, seed: int) -> Examples:
-    """Sequences of 4 to 16 tokens; the label of each token is ``(3 * token + 1) % VOCAB``."""
+    """Sequences of 4 to 16 tokens, each token followed by ``(3 * token + 1) % VOCAB``; the
+    labels are the ids (``DataCollatorForLanguageModeling(mlm=False)``)."""
     gen = torch.Generator().manual_seed(seed)
     examples = []
     for _ in range(n):
         length = int(torch.randint(4, 17, (), generator=gen))
-        ids = torch.randint(0, VOCAB, (length,), generator=gen)
-        examples.append({"input_ids": ids, "labels": (3 * ids + 1) % VOCAB})
+        ids = [int(torch.randint(0, VOCAB, (), generator=gen))]
+        while len(ids) < length:
+            ids.append((3 * ids[-1] + 1) % VOCAB)
+        examples.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(ids)})
     return Examples(examples)
 
 
@@ -106,17 +112,18 @@ def collate(examples: list[Example]) -> Example:
     return {"input_ids": ids, "labels": labels}
 
 
-# Trainer.compute_loss: the sum over real labels and their count, not the micro-batch mean, so
-# that micro-batches with more real tokens weigh more (as in one big batch).
+# Trainer.compute_loss: the sum over the real next tokens and their count, not the micro-batch
+# mean, so that micro-batches with more real tokens weigh more (as in one big batch). The
+# labels are shifted as the model shifts them: logits at t against the label at t + 1.
 def loss_fn(model: nn.Module, batch: Example) -> tuple[torch.Tensor, torch.Tensor]:
     logits = model(input_ids=batch["input_ids"])["logits"]
-    return token_cross_entropy(logits, batch["labels"], ignore_index=IGNORE)
+    return causal_lm_loss(logits, batch["labels"], ignore_index=IGNORE)
 
 
-# Trainer.evaluate + compute_metrics: per-token loss and accuracy over the real labels.
+# Trainer.evaluate + compute_metrics: per-token loss and accuracy over the real next tokens.
 def eval_fn(model: nn.Module, batch: Example) -> dict[str, torch.Tensor]:
-    logits = model(input_ids=batch["input_ids"])["logits"]
-    labels = batch["labels"]
+    logits = model(input_ids=batch["input_ids"])["logits"][:, :-1]
+    labels = batch["labels"][:, 1:]
     real = labels != IGNORE
     loss = F.cross_entropy(logits[real], labels[real], reduction="none")
     return {"value": loss, "preds": logits[real], "target": labels[real]}

@@ -9,6 +9,19 @@ from typing import Any
 import torch
 
 
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 when its dtype is narrower (bf16, fp16), else as it is (float64
+    stays float64): the dtype of a loss that steplib reports or accumulates.
+
+    Example:
+        >>> at_least_float32(torch.ones((), dtype=torch.bfloat16)).dtype
+        torch.float32
+        >>> at_least_float32(torch.ones((), dtype=torch.float64)).dtype
+        torch.float64
+    """
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class StepOutput:
     """What one call of a step reports. Every value is a tensor left where it was computed:
     reading one (``.item()``, ``float()``) is a host sync, so do it in a handler, not per step.
@@ -19,7 +32,9 @@ class StepOutput:
     Attributes:
         loss: the normalised loss. On the call that closes a window it is the window's
             loss (sum of loss sums / sum of targets), i.e. the loss that the applied gradient is
-            the gradient of; on other calls it is that micro-batch's own normalised loss.
+            the gradient of; on other calls it is that micro-batch's own normalised loss. In
+            the loss's own dtype, float32 at least: a bf16 or fp16 loss is reported (and
+            summed over the window) in float32, a float64 loss in float64.
         num_targets: targets in that loss (the window's total on an update).
         has_targets: (property) whether ``num_targets`` > 0; a window without targets
             contributes no gradient (its gradients are zeroed, never divided by 0 or less).
@@ -67,7 +82,7 @@ class StepOutput:
 
     @property
     def loss(self) -> torch.Tensor:
-        return self._sum.float() / self._targets
+        return at_least_float32(self._sum) / self._targets
 
     @property
     def num_targets(self) -> torch.Tensor:

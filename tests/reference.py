@@ -99,9 +99,9 @@ def reference_loop(
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None and did_update:
             scheduler.step()
-        records.append(
-            {"loss": loss.detach().float(), "grad_norm": grad_norm, "did_update": did_update}
-        )
+        # At least float32, as steplib reports it: a float64 loss stays float64.
+        reported = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+        records.append({"loss": reported, "grad_norm": grad_norm, "did_update": did_update})
     return records
 
 

@@ -115,6 +115,25 @@ def test_other_shapes_are_refused_even_when_not_strict(pretrained: dict[str, Any
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_ignore_mismatched_sizes_skips_other_shapes_and_reports_them(
+    pretrained: dict[str, Any],
+) -> None:
+    # issue 28: HF's from_pretrained(ignore_mismatched_sizes=True); the head keeps its own.
+    model = net(1, classes=5)  # the head's name, another size
+    new_head = copy(model["head"])
+    with pytest.warns(CheckpointWarning, match=r"skipped for their shapes.*head\.weight \(3, 16\)"):
+        report = load_weights(model, pretrained["urls"][0], ignore_mismatched_sizes=True)
+    assert report.mismatched_keys == ["head.weight", "head.bias"]
+    assert report == ([], [])  # no name differs
+    saved = pretrained["weights"][0]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, new_head[name[5:]] if name.startswith("head.") else saved[name])
+    with pytest.raises(ConfigError, match="ignore_mismatched_sizes=True"):
+        load_weights(net(1, classes=5), pretrained["urls"][0])
+    with pytest.raises(ConfigError, match="received 'yes'"):
+        load_weights(model, pretrained["urls"][0], ignore_mismatched_sizes="yes")  # type: ignore[arg-type]
+
+
 def test_a_corrupt_checkpoint_is_caught_and_a_directory_falls_back(
     pretrained: dict[str, Any], tmp_path: Path
 ) -> None:

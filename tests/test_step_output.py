@@ -66,3 +66,25 @@ def test_outputs_and_the_window_hold_no_autograd_graph() -> None:
     state, out = step(state, make_batches(1)[0])
     assert out.loss.grad_fn is None and not out.loss.requires_grad
     assert isinstance(state.window_loss, torch.Tensor) and state.window_loss.grad_fn is None
+
+
+def test_the_loss_is_reported_in_its_own_dtype_and_at_least_float32() -> None:
+    # issue 28: a float64 model reported a float32 out.loss (rounded to 7 digits).
+    model = torch.nn.Linear(3, 1).double()
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = accumulate(make_train_step(lambda m, b: (m(b).pow(2).sum(), b.shape[0])), 2)
+    batches = [torch.randn(n, 3, dtype=torch.float64) for n in (1, 2)]
+    with torch.no_grad():
+        expected = model(batches[0]).pow(2).sum()  # float64: 16 digits, not float32's 7
+    state, micro = step(state, batches[0])
+    assert micro.loss.dtype == torch.float64 and float(micro.loss) == float(expected)
+    assert state.window_loss.dtype == torch.float64  # type: ignore[union-attr]
+    state, update = step(state, batches[1])
+    assert bool(update.did_update) and update.loss.dtype == torch.float64
+
+    half = torch.nn.Linear(3, 1).to(torch.bfloat16)  # a bf16 loss is reported in float32
+    state = TrainState.create(model=half, optimizer=torch.optim.SGD(half.parameters(), lr=0.1))
+    state, out = make_train_step(lambda m, b: m(b).pow(2).mean())(
+        state, torch.ones(2, 3, dtype=torch.bfloat16)
+    )
+    assert out.loss.dtype == torch.float32

@@ -136,6 +136,37 @@ def test_steps_equivalent_tolerances_and_update_counts() -> None:
         assert_steps_equivalent(_build(), scaled, make_batches(3))
 
 
+def test_steps_equivalent_has_separate_tolerances_for_the_loss_and_the_parameters() -> None:
+    # issue 28: one tolerance for both. A constant added to the loss moves the loss, not the
+    # gradient: the parameters stay bit-equal while the losses are 1e-3 apart.
+    shifted = _build(lambda m, b: mean_loss(m, b) + 1e-3)
+    assert_steps_equivalent(_build(), shifted, make_batches(3), loss_atol=2e-3)
+    with pytest.raises(AssertionError, match=r"at update 1 .*: the loss differs"):
+        assert_steps_equivalent(_build(), shifted, make_batches(3), param_atol=2e-3)
+
+    # The other way round: a step that nudges a weight after its update moves the parameters,
+    # while the loss of the update (computed before it) is equal.
+    def nudged() -> tuple[Any, TrainState]:
+        step, state = _build()()
+
+        def wrapped(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+            state, out = step(state, batch)
+            with torch.no_grad():
+                next(state.model.parameters()).add_(1e-5)  # 0.weight
+            return state, out
+
+        return wrapped, state
+
+    with pytest.raises(AssertionError, match=r"at update 1 .*: parameter '0.weight' differs"):
+        assert_steps_equivalent(_build(), nudged, make_batches(1), loss_atol=1.0, param_atol=1e-9)
+    assert_steps_equivalent(_build(), nudged, make_batches(1), loss_atol=0.0, param_atol=1e-3)
+    assert_accumulation_exact(
+        _build(token_loss), make_batches(4), 2, loss_atol=1e-6, param_atol=1e-6
+    )
+    with pytest.raises(ConfigError, match=r"param_rtol=\.\.\.\) received -1"):
+        assert_steps_equivalent(_build(), _build(), make_batches(1), param_rtol=-1)
+
+
 # --- assert_accumulation_exact ---------------------------------------------------------------
 
 

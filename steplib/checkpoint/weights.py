@@ -38,13 +38,28 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _ZIP = b"PK\x03\x04"  # torch.save's format is a zip archive
 
 
+class LoadedWeights(_IncompatibleKeys):
+    """torch's ``(missing_keys, unexpected_keys)`` named tuple, with ``mismatched_keys``: the
+    names skipped by ``ignore_mismatched_sizes=True`` because their shapes differ."""
+
+    mismatched_keys: list[str]
+
+    def __new__(
+        cls, missing: list[str], unexpected: list[str], mismatched: list[str]
+    ) -> LoadedWeights:
+        report = super().__new__(cls, missing, unexpected)
+        report.mismatched_keys = mismatched
+        return report
+
+
 def load_weights(
     model: nn.Module | TrainState,
     source: str,
     *,
     strict: bool = True,
+    ignore_mismatched_sizes: bool = False,
     storage_options: StorageOptions = None,
-) -> _IncompatibleKeys:
+) -> LoadedWeights:
     """Load the weights saved at ``source`` into ``model``; nothing else changes.
 
     The optimizer, scheduler, counters, RNG states and data position are not touched: this
@@ -72,18 +87,24 @@ def load_weights(
         source: a local path or fsspec URL: a checkpoint, a directory of them, or a file.
         strict: ``True`` refuses weights whose names differ from the model's (listing them);
             ``False`` loads the names both have, leaves the others as they are, and warns
-            with the lists (a ``CheckpointWarning``). Shapes must match either way.
+            with the lists (a ``CheckpointWarning``).
+        ignore_mismatched_sizes: ``False`` refuses a weight whose shape differs from the
+            model's (as torch does); ``True`` skips it, so that the model keeps its own (a head
+            for other classes, as Hugging Face's ``from_pretrained`` option of that name), and
+            warns with the names and both shapes (a ``CheckpointWarning``).
         storage_options: passed to fsspec.
 
     Returns:
         torch's ``(missing_keys, unexpected_keys)`` named tuple, as ``load_state_dict``
         returns it: the model's names not in ``source`` (left as they were), and the names of
-        ``source`` not in the model (not used). Both are empty after a strict load.
+        ``source`` not in the model (not used). Both are empty after a strict load. Its
+        ``mismatched_keys`` are the names skipped for their shapes (left as they were).
 
     Raises:
         ConfigError: with ``strict=True``, names that differ (missing and unexpected listed);
-            in any case, a weight whose shape differs from the model's, a ``source`` that
-            holds no ``state_dict``, or a bad argument. Nothing is changed then.
+            with ``ignore_mismatched_sizes=False``, a weight whose shape differs from the
+            model's; in any case, a ``source`` that holds no ``state_dict``, or a bad argument.
+            Nothing is changed then.
         CorruptCheckpointError: a checkpoint file is truncated, altered or missing (named).
         CheckpointError: nothing at ``source``, or a directory without a checkpoint.
 
@@ -103,6 +124,12 @@ def load_weights(
         ([], ['1.weight', '1.bias'])
         >>> torch.equal(model[0].weight, pretrained[0].weight)
         True
+        >>> other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # it warns: 1.weight (10, 4) there, (3, 4) here
+        ...     report = load_weights(other, url, ignore_mismatched_sizes=True)
+        >>> report.mismatched_keys
+        ['1.weight', '1.bias']
     """
     module = _target(model)
     if not isinstance(strict, bool):
@@ -110,13 +137,28 @@ def load_weights(
             f"load_weights(strict=...) received {describe(strict)}; pass True (the names must "
             "match) or False (load the names both have, report the rest)."
         )
+    if not isinstance(ignore_mismatched_sizes, bool):
+        raise ConfigError(
+            "load_weights(ignore_mismatched_sizes=...) received "
+            f"{describe(ignore_mismatched_sizes)}; pass False (other shapes are refused) or "
+            "True (they are skipped, kept as the model has them, and reported)."
+        )
     location = storage.resolve(source, storage_options, caller="load_weights")
     url, weights = _read(location, storage_options)
     expected = module.state_dict()
     weights = _without_wrapper_prefixes(weights, expected)
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
-    _check_shapes(weights, expected, url)
+    reshaped = _reshaped(weights, expected, url)
+    if reshaped and not ignore_mismatched_sizes:
+        raise ConfigError(
+            f"load_weights: weights of other shapes than the model's: "
+            f"{_listed(list(reshaped.values()))}. strict=False skips names, not shapes. To "
+            "give a layer another size (a head for other classes), pass "
+            "ignore_mismatched_sizes=True (the layer keeps its new initialisation), or load "
+            "first and replace the layer after: load_weights(model, url); model.head = "
+            "nn.Linear(..., num_classes)."
+        )
     if len(unexpected) == len(weights) and expected:
         # strict=False would load nothing: another model, or names under a prefix (a
         # LightningModule's "model.") that only the user can map.
@@ -133,7 +175,7 @@ def load_weights(
             "to load the weights both have and keep the others as they are (a new head), or "
             "build the model as the one that saved them."
         )
-    shared = {k: v for k, v in weights.items() if k in expected}
+    shared = {k: v for k, v in weights.items() if k in expected and k not in reshaped}
     if holds_dtensor_parameters(module):  # FSDP2 / tensor parallel: each rank keeps its shard
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -151,7 +193,14 @@ def load_weights(
             CheckpointWarning,
             stacklevel=2,
         )
-    return _IncompatibleKeys(missing, unexpected)
+    if reshaped:
+        warnings.warn(
+            f"load_weights(ignore_mismatched_sizes=True) from {url}: skipped for their shapes, "
+            f"kept as the model has them: {_listed(list(reshaped.values()))}.",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    return LoadedWeights(missing, unexpected, list(reshaped))
 
 
 def _target(model: Any) -> nn.Module:
@@ -278,23 +327,16 @@ def _without_wrapper_prefixes(
     return weights
 
 
-def _check_shapes(weights: Mapping[str, Any], expected: Mapping[str, Any], url: str) -> None:
-    reshaped = [
-        f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
+def _reshaped(weights: Mapping[str, Any], expected: Mapping[str, Any], url: str) -> dict[str, str]:
+    """``{name: "name (shape) in url, (shape) here"}`` for the names whose shapes differ."""
+    return {
+        k: f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
         for k, v in expected.items()
         if k in weights
         and isinstance(v, torch.Tensor)
         and isinstance(weights[k], torch.Tensor)
         and weights[k].shape != v.shape
-    ]
-    if reshaped:
-        raise ConfigError(
-            f"load_weights: weights of other shapes than the model's: {_listed(reshaped)}. "
-            "strict=False skips names, not shapes. To give a layer another size (a head for "
-            "other classes), load first and replace the layer after: load_weights(model, "
-            "url); model.head = nn.Linear(..., num_classes); or give the new layer a name of "
-            "its own."
-        )
+    }
 
 
 def _differences(missing: list[str], unexpected: list[str]) -> str:

@@ -22,7 +22,7 @@ import torch
 
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
-from steplib.output import StepOutput
+from steplib.output import StepOutput, at_least_float32
 from steplib.state import TrainState
 from steplib.step.parts import Part, plain
 from steplib.step.phases import apply, forward_backward, lr_now, process_grads
@@ -95,8 +95,9 @@ class Step:
         state = state.replace(
             micro_step=state.micro_step + 1,
             window_size=size,
-            # The first micro-batch of a window starts the sum: no add, no zero tensor.
-            window_loss=loss_sum.float() if size == 1 else state.window_loss + loss_sum,
+            # The first micro-batch of a window starts the sum: no add, no zero tensor. At least
+            # float32 (a bf16 sum would round), a float64 loss stays float64.
+            window_loss=at_least_float32(loss_sum) if size == 1 else state.window_loss + loss_sum,
             # int + int stays on the host; a tensor count makes it a device tensor.
             window_targets=state.window_targets + out.num_targets,
         )

@@ -17,16 +17,17 @@ from steplib.testing.runs import (
     Call,
     Divergence,
     Run,
-    Values,
+    Tolerance,
     build_seeded,
     check_separate,
     first_divergence,
+    first_divergence_after_update,
     global_rng_kept,
     list_calls,
-    loss_value,
     optimizer_values,
     parameter_values,
     seed_all,
+    tolerance,
 )
 
 _ORDER = "after every update: the loss, then every parameter, then the optimizer state"
@@ -39,6 +40,10 @@ def assert_steps_equivalent(
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
+    loss_atol: float | None = None,
+    loss_rtol: float | None = None,
+    param_atol: float | None = None,
+    param_rtol: float | None = None,
     seed: int = 0,
 ) -> None:
     """Assert that two steps train alike: same batches, same initial weights, same updates.
@@ -60,6 +65,10 @@ def assert_steps_equivalent(
         batches: the batches both steps are fed, in order (iterated once, kept in a list).
         atol: absolute tolerance; 0 with ``rtol=0`` means bit-for-bit equality.
         rtol: relative tolerance.
+        loss_atol: absolute tolerance of the losses (default: ``atol``).
+        loss_rtol: relative tolerance of the losses (default: ``rtol``).
+        param_atol: of the parameters and optimizer state (default: ``atol``).
+        param_rtol: of the parameters and optimizer state (default: ``rtol``).
         seed: the seed of the global generators before each build and before each run.
 
     Raises:
@@ -68,8 +77,8 @@ def assert_steps_equivalent(
             quantity that differs (the loss, ``parameter '0.weight'``, ``optimizer state
             'momentum_buffer' of parameter ...``), how far apart it is, and how many more
             entries differ there.
-        ConfigError: a factory returned something other than ``(step, state)``, or both runs
-            share a model or optimizer.
+        ConfigError: a factory returned something other than ``(step, state)``, both runs
+            share a model or optimizer, or a tolerance is not a number >= 0.
 
     Example:
         >>> import torch
@@ -80,8 +89,14 @@ def assert_steps_equivalent(
         ...     step = make_train_step(lambda m, b: m(b).pow(2).mean())
         ...     return step, TrainState.create(model=model, optimizer=opt)
         >>> assert_steps_equivalent(build, build, [torch.ones(4, 3)] * 3)
+        >>> assert_steps_equivalent(build, build, [torch.ones(4, 3)] * 3,
+        ...                         loss_atol=1e-7, param_atol=1e-6)
     """
     caller = "assert_steps_equivalent"
+    tol = tolerance(
+        caller, atol, rtol, loss_atol=loss_atol, loss_rtol=loss_rtol,
+        param_atol=param_atol, param_rtol=param_rtol,
+    )  # fmt: skip
     batches = list(batches)
     with global_rng_kept():
         step_a, state_a = build_seeded(build_a, seed, caller)
@@ -93,8 +108,7 @@ def assert_steps_equivalent(
             Run(list_calls(step_a, state_a, batches), start),
             Run(list_calls(step_b, state_b, batches), start),
             (state_a, state_b),
-            atol=atol,
-            rtol=rtol,
+            tol,
             names=("A", "B"),
             caller=caller,
         )
@@ -116,6 +130,10 @@ def assert_accumulation_exact(
     concat: Callable[[Sequence[Any]], Any] | None = None,
     atol: float = 1e-6,
     rtol: float = 1e-6,
+    loss_atol: float | None = None,
+    loss_rtol: float | None = None,
+    param_atol: float | None = None,
+    param_rtol: float | None = None,
     seed: int = 0,
 ) -> None:
     """Assert that ``accumulate(step, k)`` over k micro-batches equals one step over their
@@ -138,6 +156,10 @@ def assert_accumulation_exact(
             concatenates tensors (also inside tuples, lists and dicts) along dim 0.
         atol: absolute tolerance (summing in another order rounds differently).
         rtol: relative tolerance.
+        loss_atol: absolute tolerance of the losses (default: ``atol``).
+        loss_rtol: relative tolerance of the losses (default: ``rtol``).
+        param_atol: of the parameters and optimizer state (default: ``atol``).
+        param_rtol: of the parameters and optimizer state (default: ``rtol``).
         seed: the seed of the global generators before each build and before each run.
 
     Raises:
@@ -160,6 +182,10 @@ def assert_accumulation_exact(
         >>> assert_accumulation_exact(build, micro, 3)
     """
     caller = "assert_accumulation_exact"
+    tol = tolerance(
+        caller, atol, rtol, loss_atol=loss_atol, loss_rtol=loss_rtol,
+        param_atol=param_atol, param_rtol=param_rtol,
+    )  # fmt: skip
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"{caller}: k={describe(k)}; pass the micro-batches per update, >= 1.")
     batches = list(batches)
@@ -179,8 +205,7 @@ def assert_accumulation_exact(
             Run(list_calls(accumulate(step_a, k), state_a, batches), start),
             Run(list_calls(step_b, state_b, joined), start),
             (state_a, state_b),
-            atol=atol,
-            rtol=rtol,
+            tol,
             names=names,
             caller=caller,
         )
@@ -253,13 +278,13 @@ def _lockstep_by_update(
     run_a: Run,
     run_b: Run,
     initial: tuple[Any, Any],
+    tol: Tolerance,
     *,
-    atol: float,
-    rtol: float,
     names: tuple[str, str],
     caller: str,
 ) -> _Parted | None:
     state_a, state_b = initial
+    atol, rtol = tol.params
     found = first_divergence(
         parameter_values(state_a) + optimizer_values(state_a),
         parameter_values(state_b) + optimizer_values(state_b),
@@ -281,16 +306,9 @@ def _lockstep_by_update(
                     pass
             detail = f"{names[0]} made {run_a.updates} and {names[1]} made {run_b.updates}"
             return _Parted(update, a, b, Divergence("the number of updates", detail))
-        found = first_divergence(
-            _values(a, caller), _values(b, caller), atol=atol, rtol=rtol, names=names
-        )
+        found = first_divergence_after_update(a, b, tol, names, caller)
         if found is not None:
             return _Parted(update, a, b, found)
-
-
-def _values(call: Call, caller: str) -> Values:
-    state = call.state
-    return loss_value(call.out, caller) + parameter_values(state) + optimizer_values(state)
 
 
 def _on(count: int) -> Callable[[int], str]:

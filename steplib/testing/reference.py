@@ -95,7 +95,8 @@ def reference_loop(
             # Backward of the SUM: gradients of the window's micro-batches add up in .grad.
             # A float16 scaler multiplies the loss first, so small gradients do not underflow.
             (batch_sum if scaler is None else scaler.scale(batch_sum)).backward()
-            partial = batch_sum.detach().float()
+            # Summed in float32 at least, as the step sums: a float64 loss stays float64.
+            partial = batch_sum.detach().to(torch.promote_types(batch_sum.dtype, torch.float32))
             loss_sum = partial if loss_sum is None else loss_sum + partial
             targets = targets + count  # a plain scalar loss counts as one target
         assert loss_sum is not None  # a window holds at least one batch

@@ -168,6 +168,43 @@ class Divergence:
         return f"{self.label} differs: {self.detail}{more}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """``(atol, rtol)`` for the losses and for the parameters (and the optimizer state)."""
+
+    loss: tuple[float, float]
+    params: tuple[float, float]
+
+
+def tolerance(caller: str, atol: float, rtol: float, **given: float | None) -> Tolerance:
+    """The tolerances of ``caller``: ``loss_atol``, ``loss_rtol``, ``param_atol`` and
+    ``param_rtol`` where given, else ``atol`` / ``rtol`` (one tolerance for everything).
+
+    A loss is one number rounded once per update, the parameters are many summed over all the
+    updates so far: they rarely need the same tolerance.
+
+    Raises:
+        ConfigError: a tolerance that is not a number >= 0.
+    """
+    for label, value in {"atol": atol, "rtol": rtol, **given}.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
+        ):
+            raise ConfigError(
+                f"{caller}({label}=...) received {describe(value)}; a tolerance is a number "
+                f">= 0, e.g. {label}=1e-6."
+            )
+
+    def pick(label: str, default: float) -> float:
+        value = given.get(label)
+        return default if value is None else value
+
+    return Tolerance(
+        loss=(pick("loss_atol", atol), pick("loss_rtol", rtol)),
+        params=(pick("param_atol", atol), pick("param_rtol", rtol)),
+    )
+
+
 def parameter_values(state: Any) -> Values:
     return [(f"parameter {name!r}", p.detach()) for name, p in state.model.named_parameters()]
 
@@ -280,3 +317,25 @@ def value_difference(
             return f"{x!r} in {a} vs {y!r} in {b}"
         return f"{describe(x)} in {a} vs {describe(y)} in {b}"
     return None
+
+
+def first_divergence_after_update(
+    a: Call, b: Call, tol: Tolerance, names: tuple[str, str], caller: str
+) -> Divergence | None:
+    """The first entry of two runs' calls that differs after an update: the loss (at the loss
+    tolerance), then the parameters and optimizer state (at theirs); ``None`` if none."""
+    loss = first_divergence(
+        loss_value(a.out, caller), loss_value(b.out, caller), atol=tol.loss[0],
+        rtol=tol.loss[1], names=names,
+    )  # fmt: skip
+    params = first_divergence(
+        state_values(a.state), state_values(b.state), atol=tol.params[0],
+        rtol=tol.params[1], names=names,
+    )  # fmt: skip
+    if loss is None or params is None:
+        return loss or params
+    return dataclasses.replace(loss, more=loss.more + 1 + params.more)
+
+
+def state_values(state: Any) -> Values:
+    return parameter_values(state) + optimizer_values(state)
