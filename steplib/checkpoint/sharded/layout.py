@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import ConfigError
@@ -23,32 +24,44 @@ def rank_file(rank: int) -> str:
 
 
 def is_sharded(state: Any) -> bool:
-    """Whether ``state`` is saved as a sharded checkpoint: a process group is initialised and
-    its model is DDP or FSDP2, or holds DTensor parameters (``apply_tp``, FSDP2 x TP).
+    """Which ranks write what: the one decision that ``save``, ``load``, ``AsyncSaver``,
+    retention and ``preemption`` all take from here.
 
-    A DTensor parameter is one rank's shard: written as a plain ``model.pt`` by every rank,
-    the last writer's shards would win and load into every rank. So every DTensor state is
-    sharded, and one without a process group (destroyed) is refused.
+    Sharded (``True``): a process group is initialised and some module of the state's model
+    is DDP or FSDP2 (the model itself, or a named one: ``{"G": apply_ddp(g), "D":
+    apply_ddp(d)}``), or the model holds DTensor parameters (``apply_tp``, FSDP2 x TP). The
+    ranks train one run: every rank calls the save together, writes its own part (its shard
+    through DCP, and its own train state: RNG states, data position, window) and rank 0 alone
+    commits the one checkpoint, and prunes. Plain (``False``): this process writes and commits
+    the whole checkpoint (one process; or a model of its own, such as a pipeline stage, saved
+    into a directory of its own).
+
+    A DTensor parameter is one rank's shard, and a DDP replica sits next to per-rank RNG
+    states and data positions: written as one plain checkpoint by every rank, the last
+    writer's would win and load into every rank (and the ranks' commits would race). So every
+    such state is sharded, and a DTensor state without a process group (destroyed) is refused.
+
+    Args:
+        state: a TrainState (anything else is not sharded).
+
+    Returns:
+        Whether a save of ``state`` is the ranks' sharded checkpoint.
 
     Raises:
         ConfigError: the model holds DTensor parameters but no process group is initialised.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters())
+        >>> is_sharded(TrainState.create(model=model, optimizer=optimizer))  # no process group
+        False
     """
     model = getattr(state, "model", None)
     if not isinstance(model, torch.nn.Module):
         return False
     grouped = dist.is_available() and dist.is_initialized()
-    sharded = (grouped and is_parallel_model(model)) or holds_dtensor_parameters(model)
-    names: tuple[str, ...] = getattr(state, "names", ())
-    if sharded and names:
-        raise ConfigError(
-            f"a state with several optimizers ({list(names)}) over one sharded or "
-            f"DDP-wrapped model ({type(model).__name__}) has no checkpoint format yet: sharded "
-            "checkpoints hold one optimizer. Wrap each named module instead, "
-            "model={'G': apply_ddp(g), 'D': apply_ddp(d)}: its checkpoint is a plain one that "
-            "every rank writes alike."
-        )
-    if grouped and is_parallel_model(model):
-        return True
     if holds_dtensor_parameters(model):
         if not grouped:
             raise ConfigError(
@@ -59,7 +72,20 @@ def is_sharded(state: Any) -> bool:
                 "process, load the checkpoint into a plain (unsharded) model."
             )
         return True
-    return False
+    return grouped and any(is_parallel_model(module) for module in model.modules())
+
+
+def keeps_window_grads(model: torch.nn.Module) -> bool:
+    """Whether a sharded checkpoint of ``model`` can hold an open accumulation window's
+    gradients: every parallel module is DDP (each rank's unsynchronised gradients, whole);
+    FSDP2 keeps them unsharded inside its parameter groups with no public way to read them,
+    and a tensor-parallel model's are DTensors bound to the run's mesh."""
+    parallel = [m for m in model.modules() if is_parallel_model(m)]
+    return (
+        bool(parallel)
+        and all(isinstance(m, DistributedDataParallel) for m in parallel)
+        and not holds_dtensor_parameters(model)
+    )
 
 
 def holds_dtensor_parameters(model: torch.nn.Module) -> bool:

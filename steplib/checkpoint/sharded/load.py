@@ -10,7 +10,6 @@ import pickle
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -21,7 +20,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.contents import read_tree
@@ -31,6 +29,7 @@ from steplib.checkpoint.restore import (
     check_model,
     check_optimizer,
     check_train_state,
+    lane_trees,
     restore_train_state,
 )
 from steplib.checkpoint.sharded.dcp_io import (
@@ -44,7 +43,15 @@ from steplib.checkpoint.sharded.layout import (
     DCP_DIR,
     DISTRIBUTION_WRAPPERS,
     is_sharded,
+    keeps_window_grads,
     rank_file,
+)
+from steplib.checkpoint.sharded.optimizers import (
+    by_name,
+    check_names,
+    keyed,
+    load_hyperparameters,
+    unkeyed,
 )
 from steplib.checkpoint.storage import Location
 from steplib.data.shards import check_new_world
@@ -93,16 +100,24 @@ def load_sharded(
         )
     rank_tree = _read_rank_file(location.child(own), url)
     train_state = rank_tree["train_state"]
-    optimizer_info = rank_tree["optimizer"]
-    check_optimizer(
-        train_state["optimizer_type"],
-        optimizer_info["group_sizes"],
-        state.optimizer,
-        checkpoint=url,
-    )
+    infos = unkeyed(rank_tree)
+    check_names(infos, state, checkpoint=url)
+    optimizers = by_name(state)
+    trees = lane_trees(train_state, state)
+    for name, info in infos.items():
+        check_optimizer(
+            trees[name]["optimizer_type"], info["group_sizes"], optimizers[name], checkpoint=url
+        )
     check_train_state(train_state, state, data=data, extras=extras, checkpoint=url)
+    opened = any(tree["counters"]["window_size"] > 0 for tree in trees.values())
     _check_placement(
-        manifest, state, data=data, position=train_state["data"], world=world, checkpoint=url
+        manifest,
+        state,
+        data=data,
+        position=train_state["data"],
+        world=world,
+        opened=opened,
+        checkpoint=url,
     )
     if not same_world and _holds_dtensor(train_state["objects"]):
         raise ConfigError(
@@ -112,11 +127,16 @@ def load_sharded(
             f"on {manifest.world_size} ranks."
         )
 
-    model, optimizer = state.model, state.optimizer
-    has_state = bool(optimizer_info["has_state"])
+    model = state.model
+    with_state = {name for name, info in infos.items() if info["has_state"]}
     target = {
         "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer) if has_state else {},
+        **keyed(
+            {
+                name: get_optimizer_state_dict(model, optimizer) if name in with_state else {}
+                for name, optimizer in optimizers.items()
+            }
+        ),
     }
     tensors, _ = split(target)
     reader_url = location.child(DCP_DIR).url
@@ -131,10 +151,11 @@ def load_sharded(
         )
     loaded = merge(tensors, rank_tree["plain"])
     set_model_state_dict(model, loaded["model"])
-    if has_state:
-        set_optimizer_state_dict(model, optimizer, loaded["optimizer"])
-    else:
-        _load_hyperparameters(optimizer, optimizer_info["groups"])
+    for name, saved in unkeyed(loaded).items():
+        if name in with_state:
+            set_optimizer_state_dict(model, optimizers[name], saved)
+        else:
+            load_hyperparameters(optimizers[name], infos[name]["groups"])
     return restore_train_state(
         train_state,
         state,
@@ -188,9 +209,11 @@ def _check_placement(
     data: Any,
     position: Any,
     world: int,
+    opened: bool,
     checkpoint: str,
 ) -> None:
-    """Refuse what cannot move to another world size or distribution (before any change)."""
+    """Refuse what cannot move to another world size or distribution (before any change);
+    ``opened``: some optimizer's accumulation window was open at the save."""
     saved = manifest.world_size
     if world != saved and data is not None:
         # Only a sharded loader's position (samples consumed by all ranks) means the same on
@@ -198,9 +221,7 @@ def _check_placement(
         check_new_world(
             data, position, saved_world_size=saved, world_size=world, checkpoint=checkpoint
         )
-    if manifest.window_size > 0 and (
-        world != saved or not isinstance(state.model, DistributedDataParallel)
-    ):
+    if opened and (world != saved or not keeps_window_grads(state.model)):
         raise ConfigError(
             f"load: checkpoint {checkpoint} was taken inside an open accumulation window by "
             f"{saved} DDP ranks, whose unsynchronised gradients only fit {saved} DDP ranks "
@@ -236,7 +257,9 @@ def _check_keys(
             "optimizer, as to fine-tune)"
         ),
     )
-    missing = sorted(k for k in needed if k.startswith("optimizer.") and k not in saved)
+    missing = sorted(
+        k for k in needed if k.startswith(("optimizer.", "optimizers.")) and k not in saved
+    )
     if missing:
         raise ConfigError(
             f"load: checkpoint {checkpoint} holds no optimizer state for "
@@ -254,19 +277,3 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, 
         else:
             out[f"{prefix}{key}"] = tuple(value.shape)
     return out
-
-
-def _load_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    # Saved before the first update: no per-parameter state, only the groups' settings. The
-    # optimizer's own load_state_dict takes them (and empties its state, as it was).
-    params: list[list[int]] = []
-    start = 0
-    for group in optimizer.param_groups:
-        params.append(list(range(start, start + len(group["params"]))))
-        start += len(group["params"])
-    optimizer.load_state_dict(
-        {
-            "state": {},
-            "param_groups": [dict(g, params=p) for g, p in zip(groups, params, strict=True)],
-        }
-    )

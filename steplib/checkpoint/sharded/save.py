@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import checksummed, storage
 from steplib.checkpoint.checksummed import FileRecord
@@ -18,6 +17,7 @@ from steplib.checkpoint.contents import (
     check_arguments,
     check_metrics,
     check_plain,
+    lanes,
     train_state_tree,
     window_grads,
 )
@@ -28,7 +28,12 @@ from steplib.checkpoint.manifest import (
     Manifest,
     library_versions,
 )
-from steplib.checkpoint.sharded.layout import DCP_DIR, rank_file
+from steplib.checkpoint.sharded.layout import (
+    DCP_DIR,
+    keeps_window_grads,
+    rank_file,
+)
+from steplib.checkpoint.sharded.optimizers import by_name, describe_info, keyed, state_dicts
 from steplib.checkpoint.storage import Location
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import CheckpointError, ConfigError
@@ -42,7 +47,8 @@ class ShardedPlan:
 
     directory: Location
     name: str
-    tensors: dict[str, Any]  # for DCP: {"model": ..., "optimizer": {"state": ...}}
+    # for DCP: {"model": ..., "optimizer": {"state": ...}}, or "optimizers": {name: ...}
+    tensors: dict[str, Any]
     rank_tree: dict[str, Any]  # this rank's torch.save file
     manifest: Manifest  # rank 0's; ``files`` and ``versions`` are filled in by ``write_sharded``
     storage_options: Mapping[str, Any]
@@ -70,47 +76,34 @@ def prepare_sharded(
     """
     # DCP is imported where it is used: it costs ~0.8 s, which single-process users of
     # steplib (every `import steplib`) should not pay.
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from steplib.checkpoint.sharded.dcp_io import split
 
     extras = check_arguments(caller, state, data=data, extras=extras, step=step)
     location = storage.resolve(directory, storage_options, caller=caller)
     numbers = check_metrics(metrics, caller)
-    model, optimizer = state.model, state.optimizer
+    model = state.model
     grads = None
-    if state.window_size > 0:
-        if not isinstance(model, DistributedDataParallel):
+    opened = [lane for lane in lanes(state) if lane.window_size > 0]
+    if opened:
+        if not keeps_window_grads(model):
             # FSDP2 keeps the window's gradients unsharded inside its parameter groups, with
             # no public way to read them back; saving without them would resume wrongly.
             # A tensor-parallel model's are DTensors, bound to this run's mesh: not saved either.
-            kind = "an FSDP2" if is_parallel_model(model) else "a tensor-parallel (DTensor)"
+            fsdp = any(is_parallel_model(m) for m in model.modules())
+            kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
             raise ConfigError(
                 f"{caller}: the state is inside an open accumulation window "
-                f"({state.window_size} micro-batches done) of {kind} model, whose "
+                f"({opened[0].window_size} micro-batches done) of {kind} model, whose "
                 "unsynchronised gradients cannot be saved. Save between windows: "
                 "checkpoint_every and preemption() do; or save when out.did_update is True."
             )
         grads = window_grads(model)
-    model_sd = get_model_state_dict(model)
-    # get_optimizer_state_dict initialises an empty optimizer state by stepping it once with
-    # lr=0, which changes what the next real step computes (Adam's step count). Before the
-    # first update there is no state to save anyway: only the hyperparameters are saved.
-    has_state = bool(optimizer.state)
-    optim_sd = get_optimizer_state_dict(model, optimizer) if has_state else {}
-    tensors, plain = split({"model": model_sd, "optimizer": optim_sd})
+    tensors, plain = split({"model": get_model_state_dict(model), **state_dicts(model, state)})
     rank_tree = {
         "plain": plain,
-        "optimizer": {
-            "has_state": has_state,
-            "groups": [
-                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-            ],
-            "group_sizes": [len(g["params"]) for g in optimizer.param_groups],
-        },
+        **keyed({name: describe_info(opt) for name, opt in by_name(state).items()}),
         "train_state": train_state_tree(state, data=data, extras=extras),
         "window_grads": grads,
     }
