@@ -1,10 +1,12 @@
 """Data-parallel training with steplib, launched by torchrun (CPU/gloo here, GPUs/nccl alike).
 
-    torchrun --nproc_per_node=2 examples/ddp_train.py --steps 20
+    torchrun --nproc_per_node=2 examples/ddp_train.py --steps 20 --checkpoints runs/ddp/ckpt
 
 What changes from a single-process script: ``init_distributed()``, ``apply_ddp(model)``, a
 ``DistributedSampler`` so each rank sees its own shard, and ``ddp_wrap(step)``. The step, the
-loop and the handlers are the same.
+loop and the handlers are the same; a checkpoint of a DDP state is the ranks' sharded one, which
+every rank saves together. The end is ``shutdown()`` on every rank: it waits for the others
+before tearing the process groups down, so that a finished job exits 0.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--checkpoints", default=None, help="save every 5 updates into it")
     args = parser.parse_args(argv)
 
     env = init_distributed()
@@ -55,10 +58,12 @@ def main(argv: list[str] | None = None) -> float:
     events.on("step_end", lambda e: losses.append(float(e.output.loss)), every=5)
     if is_main():
         events.on("step_end", lambda e: print(f"step {e.step} loss {losses[-1]:.4f}"), every=5)
+    if args.checkpoints is not None:  # every rank: a DDP state's checkpoint is a collective
+        steplib.checkpoint_every(args.checkpoints, every=5, keep_last=2).attach(events)
     state = steplib.run(step, state, loader, events=events, max_steps=args.steps)
     final = losses[-1]
-    del model, state, step, optimizer  # free the DDP reducer before the process group
-    shutdown()
+    del model, state, step, optimizer, events  # free the DDP reducer before the process group
+    shutdown()  # every rank: a barrier, then every process group destroyed
     return final
 
 

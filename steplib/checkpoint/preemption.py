@@ -1,9 +1,10 @@
 """``preemption``: SIGTERM / SIGUSR1 become a checkpoint at the next update and a clean stop.
 
-With a sharded (DDP / FSDP2) state the ranks agree on the flag at every update boundary (one
-tiny all-reduce on a gloo group of their own: CPU only, no GPU sync): a signal seen by one rank
-only, or by two ranks one update apart, makes every rank save the same update and stop, instead
-of one rank entering the save's collectives while another trains on (a hang).
+With a sharded state (DDP / FSDP2 / TP, one model or several: what ``is_sharded`` decides for
+every save) the ranks agree on the flag at every update boundary (one tiny all-reduce on a gloo
+group of their own: CPU only, no GPU sync): a signal seen by one rank only, or by two ranks one
+update apart, makes every rank save the same update and stop, instead of one rank entering the
+save's collectives while another trains on (a hang).
 
 Imports ``events``, ``state``, ``errors`` and the checkpoint package only (never the loop or
 the step).
@@ -30,7 +31,8 @@ class Preemption:
     """Saves and stops the run after a preemption signal. Build it with :func:`preemption`.
 
     Attributes:
-        received: the signal number received, or ``None``.
+        received: the signal the run was preempted by, or ``None``: this process's, or with a
+            sharded state the one any rank received (the ranks' agreement decides).
         saved: the URL of the checkpoint saved because of it, or ``None``.
     """
 
@@ -39,7 +41,11 @@ class Preemption:
         self.signals = tuple(signals)
         self.received: int | None = None
         self.saved: str | None = None
+        # Set by the signal handler alone, and read once per boundary: what this process was
+        # sent (``received`` is what the run decided, which may be another rank's signal).
+        self._signalled: int | None = None
         self._previous: dict[int, Any] = {}
+        self._agree = False  # this run's ranks decide together (a sharded state)
         self._group: Any = None  # the gloo group sharded ranks agree on, and its default group
         self._group_of: Any = None
 
@@ -72,10 +78,11 @@ class Preemption:
                 "preemption(...) must run in the main thread: Python delivers signals only "
                 "there. Call run() from the main thread, or leave preemption out."
             )
-        self.received, self.saved = None, None
-        if is_sharded(event.state) and (
-            self._group is None or self._group_of is not dist.group.WORLD
-        ):
+        self.received, self.saved, self._signalled = None, None, None
+        # Decided once per run, from the state, as a save decides who writes what: a save
+        # that every rank makes together needs every rank to decide it at the same update.
+        self._agree = is_sharded(event.state)
+        if self._agree and (self._group is None or self._group_of is not dist.group.WORLD):
             # Created here, where every rank is (new_group is a collective), and reused.
             self._group = dist.new_group(backend="gloo")
             self._group_of = dist.group.WORLD
@@ -95,7 +102,7 @@ class Preemption:
 
     def on_fit_end(self, event: Event) -> None:
         """Save if a signal came after the last update, then restore the signal handlers."""
-        if self.saved is None and self._decide(event) is not None:
+        if self.saved is None and self._decide(event) is not None:  # every rank decides alike
             self.saved = self.checkpointer.save(event, blocking=True)
         self._uninstall()
 
@@ -108,25 +115,24 @@ class Preemption:
         number any rank had received when it entered the all-reduce, and that alone. A signal
         that arrives during the all-reduce is acted on at the next boundary, by every rank: a
         rank that read its own flag again afterwards would save while the others train on."""
-        local = self.received  # read once: the handler may set it at any moment
-        if self._group is None or not is_sharded(event.state):
-            return local
-        number = int(max_over_ranks(local or 0, group=self._group))
-        if number == 0:
+        local = self._signalled  # read once: the handler may set it at any moment
+        decided = int(max_over_ranks(local or 0, group=self._group)) if self._agree else local
+        if not decided:
             return None
-        if self.received is None:
-            self.received = number  # another rank was signalled: this one saves too
-        return number
+        self.received = decided
+        return decided
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here would run in the middle of whatever Python was doing
         # (a half-applied optimizer step, a torch.save) and could corrupt or deadlock it.
-        if self.received is not None:
+        if self._signalled is not None:
             # Asked twice: give the signal its previous meaning (usually: end the process now).
+            # Only this process's own signals count: a rank saving for another rank's signal
+            # still takes the scheduler's own SIGTERM as the first (else it would die mid-save).
             self._uninstall()
             signal.raise_signal(signum)
             return
-        self.received = signum
+        self._signalled = signum
 
     def _uninstall(self) -> None:
         for signum, previous in self._previous.items():
