@@ -86,9 +86,12 @@ def kernel_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # Warnings a user sees today that are not the notebooks' doing; each names what removes it.
 KNOWN_WARNINGS: tuple[str, ...] = (
-    # None today. (tqdm's "IProgress not found", printed in a kernel without ipywidgets, is
-    # gone: steplib uses tqdm.std there, steplib.handlers.terminal; tests/test_progress.py
-    # checks it.)
+    # tqdm's "IProgress not found", printed in a kernel without ipywidgets when tqdm.auto is
+    # imported: not by steplib (it uses tqdm.std there, steplib.handlers.terminal, and
+    # tests/test_progress.py and tests/test_import_cost.py check it never imports tqdm.auto),
+    # but by transformers (a test dependency since issue 28), which the notebook's own
+    # `import torchmetrics` imports when it is installed. A user's kernel prints it too.
+    "TqdmWarning: IProgress not found",
 )
 
 
