@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
-
-Plateau = "ReduceLROnPlateau"
 
 
 class Scheduler:
@@ -56,7 +56,7 @@ class Scheduler:
                 "one built from the optimizer, e.g. Scheduler(torch.optim.lr_scheduler.StepLR("
                 "optimizer, step_size=1, gamma=0.7))."
             )
-        takes_value = type(scheduler).__name__ == Plateau
+        takes_value = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if takes_value and metric is None:
             raise ConfigError(
                 "Scheduler received a ReduceLROnPlateau without metric=...: it steps on a "
