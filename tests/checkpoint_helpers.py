@@ -88,3 +88,16 @@ def memory_dir() -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(url):
         fs.rm(url, recursive=True)
+
+
+def assert_every_rank_saved_update_3_and_stopped(results: list[Any], root: Any) -> None:
+    """What the 2-rank preemption scenarios expect: the ranks agree on everything, saved the
+    same update (3: signalled during update 2) into ``root/preempt`` once, and report SIGUSR1."""
+    import signal
+
+    from steplib.checkpoint import list_checkpoints
+
+    assert results[0] == results[1]
+    assert results[0]["saved"] == f"{root}/preempt/step-00000003"
+    assert results[0]["exit_code"] == 128 + signal.SIGUSR1
+    assert [c.step for c in list_checkpoints(f"{root}/preempt")] == [3]
