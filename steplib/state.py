@@ -78,9 +78,9 @@ class TrainState:
         micro_step: micro-batches seen (calls of the step).
         epoch: completed passes over the data, advanced by the loop driver.
         window_size: micro-batches in the open accumulation window.
-        window_loss: sum of the loss sums in the open window, a float32 tensor on ``device``
-            (float64 for a float64 loss)
-            (the Python float ``0.0`` while the window is empty: no kernel to make a zero).
+        window_loss: sum of the loss sums in the open window, a tensor on ``device`` in float32
+            (float64 for a float64 loss), or the Python float ``0.0`` while the window is empty
+            (no kernel to make a zero).
         window_targets: sum of the target counts in the open window: a Python int while every
             count was an int (a plain scalar loss counts 1), else a 0-dim tensor on ``device``.
         skipped_updates: updates skipped because of non-finite values, in total: an int, or a

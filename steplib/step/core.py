@@ -283,21 +283,21 @@ def _step_argument(loss_fn: Any) -> str | None:
         signature = inspect.signature(loss_fn)
     except (TypeError, ValueError):
         return None
-    try:
-        signature.bind(object(), object(), object())
+
+    def binds(*args: Any, **kwargs: Any) -> bool:
         try:
-            signature.bind(object(), object())
+            signature.bind(*args, **kwargs)
         except TypeError:
-            return "positional"  # three positional parameters, all needed
-    except TypeError:
-        pass
-    if "step" not in signature.parameters:
-        return None
-    try:
-        signature.bind(object(), object(), step=object())
-    except TypeError:
-        return None  # e.g. a fourth parameter to fill: the check of the call shape says so
-    return "keyword"
+            return False
+        return True
+
+    arg = object()
+    if binds(arg, arg, arg) and not binds(arg, arg):
+        return "positional"  # three positional parameters, all needed
+    # Not with a fourth parameter to fill: the check of the call shape refuses that one.
+    if "step" in signature.parameters and binds(arg, arg, step=arg):
+        return "keyword"
+    return None
 
 
 def _lane_of(step: Step, state: TrainState) -> TrainState:

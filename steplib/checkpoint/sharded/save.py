@@ -80,9 +80,10 @@ def prepare_sharded(
     extras = check_arguments(caller, state, data=data, extras=extras, step=step)
     location = storage.resolve(directory, storage_options, caller=caller)
     numbers = check_metrics(metrics, caller)
-    model = state.model
+    model, every = state.model, lanes(state)
     grads = None
-    if any(lane.window_size > 0 for lane in lanes(state)):
+    open_window = max(lane.window_size for lane in every)
+    if open_window > 0:
         if not holds_only_ddp(model):
             # FSDP2 keeps the window's gradients unsharded inside its parameter groups, with
             # no public way to read them back; saving without them would resume wrongly.
@@ -91,8 +92,7 @@ def prepare_sharded(
             kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
             raise ConfigError(
                 f"{caller}: the state is inside an open accumulation window "
-                f"({max(lane.window_size for lane in lanes(state))} micro-batches done) of "
-                f"{kind} model, whose "
+                f"({open_window} micro-batches done) of {kind} model, whose "
                 "unsynchronised gradients cannot be saved. Save between windows: "
                 "checkpoint_every and preemption() do; or save when out.did_update is True."
             )
@@ -103,10 +103,10 @@ def prepare_sharded(
     # optimizer's first update there is no state to save anyway: only its hyperparameters.
     # One DCP state holds every optimizer that has state (a GAN's two: their parameters are
     # disjoint); each optimizer's settings go in the rank file, the first's as before.
-    stateful = [lane.optimizer for lane in lanes(state) if lane.optimizer.state]
+    stateful = [lane.optimizer for lane in every if lane.optimizer.state]
     optim_sd = get_optimizer_state_dict(model, stateful) if stateful else {}
     tensors, plain = split({"model": model_sd, "optimizer": optim_sd})
-    infos = [optimizer_info(lane.optimizer) for lane in lanes(state)]
+    infos = [optimizer_info(lane.optimizer) for lane in every]
     rank_tree = {
         "plain": plain,
         "optimizer": infos[0],
