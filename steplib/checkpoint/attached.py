@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from steplib.checkpoint.contents import is_stateful
 from steplib.errors import CheckpointWarning, ConfigError
 from steplib.events import Event, Events
 
@@ -144,10 +145,3 @@ def run_data(data: Any, event: Event) -> Any:
     if data is not None:
         return data
     return event.data if is_stateful(event.data) else None
-
-
-def is_stateful(obj: Any) -> bool:
-    """Whether ``obj`` has ``state_dict()`` and ``load_state_dict()``."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )

@@ -54,7 +54,7 @@ def check_arguments(
             f"{caller} received state={describe(state)}, which is not a TrainState. Pass the "
             "state your step returns (TrainState.create(...) at the start)."
         )
-    if data is not None and not _is_stateful(data):
+    if data is not None and not is_stateful(data):
         raise ConfigError(
             f"{caller}(data=...) received {describe(data)}, which has no state_dict() / "
             "load_state_dict(), so its position cannot be saved. Use a stateful loader: "
@@ -67,7 +67,7 @@ def check_arguments(
             "with state_dict() / load_state_dict(), e.g. extras={'ema': ema_model}."
         )
     for name, obj in extras.items():
-        if not _is_stateful(obj):
+        if not is_stateful(obj):
             raise ConfigError(
                 f"{caller}(extras=...): extras[{name!r}] is {describe(obj)}, which has no "
                 "state_dict() / load_state_dict(). Pass objects that have them (a module, a "
@@ -248,7 +248,8 @@ def _not_plain(where: str, value: Any) -> str:
     )
 
 
-def _is_stateful(obj: Any) -> bool:
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` has ``state_dict()`` and ``load_state_dict()`` (a loader, a handler)."""
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
