@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from steplib.errors import ConfigError, describe
+from steplib.errors import ConfigError, describe, non_negative
 from steplib.seeding import RngState, capture_rng, restore_rng
 
 try:  # numpy is optional, as in steplib.seeding
@@ -184,16 +184,11 @@ def tolerance(caller: str, atol: float, rtol: float, **given: float | None) -> T
     updates so far: they rarely need the same tolerance.
 
     Raises:
-        ConfigError: a tolerance that is not a number >= 0.
+        ConfigError: a tolerance that is not a finite number >= 0.
     """
     for label, value in {"atol": atol, "rtol": rtol, **given}.items():
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
-        ):
-            raise ConfigError(
-                f"{caller}({label}=...) received {describe(value)}; a tolerance is a number "
-                f">= 0, e.g. {label}=1e-6."
-            )
+        if value is not None:
+            non_negative(caller, label, value)
 
     def pick(label: str, default: float) -> float:
         value = given.get(label)
