@@ -24,7 +24,7 @@ from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
 from steplib.output import StepOutput, at_least_float32
 from steplib.state import TrainState, Window
-from steplib.step.parts import Part, plain
+from steplib.step.parts import GradReport, Part, plain
 from steplib.step.phases import apply, forward_backward, lr_now, process_grads
 from steplib.step.plan import Plan, check_composition
 
@@ -92,7 +92,7 @@ class Step:
         out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
         loss_sum = out.loss_sum
         if loss_sum.requires_grad:  # eager: the state and output must not keep the graph alive
-            loss_sum = loss_sum.detach()  # (a compiled graph's output has none: ~2.5 us saved)
+            loss_sum = loss_sum.detach()  # (a compiled graph's output has none: no detach)
         window = Window(
             size,
             # The first micro-batch of a window starts the sum: no add, no zero tensor. At least
@@ -103,7 +103,7 @@ class Step:
         )
         state = state.replace(micro_step=state.micro_step + 1, window=window)
         if closes:
-            return self._close(state, out.aux)
+            return self._close(state, out.aux, out.report)
         return state, StepOutput(
             loss_sum=loss_sum,
             num_targets=out.num_targets,
@@ -133,7 +133,7 @@ class Step:
         if state.window.size == 0:
             return state, None
         self.plan.sync.sync_unsynced(state)  # its last backward ran without gradient sync
-        return self._close(state, {})
+        return self._close(state, {}, None)
 
     @property
     def applied(self) -> tuple[tuple[str, Mapping[str, Any]], ...]:
@@ -145,13 +145,14 @@ class Step:
         return [{"wrapper": name, **settings} for name, settings in self.applied]
 
     def _close(
-        self, state: TrainState, aux: Mapping[str, torch.Tensor]
+        self, state: TrainState, aux: Mapping[str, torch.Tensor], report: GradReport | None
     ) -> tuple[TrainState, StepOutput]:
         runner = self.plan.runner
         # An async checkpoint may still be copying the parameters and optimizer state in the
         # background; this update changes them. (A runner may run the update in phase 2.)
         state.fence.wait()
-        report = runner.process_grads(self, state)
+        if report is None:  # phase 2, unless the runner ran it with the closing micro-batch
+            report = runner.process_grads(self, state)
         state, applied, lr = apply(self, state, report)
         grad_norm = report.grad_norm
         return state, StepOutput(
@@ -179,8 +180,10 @@ class Runner:
     pipeline step contribute subclasses (``Part(runner=...)``) that run the same record
     differently and override some of the methods:
 
-    * ``forward_backward(step, state, batch, *, sync) -> LossOutput``: phase 1;
-    * ``process_grads(step, state) -> GradReport``: phase 2;
+    * ``forward_backward(step, state, batch, *, sync) -> LossOutput``: phase 1 (and phase 2
+      with a closing micro-batch, whose report the output then carries);
+    * ``process_grads(step, state) -> GradReport``: phase 2 (and the update with it, which the
+      report then says);
     * ``optimizer_step(step, optimizer)``: the update inside phase 3;
     * ``refuse(part) -> str | None``: why this runner cannot run ``part``, else ``None``.
     """

@@ -128,25 +128,29 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
         # The host read, when the decision cannot stay on the device: a host-side
         # scheduler must know whether to advance. Once per update, never mid-window.
         applied = ~flag if on_device else not bool(flag)
-    if applied is not False and plan.hooks:
+    # The update hooks run at every closed window, applied or skipped (`out.did_update` says
+    # which): a decision kept on the device cannot choose whether to call them.
+    if plan.hooks:
         _call(plan, "before_update", state)  # the final, unscaled, normalised, clipped grads
     lr = lr_now(state)
     if applied is not False:
-        if plan.updates or on_device:
+        if report.updated:  # the runner made it with phase 2
+            pass
+        elif plan.updates or on_device:
             update = _update_call(step, state, flag if on_device else None)
             for outer in reversed(plan.updates):
                 update = _around(outer, state, update)
             update()
         else:  # the common case: no closure to build
             plan.runner.optimizer_step(step, optimizer)
-        if plan.hooks:
-            _call(plan, "after_update", state)
+    if plan.hooks:
+        _call(plan, "after_update", state)
     if scaler_active(state):
         state.scaler.update()  # type: ignore[union-attr]
     if type(optimizer).zero_grad is _ZERO_GRAD:
-        # What Optimizer.zero_grad(set_to_none=True) does, without its profiler range: that
-        # range alone cost ~3% of a small model's update. An optimizer with its own zero_grad
-        # gets it called.
+        # What Optimizer.zero_grad(set_to_none=True) does, without its profiler range (a
+        # visible share of a small model's update, docs/performance.md). An optimizer with its
+        # own zero_grad gets it called.
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None

@@ -276,10 +276,10 @@ _OWN_GLOBAL = re.compile(
 
 def keep_guards(entries: Sequence[Any]) -> list[bool]:
     """Dynamo's guard filter for the graphs that start in steplib's code: drop the guards on
-    torch's and steplib's own functions and constants (one lookup each, every call: ~20% of a
-    small step's time), which do not change while a process trains. Every guard on the user's
-    code and globals, the model, the batch, the optimizer and the global grad/autocast state is
-    kept."""
+    torch's and steplib's own functions and constants (one lookup each, on every call; their
+    cost is in docs/performance.md), which do not change while a process trains. Every guard on
+    the user's code and globals, the model, the batch, the optimizer and the global
+    grad/autocast state is kept."""
     return [not (entry.is_global and _OWN_GLOBAL.match(entry.name)) for entry in entries]
 
 
@@ -288,8 +288,8 @@ def inner_backend(
 ) -> Any:
     """The backend ``torch.compile(backend=..., mode=..., options=...)`` would use; inductor's
     with its size asserts off unless ``options`` sets them: the generated code checks every
-    input's sizes and strides again after dynamo's guards did (~8% of a small step's time,
-    measured on a CPU)."""
+    input's sizes and strides again after dynamo's guards did (measured in
+    docs/performance.md)."""
     if mode is not None and options is not None:
         raise ConfigError(
             "compile_step received both mode= and options=; torch.compile takes one of them. "
