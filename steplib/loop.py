@@ -146,12 +146,10 @@ def _iterate(
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
                 state, epoch_stop = _emit(events, Event.at("epoch_end", state), state)
                 stop = stop or epoch_stop
-        state.settle_scheduler()  # a scheduler whose position was on the device, for fit_end
         state, _ = _emit(events, Event.at("fit_end", state), state)
     except GeneratorExit:
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
-        state.settle_scheduler()
         _emit(events, Event.at("fit_end", state), state)
         raise
     except BaseException as error:

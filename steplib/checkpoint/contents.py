@@ -96,7 +96,7 @@ def gather(
         OPTIMIZER: optimizer_tree(state),
         TRAIN_STATE: train_state_tree(state, data=data, extras=extras, rng=rng),
     }
-    if any(lane.window_size > 0 for lane in lanes(state)):
+    if any(lane.window.size > 0 for lane in lanes(state)):
         trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
         check_plain(tree, file_name)
@@ -111,9 +111,6 @@ def train_state_tree(
     """Everything of ``state`` but the model and the optimizer tensors, as plain data: the
     counters, window, scheduler, scaler, extras, RNG states, the data position and which
     parameters are frozen (a run resumed past an unfreeze trains what the saved run did)."""
-    # A LambdaLR whose position lives on the device is brought up to date first (a host read;
-    # the save reads everything anyway).
-    state.settle_scheduler()
     tree = lane_tree(state)
     tree["counters"]["epoch"] = state.epoch
     tree.update(
@@ -134,12 +131,12 @@ def lane_tree(state: TrainState) -> dict[str, Any]:
         "counters": {
             "step": state.step,
             "micro_step": state.micro_step,
-            "window_size": state.window_size,
+            "window_size": state.window.size,
             # Device tensors when the skip decision stays on the device; ints in the file.
             "skipped_updates": int(state.skipped_updates),
             "consecutive_skips": int(state.consecutive_skips),
         },
-        "window": {"loss": state.window_loss, "targets": state.window_targets},
+        "window": {"loss": state.window.loss, "targets": state.window.targets},
         "optimizer_type": type(state.optimizer).__name__,
         "scheduler_type": None if state.scheduler is None else type(state.scheduler).__name__,
         "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),

@@ -117,11 +117,11 @@ class Manifest:
             None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
         )
         return cls(
-            name=checkpoint_name(state.step, state.micro_step, state.window_size),
+            name=checkpoint_name(state.step, state.micro_step, state.window.size),
             step=state.step,
             micro_step=state.micro_step,
             epoch=state.epoch,
-            window_size=state.window_size,
+            window_size=state.window.size,
             time=time.time(),
             metrics=metrics,
             fingerprint=fingerprint,

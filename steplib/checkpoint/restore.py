@@ -19,7 +19,7 @@ from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, WINDOW_GR
 from steplib.data.loader import restore_position
 from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
-from steplib.state import TrainState
+from steplib.state import TrainState, Window
 
 _SHOWN = 8  # names listed in an error before "and N more"
 
@@ -177,16 +177,17 @@ def _restore_lane(tree: Mapping[str, Any], state: TrainState) -> TrainState:
         state.scheduler.load_state_dict(tree["scheduler"])
     if state.scaler is not None:
         state.scaler.load_state_dict(tree["scaler"])
-    counters, window = tree["counters"], tree["window"]
+    counters, window, device = tree["counters"], tree["window"], state.device
     return state.replace(
         step=counters["step"],
         micro_step=counters["micro_step"],
-        window_size=counters["window_size"],
-        window_loss=_on_device(window["loss"], state.device),
-        window_targets=_on_device(window["targets"], state.device),
-        skipped_updates=counters["skipped_updates"],
-        consecutive_skips=counters["consecutive_skips"],
-        device_skips=None,  # rebuilt from the loaded scheduler by the next update
+        window=Window(
+            counters["window_size"],
+            _on_device(window["loss"], device),
+            _on_device(window["targets"], device),
+        ),
+        skipped_updates=torch.tensor(counters["skipped_updates"], device=device),
+        consecutive_skips=torch.tensor(counters["consecutive_skips"], device=device),
     )
 
 

@@ -81,7 +81,8 @@ class NonFiniteAlarm:
         bad = ~torch.isfinite(event.output.loss.detach())
         self._window.append(torch.stack((bad, torch.zeros_like(bad))))
         # The update this micro-batch belongs to: while its window is open, the next one.
-        window_open = getattr(event.state, "window_size", 0) > 0
+        window = getattr(event.state, "window", None)
+        window_open = window is not None and window.size > 0
         step = event.step + 1 if window_open else event.step
         self._window_where.append((step, event.epoch, event.batch_index, event.micro_step))
 
