@@ -100,9 +100,9 @@ def test_a_resumed_run_goes_on_counting_batches_where_it_stopped(tmp_path: Any) 
     [
         lambda: Events().on("epoch_end", print, every=Batches(2)),
         lambda: Events().on("step_end", print, every=Batches(0)),
-        lambda: Log(Sink(), every=2.5),
+        lambda: Log(Sink(), every=2.5),  # type: ignore[arg-type]
         lambda: ProgressBar(every=0),
-        lambda: checkpoint_every("memory://x", every="10"),
+        lambda: checkpoint_every("memory://x", every="10"),  # type: ignore[arg-type]
     ],
 )
 def test_a_cadence_that_is_neither_updates_nor_batches_is_refused(make: Any) -> None:

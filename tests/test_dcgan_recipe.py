@@ -25,7 +25,7 @@ from steplib import Event, Events, TrainState, make_train_step, run
 NZ, NGF, NDF, NC, EPOCHS = 4, 2, 2, 3, 2
 
 
-def weights_init(m: nn.Module) -> None:
+def weights_init(m: Any) -> None:
     classname = m.__class__.__name__
     if classname.find("Conv") != -1:
         torch.nn.init.normal_(m.weight, 0.0, 0.02)

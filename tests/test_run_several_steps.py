@@ -176,7 +176,7 @@ def test_a_checkpoint_fingerprints_every_step_of_the_run(tmp_path: Any) -> None:
     ("call", "message"),
     [
         (lambda s, d: run({}, s, d), r"name each step"),
-        (lambda s, d: run({"D": print}, s, d), r"the step 'D' of type builtin_function"),
+        (lambda s, d: run({"D": print}, s, d), r"the step 'D' of type builtin_function"),  # type: ignore[dict-item]
         (lambda s, d: run(_steps()["D"], s, d, feed={"D": print}), r"feed=.*several steps"),
         (lambda s, d: run(_steps(), s, d, feed={"X": print}), r"The steps here: \['D', 'G'\]"),
         (lambda s, d: save(s, "memory://x", step={"D": print}), r"step=\.\.\.\) received"),
