@@ -254,7 +254,7 @@ def test_sweep_skip_nonfinite_skips_only_the_copy_that_diverged() -> None:
         state, out = step(state, batch)
     assert out.skipped.tolist() == [False, False, True, False]
     assert out.did_update.tolist() == [True, True, False, True]
-    assert torch.as_tensor(state.skipped_updates).tolist() == [0, 0, 5, 0]
+    assert int(state.skipped_updates) == 5  # copy-updates skipped, in total
     for b, p in zip(before, copies.parameters(), strict=True):
         assert torch.equal(b[2].nan_to_num(), p.detach()[2].nan_to_num())  # copy 2 untouched
         assert not torch.equal(b[0], p.detach()[0])

@@ -209,8 +209,13 @@ class ProgressBar:
         # The only host reads of the bar: once per interval, of values summed on the device.
         assert self._targets is not None and self._loss is not None and self._lr is not None
         targets = self._targets.item()
-        loss = self._loss.item() / targets if targets > 0 else float("nan")
-        lr = self._lr.item()
+        # A sweep's loss and LR are one per copy ([N]): shown as their range and the best copy.
+        losses = [
+            v / targets if targets > 0 else float("nan") for v in self._loss.flatten().tolist()
+        ]
+        lrs = self._lr.flatten().tolist()
+        loss: float | list[float] = losses[0] if len(losses) == 1 else losses
+        lr: float | list[float] = lrs[0] if len(lrs) == 1 else lrs
         # Measured after the read, so on a GPU the interval covers work that has finished.
         now = time.perf_counter()
         micro = self._micro_step
@@ -232,13 +237,23 @@ class ProgressBar:
             f"{unit}_per_s": rate,
             unit: int(self._counted) if self._counted.is_integer() else self._counted,
         }
-        shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", f"{unit}/s": _si(rate)}
+        shown = {"loss": _range(losses, ".4f", best=True), "lr": _range(lrs, ".3g")}
+        shown[f"{unit}/s"] = _si(rate)
         postfix = {k: v for k, v in shown.items() if ("rate" if "/" in k else k) in self.keys}
         assert self._bar is not None
         self._bar.set_postfix(postfix, refresh=True)
 
 
 _SHOWN = ("loss", "lr", "rate")
+
+
+def _range(values: list[float], spec: str, *, best: bool = False) -> str:
+    """One number as it is; a sweep's numbers as ``low-high``, with the lowest's copy."""
+    if len(values) == 1:
+        return format(values[0], spec)
+    low = min(range(len(values)), key=lambda i: (values[i] != values[i], values[i]))
+    text = f"{format(values[low], spec)}-{format(max(values), spec)}"
+    return f"{text} (best #{low})" if best else text
 
 
 def _si(value: float) -> str:

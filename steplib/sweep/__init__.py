@@ -15,14 +15,26 @@ from steplib.sweep.copies import Copies, per_copy
 from steplib.sweep.grads import CopyGradients
 from steplib.sweep.optim import PerCopyOptimizer, SweepAdamW, SweepSGD
 from steplib.sweep.step import SweepStep, sweep_step
+from steplib.sweep.stopping import (
+    SuccessiveHalving,
+    SweepEarlyStopping,
+    active_copies,
+    per_copy_metric,
+    stop_copies,
+)
 
 __all__ = [
     "Copies",
     "CopyGradients",
     "PerCopyOptimizer",
+    "SuccessiveHalving",
     "SweepAdamW",
+    "SweepEarlyStopping",
     "SweepSGD",
     "SweepStep",
+    "active_copies",
     "per_copy",
+    "per_copy_metric",
+    "stop_copies",
     "sweep_step",
 ]

@@ -13,6 +13,8 @@ What differs from the step it wraps, and why:
 * ``StepOutput``'s ``loss``, ``grad_norm``, ``did_update``, ``skipped`` and ``lr`` are ``[N]``;
 * an update skipped for one copy (non-finite, or the copy stopped) is a mask in the optimizer's
   update, decided on the device: there is no host read in a sweep's step;
+* ``state.skipped_updates`` counts skipped copy-updates in total (a 0-dim tensor); each
+  copy's updates are its optimizer ``step`` count;
 * the scheduler advances once per sweep update for every copy (a copy whose update was skipped
   does not hold its schedule back, as its own run would).
 """
@@ -153,8 +155,10 @@ class SweepStep:
             window_size=0,
             window_loss=0.0,
             window_targets=0,
-            skipped_updates=state.skipped_updates + skipped.long(),
-            consecutive_skips=torch.where(skipped, state.consecutive_skips + 1, 0),
+            # One number each, as a checkpoint holds them: copy-updates skipped in total, and
+            # updates in a row that skipped some copy. Per copy, the optimizer's step counts.
+            skipped_updates=state.skipped_updates + skipped.sum(),
+            consecutive_skips=torch.where(skipped.any(), state.consecutive_skips + 1, 0),
         )
         return state, StepOutput(
             loss_sum=grads.loss_sum,

@@ -121,7 +121,7 @@ def event_record(event: Event) -> Record:
     record["num_targets"] = int(targets) if float(targets).is_integer() else targets
     if out.grad_norm is not None:
         record["grad_norm"] = _number(out.grad_norm)
-    if _number(out.skipped):
+    if out.skipped.any():  # a sweep's is one per copy
         record["skipped"] = True
     for name, value in out.aux.items():
         record[f"aux.{name}" if name in _RESERVED or name == "skipped" else name] = _number(value)
