@@ -11,7 +11,7 @@ handlers; every ``StepOutput`` field becomes a ``[N]`` tensor.
   some copies, without a host read in the step.
 """
 
-from steplib.sweep.copies import Copies, per_copy
+from steplib.sweep.copies import Copies
 from steplib.sweep.grads import CopyGradients
 from steplib.sweep.optim import PerCopyOptimizer, SweepAdamW, SweepSGD
 from steplib.sweep.step import SweepStep, sweep_step
@@ -33,7 +33,6 @@ __all__ = [
     "SweepSGD",
     "SweepStep",
     "active_copies",
-    "per_copy",
     "per_copy_metric",
     "stop_copies",
     "sweep_step",

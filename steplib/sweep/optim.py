@@ -28,7 +28,18 @@ from steplib.errors import ConfigError, describe
 
 class PerCopyOptimizer(torch.optim.Optimizer):
     """What the sweep optimizers share: the per-copy values, the active copies, and an update
-    that leaves a copy alone where ``mask`` is False. Subclasses write ``update_one``."""
+    that leaves a copy alone where ``mask`` is False. Subclasses name their per-copy values in
+    ``per_copy`` and write ``init_state`` and ``update_one`` (out of place).
+
+    Args:
+        params: ``copies.parameters()``: every tensor with the copies' leading dimension.
+        n: the number of copies (``None``: the parameters' leading dimension).
+        **hparams: ``lr`` and the names in ``per_copy`` (a float, or one per copy), and any
+            setting shared by every copy.
+
+    Attributes:
+        n: the number of copies.
+    """
 
     per_copy: tuple[str, ...] = ()
 
@@ -79,13 +90,17 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             keep = group["active"] if mask is None else group["active"] & mask
-            rates = {k: v for k, v in group["copies"].items()}
+            rates = dict(group["copies"])
             rates["lr"] = group["lr"] * rates["lr"]
+            views: dict[tuple[torch.dtype, int], dict[str, torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 shape = (self.n,) + (1,) * (p.ndim - 1)
-                view = {k: v.to(p.dtype).view(shape) for k, v in rates.items()}
+                kind = (p.dtype, p.ndim)  # made once per dtype and rank, not per parameter
+                if kind not in views:
+                    views[kind] = {k: v.to(p.dtype).view(shape) for k, v in rates.items()}
+                view = views[kind]
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros(self.n, dtype=p.dtype, device=p.device)

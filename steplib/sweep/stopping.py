@@ -34,6 +34,16 @@ def per_copy_metric(metric: Metric, n: int) -> Metric:
     b[1].expand(m.n, *b[1].shape)))``. An ``Evaluator`` then records each value as a list of
     ``n`` numbers (``val_accuracy: [0.91, 0.87, ...]``).
 
+    Args:
+        metric: a torchmetrics ``Metric`` (cloned once per copy).
+        n: the number of copies.
+
+    Returns:
+        A ``Metric`` (torchmetrics' ``MultioutputWrapper`` over the copies' dimension).
+
+    Raises:
+        ConfigError: ``metric`` is not a Metric, or ``n`` not an int >= 1.
+
     Example:
         >>> import torch, torchmetrics
         >>> acc = per_copy_metric(torchmetrics.MeanMetric(), 2)
@@ -53,8 +63,20 @@ def per_copy_metric(metric: Metric, n: int) -> Metric:
 def stop_copies(optimizer: torch.optim.Optimizer, which: Iterable[int]) -> None:
     """Stop updating the copies ``which`` (indices): a host write into the update's mask.
 
+    Args:
+        optimizer: the sweep's :class:`~steplib.sweep.SweepAdamW` or ``SweepSGD``.
+        which: the indices of the copies to stop.
+
     Raises:
         ConfigError: ``optimizer`` is not a sweep optimizer, or an index is out of range.
+
+    Example:
+        >>> import torch
+        >>> from steplib.sweep import Copies, SweepSGD
+        >>> opt = SweepSGD(Copies.stack([torch.nn.Linear(2, 1)] * 3).parameters(), lr=0.1)
+        >>> stop_copies(opt, [0, 2])
+        >>> active_copies(opt)
+        [1]
     """
     active = _active(optimizer, "stop_copies")
     for i in which:
@@ -66,7 +88,20 @@ def stop_copies(optimizer: torch.optim.Optimizer, which: Iterable[int]) -> None:
 
 
 def active_copies(optimizer: torch.optim.Optimizer) -> list[int]:
-    """The indices of the copies still trained (a host read of the mask)."""
+    """The indices of the copies still trained (a host read of the mask).
+
+    Args:
+        optimizer: the sweep's :class:`~steplib.sweep.SweepAdamW` or ``SweepSGD``.
+
+    Returns:
+        The indices, in order.
+
+    Example:
+        >>> import torch
+        >>> from steplib.sweep import Copies, SweepAdamW
+        >>> active_copies(SweepAdamW(Copies.stack([torch.nn.Linear(2, 1)] * 2).parameters()))
+        [0, 1]
+    """
     return [i for i, on in enumerate(_active(optimizer, "active_copies").tolist()) if on]
 
 
