@@ -315,3 +315,31 @@ def test_copy_taken_out_is_a_plain_module_of_the_original_class() -> None:
     assert not torch.equal(first_weight(model), first_weight(copies.stacked)[1])
     x = torch.randn(5, 8)
     torch.testing.assert_close(copies(x)[1], tiny_model(1)(x))
+
+
+def test_sweep_amp_bf16_matches_the_autocast_runs_within_bfloat16_precision() -> None:
+    batches = make_batches(10, seed=2)
+    copies = Copies.stack([tiny_model(i) for i in range(N)])
+    opt = SweepSGD(copies.parameters(), lr=[lr * 10 for lr in LRS])
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    amp = sl.amp_wrap(sl.make_train_step(mean_loss), dtype=torch.bfloat16)
+    step = sweep_step(amp, copies=copies, example_batch=batches[0])
+    losses = []
+    for batch in batches:
+        state, out = step(state, batch)
+        losses.append(out.loss)
+    for i in range(N):
+        model = tiny_model(i)
+        plain = torch.optim.SGD(model.parameters(), lr=LRS[i] * 10)
+        for t, batch in enumerate(batches):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = mean_loss(model, batch)
+            if t == 0:  # the reference does compute in bfloat16: it differs from float32
+                assert loss.item() != mean_loss(model, batch).item()
+            # One bf16 rounding (2**-8 relative) apart: the batched kernels round elsewhere.
+            assert abs(losses[t][i].item() - loss.item()) <= 2**-8 * abs(loss.item()) + 1e-3
+            loss.backward()
+            plain.step()
+            plain.zero_grad()
+        for mine, theirs in zip(copies.copy(i).parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=4e-3)  # 10 bf16 updates

@@ -136,3 +136,19 @@ def test_copies_refuse_different_architectures_and_optimizers_the_wrong_number_o
         SweepAdamW(nn.Linear(2, 4).parameters(), lr=0.1, n=3)
     with pytest.raises(sl.ConfigError, match=r"\[0, 3\)"):
         copies.copy(3)
+
+
+def test_a_per_copy_skip_with_a_torch_optimizer_is_refused_before_any_update() -> None:
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    with torch.no_grad():
+        copies.stacked.get_parameter("0.weight")[1].fill_(float("nan"))
+    before = [p.detach().clone() for p in copies.parameters()]
+    opt = torch.optim.AdamW(copies.parameters(), lr=0.1)  # cannot mask one copy
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    step = sweep_step(
+        sl.skip_nonfinite(sl.make_train_step(mean_loss)), copies=copies, example_batch=BATCH
+    )
+    with pytest.raises(sl.ConfigError, match="SweepAdamW or SweepSGD"):
+        step(state, BATCH)
+    for b, p in zip(before, copies.parameters(), strict=True):
+        assert torch.equal(b.nan_to_num(), p.detach().nan_to_num())

@@ -136,6 +136,13 @@ class SweepStep:
             update = lambda: optimizer.step(mask=finite)  # noqa: E731
             active = optimizer.param_groups[0]["active"]
             applied = active.clone() if finite is None else active & finite
+        elif finite is not None:  # torch's optimizers would update a NaN copy too: refuse
+            raise ConfigError(
+                f"a transform of this sweep's step ({self.step.describe()}) skips the update of "
+                f"some copies, and {type(optimizer).__name__} updates every copy or none. Use "
+                "a sweep optimizer, which masks the update per copy: SweepAdamW or SweepSGD "
+                "(steplib.sweep)."
+            )
         else:
             update = optimizer.step
             applied = torch.ones(self.n, dtype=torch.bool, device=state.device)
@@ -251,7 +258,8 @@ def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
     loss_fn = step.loss_fn
     # What loss_fn returns is checked once, outside vmap (under vmap a loss does not report
     # requires_grad), on a plain copy; inside, each form becomes (loss_sum, count, aux).
-    with torch.random.fork_rng(devices=[]):
+    device = next(copies.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         parse_loss_output(loss_fn(copies.copy(0), example_batch))
 
     def parsed(model: Any, batch: Any) -> Any:
