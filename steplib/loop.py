@@ -180,7 +180,7 @@ def _iterate(
         max_epochs = state.epoch + 1
     # Where the open window started, in micro-batches: what an update's step_end covers
     # (every=Batches(n) counts them). A resumed state may hold an open window.
-    opened = [state.micro_step - state.window_size]
+    opened = [state.micro_step - state.window.size]
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
             state, stop = _emit(events, Event.at("epoch_start", state), state)

@@ -98,10 +98,10 @@ def _assert_same_training(a: TrainState, b: TrainState) -> None:
         assert torch.equal(b.model.state_dict()[name], tensor), name
     for lane in ("G", "D"):
         mine, theirs = a[lane], b[lane]
-        assert (mine.step, mine.micro_step, mine.window_size) == (
+        assert (mine.step, mine.micro_step, mine.window.size) == (
             theirs.step,
             theirs.micro_step,
-            theirs.window_size,
+            theirs.window.size,
         )
 
 

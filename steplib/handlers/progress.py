@@ -206,15 +206,20 @@ class ProgressBar:
     def _refresh(self, step: int) -> None:
         # The only host reads of the bar: once per interval, of values summed on the device.
         assert self._sums and self._lr is not None
+        # One read for everything: each step's (targets, loss sums) and the LR; a sweep's loss
+        # and LR hold one value per copy ([N]).
         names = list(self._sums)
-        read = torch.stack([torch.stack(self._sums[n]) for n in names]).tolist()
-        sums = dict(zip(names, read, strict=True))
-        losses = {
-            ("loss" if not n else f"{n}/loss"): (loss / t if t > 0 else float("nan"))
-            for n, (t, loss) in sums.items()
-        }
-        targets = sums[self._counted_name][0]
-        lr = self._lr.item()
+        parts = [torch.cat([t.reshape(1), loss.flatten()]) for t, loss in self._sums.values()]
+        values = iter(torch.cat([p.double() for p in (*parts, self._lr.flatten())]).tolist())
+        losses: dict[str, list[float]] = {}
+        counts: dict[str, float] = {}
+        for name, part in zip(names, parts, strict=True):
+            t, *sums = (next(values) for _ in range(part.numel()))
+            counts[name] = t
+            key = "loss" if not name else f"{name}/loss"
+            losses[key] = [v / t if t > 0 else float("nan") for v in sums]
+        lrs = list(values)
+        targets = counts[self._counted_name]
         # Measured after the read, so on a GPU the interval covers work that has finished.
         now = time.perf_counter()
         micro = self._micro_step
@@ -231,16 +236,16 @@ class ProgressBar:
         self._since, self._micro_since, self._step_since = now, micro, step
         self.stats = {
             "step": step,
-            **losses,
-            "lr": lr,
+            **{k: v[0] if len(v) == 1 else v for k, v in losses.items()},
+            "lr": lrs[0] if len(lrs) == 1 else lrs,
             f"{unit}_per_s": rate,
             unit: int(self._counted) if self._counted.is_integer() else self._counted,
         }
         shown = {
-            **{k.replace("/", " "): f"{loss:.4f}" for k, loss in losses.items()},  # "D loss"
-            "lr": f"{lr:.3g}",
+            **{k.replace("/", " "): _range(v, ".4f", best=True) for k, v in losses.items()},
+            "lr": _range(lrs, ".3g"),
             f"{unit}/s": _si(rate),
-        }
+        }  # "D loss" for a step named D
         kinds = {k: "rate" if "/" in k else "loss" if k.endswith("loss") else k for k in shown}
         postfix = {k: v for k, v in shown.items() if kinds[k] in self.keys}
         assert self._bar is not None
@@ -248,6 +253,15 @@ class ProgressBar:
 
 
 _SHOWN = ("loss", "lr", "rate")
+
+
+def _range(values: list[float], spec: str, *, best: bool = False) -> str:
+    """One number as it is; a sweep's numbers as ``low-high``, with the lowest's copy."""
+    if len(values) == 1:
+        return format(values[0], spec)
+    low = min(range(len(values)), key=lambda i: (values[i] != values[i], values[i]))
+    text = f"{format(values[low], spec)}-{format(max(values), spec)}"
+    return f"{text} (best #{low})" if best else text
 
 
 def _si(value: float) -> str:

@@ -125,7 +125,7 @@ def event_record(event: Event) -> Record:
         record[prefix + "num_targets"] = int(targets) if float(targets).is_integer() else targets
         if out.grad_norm is not None:
             record[prefix + "grad_norm"] = _number(out.grad_norm)
-        if _number(out.skipped):
+        if out.skipped.any():  # a sweep's is one per copy
             record[prefix + "skipped"] = True
         for key, value in out.aux.items():
             reserved = key in _RESERVED or key == "skipped"
