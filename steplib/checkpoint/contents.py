@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from steplib.checkpoint.manifest import fingerprint
 from steplib.errors import ConfigError, CorruptCheckpointError, describe
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
@@ -47,7 +48,7 @@ def check_arguments(
     Raises:
         ConfigError: a state that is not a TrainState, a ``data`` without ``state_dict`` /
             ``load_state_dict``, ``extras`` that is not a mapping of such objects, or a ``step``
-            without ``describe()``.
+            that is neither a Step nor several by name.
     """
     if not isinstance(state, TrainState):
         raise ConfigError(
@@ -74,11 +75,7 @@ def check_arguments(
                 "metric, an EMA); put plain values in the state instead: "
                 "state.replace(extras={..., 'name': value})."
             )
-    if step is not None and not callable(getattr(step, "describe", None)):
-        raise ConfigError(
-            f"{caller}(step=...) received {describe(step)}, which is not a Step. Pass the step "
-            "you train with (make_train_step(...) and its wrappers), or leave step=None."
-        )
+    fingerprint(step, caller=caller)  # a Step, several by name, or None
     return extras
 
 

@@ -43,8 +43,10 @@ def default_metrics(event: Event) -> dict[str, float]:
     """
     numbers: dict[str, float] = {}
     output = getattr(event, "output", None)
-    if output is not None and isinstance(getattr(output, "loss", None), torch.Tensor):
-        numbers["loss"] = float(output.loss)  # a host sync, at save time only
+    loss = getattr(output, "loss", None)
+    # A sweep's loss is one per copy: no single number to rank the checkpoint by.
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        numbers["loss"] = float(loss)  # a host sync, at save time only
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
     for name, value in extras.items():

@@ -11,11 +11,11 @@ import types
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import orjson
 import torch
 
 from steplib.checkpoint.attached import HANDLERS, HandlerStates
 from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, WINDOW_GRADS
+from steplib.checkpoint.manifest import fingerprint
 from steplib.data.loader import restore_position
 from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
@@ -34,12 +34,13 @@ def check_fingerprint(
     checkpoint: str,
     ignore: Collection[str] = (),
 ) -> None:
-    """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper.
+    """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper (several
+    steps: see ``manifest.fingerprint``).
 
     Wrappers are compared by name, not position: the built-in ones commute, so
     ``clip(amp_wrap(s))`` and ``amp_wrap(clip(s))`` are the same step. Wrappers named in
-    ``ignore`` are left out on both sides (a sharded checkpoint may be resumed with another
-    distribution: ``ddp_wrap``, ``fsdp_wrap`` or none).
+    ``ignore`` are left out on both sides, in every step (a sharded checkpoint may be resumed
+    with another distribution: ``ddp_wrap``, ``fsdp_wrap`` or none).
 
     Raises:
         ConfigError: a wrapper added, removed or with other settings (says which and the fix).
@@ -49,16 +50,17 @@ def check_fingerprint(
     # Observation-only wrappers change no number: resuming "with anomaly detection on, from
     # just before the NaN" or with other hooks is the usual way to debug, so they never count.
     ignore = {*ignore, *_OBSERVERS}
-    now = orjson.loads(orjson.dumps(step.describe(), default=str))  # compare as JSON values
+    now = fingerprint(step, caller="load") or []  # compare as JSON values
+    # "D:ddp_wrap" (a step of several) is ddp_wrap too.
     before = {
         d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
         for d in saved
-        if d["wrapper"] not in ignore
+        if d["wrapper"].rpartition(":")[2] not in ignore
     }
     after = {
         d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
         for d in now
-        if d["wrapper"] not in ignore
+        if d["wrapper"].rpartition(":")[2] not in ignore
     }
     differences = []
     for name in sorted(before.keys() | after.keys()):
