@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -38,9 +38,9 @@ _Scheduler = Any  # torch.optim.lr_scheduler.LRScheduler; Any keeps ReduceLROnPl
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Window:
-    """The open accumulation window: what the micro-batches since the last update added up to.
+class Window(NamedTuple):
+    """The open accumulation window: what the micro-batches since the last update added up to
+    (a named tuple: made on every micro-batch, and immutable).
 
     Attributes:
         size: micro-batches in the window.
