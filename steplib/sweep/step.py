@@ -127,7 +127,7 @@ class SweepStep:
         loss_sum = torch.as_tensor(state.window_loss)  # a tensor: the window is not empty
         grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window_targets, n=self.n)
         for transform in plan.transforms:
-            transform(grads)  # type: ignore[arg-type]  # the per-copy Gradients
+            transform(grads)
         grads.settle()
         finite = None if grads.nonfinite is None else ~grads.nonfinite
         lr = self._lr(state)
