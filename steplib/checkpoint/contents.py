@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from steplib.checkpoint.manifest import fingerprint
 from steplib.errors import ConfigError, CorruptCheckpointError, describe
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
@@ -47,7 +48,7 @@ def check_arguments(
     Raises:
         ConfigError: a state that is not a TrainState, a ``data`` without ``state_dict`` /
             ``load_state_dict``, ``extras`` that is not a mapping of such objects, or a ``step``
-            without ``describe()``.
+            that is neither a Step nor several by name.
     """
     if not isinstance(state, TrainState):
         raise ConfigError(
@@ -74,11 +75,7 @@ def check_arguments(
                 "metric, an EMA); put plain values in the state instead: "
                 "state.replace(extras={..., 'name': value})."
             )
-    if step is not None and not callable(getattr(step, "describe", None)):
-        raise ConfigError(
-            f"{caller}(step=...) received {describe(step)}, which is not a Step. Pass the step "
-            "you train with (make_train_step(...) and its wrappers), or leave step=None."
-        )
+    fingerprint(step, caller=caller)  # a Step, several by name, or None
     return extras
 
 
@@ -96,7 +93,7 @@ def gather(
         OPTIMIZER: optimizer_tree(state),
         TRAIN_STATE: train_state_tree(state, data=data, extras=extras, rng=rng),
     }
-    if any(lane.window_size > 0 for lane in lanes(state)):
+    if any(lane.window.size > 0 for lane in lanes(state)):
         trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
         check_plain(tree, file_name)
@@ -111,9 +108,6 @@ def train_state_tree(
     """Everything of ``state`` but the model and the optimizer tensors, as plain data: the
     counters, window, scheduler, scaler, extras, RNG states, the data position and which
     parameters are frozen (a run resumed past an unfreeze trains what the saved run did)."""
-    # A LambdaLR whose position lives on the device is brought up to date first (a host read;
-    # the save reads everything anyway).
-    state.settle_scheduler()
     tree = lane_tree(state)
     tree["counters"]["epoch"] = state.epoch
     tree.update(
@@ -134,12 +128,12 @@ def lane_tree(state: TrainState) -> dict[str, Any]:
         "counters": {
             "step": state.step,
             "micro_step": state.micro_step,
-            "window_size": state.window_size,
+            "window_size": state.window.size,
             # Device tensors when the skip decision stays on the device; ints in the file.
             "skipped_updates": int(state.skipped_updates),
             "consecutive_skips": int(state.consecutive_skips),
         },
-        "window": {"loss": state.window_loss, "targets": state.window_targets},
+        "window": {"loss": state.window.loss, "targets": state.window.targets},
         "optimizer_type": type(state.optimizer).__name__,
         "scheduler_type": None if state.scheduler is None else type(state.scheduler).__name__,
         "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),

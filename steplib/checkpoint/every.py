@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from steplib import errors
+from steplib.cadence import Batches, check_every
 from steplib.checkpoint.handlers import Checkpointer
 from steplib.checkpoint.listing import StorageOptions
 from steplib.checkpoint.metrics import Metrics
@@ -22,7 +23,7 @@ from steplib.errors import ConfigError, describe
 def checkpoint_every(
     directory: str,
     *,
-    every: int | None = None,
+    every: int | Batches | None = None,
     epochs: int | None = None,
     at_epoch_end: bool = False,
     keep_last: int | None = None,
@@ -46,7 +47,8 @@ def checkpoint_every(
 
     Args:
         directory: a local path or fsspec URL of the directory of checkpoints.
-        every: save when ``state.step`` is a multiple of this (an int >= 1), or ``None``.
+        every: save when ``state.step`` is a multiple of this (an int >= 1), every n batches
+            with ``Batches(n)`` (at the update holding the n-th batch), or ``None``.
         epochs: save at the end of an epoch when ``state.epoch`` (completed epochs) is a
             multiple of this (an int >= 1), or ``None``. With ``every`` too, both cadences
             save (an update saved by one is not saved again by the other).
@@ -167,15 +169,12 @@ def check_cadence(every: Any, epochs: Any, at_epoch_end: Any) -> int | None:
             "every=500 (optimizer updates between checkpoints), epochs=1 (every epoch end; "
             "at_epoch_end=True is the same), or both."
         )
-    for label, value in (("every", every), ("epochs", epochs)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            unit = "optimizer updates" if label == "every" else "epochs"
-            example = 500 if label == "every" else 2
-            raise ConfigError(
-                f"checkpoint_every({label}=...) received {describe(value)}; it is the number "
-                f"of {unit} between checkpoints and must be an int >= 1, e.g. "
-                f"{label}={example}."
-            )
+    check_every("checkpoint_every(every=...)", every)
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+    ):
+        raise ConfigError(
+            f"checkpoint_every(epochs=...) received {describe(epochs)}; it is the number of "
+            "epochs between checkpoints and must be an int >= 1, e.g. epochs=2."
+        )
     return epochs

@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from steplib.cadence import Batches, due
 from steplib.checkpoint import storage
 from steplib.checkpoint.attached import run_data, with_handlers
 from steplib.checkpoint.background import AsyncSaver
@@ -75,7 +76,7 @@ class Checkpointer:
         self,
         directory: str,
         *,
-        every: int | None,
+        every: int | Batches | None,
         epochs: int | None = None,
         keep_last: int | None,
         keep_best: int | None,
@@ -157,7 +158,7 @@ class Checkpointer:
         Raises:
             ConfigError: ``keep_best`` ranks by a ``metric`` this save's metrics do not hold.
         """
-        if self.every is not None and event.step % self.every == 0:
+        if self.every is not None and due(self.every, event):
             return self.on_epoch_end(event)
         return self.report(event)
 

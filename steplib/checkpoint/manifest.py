@@ -28,7 +28,7 @@ import torch
 
 from steplib.checkpoint.checksum import ALGORITHMS
 from steplib.checkpoint.checksummed import FileRecord
-from steplib.errors import CorruptCheckpointError
+from steplib.errors import ConfigError, CorruptCheckpointError, describe
 
 FORMAT = "steplib-checkpoint"
 # Format versions: 1 single-process, 2 sharded (DCP), both with CRC32 file checksums; 3 either
@@ -69,6 +69,43 @@ def library_versions() -> dict[str, str]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | None:
+    """The composition of ``step`` as JSON values (as ``load`` compares it), or ``None``.
+
+    ``step`` is a Step (its ``describe()``), or several steps by name as ``run`` takes them
+    (``{"D": d_step, "G": g_step}``): then a ``{"wrapper": "steps", "names": [...]}`` entry,
+    and each step's wrappers named ``"D:clip"``, ``"G:clip"``, ...
+
+    Raises:
+        ConfigError: ``step`` is neither (says what was received).
+
+    Example:
+        >>> from steplib import clip, make_train_step
+        >>> d = clip(make_train_step(lambda m, b: m(b).sum(), optimizer="D"), max_norm=1.0)
+        >>> [e["wrapper"] for e in fingerprint({"D": d, "G": make_train_step(print)})]
+        ['steps', 'D:clip']
+    """
+    if step is None:
+        return None
+    several = isinstance(step, Mapping)
+    for one in step.values() if several else (step,):
+        if not callable(getattr(one, "describe", None)):
+            raise ConfigError(
+                f"{caller}(step=...) received {describe(step)}, which is not a Step. Pass the "
+                "step you train with (make_train_step(...) and its wrappers), the steps by name "
+                'as run takes them ({"D": d_step, "G": g_step}), or leave step=None.'
+            )
+    if several:
+        described = [{"wrapper": "steps", "names": list(step)}] + [
+            {**d, "wrapper": f"{name}:{d['wrapper']}"}
+            for name, one in step.items()
+            for d in one.describe()
+        ]
+    else:
+        described = step.describe()
+    return list(orjson.loads(orjson.dumps(described, default=str)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,18 +150,15 @@ class Manifest:
         """The manifest of a checkpoint of ``state`` now; ``versions`` and ``files`` are
         filled in by the write, off an async save's critical path."""
         # As JSON values (tuples become lists, odd settings strings), as load will compare them.
-        fingerprint = (
-            None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
-        )
         return cls(
-            name=checkpoint_name(state.step, state.micro_step, state.window_size),
+            name=checkpoint_name(state.step, state.micro_step, state.window.size),
             step=state.step,
             micro_step=state.micro_step,
             epoch=state.epoch,
-            window_size=state.window_size,
+            window_size=state.window.size,
             time=time.time(),
             metrics=metrics,
-            fingerprint=fingerprint,
+            fingerprint=fingerprint(step),
             versions={},
             files={},
             layout=layout,

@@ -30,7 +30,7 @@ import torch
 
 from steplib.errors import ConfigError, describe
 from steplib.output import StepOutput, at_least_float32
-from steplib.state import TrainState
+from steplib.state import EMPTY_WINDOW, TrainState, Window
 from steplib.step import Step
 from steplib.step.core import EAGER
 from steplib.step.loss_output import parse_loss_output
@@ -71,7 +71,7 @@ class SweepStep:
         """
         self._check(state)
         plan = self.step.plan
-        size = state.window_size + 1
+        size = state.window.size + 1
         closes = close_window or size >= plan.window
         with contextlib.ExitStack() as stack:
             for enter in plan.micro_contexts:
@@ -87,9 +87,11 @@ class SweepStep:
         count = count[0]  # one shared batch: every copy counted the same targets
         state = state.replace(
             micro_step=state.micro_step + 1,
-            window_size=size,
-            window_loss=loss_sum if size == 1 else state.window_loss + loss_sum,
-            window_targets=state.window_targets + count,
+            window=Window(
+                size,
+                loss_sum if size == 1 else state.window.loss + loss_sum,
+                state.window.targets + count,
+            ),
         )
         if closes:
             return self._close(state, aux)
@@ -106,7 +108,7 @@ class SweepStep:
     def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
         """Close an open, shorter window (normalised by what it held); ``(state, None)`` when
         no window is open."""
-        if state.window_size == 0:
+        if state.window.size == 0:
             return state, None
         return self._close(state, {})
 
@@ -124,8 +126,8 @@ class SweepStep:
     ) -> tuple[TrainState, StepOutput]:
         plan, optimizer = self.step.plan, state.optimizer
         state.fence.wait()  # an async checkpoint may still be copying what this update changes
-        loss_sum = torch.as_tensor(state.window_loss)  # a tensor: the window is not empty
-        grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window_targets, n=self.n)
+        loss_sum = torch.as_tensor(state.window.loss)  # a tensor: the window is not empty
+        grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window.targets, n=self.n)
         for transform in plan.transforms:
             transform(grads)
         grads.settle()
@@ -159,9 +161,7 @@ class SweepStep:
         skipped = torch.zeros_like(applied) if finite is None else ~finite
         state = state.replace(
             step=state.step + 1,
-            window_size=0,
-            window_loss=0.0,
-            window_targets=0,
+            window=EMPTY_WINDOW,
             # One number each, as a checkpoint holds them: copy-updates skipped in total, and
             # updates in a row that skipped some copy. Per copy, the optimizer's step counts.
             skipped_updates=state.skipped_updates + skipped.sum(),

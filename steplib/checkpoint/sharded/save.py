@@ -82,7 +82,7 @@ def prepare_sharded(
     numbers = check_metrics(metrics, caller)
     model, every = state.model, lanes(state)
     grads = None
-    open_window = max(lane.window_size for lane in every)
+    open_window = max(lane.window.size for lane in every)
     if open_window > 0:
         if not holds_only_ddp(model):
             # FSDP2 keeps the window's gradients unsharded inside its parameter groups, with

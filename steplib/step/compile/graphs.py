@@ -161,11 +161,11 @@ def hooked_update(optimizer: torch.optim.Optimizer) -> None:
 def process_and_update(
     step: Step, state: TrainState, raw_step: Callable[..., Any], window: Any = None
 ) -> tuple[GradReport, bool]:
-    # The update runs in the graph unless a transform may skip it (a non-finite flag exists:
-    # known when the graph is traced, so the branch is not in the graph).
+    # The update runs in the graph unless it may be skipped (a skip flag exists, or the window
+    # holds the int count 0: known when the graph is traced, so the branch is not in the graph).
     with torch.no_grad():
         report = process_grads(step, state, window=window)
-        if report.nonfinite is None:
+        if report.nonfinite is None and report.num_targets > 0:
             raw_step(state.optimizer)
             return report, True
     return report, False
@@ -182,7 +182,7 @@ def micro_and_update(
     # gradients are read here, not passed in: phase 2 reads them again through the optimizer.
     grads: list[torch.Tensor] = [p.grad for p in plan.params]  # type: ignore[misc]
     loss_sum, count, aux = micro_acc(plan, grads, batch)
-    window = (state.window_loss + loss_sum, state.window_targets + count)
+    window = (state.window.loss + loss_sum, state.window.targets + count)
     return ((loss_sum, count, aux), *process_and_update(step, state, raw_step, window))
 
 

@@ -194,7 +194,7 @@ class CompiledRunner(Runner):
         plan = self.plan(step, state)
         if plan is not None:
             if plan.checked:
-                if sync and self.updates_in_graph(step, state, state.window_size + 1):
+                if sync and self.updates_in_graph(step, state, state.window.size + 1):
                     return self.micro_update(plan, step, state, batch)
                 return self.micro(plan, batch)
             try:
@@ -271,7 +271,7 @@ class CompiledRunner(Runner):
     def process_grads(
         self, step: Step, state: TrainState, *, window: tuple[torch.Tensor, Any] | None = None
     ) -> GradReport:
-        optimizer, size = state.optimizer, state.window_size if window is None else 0
+        optimizer, size = state.optimizer, state.window.size if window is None else 0
         if self.report is not None:  # the closing micro-batch's graph ran phase 2
             report, self.report = self.report, None
             return report
