@@ -38,14 +38,10 @@ class Event:
         state: the ``TrainState`` at the moment of the event.
         output: the ``StepOutput`` of the step call that caused it (``micro_step_end``,
             ``step_end``), else ``None``; in a run of several steps, the last step's.
-        outputs: in a run of several steps (``run({"D": d_step, "G": g_step}, ...)``), each
-            step's ``StepOutput`` by name (those that ran); else ``None``.
         step: optimizer updates so far (``state.step``).
         micro_step: micro-batches so far (``state.micro_step``).
         epoch: completed epochs (``state.epoch``).
         batch_index: index of the batch within the epoch, for step events.
-        batches: the batches this event covers, for step events: 1 for ``micro_step_end``,
-            the update's window for ``step_end`` (what ``every=Batches(n)`` counts).
         error: the exception, for ``exception``.
         metrics: the values an evaluation recorded (``{"val_loss": ...}``), for
             ``validation_end``.
@@ -53,22 +49,26 @@ class Event:
             the checkpoint just committed, for ``checkpoint_end``.
         data: for ``fit_start``, the batches ``run`` draws from (their position is saved).
         events: the :class:`Events` emitting ``fit_start`` (see :meth:`Events.attached`).
+        outputs: in a run of several steps (``run({"D": d_step, "G": g_step}, ...)``), each
+            step's ``StepOutput`` by name (those that ran); else ``None``.
+        batches: the batches this event covers, for step events: 1 for ``micro_step_end``,
+            the update's window for ``step_end`` (what ``every=Batches(n)`` counts).
     """
 
     name: str
     state: Any
     output: Any = None
-    outputs: Mapping[str, Any] | None = None
     step: int = 0
     micro_step: int = 0
     epoch: int = 0
     batch_index: int | None = None
-    batches: int = 0
     error: BaseException | None = None
     metrics: Mapping[str, Any] | None = None
     checkpoint: Any = None
     data: Any = None
     events: Events | None = None
+    outputs: Mapping[str, Any] | None = None
+    batches: int = 0
 
     @classmethod
     def at(cls, name: str, state: Any, **payload: Any) -> Event:

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import steplib as sl
+from steplib.errors import EmptyWindowError
 from steplib.sweep import Copies, SweepAdamW, SweepSGD, sweep_step
-from tests.reference import make_batches, mean_loss, tiny_model
+from tests.reference import make_batches, mean_loss, tiny_model, token_loss
 
 BATCH = make_batches(1)[0]
 
@@ -152,3 +153,14 @@ def test_a_per_copy_skip_with_a_torch_optimizer_is_refused_before_any_update() -
         step(state, BATCH)
     for b, p in zip(before, copies.parameters(), strict=True):
         assert torch.equal(b.nan_to_num(), p.detach().nan_to_num())
+
+
+def test_a_window_without_targets_with_a_torch_optimizer_is_an_error_naming_the_fix() -> None:
+    copies = Copies.stack([tiny_model(i) for i in range(2)])
+    opt = torch.optim.SGD(copies.parameters(), lr=0.1, momentum=0.9)  # cannot skip one window
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    x, y, mask = BATCH
+    step = sweep_step(sl.make_train_step(token_loss), copies=copies, example_batch=BATCH)
+    state, _ = step(state, BATCH)
+    with pytest.raises(EmptyWindowError, match="held no targets"):
+        step(state, (x, y, torch.zeros_like(mask)))

@@ -9,17 +9,18 @@ as they would on that copy's own run. ``loss_sum`` is ``[N]`` and ``nonfinite`` 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from steplib.state import TrainState
-from steplib.step.parts import LOCAL
+from steplib.step.parts import LOCAL, Gradients
 
 
-class CopyGradients:
-    """The gradients of N copies, made once per update and passed to every transform.
+class CopyGradients(Gradients):
+    """The gradients of N copies, made once per update and passed to every transform: a
+    :class:`~steplib.step.Gradients` whose norm, scaling and skip flag are per copy (its
+    ``params``, ``grads`` and pending division by the window's count are the base class's).
 
     Attributes:
         state: the state being updated.
@@ -41,39 +42,10 @@ class CopyGradients:
         num_targets: torch.Tensor | int,
         n: int,
     ) -> None:
-        self.state = state
-        self._params = [
-            p for g in state.optimizer.param_groups for p in g["params"] if p.grad is not None
-        ]
-        self._grads: list[torch.Tensor] = [p.grad for p in self._params]
-        self._pending: torch.Tensor | float | None = None
-        self.loss_sum = loss_sum
-        self.num_targets = num_targets
-        self.divisor: torch.Tensor | int = num_targets
-        self.grad_norm: torch.Tensor | None = None
-        self.nonfinite: torch.Tensor | None = None
-        self.sync = LOCAL
+        super().__init__(
+            state, loss_sum=loss_sum, num_targets=num_targets, divisor=num_targets, sync=LOCAL
+        )
         self.n = n
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        self.settle()
-        return self._params
-
-    @property
-    def grads(self) -> list[torch.Tensor]:
-        self.settle()
-        return self._grads
-
-    def divide_by(self, divisor: torch.Tensor | float) -> None:
-        """Divide every copy's gradients by ``divisor`` (a count <= 0 zeroes them)."""
-        if isinstance(divisor, torch.Tensor):
-            divisor = torch.where(divisor > 0, divisor, math.inf)
-        elif divisor == 1:
-            return
-        elif divisor <= 0:
-            divisor = math.inf
-        self._pending = divisor if self._pending is None else self._pending * divisor
 
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """``[N]``: each copy's total gradient norm, computed as ``clip_grad_norm_`` does (the
@@ -90,13 +62,6 @@ class CopyGradients:
             factor, self._pending = factor / self._pending, None
         for g in self._grads:
             g.mul_(_per_copy(factor, g))
-
-    def settle(self) -> None:
-        """Apply a pending division now (the sweep step calls it after the last transform)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            for g in self._grads:
-                g.div_(_per_copy(pending, g))
 
     def flag_nonfinite(self, bad: torch.Tensor) -> None:
         """Skip the update of the copies where ``bad`` is True (``[N]``, or one bool for all)."""

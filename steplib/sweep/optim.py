@@ -29,7 +29,7 @@ from steplib.errors import ConfigError, describe
 class PerCopyOptimizer(torch.optim.Optimizer):
     """What the sweep optimizers share: the per-copy values, the active copies, and an update
     that leaves a copy alone where ``mask`` is False. Subclasses name their per-copy values in
-    ``per_copy`` and write ``init_state`` and ``update_one`` (out of place).
+    ``per_copy``, their buffers in ``state_keys``, and write ``update_one`` (out of place).
 
     Args:
         params: ``copies.parameters()``: every tensor with the copies' leading dimension.
@@ -41,7 +41,8 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         n: the number of copies.
     """
 
-    per_copy: tuple[str, ...] = ()
+    per_copy: tuple[str, ...] = ()  # the hyper-parameters that may differ per copy
+    state_keys: tuple[str, ...] = ()  # the per-parameter buffers, zeros at the first update
 
     def __init__(self, params: Iterable[torch.Tensor], *, n: int | None, **hparams: Any) -> None:
         params = list(params)
@@ -104,7 +105,7 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros(self.n, dtype=p.dtype, device=p.device)
-                    self.init_state(state, p)
+                    state.update({key: torch.zeros_like(p) for key in self.state_keys})
                 here = keep.view(shape)
                 new_p, new_state = self.update_one(p, p.grad, state, view, group)
                 p.copy_(torch.where(here, new_p, p))
@@ -112,9 +113,6 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                     state[key].copy_(torch.where(here, value, state[key]))
                 state["step"].add_(keep.to(p.dtype))
         return loss
-
-    def init_state(self, state: dict[str, Any], p: torch.Tensor) -> None:
-        """Fill a parameter's state on its first update (besides ``step``)."""
 
     def update_one(
         self,
@@ -152,6 +150,7 @@ class SweepAdamW(PerCopyOptimizer):
     """
 
     per_copy = ("beta1", "beta2", "eps", "weight_decay")
+    state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -175,10 +174,6 @@ class SweepAdamW(PerCopyOptimizer):
             weight_decay=weight_decay,
             decoupled=bool(decoupled),
         )
-
-    def init_state(self, state: dict[str, Any], p: torch.Tensor) -> None:
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
 
     def update_one(
         self,
@@ -226,6 +221,7 @@ class SweepSGD(PerCopyOptimizer):
     """
 
     per_copy = ("momentum", "dampening", "weight_decay")
+    state_keys = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -247,9 +243,6 @@ class SweepSGD(PerCopyOptimizer):
             weight_decay=weight_decay,
             nesterov=bool(nesterov),
         )
-
-    def init_state(self, state: dict[str, Any], p: torch.Tensor) -> None:
-        state["momentum_buffer"] = torch.zeros_like(p)
 
     def update_one(
         self,

@@ -11,8 +11,9 @@ What differs from the step it wraps, and why:
   the N losses is back-propagated: the copies are independent, so each stacked gradient row is
   that copy's own gradient;
 * ``StepOutput``'s ``loss``, ``grad_norm``, ``did_update``, ``skipped`` and ``lr`` are ``[N]``;
-* an update skipped for one copy (non-finite, or the copy stopped) is a mask in the optimizer's
-  update, decided on the device: there is no host read in a sweep's step;
+* an update skipped for one copy (non-finite, or the copy stopped) or for all (a window that
+  held no targets) is a mask in the optimizer's update, decided on the device: there is no host
+  read in a sweep's step;
 * ``state.skipped_updates`` counts skipped copy-updates in total (a 0-dim tensor); each
   copy's updates are its optimizer ``step`` count;
 * the scheduler advances once per sweep update for every copy (a copy whose update was skipped
@@ -129,16 +130,19 @@ class SweepStep:
         loss_sum = torch.as_tensor(state.window.loss)  # a tensor: the window is not empty
         grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window.targets, n=self.n)
         for transform in plan.transforms:
-            transform(grads)  # type: ignore[arg-type]  # the per-copy Gradients
+            transform(grads)
         grads.settle()
-        finite = None if grads.nonfinite is None else ~grads.nonfinite
+        targets = torch.as_tensor(grads.num_targets, device=state.device)
         lr = self._lr(state)
         _call(plan.hooks, "before_update", state)
         if isinstance(optimizer, PerCopyOptimizer):
-            update = lambda: optimizer.step(mask=finite)  # noqa: E731
-            active = optimizer.param_groups[0]["active"]
-            applied = active.clone() if finite is None else active & finite
-        elif finite is not None:  # torch's optimizers would update a NaN copy too: refuse
+            # Kept: finite, and from a window that held targets (all padding makes no update).
+            kept = targets > 0 if grads.nonfinite is None else ~grads.nonfinite & (targets > 0)
+            kept = kept.expand(self.n)
+            update = lambda: optimizer.step(mask=kept)  # noqa: E731
+            applied = optimizer.param_groups[0]["active"] & kept
+            skipped = ~kept
+        elif grads.nonfinite is not None:  # torch's optimizers would update a NaN copy: refuse
             raise ConfigError(
                 f"a transform of this sweep's step ({self.step.describe()}) skips the update of "
                 f"some copies, and {type(optimizer).__name__} updates every copy or none. Use "
@@ -148,6 +152,7 @@ class SweepStep:
         else:
             update = optimizer.step
             applied = torch.ones(self.n, dtype=torch.bool, device=state.device)
+            skipped = ~applied
         for outer in reversed(plan.updates):
             update = _around(outer, state, update)
         update()
@@ -156,9 +161,12 @@ class SweepStep:
             for p in group["params"]:
                 p.grad = None
         _call(plan.hooks, "after_zero_grad", state)
+        if not isinstance(optimizer, PerCopyOptimizer):
+            # It cannot skip a window that held no targets: checked once the count's host copy
+            # lands, as the step does for such an optimizer (an error that names the fix).
+            plan.skips.check_not_empty(optimizer, targets, state.step)
         if state.scheduler is not None:
             state.scheduler.step()
-        skipped = torch.zeros_like(applied) if finite is None else ~finite
         state = state.replace(
             step=state.step + 1,
             window=EMPTY_WINDOW,
