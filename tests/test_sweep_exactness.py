@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import steplib as sl
-from steplib.sweep import Copies, SweepAdamW, SweepSGD, sweep_step
+from steplib.sweep import Copies, SweepAdamW, SweepSGD, stop_copies, sweep_step
 from tests.reference import make_batches, mean_loss, tiny_model, token_loss
 
 N = 4
@@ -374,3 +374,22 @@ def test_sweep_window_without_targets_updates_no_copy_as_the_plain_loop_skips_it
     assert updates[1].skipped.all() and not updates[1].did_update.any()
     assert updates[2].did_update.all()
     assert_params_equal(copies, models, 1e-12)
+
+
+@pytest.mark.parametrize("make_opt", [SweepAdamW, SweepSGD])
+def test_a_stopped_copy_with_nan_gradients_is_left_exactly_as_it_was(make_opt: Any) -> None:
+    batches = f64_batches(3)
+    copies = Copies.stack([tiny_model(i).double() for i in range(N)])
+    with torch.no_grad():
+        first_weight(copies.stacked)[1].fill_(float("nan"))  # diverged, then stopped
+    opt = make_opt(copies.parameters(), lr=LRS, weight_decay=0.1)
+    stop_copies(opt, [1])
+    before = [p.detach().clone() for p in copies.parameters()]
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    step = sweep_step(sl.make_train_step(mean_loss), copies=copies, example_batch=batches[0])
+    for batch in batches:
+        state, out = step(state, batch)
+    assert out.did_update.tolist() == [True, False, True, True]
+    for b, p in zip(before, copies.parameters(), strict=True):
+        assert torch.equal(b[1].nan_to_num(), p.detach()[1].nan_to_num())
+        assert not torch.equal(b[0], p.detach()[0])
