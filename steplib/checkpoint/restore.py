@@ -1,8 +1,7 @@
-"""How a checkpoint goes back into a TrainState: checked against the state first, then loaded.
-
-Everything is checked before anything is changed: a checkpoint that does not fit the state
-(other parameter names, another optimizer, another step composition) raises ``ConfigError``
-and leaves the state as it was. What the files hold is ``contents``.
+"""How a checkpoint goes back into a state: every part checked against the state first (model
+names and shapes, optimizers, schedulers, scalers, extras, handlers, data, the step's
+composition), then loaded; a check that fails raises ``ConfigError`` with nothing changed.
+Both back-ends end here (``dcp`` loads the tensors itself, then the train state here).
 """
 
 from __future__ import annotations
@@ -14,8 +13,14 @@ from typing import Any
 import orjson
 import torch
 
-from steplib.checkpoint.attached import HANDLERS, HandlerStates
-from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, WINDOW_GRADS
+from steplib.checkpoint.contents import (
+    HANDLERS,
+    MODEL,
+    OPTIMIZER,
+    TRAIN_STATE,
+    WINDOW_GRADS,
+    HandlerStates,
+)
 from steplib.data.loader import restore_position
 from steplib.errors import ConfigError
 from steplib.seeding import restore_rng

@@ -12,8 +12,8 @@ from typing import Any
 
 from steplib import errors
 from steplib.checkpoint import storage
-from steplib.checkpoint.listing import CheckpointInfo, StorageOptions, list_checkpoints, scan
-from steplib.checkpoint.manifest import sort_key
+from steplib.checkpoint.manifest import CheckpointInfo, list_checkpoints, scan, sort_key
+from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError, ConfigError, describe
 
 MODES = ("min", "max")

@@ -16,12 +16,11 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from steplib.checkpoint import checksummed, storage
+from steplib.checkpoint import storage
 from steplib.checkpoint.contents import MODEL, read_tree
-from steplib.checkpoint.listing import StorageOptions, committed_manifest, newest_valid
-from steplib.checkpoint.manifest import SHARDED, Manifest
-from steplib.checkpoint.sharded.layout import holds_dtensor_parameters
-from steplib.checkpoint.storage import Location
+from steplib.checkpoint.manifest import SHARDED, Manifest, committed_manifest, newest_valid
+from steplib.checkpoint.pipeline import holds_dtensor_parameters
+from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.distributed.parallelize import inner_module
 from steplib.errors import (
     CheckpointError,
@@ -243,7 +242,7 @@ def _read_checkpoint(
     location: Location, manifest: Manifest, storage_options: StorageOptions
 ) -> dict[str, Any]:
     if manifest.layout == SHARDED:
-        from steplib.checkpoint.sharded.weights import read_weights  # DCP: imported on use
+        from steplib.checkpoint.dcp import read_weights  # DCP: imported on use
 
         return read_weights(location, manifest, storage_options)
     record = manifest.files.get(MODEL)
@@ -255,10 +254,10 @@ def _read_checkpoint(
     file = location.child(MODEL)
     source: Any
     if file.is_local:  # verified streaming, then mapped: the file is never held twice in memory
-        checksummed.verify_local(file, record, checkpoint=location.url)
+        storage.verify(file, record, checkpoint=location.url)
         source = file.path
     else:
-        source = io.BytesIO(checksummed.read_verified(file, record, checkpoint=location.url))
+        source = io.BytesIO(storage.read_verified(file, record, checkpoint=location.url))
     return _state_dict(read_tree(source, location.url, MODEL, mmap=file.is_local), location.url)
 
 
