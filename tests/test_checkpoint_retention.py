@@ -22,9 +22,9 @@ from steplib.checkpoint import (
     list_checkpoints,
     prune,
     save,
-    select_retained,
     storage,
 )
+from steplib.checkpoint.retention import select_retained
 from steplib.handlers import BestValue
 from tests.checkpoint_helpers import make_state, memory_dir
 from tests.reference import make_batches, mean_loss

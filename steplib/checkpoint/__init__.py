@@ -1,7 +1,7 @@
 """Checkpoints and exact resume through fsspec: atomic, verified, asynchronous, preemption-safe.
 
 * :func:`save`, :func:`load`, :func:`latest`, :func:`list_checkpoints`, :func:`best_checkpoint`,
-  :func:`prune`, :func:`select_retained`.
+  :func:`prune`.
 * :func:`load_weights`: the model's weights only (fine-tuning).
 * :class:`AsyncSaver`: snapshot now, write in a background thread; :func:`wait_snapshot`.
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
@@ -13,11 +13,11 @@ belongs: ``docs/architecture.md``.
 """
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot
-from steplib.checkpoint.checkpointer import Checkpointer, checkpoint_every, default_metrics
+from steplib.checkpoint.checkpointer import checkpoint_every
 from steplib.checkpoint.manifest import CheckpointInfo, latest, list_checkpoints
 from steplib.checkpoint.pipeline import load, save
-from steplib.checkpoint.resume import Preemption, Resume, preemption, resume_from
-from steplib.checkpoint.retention import best_checkpoint, prune, select_retained
+from steplib.checkpoint.resume import preemption, resume_from
+from steplib.checkpoint.retention import best_checkpoint, prune
 from steplib.checkpoint.weights import load_weights
 from steplib.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 
@@ -26,13 +26,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointWarning",
-    "Checkpointer",
     "CorruptCheckpointError",
-    "Preemption",
-    "Resume",
     "best_checkpoint",
     "checkpoint_every",
-    "default_metrics",
     "latest",
     "list_checkpoints",
     "load",
@@ -41,6 +37,5 @@ __all__ = [
     "prune",
     "resume_from",
     "save",
-    "select_retained",
     "wait_snapshot",
 ]

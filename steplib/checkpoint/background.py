@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from steplib.checkpoint import pipeline
-from steplib.checkpoint.contents import lanes
-from steplib.checkpoint.pipeline import DCP_DIR, Checkpoints, check_durable
+from steplib.checkpoint.contents import DCP_DIR, lanes
+from steplib.checkpoint.pipeline import Checkpoints, check_durable
 from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError
 from steplib.state import TrainState
@@ -35,18 +35,10 @@ Path = tuple[Any, ...]  # where a tensor sits in a tree: the key of its reused b
 def snapshot(
     tree: Any, buffers: dict[Path, torch.Tensor], *, deferred: set[int]
 ) -> tuple[Any, list[Any]]:
-    """A deep copy of ``tree`` with every tensor copied into a CPU buffer (pinned for a GPU
-    tensor, copied on its stream ahead of the kernels that change it): an async save's.
-
-    ``buffers`` (by path) are reused where shape and dtype match, then replaced by this
-    snapshot's. Tensors whose storage is in ``deferred`` (the parameters and optimizer state,
-    which only the next update changes) are copied by a :class:`BackgroundCopy`, which the
-    caller puts on the state's fence. A tensor seen twice (tied weights) is copied once; a
-    DTensor stays a DTensor (its local shard copied).
-
-    Returns:
-        The copy, and what the writer must ``synchronize()`` before writing it.
-    """
+    """A deep copy of ``tree`` with every tensor in a CPU buffer (reused from ``buffers`` by
+    path, pinned for GPU tensors copied on their stream); tensors whose storage is in
+    ``deferred`` are copied by a :class:`BackgroundCopy`. A tensor seen twice is copied once;
+    a DTensor stays a DTensor. Returns the copy and what the writer must ``synchronize()``."""
     dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     copies: dict[int, torch.Tensor] = {}
     used: dict[Path, torch.Tensor] = {}
@@ -112,8 +104,7 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def update_only_storages(state: TrainState) -> set[int]:
-    """The CPU storages that only an optimizer update changes: the parameters and the tensors
-    of every optimizer's state (what :func:`snapshot` may copy in the background)."""
+    """The CPU storages only an optimizer update changes: parameters and optimizer state."""
     dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     tensors: list[torch.Tensor] = []
     for lane in lanes(state):
@@ -185,13 +176,8 @@ class BackgroundCopy:
 
 
 class AsyncSaver:
-    """Saves checkpoints in a background thread, one at a time: the snapshot is taken now
-    (buffers reused by the next save), the write and commit happen while training goes on.
-
-    The parameters and optimizer state are copied in the background until the next update,
-    which waits for them (see :func:`wait_snapshot`); the rest is copied before ``save``
-    returns. A sharded state's ranks write and commit on a gloo group of their own (training
-    keeps issuing collectives on the default group meanwhile). An error in the background is
+    """Saves checkpoints in a background thread, one at a time: the snapshot is taken now,
+    the write (``pipeline.write``) runs while training goes on. An error in the background is
     raised by the next ``save``, by ``wait`` or by ``close``: it is never lost.
 
     Example:
@@ -225,17 +211,9 @@ class AsyncSaver:
         durable: bool = True,
         after: Callable[[str], Any] | None = None,
     ) -> str:
-        """Snapshot ``state`` and write it in the background; the arguments are
-        ``steplib.checkpoint.save``'s, and ``after``: called with the URL in the background
-        thread once committed (its errors surface like the write's).
-
-        Returns:
-            The URL the checkpoint will have once committed.
-
-        Raises:
-            CheckpointError: the previous background save failed (raised before this starts).
-            ConfigError: a bad argument, as for ``save``.
-        """
+        """Snapshot ``state`` and write it in the background; the arguments are ``save``'s, and
+        ``after``, called with the URL in the writer thread once committed. Returns the URL the
+        checkpoint will have. Raises the previous save's ``CheckpointError`` first."""
         given = Checkpoints(directory, data, extras, step, storage_options, durable)
         return self.submit(given, state, metrics=metrics, after=after)
 
@@ -282,11 +260,7 @@ class AsyncSaver:
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
-        """Block until the background save (if any) is committed.
-
-        Raises:
-            CheckpointError: that save failed (the error it raised is its ``__cause__``).
-        """
+        """Block until the background save is committed (``CheckpointError`` if it failed)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -325,12 +299,12 @@ class AsyncSaver:
 
 
 def wait_snapshot(state: TrainState) -> None:
-    """Wait until a pending async save has copied the parameters and optimizer state of
-    ``state``: after this they may change in place without tearing that checkpoint.
+    """Wait until a pending async save has copied the parameters and optimizer state: after
+    this they may change in place without tearing that checkpoint (steps and ``load`` wait
+    themselves; a change outside the optimizer should call this first).
 
-    Steps and ``load`` call it themselves; call it before changing parameters in place outside
-    the optimizer while an ``AsyncSaver.save`` may be in flight (without it, such a change
-    fails that checkpoint, except one through ``.data``, which would go unnoticed).
+    Args:
+        state: the state given to ``AsyncSaver.save``.
 
     Example:
         >>> import torch
@@ -340,7 +314,5 @@ def wait_snapshot(state: TrainState) -> None:
         >>> with AsyncSaver() as saver:
         ...     url = saver.save(state, "memory://doctest-wait-snapshot/ckpt")
         ...     wait_snapshot(state)
-        ...     with torch.no_grad():
-        ...         _ = model.weight.mul_(0)  # the checkpoint keeps the weights at save time
     """
     state.fence.wait()

@@ -72,19 +72,10 @@ def library_versions() -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Manifest:
-    """The contents of ``manifest.json``.
-
-    Attributes:
-        name: the checkpoint's directory name.
-        step, micro_step, epoch, window_size: the TrainState counters when it was taken.
-        time: when it was taken (unix seconds).
-        metrics: numbers recorded with it (what ``keep_best`` ranks by).
-        fingerprint: ``step.describe()`` of the step that trained it, or ``None``.
-        versions: steplib, torch and Python versions of the writer.
-        files: size and checksum of each data file (by path inside the checkpoint).
-        layout: ``"single"`` (one process, ``torch.save`` files) or ``"sharded"`` (DCP).
-        world_size: the number of processes that wrote it.
-    """
+    """The contents of ``manifest.json``: the name, the counters, the time (unix seconds),
+    the metrics, ``step.describe()`` (or ``None``), the writer's versions, each file's record
+    (by path inside the checkpoint), the layout (``"single"`` or ``"sharded"``, DCP) and the
+    number of processes that wrote it."""
 
     name: str
     step: int
@@ -109,26 +100,14 @@ class Manifest:
         layout: str = SINGLE,
         world_size: int = 1,
     ) -> Manifest:
-        """The manifest of a checkpoint of ``state`` now; ``versions`` and ``files`` are
-        filled in by the write, off an async save's critical path."""
+        """The manifest of a checkpoint of ``state`` now (``versions`` and ``files`` are
+        filled in by the write, off an async save's critical path)."""
         # As JSON values (tuples become lists, odd settings strings), as load will compare them.
-        fingerprint = (
-            None if step is None else orjson.loads(orjson.dumps(step.describe(), default=str))
-        )
-        return cls(
-            name=checkpoint_name(state.step, state.micro_step, state.window_size),
-            step=state.step,
-            micro_step=state.micro_step,
-            epoch=state.epoch,
-            window_size=state.window_size,
-            time=time.time(),
-            metrics=metrics,
-            fingerprint=fingerprint,
-            versions={},
-            files={},
-            layout=layout,
-            world_size=world_size,
-        )
+        described = None if step is None else orjson.dumps(step.describe(), default=str)
+        name = checkpoint_name(state.step, state.micro_step, state.window_size)
+        counters = (state.step, state.micro_step, state.epoch, state.window_size)
+        fingerprint = None if described is None else orjson.loads(described)
+        return cls(name, *counters, time.time(), metrics, fingerprint, {}, {}, layout, world_size)
 
     def to_json(self) -> bytes:
         body = {
@@ -154,11 +133,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, checkpoint: str) -> Manifest:
-        """Parse and check a manifest.
-
-        Raises:
-            CorruptCheckpointError: not JSON, not a steplib manifest, or its own CRC differs.
-        """
+        """Parse and check a manifest (``CorruptCheckpointError``: not one, or altered)."""
         try:
             body = orjson.loads(data)
             if not isinstance(body, dict) or body.get("format") != FORMAT:
@@ -175,22 +150,17 @@ class Manifest:
                     f"format version {body['version']} is newer than this steplib reads "
                     f"({VERSION}); upgrade steplib"
                 )
-            return cls(
-                name=str(body["name"]),
-                step=int(body["step"]),
-                micro_step=int(body["micro_step"]),
-                epoch=int(body["epoch"]),
-                window_size=int(body["window_size"]),
-                time=float(body["time"]),
-                metrics={
-                    k: (math.nan if v is None else float(v)) for k, v in body["metrics"].items()
-                },
-                fingerprint=body["fingerprint"],
-                versions=dict(body["versions"]),
-                files={k: _record(k, v) for k, v in body["files"].items()},
-                layout=str(body.get("layout", SINGLE)),
-                world_size=int(body.get("world_size", 1)),
+            step, micro, epoch, window = (
+                int(body[k]) for k in ("step", "micro_step", "epoch", "window_size")
             )
+            metrics = {k: math.nan if v is None else float(v) for k, v in body["metrics"].items()}
+            files = {k: _record(k, v) for k, v in body["files"].items()}
+            layout, world = str(body.get("layout", SINGLE)), int(body.get("world_size", 1))
+            return cls(
+                str(body["name"]), step, micro, epoch, window, float(body["time"]), metrics,
+                body["fingerprint"],
+                dict(body["versions"]), files, layout, world,
+            )  # fmt: skip
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(
                 f"checkpoint {checkpoint}: its file {MANIFEST} cannot be read ({err}). Use an "
@@ -218,11 +188,9 @@ class CheckpointInfo:
     """A committed checkpoint, as listed by :func:`list_checkpoints`.
 
     Attributes:
-        url: pass it to ``steplib.checkpoint.load``.
-        name: its directory name (``step-00000120``).
-        step, micro_step, epoch: the counters it was taken at.
-        time: when it was taken (unix seconds).
-        metrics: the numbers saved with it.
+        url: pass it to ``load``; name: its directory name (``step-00000120``); step,
+        micro_step, epoch: its counters; time: when it was taken (unix seconds); metrics:
+        the numbers saved with it.
     """
 
     url: str
@@ -239,22 +207,16 @@ def latest(
 ) -> str | None:
     """The newest valid checkpoint in ``directory``, or ``None`` when there is none.
 
-    Only committed checkpoints count (a save that did not finish is invisible). With
-    ``verify`` every file of the candidate is read and checked; a corrupt checkpoint is
-    skipped with a :class:`CheckpointWarning` that names the file, and the next older one is
-    tried.
+    Only committed checkpoints count. With ``verify`` every file of the candidate is checked;
+    a corrupt one is skipped with a ``CheckpointWarning`` naming the file.
 
     Args:
-        directory: the directory given to ``steplib.checkpoint.save``.
-        verify: check the checksums (reads every file of the newest checkpoint); ``False``
-            only checks that its manifest is readable.
+        directory: the directory given to ``save``.
+        verify: check the checksums (``False``: only that the manifest is readable).
         storage_options: passed to fsspec.
 
     Returns:
         The checkpoint's URL, or ``None`` (also when ``directory`` does not exist).
-
-    Raises:
-        CheckpointError: the filesystem of ``directory`` is not installed.
 
     Example:
         >>> latest("memory://doctest-latest/nothing-here") is None
@@ -274,19 +236,15 @@ def latest(
 def list_checkpoints(
     directory: str, *, storage_options: StorageOptions = None
 ) -> list[CheckpointInfo]:
-    """The committed checkpoints in ``directory``, oldest first (files are not verified).
-
-    A checkpoint whose manifest cannot be read is left out with a :class:`CheckpointWarning`.
+    """The committed checkpoints in ``directory``, oldest first (files are not verified; one
+    whose manifest cannot be read is left out with a ``CheckpointWarning``).
 
     Args:
-        directory: the directory given to ``steplib.checkpoint.save``.
+        directory: the directory given to ``save``.
         storage_options: passed to fsspec.
 
     Returns:
-        One :class:`CheckpointInfo` per checkpoint (none when ``directory`` does not exist).
-
-    Raises:
-        CheckpointError: the filesystem of ``directory`` is not installed.
+        One :class:`CheckpointInfo` per checkpoint.
 
     Example:
         >>> import torch
@@ -367,14 +325,9 @@ def candidates(location: Location, *, newest_first: bool) -> Iterator[Location]:
 def newest_valid(
     location: Location, read: Callable[[Location, Manifest], T]
 ) -> tuple[str, T] | list[str]:
-    """``(url, read(checkpoint, manifest))`` for the newest committed checkpoint of
-    ``location`` that ``read`` gets through without a :class:`CorruptCheckpointError`; each
-    corrupt one on the way is skipped with a :class:`CheckpointWarning`.
-
-    Returns:
-        The URL and what ``read`` returned; else the names of the corrupt checkpoints skipped
-        (an empty list: ``location`` holds no committed checkpoint).
-    """
+    """``(url, read(checkpoint, manifest))`` for the newest committed checkpoint that ``read``
+    gets through without a ``CorruptCheckpointError`` (each one skipped is warned about);
+    else the names of the corrupt ones (none: no committed checkpoint)."""
     corrupt: list[str] = []
     for checkpoint in candidates(location, newest_first=True):
         try:
@@ -396,12 +349,7 @@ def warn_skipped(err: CorruptCheckpointError, *, stacklevel: int = 3) -> None:
 
 
 def _info(location: Location, manifest: Manifest) -> CheckpointInfo:
+    counters = (manifest.step, manifest.micro_step, manifest.epoch)
     return CheckpointInfo(
-        url=location.url,
-        name=location.name,
-        step=manifest.step,
-        micro_step=manifest.micro_step,
-        epoch=manifest.epoch,
-        time=manifest.time,
-        metrics=dict(manifest.metrics),
+        location.url, location.name, *counters, manifest.time, dict(manifest.metrics)
     )

@@ -16,23 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint import storage
 from steplib.checkpoint.contents import (
+    DISTRIBUTION_WRAPPERS,
     MODEL,
     OPTIMIZER,
     TRAIN_STATE,
     check_arguments,
     check_metrics,
     gather,
+    is_sharded,
     read_tree,
 )
 from steplib.checkpoint.manifest import (
@@ -45,66 +44,8 @@ from steplib.checkpoint.manifest import (
 )
 from steplib.checkpoint.restore import apply, check_fingerprint
 from steplib.checkpoint.storage import Location, StorageOptions
-from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError, describe
 from steplib.state import TrainState
-
-DCP_DIR = "dcp"
-# The distribution may change between the saving and the resuming run (that is resharding).
-DISTRIBUTION_WRAPPERS = frozenset({"ddp_wrap", "fsdp_wrap"})
-
-
-def rank_file(rank: int) -> str:
-    """The name of rank ``rank``'s train-state file inside a sharded checkpoint."""
-    return f"rank-{rank:05d}.pt"
-
-
-def is_sharded(state: Any) -> bool:
-    """Whether ``state`` is saved as a sharded checkpoint: a process group is initialised and
-    its model is, or holds, a DDP or FSDP2 module (a GAN's ``{"G": apply_ddp(g), "D":
-    apply_ddp(d)}`` too), or holds DTensor parameters (``apply_tp``, FSDP2 x TP). A DTensor
-    parameter is one rank's shard, so such a state without a process group is refused.
-
-    Raises:
-        ConfigError: the model holds DTensor parameters but no process group is initialised.
-    """
-    model = getattr(state, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        return False
-    grouped = dist.is_available() and dist.is_initialized()
-    if grouped and any(is_parallel_model(m) for m in model.modules()):
-        return True
-    if holds_dtensor_parameters(model):
-        if not grouped:
-            raise ConfigError(
-                f"the state's model ({type(model).__name__}) holds DTensor parameters "
-                "(tensor parallel or FSDP2), each rank's shard, but no process group is "
-                "initialised, so the shards cannot be written or read together. Save and load "
-                "on every rank before dist.destroy_process_group(); to use the weights in one "
-                "process, load the checkpoint into a plain (unsharded) model."
-            )
-        return True
-    return False
-
-
-def holds_only_ddp(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds DDP modules and no FSDP2 one: an open accumulation window's
-    gradients are then plain per-rank tensors, which a checkpoint can hold."""
-    parallel = [m for m in model.modules() if is_parallel_model(m)]
-    return bool(parallel) and all(isinstance(m, DistributedDataParallel) for m in parallel)
-
-
-def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor (a shard or a replica on a mesh)."""
-    # No DTensor exists before its module is imported: a single-process save need not import it.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
-
-
-def prunes_here(state: Any) -> bool:
-    """Whether this process prunes after saving ``state``: rank 0 alone for a sharded
-    checkpoint (the ranks share one directory), every process otherwise."""
-    return not is_sharded(state) or dist.get_rank() == 0
 
 
 def check_durable(durable: Any, caller: str) -> None:
@@ -121,8 +62,7 @@ def check_durable(durable: Any, caller: str) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """Everything one process writes for a save, gathered at one moment (live tensors until
-    :func:`snapshot` copies them)."""
+    """What one process writes for a save, gathered at one moment (live tensors)."""
 
     directory: Location
     name: str
@@ -353,34 +293,23 @@ def save(
 ) -> str:
     """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
 
-    With a DDP or FSDP2 model, or one holding DTensor parameters (``apply_tp``), and an
-    initialised process group it is a sharded checkpoint (torch.distributed.checkpoint): call
-    it on every rank at the same update (it is a collective); each rank writes its shard,
-    rank 0 the manifest.
-
-    ``durable=False`` skips the fsyncs of the files and directories on a local disk (a plain
-    ``torch.save`` does none either); the save stays atomic and checksummed. Only a power
-    loss, kernel crash or reset within the kernel's write-back delay (about 30 s on Linux)
-    may lose the newest checkpoint; it then fails its checksums (or has no manifest), and
-    ``latest`` / ``resume_from`` fall back to the previous one (keep ``keep_last >= 2``). If
-    only the process dies, nothing is lost. Object stores have no fsync: ``durable`` changes
-    nothing there.
+    A sharded state (DDP, FSDP2 or DTensor parameters, with a process group) is saved through
+    DCP: call it on every rank at the same update. ``durable=False`` skips the fsyncs (still
+    atomic and checksummed): a power loss within the kernel's write-back delay may lose the
+    newest checkpoint, which then fails its checksums and is skipped on resume.
 
     Args:
-        state: the TrainState to save: model, optimizer, scheduler, scaler, every counter, the
-            accumulation window (with its gradients when one is open) and ``state.extras``.
+        state: the TrainState to save (see ``docs/checkpoints.md`` for what it holds).
         directory: a local path or fsspec URL of the directory that holds the checkpoints.
         data: the data loader whose position to save (e.g. ``steplib.data.resumable_loader``).
         extras: more objects to save by name, each with ``state_dict()`` (an EMA, a metric).
         step: the Step that trains ``state``; its composition is saved and checked by ``load``.
         metrics: numbers to record in the manifest (what ``keep_best`` ranks checkpoints by).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
-        durable: fsync the checkpoint before returning (``True``, the default), or leave the
-            write-back to the kernel (``False``: faster; see above for what may be lost).
+        durable: fsync the checkpoint before returning.
 
     Returns:
-        The URL of the new checkpoint: ``<directory>/step-<step>`` (or
-        ``.../step-<step>-micro-<micro_step>`` inside an open accumulation window).
+        The new checkpoint's URL: ``<directory>/step-<step>`` (``...-micro-<n>`` mid-window).
 
     Raises:
         ConfigError: a bad argument, or a value a weights-only load could not read back.
@@ -409,14 +338,10 @@ def load(
 ) -> TrainState:
     """Load the checkpoint at ``url`` into the objects of ``state``; return the resumed state.
 
-    Every file is verified against its checksum and the checkpoint is checked against
-    ``state`` before anything changes. Then the parameters, optimizer, scheduler and scaler of
-    ``state`` are loaded in place, the accumulation window's gradients restored, the data
-    position loaded into ``data``, the RNG states (torch, CUDA, numpy, ``random``) set, and a
-    new state with the saved counters and extras returned. Files are read with
-    ``torch.load(..., weights_only=True)``: loading never runs pickled code. A sharded
-    checkpoint loads into any number of ranks and into a plain module (DCP reshards; its
-    ``.metadata`` is read by an unpickler that builds DCP's records only).
+    Every file is verified against its checksum and the checkpoint checked against ``state``
+    before anything changes; then the objects of ``state``, the data position and the RNG
+    states are loaded. Files are read with ``weights_only=True``: never any pickled code. A
+    sharded checkpoint loads into any number of ranks, or a plain module (DCP reshards).
 
     Args:
         url: a checkpoint URL, as returned by :func:`save` or ``latest``.
@@ -427,14 +352,12 @@ def load(
         storage_options: passed to fsspec.
 
     Returns:
-        The state at the saved counters. A checkpoint taken after the last batch of an epoch,
-        before the loop counted it, resumes at the start of the next epoch (``epoch + 1``).
+        The state at the saved counters (an epoch that ended at the save: the next one).
 
     Raises:
         CheckpointError: no checkpoint at ``url`` (never committed, or a directory of them).
         CorruptCheckpointError: a file is truncated, altered or missing (the error names it).
-        ConfigError: the checkpoint does not fit ``state`` (other parameter names, optimizer,
-            scheduler, scaler or extras) or was trained by another step composition.
+        ConfigError: the checkpoint does not fit ``state`` or was trained by another step.
 
     Example:
         >>> import torch

@@ -27,6 +27,10 @@ from steplib.seeding import restore_rng
 from steplib.state import TrainState
 
 _SHOWN = 8  # names listed in an error before "and N more"
+FINE_TUNE = (
+    "use load_weights(state, url, strict=False) (the weights only, with a fresh optimizer, as "
+    "to fine-tune)"
+)
 
 
 _OBSERVERS = ("detect_anomaly", "tap")
@@ -105,10 +109,7 @@ def apply(
         _shapes(state.model.state_dict()),
         model_type=type(state.model).__name__,
         checkpoint=checkpoint,
-        hint=(
-            "use load_weights(state, url, strict=False) (the weights only, with a fresh "
-            "optimizer, as to fine-tune)"
-        ),
+        hint=FINE_TUNE,
     )
     optimizers = _optimizers_by_name(trees[OPTIMIZER], train_state, state, checkpoint)
     trees_by_name = lane_trees(train_state, state)

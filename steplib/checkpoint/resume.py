@@ -22,8 +22,8 @@ from typing import Any
 import torch.distributed as dist
 
 from steplib.checkpoint.checkpointer import Checkpointer
-from steplib.checkpoint.contents import run_data, with_handlers
-from steplib.checkpoint.pipeline import Checkpoints, is_sharded
+from steplib.checkpoint.contents import is_sharded, run_data, with_handlers
+from steplib.checkpoint.pipeline import Checkpoints
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
@@ -33,25 +33,11 @@ _log = logging.getLogger("steplib.checkpoint")
 
 
 class Resume:
-    """A ``fit_start`` handler that loads the newest valid checkpoint. Build it with
-    :func:`resume_from`; register it with :meth:`attach` (or ``events.on("fit_start", ...)``).
-
-    Args:
-        directory: the directory ``checkpoint_every`` / ``save`` write into.
-        data: the loader to continue from the saved position, or ``None``: the stateful
-            loader ``run`` draws from (``event.data``), if any.
-        extras: the objects saved with ``extras=``, to load into, or ``None``.
-        step: the Step whose composition the checkpoint must match, or ``None``.
-        storage_options: passed to fsspec.
+    """The ``fit_start`` handler :func:`resume_from` builds.
 
     Attributes:
-        loaded: the URL of the checkpoint it loaded, or ``None`` (not called yet, or no
-            checkpoint found: the run started fresh).
-
-    Example:
-        >>> resume = resume_from("memory://doctest-resume-class/empty")
-        >>> resume, resume.loaded
-        (resume_from('memory://doctest-resume-class/empty'), None)
+        given: the directory and what the load is given (``pipeline.Checkpoints``).
+        loaded: the URL of the checkpoint it loaded, or ``None`` (none yet, or started fresh).
     """
 
     def __init__(self, given: Checkpoints) -> None:
@@ -64,18 +50,12 @@ class Resume:
         return self.given.directory
 
     def attach(self, events: Events) -> Events:
-        """Register on ``fit_start``: attach it before the handlers whose ``fit_start`` must
-        see the resumed state (``Events(resume_from(ckpt), evaluator, ..., ckpt)``).
-
-        Returns:
-            ``events``, so calls chain.
-        """
+        """Register on ``fit_start`` (before the handlers that must see the resumed state)."""
         self.events = events
         return events.on("fit_start", self)
 
     def __call__(self, event: Event) -> NewState | None:
-        """Load the newest valid checkpoint into ``event.state``, its data position into the
-        loader and the saved handlers' states into those attached to the run."""
+        """Load the newest valid checkpoint into the state, its loader and its handlers."""
         events = self.events if self.events is not None else event.events
         given = dataclasses.replace(
             self.given,
@@ -104,32 +84,20 @@ def resume_from(
 ) -> Resume:
     """A ``fit_start`` handler: continue from the newest valid checkpoint in ``directory``.
 
-    Give it the checkpoint handler (``resume_from(ckpt)``) and it resumes from its directory
-    with its ``data``, ``extras``, ``step`` and ``storage_options``: nothing is named twice.
-    What a checkpoint holds comes back: the state, the position of the stateful loader ``run``
-    draws from, and the state of every handler with ``state_dict`` / ``load_state_dict``
-    attached to the run (a saved handler with no counterpart attached, or the reverse, is a
-    ``ConfigError``; see ``checkpoint.attached``).
-
-    Corrupt checkpoints are skipped with a ``CheckpointWarning`` (the next older one is used);
-    with no checkpoint at all the run starts fresh. Register it before other ``fit_start``
-    handlers, so that they see the resumed state. The handler raises (at ``fit_start``)
-    ``CorruptCheckpointError`` when every checkpoint is corrupt, and ``ConfigError`` when the
-    newest valid one does not fit the state, the step or the attached handlers: none of these
-    starts the run over silently.
-
-    On another number of ranks (a sharded checkpoint: DCP reshards the model and optimizer),
-    pass a loader built with ``resumable_loader(..., shard=True)``: the data continues where
-    an uninterrupted run on the new world size would be. A per-rank position (no
-    ``shard=True``) is refused there with ``ConfigError``, as is a sample count that is not
-    a whole number of the new global batches (the message gives the ``batch_size`` to use);
-    see ``docs/resume_on_another_world_size.md``.
+    Given the checkpoint handler (``resume_from(ckpt)``) it takes its directory, ``data``,
+    ``extras``, ``step`` and ``storage_options``: nothing is named twice. The state comes back
+    with the position of the stateful loader ``run`` draws from and the state of every handler
+    with ``state_dict`` attached to the run (a saved handler not attached now, or the reverse,
+    is a ``ConfigError``). Corrupt checkpoints are skipped with a ``CheckpointWarning``; with
+    none the run starts fresh. At ``fit_start`` it raises ``CorruptCheckpointError`` when every
+    checkpoint is corrupt and ``ConfigError`` when the newest does not fit: never a silent
+    restart. On another number of ranks pass ``resumable_loader(..., shard=True)`` (see
+    ``docs/resume_on_another_world_size.md``).
 
     Args:
         directory: the directory ``checkpoint_every`` / ``save`` write into, or the
             ``checkpoint_every`` handler that writes it.
-        data: the loader to continue from the saved position (``shard=True`` to resume on
-            another number of ranks); by default the stateful loader ``run`` draws from.
+        data: the loader to continue (by default the stateful loader ``run`` draws from).
         extras: the objects saved with ``extras=``, to load into.
         step: the Step; a checkpoint of another composition raises ``ConfigError``.
         storage_options: passed to fsspec.
@@ -166,11 +134,10 @@ def resume_from(
 
 
 class Preemption:
-    """Saves and stops the run after a preemption signal. Build it with :func:`preemption`.
+    """The handler :func:`preemption` builds.
 
     Attributes:
-        received: the signal the run was preempted by, or ``None``: this process's, or with a
-            sharded state the one any rank received (the ranks' agreement decides).
+        received: the signal the run was preempted by (any rank's, sharded), or ``None``.
         saved: the URL of the checkpoint saved because of it, or ``None``.
     """
 
@@ -188,11 +155,7 @@ class Preemption:
         self._group_of: Any = None
 
     def attach(self, events: Events) -> Events:
-        """Register on ``fit_start`` (install), ``step_end``, ``fit_end`` and ``exception``.
-
-        Returns:
-            ``events``, so calls chain.
-        """
+        """Register on ``fit_start``, ``step_end``, ``fit_end`` and ``exception``."""
         events.on("fit_start", self.on_fit_start)
         events.on("step_end", self.on_step_end, last=True)  # saves: after the others
         events.on("fit_end", self.on_fit_end)
@@ -206,11 +169,7 @@ class Preemption:
         return 0 if self.received is None else 128 + self.received
 
     def on_fit_start(self, event: Event) -> None:
-        """Install the signal handlers (main thread only).
-
-        Raises:
-            ConfigError: called outside the main thread, where Python cannot catch signals.
-        """
+        """Install the signal handlers (``ConfigError`` outside the main thread)."""
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError(
                 "preemption(...) must run in the main thread: Python delivers signals only "
@@ -228,8 +187,7 @@ class Preemption:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_step_end(self, event: Event) -> Stop | None:
-        """After a signal (on any rank of a sharded state): save now, at this update
-        boundary, and stop the loop."""
+        """After a signal (any rank's, sharded): save now and stop the loop."""
         decided = self._decide(event)
         if decided is None:
             return None
@@ -285,23 +243,18 @@ def preemption(
 ) -> Preemption:
     """A handler that turns a preemption signal into a checkpoint and a clean stop.
 
-    The signal handler only sets a flag. At the next ``step_end`` (the next optimizer-update
-    boundary) the state is saved with ``checkpointer``'s settings, synchronously, and the
-    handler returns ``Stop("preempted by SIGTERM at step N; saved URL")``; the loop ends
-    normally (``fit_end`` runs). A second signal of the same kind ends the process as the
-    signal normally would. After the run, ``handler.received`` says whether it was preempted
-    and ``handler.exit_code`` gives a conventional exit status.
+    The signal handler only sets a flag. At the next update boundary the state is saved with
+    ``checkpointer``'s settings, synchronously, and the handler returns ``Stop(...)``; the
+    loop ends normally. A second signal ends the process as it normally would.
+    ``handler.received`` and ``handler.exit_code`` (128 + signal) say how the run ended.
 
     Args:
         checkpointer: the :class:`Checkpointer` whose directory and settings to save with.
-        signals: the signals to catch (SIGTERM and SIGUSR1 by default: what Kubernetes and
-            SLURM send before they kill a job).
+        signals: the signals to catch (what Kubernetes and SLURM send before a kill).
 
     Returns:
         A :class:`Preemption`; call ``.attach(events)`` after the checkpointer's.
 
-    Raises:
-        ConfigError: ``checkpointer`` is not a Checkpointer, or ``signals`` is empty.
 
     Example:
         >>> import os, signal, torch

@@ -1,19 +1,13 @@
 """Where checkpoints live (fsspec URLs), how a directory of files is committed atomically, and
 how each file is written and read back checksummed.
 
-A checkpoint is a directory of files plus ``manifest.json``, always written last:
-
-* **local disks**: the files go into a hidden staging directory (``.tmp-<name>-<random>``),
-  each is fsync'ed, the directory is renamed to its final name (atomic) and the parent
-  directory fsync'ed. ``fsync=False`` (``save(..., durable=False)``) skips the fsyncs only:
-  still atomic and checksummed.
-* **object stores and others** (``s3://``, ``memory://``), where a rename is a copy: the files
-  are written in place and the manifest last; a directory without one is not a checkpoint.
-
-Checksums are ``xxh3_64`` of the bytes as written (computed on the way out); checkpoints of
-steplib before 0.2.0 record ``crc32``, still verified. They catch truncated and altered files,
-not deliberate forgery.
-"""
+On a local disk the files go into a hidden staging directory (``.tmp-<name>-<random>``), each
+fsync'ed, which is renamed to its final name (atomic) and its parent fsync'ed (``fsync=False``,
+``durable=False``: no fsyncs, still atomic and checksummed). On object stores and others,
+where a rename is a copy, the files are written in place and ``manifest.json`` last: a
+directory without one is not a checkpoint. Checksums are ``xxh3_64`` of the bytes as written
+(``crc32`` in checkpoints before steplib 0.2.0, still verified): they catch truncated and
+altered files, not deliberate forgery."""
 
 from __future__ import annotations
 
@@ -29,6 +23,7 @@ from typing import IO, Any
 
 import fsspec
 import torch
+import torch.distributed as dist
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
@@ -84,12 +79,8 @@ class FileRecord:
 
 
 def resolve(url: Any, storage_options: StorageOptions, *, caller: str) -> Location:
-    """Turn a local path or URL into a :class:`Location`.
-
-    Raises:
-        ConfigError: ``url`` is not a string or path, or its protocol is unknown to fsspec.
-        CheckpointError: the protocol's filesystem package is not installed (names the extra).
-    """
+    """Turn a local path or URL into a :class:`Location`: ``ConfigError`` for a bad one,
+    ``CheckpointError`` (naming the package to install) for a filesystem not installed."""
     if not isinstance(url, str | os.PathLike) or not os.fspath(url):
         raise ConfigError(
             f"{caller} received the location {describe(url)}; pass a local path or an fsspec "
@@ -140,12 +131,8 @@ def exists(location: Location) -> bool:
 
 
 def check_writable(directory: Location, *, caller: str) -> None:
-    """Create ``directory`` and write and remove a small file in it, so that a directory that
-    cannot be written fails when a run starts, not at its first checkpoint.
-
-    Raises:
-        CheckpointError: it cannot be created or written (the message names the OS error).
-    """
+    """Create ``directory`` and write and remove a probe file, so that a directory that cannot
+    be written fails when a run starts (``CheckpointError``), not at its first checkpoint."""
     probe = directory.child(f".steplib-write-test-{uuid.uuid4().hex[:8]}")
     try:
         directory.fs.makedirs(directory.path, exist_ok=True)
@@ -241,7 +228,7 @@ class _Crc32:
 
 
 def hasher(algorithm: str = XXH3_64) -> Any:
-    """A new hasher of ``algorithm`` (one of ``ALGORITHMS``).
+    """A new hasher of ``algorithm``: ``xxh3_64`` or ``crc32``.
 
     Example:
         >>> h = hasher(); h.update(b"steplib"); len(h.hexdigest())
@@ -262,8 +249,7 @@ def digest(data: Any, algorithm: str = XXH3_64) -> str:
 
 
 def file_digest(path: str, size: int, algorithm: str = XXH3_64) -> tuple[str, int]:
-    """The checksum of the first ``size`` bytes of the file at ``path``, and how many were read
-    (fewer when the file is shorter)."""
+    """The checksum of the first ``size`` bytes of ``path``, and how many there were."""
     h, read = hasher(algorithm), 0
     view = memoryview(bytearray(min(CHUNK_BYTES, max(size, 1))))
     with open(path, "rb", buffering=0) as raw:
@@ -275,7 +261,8 @@ def file_digest(path: str, size: int, algorithm: str = XXH3_64) -> tuple[str, in
 
 class ChecksumFile:
     """A write-only file object that checksums and counts the bytes on their way to ``raw``
-    (xxhash releases the GIL: a background writer does not hold up training)."""
+    (xxhash releases the GIL: a background writer does not hold up training).
+    """
 
     def __init__(self, raw: IO[bytes]) -> None:
         self.raw, self.hasher, self.size = raw, hasher(), 0
@@ -287,8 +274,8 @@ class ChecksumFile:
         self.size += view.nbytes
         return view.nbytes
 
-    def flush(self) -> None:
-        self.raw.flush()
+    def __getattr__(self, name: str) -> Any:  # what else a writer asks for (DCP: tell, fileno)
+        return getattr(self.raw, name)
 
     def record(self) -> FileRecord:
         return FileRecord(self.size, self.hasher.hexdigest())
@@ -309,7 +296,7 @@ def open_write(location: Location, *, fsync: bool) -> Iterator[ChecksumFile]:
 def write_tensors(location: Location, tree: Any, *, fsync: bool) -> FileRecord:
     """``torch.save`` ``tree`` to ``location``, checksummed on the way."""
     with open_write(location, fsync=fsync) as file:
-        torch.save(tree, file)  # type: ignore[arg-type]
+        torch.save(tree, file)
     return file.record()
 
 
@@ -321,11 +308,7 @@ def write_bytes(location: Location, data: bytes, *, fsync: bool) -> FileRecord:
 
 
 def read_verified(location: Location, record: FileRecord, *, checkpoint: str) -> bytes:
-    """The bytes of one checkpoint file, checked against its manifest record.
-
-    Raises:
-        CorruptCheckpointError: the file is missing, has another size or another checksum.
-    """
+    """The bytes of one file, checked against its record (``CorruptCheckpointError``)."""
     try:
         data = read_bytes(location)
     except FileNotFoundError:
@@ -335,12 +318,8 @@ def read_verified(location: Location, record: FileRecord, *, checkpoint: str) ->
 
 
 def verify(location: Location, record: FileRecord, *, checkpoint: str) -> None:
-    """Check one checkpoint file against its record (streamed from a local disk, without
-    holding it in memory; read whole from elsewhere).
-
-    Raises:
-        CorruptCheckpointError: the file is missing, has another size or another checksum.
-    """
+    """Check one file against its record, streamed from a local disk, read whole from
+    elsewhere (``CorruptCheckpointError``: missing, another size or checksum)."""
     if not location.is_local:
         read_verified(location, record, checkpoint=checkpoint)
         return
@@ -352,6 +331,25 @@ def verify(location: Location, record: FileRecord, *, checkpoint: str) -> None:
     except FileNotFoundError:
         raise _missing(location, checkpoint) from None
     _check(location, record, size, found, checkpoint=checkpoint)
+
+
+def verify_all(
+    location: Location, files: Mapping[str, FileRecord], *, me: int = 0, world: int = 1
+) -> None:
+    """Verify every file of a checkpoint, each of ``world`` ranks a share (a collective when
+    ``world > 1``); every rank raises the same ``CorruptCheckpointError``."""
+    error = None
+    for name in sorted(files)[me::world]:
+        try:
+            verify(location.child(name), files[name], checkpoint=location.url)
+        except CorruptCheckpointError as err:
+            error = str(err)
+            break
+    errors: list[Any] = [None] * world if world > 1 else [error]
+    if world > 1:
+        dist.all_gather_object(errors, error)
+    if found := [e for e in errors if e is not None]:
+        raise CorruptCheckpointError(found[0])
 
 
 def _label(location: Location, checkpoint: str) -> str:
