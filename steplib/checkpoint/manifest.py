@@ -226,8 +226,7 @@ def latest(
 
     def check(checkpoint: Location, manifest: Manifest) -> None:
         if verify:  # else a readable manifest is enough
-            for file_name, record in manifest.files.items():
-                storage.verify(checkpoint.child(file_name), record, checkpoint=checkpoint.url)
+            storage.verify_all(checkpoint, manifest.files)
 
     found = newest_valid(location, check)
     return found[0] if isinstance(found, tuple) else None
@@ -258,30 +257,22 @@ def list_checkpoints(
         [('step-00000001', 1.0), ('step-00000002', 2.0)]
     """
     location = storage.resolve(directory, storage_options, caller="list_checkpoints")
-    infos = []
+    return scan(location, warn=True)[0]
+
+
+def scan(location: Location, *, warn: bool = False) -> tuple[list[CheckpointInfo], list[Location]]:
+    """Committed checkpoints (oldest first) and everything else that looks like a checkpoint
+    directory but is not a valid committed one (uncommitted, corrupt manifest, staging); with
+    ``warn``, each corrupt one is warned about."""
+    infos: list[CheckpointInfo] = []
+    prefixes = (storage.STAGING_PREFIX, storage.TRASH_PREFIX)
+    other = [location.child(n) for n in storage.list_names(location) if n.startswith(prefixes)]
     for checkpoint in candidates(location, newest_first=False):
         try:
             manifest = committed_manifest(checkpoint)
         except CorruptCheckpointError as err:
-            warn_skipped(err)
-            continue
-        if manifest is not None:
-            infos.append(_info(checkpoint, manifest))
-    return infos
-
-
-def scan(location: Location) -> tuple[list[CheckpointInfo], list[Location]]:
-    """Committed checkpoints (oldest first) and everything else that looks like a checkpoint
-    directory but is not a valid committed one (uncommitted, corrupt manifest, staging)."""
-    infos: list[CheckpointInfo] = []
-    other: list[Location] = []
-    for name in storage.list_names(location):
-        if name.startswith((storage.STAGING_PREFIX, storage.TRASH_PREFIX)):
-            other.append(location.child(name))
-    for checkpoint in candidates(location, newest_first=False):
-        try:
-            manifest = committed_manifest(checkpoint)
-        except CorruptCheckpointError:
+            if warn:
+                warn_skipped(err, stacklevel=4)
             manifest = None
         if manifest is None:
             other.append(checkpoint)
