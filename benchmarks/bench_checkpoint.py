@@ -59,6 +59,7 @@ as JSON (``--output``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             super().wait()
             fence_waits.append(time.perf_counter() - start)
 
-    state = state.replace(fence=TimedFence())
+    state = state.replace(lane=dataclasses.replace(state.lane, fence=TimedFence()))
 
     def update() -> None:
         nonlocal state

@@ -119,7 +119,7 @@ def main() -> dict[str, Any]:
     for _ in range(5):  # epochs
         for i in range(0, 512, 32):
             state, out = step(state, (x[i : i + 32], y[i : i + 32]))
-            if state.window_size == 0:  # the window closed: a host int, no device read
+            if state.window.size == 0:  # the window closed: a host int, no device read
                 losses.append(out.loss)
     values = torch.stack(losses).tolist()
     print(step.describe())

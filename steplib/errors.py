@@ -27,6 +27,12 @@ class TooManySkipsError(StepLibError, RuntimeError):
     was allowed, or the float16 loss scale fell below ``amp_wrap``'s ``min_loss_scale``."""
 
 
+class EmptyWindowError(StepLibError, RuntimeError):
+    """A window held no targets and its update could not be skipped without a host read (a
+    non-fused optimizer, nothing else deciding a skip): raised once a host copy of the count
+    has landed, with the fix."""
+
+
 class AnomalyError(StepLibError, RuntimeError):
     """The backward pass failed under ``detect_anomaly``; the message holds the forward
     traceback of the operation whose backward failed."""

@@ -14,6 +14,8 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from steplib.cadence import COUNTER, Batches, check_every, due
+
 EVENT_NAMES = (
     "fit_start",
     "epoch_start",
@@ -26,11 +28,6 @@ EVENT_NAMES = (
     "checkpoint_end",
 )
 
-# The counter that `every` and `once` count for each event; the others fire every time.
-_COUNTER = types.MappingProxyType(
-    dict(micro_step_end="micro_step", step_end="step", epoch_start="epoch", epoch_end="epoch")
-)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Event:
@@ -40,11 +37,15 @@ class Event:
         name: one of ``EVENT_NAMES``.
         state: the ``TrainState`` at the moment of the event.
         output: the ``StepOutput`` of the step call that caused it (``micro_step_end``,
-            ``step_end``), else ``None``.
+            ``step_end``), else ``None``; in a run of several steps, the last step's.
+        outputs: in a run of several steps (``run({"D": d_step, "G": g_step}, ...)``), each
+            step's ``StepOutput`` by name (those that ran); else ``None``.
         step: optimizer updates so far (``state.step``).
         micro_step: micro-batches so far (``state.micro_step``).
         epoch: completed epochs (``state.epoch``).
         batch_index: index of the batch within the epoch, for step events.
+        batches: the batches this event covers, for step events: 1 for ``micro_step_end``,
+            the update's window for ``step_end`` (what ``every=Batches(n)`` counts).
         error: the exception, for ``exception``.
         metrics: the values an evaluation recorded (``{"val_loss": ...}``), for
             ``validation_end``.
@@ -57,10 +58,12 @@ class Event:
     name: str
     state: Any
     output: Any = None
+    outputs: Mapping[str, Any] | None = None
     step: int = 0
     micro_step: int = 0
     epoch: int = 0
     batch_index: int | None = None
+    batches: int = 0
     error: BaseException | None = None
     metrics: Mapping[str, Any] | None = None
     checkpoint: Any = None
@@ -149,7 +152,7 @@ class Emitted:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Registration:
     handler: Handler
-    every: int | None
+    every: int | Batches | None
     once: int | None
     owner: Any  # the object whose attach() registered it (Events.add), for Events.remove
     last: bool  # called after the handlers registered without last=True
@@ -164,15 +167,12 @@ class _Registration:
         )
 
     def wants(self, event: Event) -> bool:
-        counter_name = _COUNTER.get(event.name)
+        counter_name = COUNTER.get(event.name)
         if counter_name is None:
             return True
-        counter = getattr(event, counter_name)
         if self.every is not None:
-            return counter % self.every == 0
-        if self.once is not None:
-            return counter == self.once
-        return True
+            return due(self.every, event)
+        return self.once is None or getattr(event, counter_name) == self.once
 
 
 class Events:
@@ -286,7 +286,7 @@ class Events:
         name: str,
         handler: Handler,
         *,
-        every: int | None = None,
+        every: int | Batches | None = None,
         once: int | None = None,
         last: bool = False,
     ) -> Events:
@@ -296,7 +296,8 @@ class Events:
             name: one of ``EVENT_NAMES``.
             handler: a callable taking one :class:`Event`.
             every: call it only when the event's counter is a multiple of this (``step`` for
-                ``step_end``, ``micro_step`` for ``micro_step_end``, ``epoch`` for epoch events).
+                ``step_end``, ``micro_step`` for ``micro_step_end``, ``epoch`` for epoch events),
+                or every n batches with :class:`Batches` (step events); see :func:`due`.
             once: call it only when the event's counter equals this.
             last: call it after every handler registered without ``last`` (what a save does:
                 it must hold what the others did at this event, e.g. a scheduler's step).
@@ -319,24 +320,23 @@ class Events:
                 f"{type(handler).__name__}, which is not callable. Pass a function of one "
                 "Event: events.on(name, lambda event: ...)."
             )
-        for label, value in (("every", every), ("once", once)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(
-                    f"Events.on({name!r}, {label}=...) received {value!r}; it must be a "
-                    f"positive int, e.g. {label}=100."
-                )
+        counted = name in ("step_end", "micro_step_end")
+        check_every(f"Events.on({name!r}, every=...)", every, batches=counted)
+        if once is not None and (isinstance(once, bool) or not isinstance(once, int) or once < 1):
+            raise ValueError(
+                f"Events.on({name!r}, once=...) received {once!r}; it must be a positive int, "
+                "e.g. once=100."
+            )
         if every is not None and once is not None:
             raise ValueError(
                 f"Events.on({name!r}) received both every={every} and once={once}; choose one "
                 "(register the handler twice to get both)."
             )
-        if (every is not None or once is not None) and name not in _COUNTER:
+        if (every is not None or once is not None) and name not in COUNTER:
             raise ValueError(
                 f"Events.on({name!r}) received every/once, but {name!r} has no counter to "
                 "count them by; register it without them (its handler sees event.step). "
-                f"every/once apply to: {', '.join(_COUNTER)}."
+                f"every/once apply to: {', '.join(COUNTER)}."
             )
         # A new list, not an insert: an emission under way iterates the old one, so that a
         # handler registered during it is called from the next event on (as for remove). The

@@ -1,14 +1,17 @@
-"""``run`` and ``iterate``: pull batches, call the step, emit events. Nothing else.
+"""``run`` and ``iterate``: pull batches, call the step (or several steps, in order, on
+each batch), emit events. Nothing else.
 
-Imports ``state`` and ``events`` only; the step is used through its call signature
+Imports ``state`` and ``events`` only; a step is used through its call signature
 ``step(state, batch, *, close_window=...)`` and ``step.flush(state)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, Protocol
+
+import torch
 
 from steplib.events import Event, Events, Stop
 from steplib.output import StepOutput
@@ -25,16 +28,29 @@ class StepLike(Protocol):
     def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]: ...
 
 
+Steps = Mapping[str, StepLike]
+# feed={"G": fn}: fn(batch, earlier) is what G's step receives, where earlier maps the steps
+# that ran before it on this batch to the aux their losses returned, graph and all.
+Feed = Callable[[Any, Mapping[str, Mapping[str, torch.Tensor]]], Any]
+# What iterate yields with the state: a StepOutput, or with several steps {name: StepOutput}
+# (Any, so that a one-step loop reads out.loss without a cast).
+Outputs = Any
+# One call of the step(s) on a batch: (state, batch, close) -> (state, output, outputs or None).
+_Call = Callable[[TrainState, Any, bool], tuple[TrainState, StepOutput, Any]]
+_Flush = Callable[[TrainState], tuple[TrainState, StepOutput | None, Any]]
+
+
 def iterate(
-    step: StepLike,
+    step: StepLike | Steps,
     state: TrainState,
     data: Iterable[Any],
     *,
     events: Events | Sequence[Any] | None = None,
     max_steps: int | None = None,
     max_epochs: int | None = None,
-) -> Generator[tuple[TrainState, StepOutput], None, TrainState]:
-    """The loop as a generator: yields ``(state, output)`` after every step call.
+    feed: Mapping[str, Feed] | None = None,
+) -> Generator[tuple[TrainState, Outputs], None, TrainState]:
+    """The loop as a generator: yields ``(state, output)`` after every call of the step(s).
 
     Each epoch is one pass over ``data``. On the last batch of a sized ``data`` the window is
     closed early (normalised by what it held); for unsized data an open window is flushed when
@@ -42,8 +58,13 @@ def iterate(
     ``max_epochs`` completed epochs (``state.epoch``), or when a handler returns ``Stop``.
     With neither limit given, it runs one epoch (as if ``max_epochs=state.epoch + 1``).
 
+    Several steps (``{"D": d_step, "G": g_step}``) run in that order on each batch, over one
+    state. The counters are the state's own (its first optimizer's: ``state.step``), so
+    ``max_steps``, ``every=`` and ``step_end`` follow that optimizer's updates; the events
+    carry the last step's output as ``event.output`` and every step's as ``event.outputs``.
+
     Args:
-        step: a ``Step``.
+        step: a ``Step``; or several, by name, run in the mapping's order on each batch.
         state: the starting state (a resumed state continues from its counters).
         data: a re-iterable of batches (a DataLoader, a list); not a one-shot generator when
             more than one epoch is run.
@@ -51,9 +72,15 @@ def iterate(
             ``events=[evaluator, ProgressBar()]``); ``None`` for none.
         max_steps: stop once ``state.step`` reaches this.
         max_epochs: stop once ``state.epoch`` reaches this.
+        feed: with several steps, what a step receives instead of the batch, by its name:
+            ``feed={"G": lambda batch, earlier: earlier["D"]["fake"]}`` gives G's step the
+            ``fake`` that D's loss returned as aux (``return loss, {"fake": fake}``), graph and
+            all, so G's loss back-propagates through the generator's forward that D's step ran.
+            ``earlier`` maps the steps that ran before it on this batch to their aux.
 
     Yields:
-        ``(state, output)`` after each call of the step (including a final flush).
+        ``(state, output)`` after each call of the step (including a final flush); with
+        several steps, ``(state, {name: output})``.
 
     Returns:
         The final state (the generator's return value, which ``run`` returns): the last yielded
@@ -90,26 +117,70 @@ def iterate(
     """
     # Checked here, outside the generator body, so that a bad argument fails where iterate()
     # is called rather than at the first next(), possibly far away in a notebook.
-    _check_args(step, data, max_steps, max_epochs)
+    _check_args(step, data, max_steps, max_epochs, feed)
     if not isinstance(events, Events):  # None, or a list of handler objects
         events = Events(*(events or ()))
-    return _iterate(step, state, data, events, max_steps, max_epochs)
+    if isinstance(step, Mapping):
+        call, flush = _several(step, feed or {})
+    else:
+        call, flush = _one(step)
+    return _iterate(call, flush, state, data, events, max_steps, max_epochs)
+
+
+def _one(step: StepLike) -> tuple[_Call, _Flush]:
+    def call(state: TrainState, batch: Any, close: bool) -> tuple[TrainState, StepOutput, Any]:
+        state, out = step(state, batch, close_window=close)
+        return state, out, None
+
+    def flush(state: TrainState) -> tuple[TrainState, StepOutput | None, Any]:
+        state, out = step.flush(state)
+        return state, out, None
+
+    return call, flush
+
+
+def _several(steps: Steps, feed: Mapping[str, Feed]) -> tuple[_Call, _Flush]:
+    steps = dict(steps)  # the caller's dict may change later; this run's steps do not
+
+    def call(state: TrainState, batch: Any, close: bool) -> tuple[TrainState, StepOutput, Any]:
+        outs: dict[str, StepOutput] = {}
+        for name, step in steps.items():
+            given = batch
+            if name in feed:
+                earlier = {n: out.aux_with_graph for n, out in outs.items()}
+                given = feed[name](batch, earlier)
+            state, outs[name] = step(state, given, close_window=close)
+        return state, outs[name], outs
+
+    def flush(state: TrainState) -> tuple[TrainState, StepOutput | None, Any]:
+        outs: dict[str, StepOutput] = {}
+        for name, step in steps.items():
+            state, out = step.flush(state)
+            if out is not None:
+                outs[name] = out
+        return state, (list(outs.values())[-1] if outs else None), outs
+
+    return call, flush
 
 
 def _iterate(
-    step: StepLike,
+    call: _Call,
+    flush: _Flush,
     state: TrainState,
     data: Iterable[Any],
     events: Events,
     max_steps: int | None,
     max_epochs: int | None,
-) -> Generator[tuple[TrainState, StepOutput], None, TrainState]:
+) -> Generator[tuple[TrainState, Outputs], None, TrainState]:
     start = Event("fit_start", state, data=data, events=events)
     state, stop = _emit(events, start, state)
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
         # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
         max_epochs = state.epoch + 1
+    # Where the open window started, in micro-batches: what an update's step_end covers
+    # (every=Batches(n) counts them). A resumed state may hold an open window.
+    opened = [state.micro_step - state.window.size]
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
             state, stop = _emit(events, Event.at("epoch_start", state), state)
@@ -120,9 +191,9 @@ def _iterate(
             for index, batch in enumerate(data):
                 close = total is not None and index == total - 1
                 before = state.step
-                state, out = step(state, batch, close_window=close)
-                state, stop = _after_call(events, state, out, before, index)
-                yield state, out
+                state, out, outs = call(state, batch, close)
+                state, stop = _after_call(events, state, out, outs, before, index, opened)
+                yield state, out if outs is None else outs
                 # On the last batch fall through to the end of the epoch, so that a stop there
                 # still counts the epoch as complete (a resume then starts the next one).
                 if (stop is not None or _done(state, max_steps, None)) and not close:
@@ -135,23 +206,21 @@ def _iterate(
                         "exhausted iterator or generator."
                     )
                 before = state.step
-                state, flushed = step.flush(state)
+                state, flushed, outs = flush(state)
                 if flushed is not None:
                     # No micro-batch ran, so only step_end: a second micro_step_end with the
                     # same micro_step would fire every/once handlers twice.
                     state, stop = _after_call(
-                        events, state, flushed, before, index, micro_batch=False
+                        events, state, flushed, outs, before, index, opened, micro_batch=False
                     )
-                    yield state, flushed
+                    yield state, flushed if outs is None else outs
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
                 state, epoch_stop = _emit(events, Event.at("epoch_end", state), state)
                 stop = stop or epoch_stop
-        state.settle_scheduler()  # a scheduler whose position was on the device, for fit_end
         state, _ = _emit(events, Event.at("fit_end", state), state)
     except GeneratorExit:
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
-        state.settle_scheduler()
         _emit(events, Event.at("fit_end", state), state)
         raise
     except BaseException as error:
@@ -161,31 +230,26 @@ def _iterate(
 
 
 def run(
-    step: StepLike,
+    step: StepLike | Steps,
     state: TrainState,
     data: Iterable[Any],
     *,
     events: Events | Sequence[Any] | None = None,
     max_steps: int | None = None,
     max_epochs: int | None = None,
+    feed: Mapping[str, Feed] | None = None,
 ) -> TrainState:
     """Drive ``step`` over ``data`` and return the final state; see :func:`iterate`.
 
     Emits ``fit_start`` (with ``data`` and ``events`` in the event, where a checkpoint finds
     the loader and the handlers whose state it saves), then per epoch ``epoch_start``,
-    ``micro_step_end`` after every step call, ``step_end`` after every update, ``epoch_end``,
-    and finally ``fit_end`` (or ``exception``, then re-raises).
+    ``micro_step_end`` after every call of the step(s), ``step_end`` after every update,
+    ``epoch_end``, and finally ``fit_end`` (or ``exception``, then re-raises).
 
     Args:
-        step: a ``Step`` (``make_train_step`` and its wrappers).
-        state: the starting state (a resumed state continues from its counters).
-        data: a re-iterable of batches (a DataLoader, a list); not a one-shot generator when
-            more than one epoch is run.
-        events: an :class:`Events`, or a list of handler objects (each attaches itself:
-            ``events=[evaluator, ProgressBar()]``); ``None`` for none.
-        max_steps: stop once ``state.step`` (optimizer updates) reaches this.
-        max_epochs: stop once ``state.epoch`` (completed epochs) reaches this. With neither
-            limit, one more epoch is run.
+        step: a ``Step`` (``make_train_step`` and its wrappers); or several steps over one
+            state, by name, run in that order on each batch (``{"D": d_step, "G": g_step}``).
+        state, data, events, max_steps, max_epochs, feed: as for :func:`iterate`.
 
     Returns:
         The final state: counters advanced, and any state a handler swapped in (a resume).
@@ -204,8 +268,24 @@ def run(
         >>> state = run(step, state, [torch.ones(4, 2)] * 3, max_epochs=2)
         >>> state.step, state.epoch
         (6, 2)
+
+        Two optimizers, a step for each, run in order on each batch:
+
+        >>> g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(
+        ...     model={"G": g, "D": d},
+        ...     optimizer={"G": torch.optim.SGD(g.parameters(), lr=0.1),
+        ...                "D": torch.optim.SGD(d.parameters(), lr=0.1)})
+        >>> d_step = make_train_step(lambda m, b: m["D"](m["G"](b).detach()).mean(),
+        ...                          optimizer="D")
+        >>> g_step = make_train_step(lambda m, b: -m["D"](m["G"](b)).mean(), optimizer="G")
+        >>> state = run({"D": d_step, "G": g_step}, state, [torch.ones(4, 2)] * 3)
+        >>> state.step, state["D"].step, state.epoch
+        (3, 3, 1)
     """
-    loop = iterate(step, state, data, events=events, max_steps=max_steps, max_epochs=max_epochs)
+    loop = iterate(
+        step, state, data, events=events, max_steps=max_steps, max_epochs=max_epochs, feed=feed
+    )
     while True:
         try:
             next(loop)
@@ -218,8 +298,10 @@ def _after_call(
     events: Events,
     state: TrainState,
     out: StepOutput,
+    outs: Mapping[str, StepOutput] | None,
     step_before: int,
     index: int,
+    opened: list[int],
     *,
     micro_batch: bool = True,
 ) -> tuple[TrainState, Stop | None]:
@@ -227,12 +309,19 @@ def _after_call(
     # nothing per micro-batch.
     stop = None
     if micro_batch and events.has("micro_step_end"):
-        event = Event.at("micro_step_end", state, output=out, batch_index=index)
+        event = Event.at(
+            "micro_step_end", state, output=out, outputs=outs, batch_index=index, batches=1
+        )
         state, stop = _emit(events, event, state)
-    if state.step != step_before and events.has("step_end"):  # a window closed: host ints
-        event = Event.at("step_end", state, output=out, batch_index=index)
-        state, step_stop = _emit(events, event, state)
-        stop = stop or step_stop
+    if state.step != step_before:  # a window closed: host ints
+        covered = state.micro_step - opened[0]
+        opened[0] = state.micro_step
+        if events.has("step_end"):
+            event = Event.at(
+                "step_end", state, output=out, outputs=outs, batch_index=index, batches=covered
+            )
+            state, step_stop = _emit(events, event, state)
+            stop = stop or step_stop
     return state, stop
 
 
@@ -258,11 +347,32 @@ def _done(state: TrainState, max_steps: int | None, max_epochs: int | None) -> b
     )
 
 
-def _check_args(step: Any, data: Any, max_steps: Any, max_epochs: Any) -> None:
-    if not callable(step) or not callable(getattr(step, "flush", None)):
+def _check_args(step: Any, data: Any, max_steps: Any, max_epochs: Any, feed: Any) -> None:
+    several = isinstance(step, Mapping)
+    steps = step if several else {"": step}
+    if several and (not step or not all(isinstance(name, str) and name for name in step)):
         raise ValueError(
-            f"run/iterate received step of type {type(step).__name__}, which is not a Step. "
-            "Build one: step = make_train_step(loss_fn), then wrap it as you like."
+            f"run/iterate received the steps {list(step)!r}; name each step with a non-empty "
+            'string, in the order they run: run({"D": d_step, "G": g_step}, state, data).'
+        )
+    for name, one in steps.items():
+        if not callable(one) or not callable(getattr(one, "flush", None)):
+            where = f"the step {name!r}" if several else "step"
+            raise ValueError(
+                f"run/iterate received {where} of type {type(one).__name__}, which is not a "
+                "Step. Build one: step = make_train_step(loss_fn), then wrap it as you like; "
+                'several steps go in a dict: run({"D": d_step, "G": g_step}, state, data).'
+            )
+    if feed is not None and (
+        not several
+        or not isinstance(feed, Mapping)
+        or not all(name in step and callable(fn) for name, fn in feed.items())
+    ):
+        raise ValueError(
+            f"run/iterate received feed={feed!r}; it maps the names of several steps to "
+            "functions of (batch, earlier) that give that step its input, e.g. "
+            'run({"D": d_step, "G": g_step}, state, data, feed={"G": lambda batch, earlier: '
+            f'earlier["D"]["fake"]}}). The steps here: {list(steps) if several else "one"}.'
         )
     if not hasattr(data, "__iter__"):
         raise ValueError(

@@ -44,6 +44,9 @@ class StepOutput:
             measured it on this call, else ``None``.
         lr: learning rate (float64) of the first parameter group used by this call.
         aux: the auxiliary tensors returned by ``loss_fn`` for this micro-batch, detached.
+        aux_with_graph: the same tensors as ``loss_fn`` returned them, with their autograd
+            graph: how a later step reuses a forward this one ran (a GAN's ``fake``; see
+            ``run(..., feed=...)``). Keeping them keeps the graph's memory.
     """
 
     __slots__ = ("_aux", "_did_update", "_lr", "_skipped", "_sum", "_targets", "grad_norm")
@@ -109,6 +112,10 @@ class StepOutput:
     @property
     def aux(self) -> Mapping[str, torch.Tensor]:
         return {k: v.detach() for k, v in self._aux.items()}
+
+    @property
+    def aux_with_graph(self) -> Mapping[str, torch.Tensor]:
+        return dict(self._aux)
 
     def __repr__(self) -> str:
         names = ("loss", "num_targets", "did_update", "skipped", "grad_norm", "lr", "aux")

@@ -5,9 +5,8 @@ What is replaced and what is changed in place
 steplib is functional where Python can afford it and PyTorch where it cannot:
 
 * **Replaced** (a step returns a new ``TrainState``; the one you passed in is never touched):
-  the counters ``step``, ``micro_step``, ``epoch``, ``window_size``, ``skipped_updates``,
-  ``consecutive_skips``, the accumulation window tensors ``window_loss`` / ``window_targets``,
-  and ``extras``.
+  the counters ``step``, ``micro_step``, ``epoch``, ``skipped_updates``, ``consecutive_skips``,
+  the accumulation ``window`` (:class:`Window`), and ``extras``.
 * **Changed in place** (shared by the old and the new state, exactly as in a plain PyTorch loop):
   the model's parameters and their ``.grad``, the optimizer's buffers, the scheduler's position
   and the ``GradScaler``'s scale. Copying them each step would cost a model's worth of memory.
@@ -40,12 +39,36 @@ _EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Lane:
-    """One optimizer's place in a state that trains several (``TrainState.create(optimizer=
-    {"G": ..., "D": ...})``).
+class Window:
+    """The open accumulation window: what the micro-batches since the last update added up to.
 
     Attributes:
-        name: the optimizer's name.
+        size: micro-batches in the window.
+        loss: the sum of their loss sums: a tensor on the model's device in float32 (float64
+            for a float64 loss), or the Python float ``0.0`` while the window is empty (no
+            kernel to make a zero).
+        targets: the sum of their target counts: a Python int while every count was an int (a
+            plain scalar loss counts 1), else a 0-dim tensor on the model's device.
+    """
+
+    size: int = 0
+    loss: torch.Tensor | float = 0.0
+    targets: torch.Tensor | int = 0
+
+
+EMPTY_WINDOW = Window()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lane:
+    """This optimizer's place among the optimizers created together (``TrainState.create(
+    optimizer={"G": ..., "D": ...})`` makes several), and the fence their updates wait at.
+
+    Attributes:
+        fence: the :class:`~steplib.fence.UpdateFence` the next update waits at (async
+            checkpoints hold their background copies there); one for every state derived from
+            one ``TrainState.create``, and for every optimizer of it.
+        name: the optimizer's name when the state trains several, else ``None``.
         params: the parameters it updates. The backward of a step for this optimizer
             accumulates into those of them that require a gradient at that moment
             (``loss.backward(inputs=...)``, decided per micro-batch as plain torch does, so a
@@ -55,8 +78,9 @@ class Lane:
             their steps left them; empty on theirs.
     """
 
-    name: str
-    params: tuple[torch.Tensor, ...]
+    fence: UpdateFence
+    name: str | None = None
+    params: tuple[torch.Tensor, ...] = ()
     others: Mapping[str, TrainState] = dataclasses.field(default_factory=lambda: _EMPTY)
 
 
@@ -77,31 +101,19 @@ class TrainState:
             counts too, as in Lightning's ``global_step``; ``skipped_updates`` says how many).
         micro_step: micro-batches seen (calls of the step).
         epoch: completed passes over the data, advanced by the loop driver.
-        window_size: micro-batches in the open accumulation window.
-        window_loss: sum of the loss sums in the open window, a tensor on ``device`` in float32
-            (float64 for a float64 loss), or the Python float ``0.0`` while the window is empty
-            (no kernel to make a zero).
-        window_targets: sum of the target counts in the open window: a Python int while every
-            count was an int (a plain scalar loss counts 1), else a 0-dim tensor on ``device``.
-        skipped_updates: updates skipped because of non-finite values, in total: an int, or a
-            0-dim device tensor when the skip decision stays on the device (a fused optimizer
-            with no scheduler or a ``LambdaLR``; see ``steplib.device_skips``).
-        consecutive_skips: updates skipped in a row up to now (an int or a tensor, likewise).
-        device: the device of the model's parameters (where the window tensors live).
+        window: the open accumulation window (:class:`Window`): its size, loss sum and target
+            count.
+        skipped_updates: updates skipped in total (a non-finite loss or gradient, or a window
+            with no targets), a 0-dim int64 tensor on the model's device: the decision to skip
+            may be made there, and is never read back to count it.
+        consecutive_skips: updates skipped in a row up to now, a tensor likewise.
         extras: a read-only mapping for the user's own values (replace it, do not mutate it).
             An evaluation puts its values here, and under ``extras[EVALUATED_AT]`` the update
             each value belongs to (``{"val_loss": 20}``), so that a checkpoint of a later
             model does not record it as its own.
-        device_skips: the bookkeeping of a skip decision kept on the device (the scheduler's
-            position and its learning-rate table), else ``None``. Checkpoints do not store it:
-            it is rebuilt from the scheduler on the next update.
-        fence: the :class:`~steplib.fence.UpdateFence` the next update waits at (async
-            checkpoints hold their background copies there); shared by every state derived
-            from this one, and by every optimizer of it.
-        lane: this optimizer's :class:`Lane` when the state trains several, else ``None``.
-        step_tensor: for a ``loss_fn(model, batch, step)``: ``(n, tensor)``, ``step`` as a 0-dim
-            int64 tensor on ``device`` and the ``n`` it holds (rebuilt when ``step`` is not
-            ``n``, e.g. after a load), advanced on the device with the update; else ``None``.
+        lane: this optimizer's place among the optimizers created with it (:class:`Lane`:
+            its name and the others' states when there are several) and the fence updates
+            wait at.
     """
 
     model: nn.Module
@@ -111,17 +123,11 @@ class TrainState:
     step: int
     micro_step: int
     epoch: int
-    window_size: int
-    window_loss: torch.Tensor | float
-    window_targets: torch.Tensor | int
-    skipped_updates: int | torch.Tensor
-    consecutive_skips: int | torch.Tensor
-    device: torch.device
+    window: Window
+    skipped_updates: torch.Tensor
+    consecutive_skips: torch.Tensor
     extras: Mapping[str, Any]
-    device_skips: Any = None  # steplib.step.device_skips.DeviceSkips: the step owns it
-    fence: UpdateFence = dataclasses.field(default_factory=UpdateFence, compare=False)
-    lane: Lane | None = None
-    step_tensor: tuple[int, torch.Tensor] | None = None
+    lane: Lane = dataclasses.field(compare=False)
 
     @classmethod
     def create(
@@ -165,7 +171,7 @@ class TrainState:
             >>> model = torch.nn.Linear(2, 1)
             >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
             >>> state = TrainState.create(model=model, optimizer=opt)
-            >>> (state.step, state.micro_step, state.window_size)
+            >>> (state.step, state.micro_step, state.window.size)
             (0, 0, 0)
 
             Two optimizers, one state:
@@ -181,27 +187,26 @@ class TrainState:
         """
         modules = as_module(model)
         extras = types.MappingProxyType(dict(extras or {}))
+        fence = UpdateFence()  # one for all: a save copies every optimizer's state
         if not isinstance(optimizer, Mapping):
             check_pieces(modules, optimizer, scheduler, scaler, key="")
             check_frozen(model, [optimizer])
-            return cls._at_zero(modules, optimizer, scheduler, scaler, extras, UpdateFence())  # type: ignore[arg-type]
+            return cls._at_zero(modules, optimizer, scheduler, scaler, extras, Lane(fence))  # type: ignore[arg-type]
         names = check_names(optimizer, scheduler, scaler)
         schedulers: Mapping[str, Any] = scheduler or _EMPTY
         scalers: Mapping[str, Any] = scaler or _EMPTY  # type: ignore[assignment]
-        fence = UpdateFence()  # one for all: a save copies every optimizer's state
         states: dict[str, TrainState] = {}
         for name in names:
             opt, sch, sc = optimizer[name], schedulers.get(name), scalers.get(name)
             check_pieces(modules, opt, sch, sc, key=f"[{name!r}]")
-            state = cls._at_zero(modules, opt, sch, sc, extras, fence)
             params = tuple(p for group in opt.param_groups for p in group["params"])
-            states[name] = _evolve(state, {"lane": Lane(name, params)})
+            states[name] = cls._at_zero(modules, opt, sch, sc, extras, Lane(fence, name, params))
         check_disjoint({name: optimizer[name] for name in names})
         check_owners(model, {name: optimizer[name] for name in names})
         check_frozen(model, [optimizer[name] for name in names])
         first, *rest = names
         others = types.MappingProxyType({n: states[n] for n in rest})
-        lane = dataclasses.replace(states[first].lane, others=others)  # type: ignore[type-var]
+        lane = dataclasses.replace(states[first].lane, others=others)
         return _evolve(states[first], {"lane": lane})
 
     @classmethod
@@ -212,8 +217,10 @@ class TrainState:
         scheduler: _Scheduler | None,
         scaler: torch.amp.GradScaler | None,
         extras: Mapping[str, Any],
-        fence: UpdateFence,
+        lane: Lane,
     ) -> TrainState:
+        # One zero for both skip counters: a counter is replaced, never changed in place.
+        zero = torch.zeros((), dtype=torch.int64, device=next(iter(model.parameters())).device)
         return cls(
             model=model,
             optimizer=optimizer,
@@ -222,21 +229,28 @@ class TrainState:
             step=0,
             micro_step=0,
             epoch=0,
-            window_size=0,
-            window_loss=0.0,
-            window_targets=0,
-            skipped_updates=0,
-            consecutive_skips=0,
-            device=next(iter(model.parameters())).device,
+            window=EMPTY_WINDOW,
+            skipped_updates=zero,
+            consecutive_skips=zero,
             extras=extras,
-            fence=fence,
+            lane=lane,
         )
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's (first) parameter: where the window and counters live."""
+        return self.skipped_updates.device
+
+    @property
+    def fence(self) -> UpdateFence:
+        """The :class:`~steplib.fence.UpdateFence` the next update waits at (``lane.fence``)."""
+        return self.lane.fence
 
     @property
     def names(self) -> tuple[str, ...]:
         """The optimizers' names, the state's own first, when it trains several; else ``()``."""
         lane = self.lane
-        return () if lane is None else (lane.name, *lane.others)
+        return () if lane.name is None else (lane.name, *lane.others)
 
     def __getitem__(self, name: str) -> TrainState:
         """The state of the optimizer named ``name``: its optimizer, scheduler, scaler,
@@ -246,7 +260,7 @@ class TrainState:
             KeyError: no optimizer of this state has that name (the message lists them).
         """
         lane = self.lane
-        if lane is not None:
+        if lane.name is not None:
             if name == lane.name:
                 return self
             if name in lane.others:
@@ -264,33 +278,16 @@ class TrainState:
             ConfigError: ``state`` is not the state of one of this state's optimizers.
         """
         lane, theirs = self.lane, state.lane
-        if lane is None or theirs is None or theirs.name not in self.names:
+        if lane.name is None or theirs.name is None or theirs.name not in self.names:
             raise ConfigError(
-                f"with_lane received the state of optimizer "
-                f"{None if theirs is None else theirs.name!r}; this state's optimizers are "
-                f"{list(self.names)}. Pass what state[name] or a step for that name returned."
+                f"with_lane received the state of optimizer {theirs.name!r}; this state's "
+                f"optimizers are {list(self.names)}. Pass what state[name] or a step for that "
+                "name returned."
             )
         if theirs.name == lane.name:
             return state
-        others = {**lane.others, theirs.name: state}
-        return _evolve(self, {"lane": Lane(lane.name, lane.params, types.MappingProxyType(others))})
-
-    def settle_scheduler(self) -> None:
-        """Bring the scheduler up to date on the host when a skip decision kept its position on
-        the device (a fused optimizer with ``skip_nonfinite``; see
-        ``steplib.step.device_skips``): ``last_epoch``, ``get_last_lr()`` and ``_step_count``
-        become what stepping it once per applied update would have left. A no-op otherwise.
-        With several optimizers, every one's.
-
-        Saving a checkpoint and the end of ``run``/``iterate`` call it; call it yourself before
-        reading the scheduler object in your own loop. It reads one number from the device (a
-        host sync): call it where one is paid anyway. The rate each update used is ``out.lr``.
-        """
-        if self.device_skips is not None and self.scheduler is not None:
-            self.device_skips.settle(self.scheduler)
-        if self.lane is not None:
-            for other in self.lane.others.values():
-                other.settle_scheduler()
+        others = types.MappingProxyType({**lane.others, theirs.name: state})
+        return _evolve(self, {"lane": dataclasses.replace(lane, others=others)})
 
     def replace(self, **changes: Any) -> TrainState:
         """The next state with ``changes`` applied (``dataclasses.replace``, checked the same way).

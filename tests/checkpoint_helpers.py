@@ -50,7 +50,7 @@ def snapshot(state: TrainState) -> dict[str, Any]:
         "model": {k: v.clone() for k, v in state.model.state_dict().items()},
         "optimizer": _clone(state.optimizer.state_dict()),
         "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
-        "counters": (state.step, state.micro_step, state.epoch, state.window_size),
+        "counters": (state.step, state.micro_step, state.epoch, state.window.size),
     }
 
 

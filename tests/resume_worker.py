@@ -139,7 +139,7 @@ def first_leg(
     else:
 
         def save_mid_window(event: Any) -> Stop:
-            assert event.state.window_size > 0, "the test means to save inside a window"
+            assert event.state.window.size > 0, "the test means to save inside a window"
             save(event.state, directory, data=loader, step=step)
             return Stop("saved")
 

@@ -98,7 +98,7 @@ def contents(state: TrainState) -> dict[str, Any]:
         ],
         "lr": [float(g["lr"]) for g in optimizer.param_groups],
         "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
-        "counters": [state.step, state.micro_step, state.epoch, state.window_size],
+        "counters": [state.step, state.micro_step, state.epoch, state.window.size],
         "rng": torch.get_rng_state(),
     }
 

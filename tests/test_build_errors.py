@@ -230,7 +230,7 @@ def test_a_refused_loss_fn_result_leaves_the_state_unchanged():
     step = make_train_step(lambda m, b: (m(b[0]) - b[1]) ** 2)
     with pytest.raises(LossFnError):
         step(state, _batch())
-    assert (state.step, state.micro_step, state.window_size) == (0, 0, 0)
+    assert (state.step, state.micro_step, state.window.size) == (0, 0, 0)
 
 
 # --- make_train_step --------------------------------------------------------------------------

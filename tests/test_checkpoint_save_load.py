@@ -99,14 +99,14 @@ def test_scaler_and_window_sums_keep_their_values_and_kinds(memory_dir: str) -> 
     assert url.endswith("step-00000001-micro-00000004")
     loaded = load(url, make_state(scaler=True))
     assert loaded.scaler.get_scale() == 2.0**7  # type: ignore[union-attr]
-    assert loaded.window_size == 1
-    assert isinstance(loaded.window_loss, torch.Tensor)
-    assert torch.equal(loaded.window_loss, state.window_loss)  # type: ignore[arg-type]
-    assert loaded.window_targets == state.window_targets
+    assert loaded.window.size == 1
+    assert isinstance(loaded.window.loss, torch.Tensor)
+    assert torch.equal(loaded.window.loss, state.window.loss)  # type: ignore[arg-type]
+    assert loaded.window.targets == state.window.targets
     # Between windows the sums are Python numbers (no kernel for a zero): kept as such.
     closed = load(save(train(make_state(), n=1), memory_dir), make_state())
-    assert closed.window_loss == 0.0 and type(closed.window_loss) is float
-    assert closed.window_targets == 0 and type(closed.window_targets) is int
+    assert closed.window.loss == 0.0 and type(closed.window.loss) is float
+    assert closed.window.targets == 0 and type(closed.window.targets) is int
 
 
 def test_checkpoint_between_windows_clears_stale_gradients(memory_dir: str) -> None:

@@ -459,7 +459,7 @@ def _ddp_mid_window(rank: int, world: int, *, root: str) -> dict[str, Any]:
     torch.manual_seed(999)
     fresh = torch.nn.Linear(2, 2)
     state = load(url[0], state, data=loader, step=step, extras={"shadow": fresh})
-    window = state.window_size
+    window = state.window.size
     state, resumed = micro_batches(state, step, loader, 6, [url[0]])
     result = {"want": want, "got": contents(state), "window": window, "url": url[0]}
     result["shadow"] = (fresh.state_dict(), shadow.state_dict())

@@ -9,6 +9,7 @@ Each multi-rank scenario runs once (a module fixture) and the tests read its res
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -110,7 +111,7 @@ def _refusals(shape: tuple[int, ...], root: str) -> list[str]:
     for attempt in ("window", "no group"):
         if attempt == "no group":
             dist.destroy_process_group()
-            state = state.replace(window_size=0)
+            state = state.replace(window=dataclasses.replace(state.window, size=0))
         try:
             save(state, f"{root}/refused")
         except ConfigError as err:

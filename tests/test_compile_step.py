@@ -82,7 +82,7 @@ def _train(
     losses = []
     for i in range(updates * 4):
         state, out = step(state, batches[i % len(batches)])
-        if state.window_size == 0:
+        if state.window.size == 0:
             losses.append(out.loss)
     return model, losses
 
@@ -416,7 +416,6 @@ def test_compiled_skips_decided_on_the_device_match_eager() -> None:
             step = compile_step(step)
         for x in xs:
             state, _ = step(state, x)
-        state.settle_scheduler()
         results.append((state, [p.detach().clone() for p in model.parameters()]))
     (eager, eager_params), (comp, comp_params) = results
     assert compile_stats(step).graphs > 0 and compile_stats(step).recompiles == 0

@@ -140,7 +140,7 @@ def test_adaptive_clip_sees_the_final_gradients_of_an_accumulated_clipped_window
     )
     for batch in micro:
         state, _ = step(state, batch)
-    assert state.step == 1 and state.window_size == 0
+    assert state.step == 1 and state.window.size == 0
 
     x, y = (torch.cat(parts) for parts in zip(*micro, strict=True))
     mean_loss(reference, (x, y)).backward()  # one big batch

@@ -22,6 +22,7 @@ from steplib import (
 from steplib.checkpoint import load, save
 from steplib.errors import TooManySkipsError
 from steplib.step.device_skips import decides_on_device
+from steplib.testing import assert_no_host_sync
 from tests.checkpoint_helpers import memory_dir
 from tests.reference import make_batches, mean_loss, reference_loop, tiny_model
 
@@ -100,7 +101,6 @@ def test_law4_device_decided_skips_match_the_gradscaler_reference_bit_for_bit(
         # Skipped updates leave the rate where it was: 1, 1/2, 1/3, 1/3, 1/3, 1/4, 1/5 (x base).
         base = 1e-2 if kind == "adamw" else 0.1
         assert lrs == [base * _halving(p) for p in (0, 1, 2, 2, 2, 3, 4)]
-        state.settle_scheduler()
         assert state.scheduler.state_dict() == ref.scheduler.state_dict()  # type: ignore[union-attr]
 
 
@@ -119,8 +119,9 @@ def test_a_non_fused_optimizer_or_another_scheduler_keeps_the_host_decision() ->
     )
     for batch in _batches(4):
         state, out = _fp16_step()(state, batch)
-    assert state.skipped_updates == 2 and isinstance(state.skipped_updates, int)
-    assert state.device_skips is None and isinstance(out.lr, torch.Tensor)
+    assert int(state.skipped_updates) == 2 and isinstance(out.lr, torch.Tensor)
+    with pytest.raises(AssertionError, match="__bool__"):  # the decision is read on the host
+        assert_no_host_sync(_fp16_step(), state, _batches(4)[2:3])
 
 
 def test_too_many_consecutive_skips_raise_on_the_device_path_too() -> None:
@@ -139,12 +140,12 @@ def test_an_update_decided_on_the_device_leaves_the_given_state_untouched() -> N
     batches = _batches()
     for batch in batches[:3]:
         state, _ = step(state, batch)
-    record, skipped = state.device_skips, state.skipped_updates
-    position = record.position.clone()
+    skipped, consecutive = state.skipped_updates, state.consecutive_skips
+    values = skipped.clone(), consecutive.clone()
     after, _ = step(state, batches[3])
-    assert state.device_skips is record and state.skipped_updates is skipped
-    assert torch.equal(record.position, position)
-    assert after.device_skips is not record
+    assert state.skipped_updates is skipped and state.consecutive_skips is consecutive
+    assert (torch.equal(skipped, values[0]), torch.equal(consecutive, values[1])) == (True, True)
+    assert after.skipped_updates is not skipped
 
 
 def _train(state: TrainState, batches: list[Any], step: Callable[..., Any]) -> TrainState:
@@ -162,13 +163,11 @@ def test_a_checkpoint_settles_the_scheduler_and_resume_is_bit_exact(memory_dir: 
     want = _train(state, batches[4:], step)
 
     resumed = load(url, _state(seed=5))
-    assert resumed.device_skips is None and resumed.skipped_updates == 2
+    assert resumed.skipped_updates == 2
     resumed = _train(resumed, batches[4:], step)
     for got, expected in zip(resumed.model.parameters(), want.model.parameters(), strict=True):
         assert torch.equal(got, expected)
     assert int(resumed.skipped_updates) == int(want.skipped_updates) == 2
-    resumed.settle_scheduler()
-    want.settle_scheduler()
     assert resumed.scheduler.state_dict() == want.scheduler.state_dict()  # type: ignore[union-attr]
 
 
@@ -193,12 +192,9 @@ def test_accumulated_windows_decide_once_per_window() -> None:
     closed = [bool(o.did_update) for o in outs[1::2]]
     assert closed == [True, False, True, True]
     assert not any(bool(o.did_update) for o in outs[0::2])  # mid-window: no update
-    state.settle_scheduler()
     assert sched.last_epoch == 3 and int(state.skipped_updates) == 1
 
 
 def test_assert_no_host_sync_accepts_a_device_decided_skip_step() -> None:
-    from steplib.testing import assert_no_host_sync
-
     state = assert_no_host_sync(_fp16_step(max_consecutive=2), _state(), _batches())
     assert int(state.skipped_updates) == 2 and state.step == 7

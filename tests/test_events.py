@@ -158,7 +158,7 @@ def test_stop_from_micro_step_end_mid_window_leaves_the_window_open():
     step = accumulate(make_train_step(_mse), 2)
     state = run(step, _state(), _batches(10), events=events)
     # The stop takes effect after the current call: micro-batch 3 opened window 2.
-    assert (state.step, state.micro_step, state.window_size) == (1, 3, 1)
+    assert (state.step, state.micro_step, state.window.size) == (1, 3, 1)
 
 
 def test_stop_on_the_last_batch_still_completes_the_epoch():

@@ -117,7 +117,7 @@ def _nan_on_rank1(rank: int, world: int, *, fused: bool = False) -> dict[str, An
         if rank == 1 and i == 3:
             x = x * float("nan")  # only rank 1 sees a non-finite value, in the second window
         state, out = step(state, (x, y, m))
-        if state.window_size == 0:
+        if state.window.size == 0:
             skipped.append(bool(out.skipped))
     params = [p.detach().clone() for p in model.module.parameters()]
     lr = float(opt.param_groups[0]["lr"])

@@ -129,14 +129,13 @@ def _nan_on_rank1(rank: int, world: int, *, fused: bool) -> dict[str, Any]:
         if rank == 1 and i == 3:
             x = x * float("nan")  # only rank 1 sees it, in the second window
         state, out = step(state, (x, y, mask))
-        if state.window_size == 0:
+        if state.window.size == 0:
             skipped.append(bool(out.skipped))
-    state.settle_scheduler()
     params = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
     result = {
         "skipped": skipped,
         "position": sched.last_epoch,
-        "on_device": state.device_skips is not None,
+        "on_device": isinstance(opt.param_groups[0]["lr"], torch.Tensor),  # a LambdaLR table
         "params": params,
     }
     del model, state, step, opt

@@ -31,7 +31,7 @@ def test_law7_step_never_mutates_the_state_it_was_given() -> None:
     seen = []
     for batch in make_batches(7):
         before = _snapshot(state)
-        counters = (state.step, state.micro_step, state.window_size, state.skipped_updates)
+        counters = (state.step, state.micro_step, state.window.size, state.skipped_updates)
         new_state, _ = step(state, batch)
         assert new_state is not state
         after = _snapshot(state)
@@ -40,13 +40,13 @@ def test_law7_step_never_mutates_the_state_it_was_given() -> None:
             if isinstance(value, torch.Tensor):
                 assert torch.equal(after[name][1], value), name
         assert after["extras"][1] == before["extras"][1]
-        assert (state.step, state.micro_step, state.window_size, state.skipped_updates) == counters
+        assert (state.step, state.micro_step, state.window.size, state.skipped_updates) == counters
         seen.append(state)
         state = new_state
     # Old states stay readable and distinct: a notebook can keep a history of them.
     assert [s.micro_step for s in seen] == list(range(7))
     state, _ = step.flush(state)
-    assert state.window_size == 0
+    assert state.window.size == 0
 
 
 def test_law7_state_is_frozen_and_extras_read_only() -> None:

@@ -127,7 +127,7 @@ def test_law9_mid_window_checkpoint_holds_the_window_and_its_gradients(
     assert info.name == "step-00000005-micro-00000015"
     step, state, loader = build(SCENARIOS["accumulate_mid_window"][0])
     resumed = load(info.url, state, data=loader, step=step)
-    assert (resumed.step, resumed.micro_step, resumed.window_size) == (5, 15, 2)
+    assert (resumed.step, resumed.micro_step, resumed.window.size) == (5, 15, 2)
     grads = [p.grad for p in resumed.model.parameters()]
     assert all(g is not None and bool(g.abs().sum() > 0) for g in grads)
 

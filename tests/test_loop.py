@@ -165,7 +165,7 @@ def test_run_and_iterate_give_the_same_final_state_bit_for_bit():
     data = _batches(5)
     by_run = run(step, _state(), data, max_epochs=3)
     yielded, by_iterate = _drain(iterate(step, _state(), data, max_epochs=3))
-    counters = ("step", "micro_step", "epoch", "window_size")
+    counters = ("step", "micro_step", "epoch", "window")
     assert [getattr(by_run, c) for c in counters] == [getattr(by_iterate, c) for c in counters]
     assert (by_iterate.step, by_iterate.micro_step, by_iterate.epoch) == (9, 15, 3)
     for a, b in zip(by_run.model.parameters(), by_iterate.model.parameters(), strict=True):
@@ -183,7 +183,7 @@ def test_max_steps_stops_mid_epoch_at_exactly_that_step():
     events = Events().on("epoch_end", lambda e: ended.append(e.epoch))
     step = accumulate(make_train_step(_mse), 3)
     state = run(step, _state(), _batches(12), events=events, max_steps=2)
-    assert (state.step, state.micro_step, state.epoch, state.window_size) == (2, 6, 0, 0)
+    assert (state.step, state.micro_step, state.epoch, state.window.size) == (2, 6, 0, 0)
     assert ended == []
 
 
@@ -250,11 +250,11 @@ def test_last_batch_of_sized_data_closes_a_shorter_window_normalised_by_what_it_
     window_at_end: list[int] = []
     last: list[StepOutput] = []
     events = Events()
-    events.on("epoch_end", lambda e: window_at_end.append(e.state.window_size))
+    events.on("epoch_end", lambda e: window_at_end.append(e.state.window.size))
     events.on("step_end", lambda e: last.append(e.output))
     data = _batches(5)
     state = run(accumulate(make_train_step(_mse), 3), _state(), data, events=events)
-    assert (state.step, state.micro_step, state.window_size) == (2, 5, 0)
+    assert (state.step, state.micro_step, state.window.size) == (2, 5, 0)
     assert window_at_end == [0]
     assert float(last[-1].num_targets) == 2.0
     # Dividing the last window by k=3 instead of by 2 would move the parameters less.
@@ -283,7 +283,7 @@ def test_unsized_data_gets_its_open_window_flushed_at_epoch_end():
         ("epoch_end", 2, 5, 1),
         ("fit_end", 2, 5, 1),
     ]
-    assert unsized.window_size == 0
+    assert unsized.window.size == 0
     # The flushed window is normalised exactly as the sized one closed by the last batch.
     sized = run(step, _state(), data)
     for a, b in zip(_params(unsized), _params(sized), strict=True):
@@ -416,5 +416,5 @@ def test_iterate_checks_its_arguments_when_called_not_at_the_first_next():
 def test_iterate_does_not_mutate_the_state_it_was_given():
     start = _state()
     run(accumulate(make_train_step(_mse), 2), start, _batches(5), max_epochs=2)
-    assert (start.step, start.micro_step, start.epoch, start.window_size) == (0, 0, 0, 0)
-    assert float(start.window_loss) == 0.0
+    assert (start.step, start.micro_step, start.epoch, start.window.size) == (0, 0, 0, 0)
+    assert float(start.window.loss) == 0.0

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from steplib import Evaluator, Events, TrainState, make_eval_step, make_train_step, run
-from steplib.handlers import Scheduler
+from steplib.events import Batches
+from steplib.handlers import Log, Logger, Scheduler
 
 EPOCHS = 3
 
@@ -43,10 +44,10 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
+TestSet = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _setup() -> tuple[DataLoader[Any], Batches, Net, torch.optim.Optimizer]:
+def _setup() -> tuple[DataLoader[Any], TestSet, Net, torch.optim.Optimizer]:
     """The seed, the data (the training loader shuffles from the global generator, as the
     original's does), the model and its optimizer: the same for both loops."""
     torch.manual_seed(1)
@@ -79,7 +80,7 @@ def _original() -> tuple[list[float], nn.Module, float]:
     return losses, model, optimizer.param_groups[0]["lr"]
 
 
-def _steplib() -> tuple[list[float], nn.Module, float]:
+def _steplib(log: Log | None = None) -> tuple[list[float], nn.Module, float]:
     train_loader, test_set, model, optimizer = _setup()
     state = TrainState.create(model=model, optimizer=optimizer)
     step = make_train_step(lambda m, b: F.nll_loss(m(b[0]), b[1]))
@@ -91,7 +92,7 @@ def _steplib() -> tuple[list[float], nn.Module, float]:
     )
     per_epoch = Scheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7))
     losses: list[float] = []
-    events = Events(evaluator, per_epoch).on(
+    events = Events(evaluator, per_epoch, *([log] if log else [])).on(
         "step_end", lambda event: losses.append(float(event.output.loss))
     )
     state = run(step, state, train_loader, events=events, max_epochs=EPOCHS)
@@ -106,3 +107,28 @@ def test_the_mnist_recipe_equals_the_original_loop_bit_for_bit() -> None:
     assert got_lr == want_lr == 1.0 * 0.7**EPOCHS
     for a, b in zip(got_model.parameters(), want_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class _Lines(Logger):
+    """A sink that keeps its records."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_mnist_recipe_logs_every_n_batches() -> None:
+    """The original prints the loss every ``log_interval`` batches; ``every=Batches(n)`` says
+    the same in batches, whatever the accumulation (counted over the run, not per epoch)."""
+    want_losses, _, _ = _original()
+    sink = _Lines()
+    _steplib(Log(sink, every=Batches(4)))
+    assert [r["micro_step"] for r in sink.records] == list(range(4, 6 * EPOCHS + 1, 4))
+    # A record holds the shortest decimal of the float32 loss: the same float32.
+    logged = [torch.tensor(r["loss"], dtype=torch.float32).item() for r in sink.records]
+    assert logged == [want_losses[n - 1] for n in range(4, 6 * EPOCHS + 1, 4)]

@@ -37,7 +37,7 @@ KERNEL = "steplib-test-python"
 TIME_LIMIT_S = 120  # the budget per notebook is one minute on CPU; twice for the re-runs
 
 
-def test_the_six_notebooks_are_there() -> None:
+def test_the_seven_notebooks_are_there() -> None:
     names = [path.stem for path in NOTEBOOKS]
     assert names == [
         "01_quickstart",
@@ -46,6 +46,7 @@ def test_the_six_notebooks_are_there() -> None:
         "04_checkpoints_and_resume",
         "05_evaluation_and_logging",
         "06_distributed",
+        "07_sweeps",
     ]
 
 
@@ -128,10 +129,14 @@ def test_notebook_runs_and_every_cell_can_be_rerun(path: Path, kernel_env: Path)
                 if attempt == "first run":
                     first_pass += time.monotonic() - begun
                     images += sum("image/png" in out.get("data", {}) for out in cell.outputs)
+                if "live-plot" in cell.metadata.get("tags", ()):
+                    # LivePlot redraws one figure in place: one image, however many redraws.
+                    shown = [o for o in cell.outputs if "image/png" in o.get("data", {})]
+                    assert len(shown) == 1, f"{path.name} cell {index}: {len(shown)} images"
                 warned = _printed_warnings(cell.outputs)
                 assert not warned, f"{path.name} cell {index} ({attempt}) printed: {warned}"
     elapsed = time.monotonic() - started
     assert elapsed < TIME_LIMIT_S, f"{path.name} took {elapsed:.0f} s with re-runs"
     assert first_pass < TIME_LIMIT_S / 2, f"{path.name}: one pass took {first_pass:.0f} s"
-    if path.stem in ("01_quickstart", "02_composing", "05_evaluation_and_logging"):
+    if path.stem in ("01_quickstart", "02_composing", "05_evaluation_and_logging", "07_sweeps"):
         assert images, f"{path.name} should show a plot"

@@ -43,6 +43,7 @@ SUBPACKAGES = (
     "steplib.param_groups",
     "steplib.schedules",
     "steplib.step",
+    "steplib.sweep",
     "steplib.testing",
 )
 

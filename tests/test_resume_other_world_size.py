@@ -87,7 +87,7 @@ def _contents(state: TrainState, losses: list[torch.Tensor], seen: list[torch.Te
             for p in state.model.parameters()
             for k in ("exp_avg", "exp_avg_sq")
         ],
-        "counters": [state.step, state.micro_step, state.epoch, state.window_size],
+        "counters": [state.step, state.micro_step, state.epoch, state.window.size],
         "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
     }
 

@@ -150,7 +150,7 @@ def test_the_generator_step_leaves_the_open_critic_window_alone() -> None:
     state, _ = g_step(state, batch)
     assert all(torch.equal(p.grad, b) for p, b in zip(d.parameters(), before, strict=True))  # type: ignore[arg-type]
     assert all(p.grad is not None for p in g.parameters())
-    assert state["D"].window_size == 1 and state.window_size == 1
+    assert state["D"].window.size == 1 and state.window.size == 1
 
 
 def test_a_frozen_teacher_is_never_trained_and_stays_in_eval_mode() -> None:
@@ -189,7 +189,7 @@ def test_a_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path: Path) 
     data = _data(7)
     g, d = _nets()
     state = _train(_state(g, d), data[:3])  # both windows open: 1 of 2 micro-batches
-    assert state.window_size == 1 and state["D"].window_size == 1
+    assert state.window.size == 1 and state["D"].window.size == 1
     url = save(state, str(tmp_path))
     state = _train(state, data[3:])
     want_g, want_d = [p.clone() for p in g.parameters()], [p.clone() for p in d.parameters()]
@@ -197,7 +197,7 @@ def test_a_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path: Path) 
     g2, d2 = _nets(seed=5)  # other initial weights: everything must come from the checkpoint
     resumed = load(url, _state(g2, d2))
     assert (resumed.step, resumed["D"].step) == (1, 1)
-    assert (resumed.window_size, resumed["D"].window_size) == (1, 1)
+    assert (resumed.window.size, resumed["D"].window.size) == (1, 1)
     assert resumed["D"].scaler.get_scale() == 2.0**8  # type: ignore[union-attr]
     resumed = _train(resumed, data[3:])
     assert all(torch.equal(a, b) for a, b in zip(g2.parameters(), want_g, strict=True))

@@ -65,7 +65,7 @@ def test_outputs_and_the_window_hold_no_autograd_graph() -> None:
     step = accumulate(make_train_step(mean_loss), 2)
     state, out = step(state, make_batches(1)[0])
     assert out.loss.grad_fn is None and not out.loss.requires_grad
-    assert isinstance(state.window_loss, torch.Tensor) and state.window_loss.grad_fn is None
+    assert isinstance(state.window.loss, torch.Tensor) and state.window.loss.grad_fn is None
 
 
 def test_the_loss_is_reported_in_its_own_dtype_and_at_least_float32() -> None:
@@ -78,7 +78,7 @@ def test_the_loss_is_reported_in_its_own_dtype_and_at_least_float32() -> None:
         expected = model(batches[0]).pow(2).sum()  # float64: 16 digits, not float32's 7
     state, micro = step(state, batches[0])
     assert micro.loss.dtype == torch.float64 and float(micro.loss) == float(expected)
-    assert state.window_loss.dtype == torch.float64  # type: ignore[union-attr]
+    assert state.window.loss.dtype == torch.float64  # type: ignore[union-attr]
     state, update = step(state, batches[1])
     assert bool(update.did_update) and update.loss.dtype == torch.float64
 

@@ -15,7 +15,7 @@ def _state() -> TrainState:
     return TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_hooks_fire_in_phase_order_and_skip_the_update_hooks_on_a_skipped_update() -> None:
+def test_hooks_fire_in_phase_order_also_around_a_skipped_update() -> None:
     calls: list[tuple[str, int, int]] = []
 
     def record(name):
@@ -43,7 +43,9 @@ def test_hooks_fire_in_phase_order_and_skip_the_update_hooks_on_a_skipped_update
         ("after_backward", 1, 2),
         ("before_backward", 1, 3),
         ("after_backward", 1, 3),
-        ("after_zero_grad", 1, 4),  # skipped update: no before/after_update
+        ("before_update", 1, 4),  # a skipped update: the same points (issue 26)
+        ("after_update", 1, 4),
+        ("after_zero_grad", 1, 4),
     ]
 
 

@@ -45,6 +45,7 @@ API_PAGES = {
     "api/data.md": "steplib.data",
     "api/schedules.md": "steplib.schedules",
     "api/seeding.md": "steplib.seeding",
+    "api/sweep.md": "steplib.sweep",
     "api/errors.md": "steplib.errors",
     "api/events.md": "steplib.events",
     "api/testing.md": "steplib.testing",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from steplib import errors
+from steplib.cadence import Batches, check_every, due
 from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import check_metrics, prunes_here, run_data, with_handlers
@@ -53,8 +54,10 @@ def default_metrics(event: Event) -> dict[str, float]:
     """
     numbers: dict[str, float] = {}
     output = getattr(event, "output", None)
-    if output is not None and isinstance(getattr(output, "loss", None), torch.Tensor):
-        numbers["loss"] = float(output.loss)  # a host sync, at save time only
+    loss = getattr(output, "loss", None)
+    # A sweep's loss is one per copy: no single number to rank the checkpoint by.
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        numbers["loss"] = float(loss)  # a host sync, at save time only
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
     for name, value in extras.items():
@@ -88,7 +91,7 @@ class Checkpointer:
         self,
         given: Checkpoints,
         *,
-        every: int | None,
+        every: int | Batches | None,
         epochs: int | None = None,
         keep_last: int | None,
         keep_best: int | None,
@@ -108,8 +111,7 @@ class Checkpointer:
         self._saved_at: tuple[int, int] | None = None
         self.last_saved: str | None = None
         self.events: Events | None = None
-        # Committed, not yet reported (appended by the writer thread: a deque's ends are atomic).
-        self._committed: collections.deque[CheckpointInfo] = collections.deque()
+        self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
 
     @property
     def directory(self) -> str:
@@ -145,7 +147,7 @@ class Checkpointer:
     def on_step_end(self, event: Event) -> Emitted | None:
         """Save when ``event.step`` is a multiple of ``every``; report what was committed.
         ``ConfigError`` when ``keep_best``'s ``metric`` is not among this save's metrics."""
-        if self.every is not None and event.step % self.every == 0:
+        if self.every is not None and due(self.every, event):
             return self.on_epoch_end(event)
         return self.report(event)
 
@@ -277,7 +279,7 @@ def _position(state: TrainState) -> tuple[int, int]:
 def checkpoint_every(
     directory: str,
     *,
-    every: int | None = None,
+    every: int | Batches | None = None,
     epochs: int | None = None,
     at_epoch_end: bool = False,
     keep_last: int | None = None,
@@ -300,7 +302,8 @@ def checkpoint_every(
 
     Args:
         directory: a local path or fsspec URL of the directory of checkpoints.
-        every: save when ``state.step`` is a multiple of this (an int >= 1), or ``None``.
+        every: save when ``state.step`` is a multiple of this (an int >= 1), every n batches
+            with ``Batches(n)`` (at the update holding the n-th batch), or ``None``.
         epochs: save at the end of every this-many epochs (with ``every``, both save).
         at_epoch_end: ``True`` is ``epochs=1``.
         keep_last: after each save keep the newest this many (``None``: keep all).
@@ -386,15 +389,12 @@ def check_cadence(every: Any, epochs: Any, at_epoch_end: Any) -> int | None:
             "every=500 (optimizer updates between checkpoints), epochs=1 (every epoch end; "
             "at_epoch_end=True is the same), or both."
         )
-    for label, value in (("every", every), ("epochs", epochs)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            unit = "optimizer updates" if label == "every" else "epochs"
-            example = 500 if label == "every" else 2
-            raise ConfigError(
-                f"checkpoint_every({label}=...) received {describe(value)}; it is the number "
-                f"of {unit} between checkpoints and must be an int >= 1, e.g. "
-                f"{label}={example}."
-            )
+    check_every("checkpoint_every(every=...)", every)
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+    ):
+        raise ConfigError(
+            f"checkpoint_every(epochs=...) received {describe(epochs)}; it is the number of "
+            "epochs between checkpoints and must be an int >= 1, e.g. epochs=2."
+        )
     return epochs

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from steplib.checkpoint.manifest import fingerprint
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
 from steplib.events import Event, Events
@@ -117,11 +118,7 @@ def check_arguments(
                 "metric, an EMA); put plain values in the state instead: "
                 "state.replace(extras={..., 'name': value})."
             )
-    if step is not None and not callable(getattr(step, "describe", None)):
-        raise ConfigError(
-            f"{caller}(step=...) received {describe(step)}, which is not a Step. Pass the step "
-            "you train with (make_train_step(...) and its wrappers), or leave step=None."
-        )
+    fingerprint(step, caller=caller)  # a Step, several by name, or None
     return extras
 
 
@@ -136,23 +133,20 @@ def gather(
         OPTIMIZER: optimizer_tree(state),
         TRAIN_STATE: train_state_tree(state, data=data, extras=extras, rng=rng),
     }
-    if any(lane.window_size > 0 for lane in lanes(state)):
+    if any(lane.window.size > 0 for lane in lanes(state)):
         trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
         check_plain(tree, file_name)
     return trees
 
 
-# Split out of ``gather`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.sharded``,
+# Split out of ``gather`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.dcp``,
 # which write the model and optimizer through DCP and this tree, per rank, with ``torch.save``.
 def train_state_tree(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
 ) -> dict[str, Any]:
     """Everything of ``state`` but the model and optimizer tensors, as plain data (frozen
     parameters too: a run resumed past an unfreeze trains what the saved run did)."""
-    # A LambdaLR whose position lives on the device is brought up to date first (a host read;
-    # the save reads everything anyway).
-    state.settle_scheduler()
     tree = lane_tree(state)
     tree["counters"]["epoch"] = state.epoch
     tree.update(
@@ -173,12 +167,12 @@ def lane_tree(state: TrainState) -> dict[str, Any]:
         "counters": {
             "step": state.step,
             "micro_step": state.micro_step,
-            "window_size": state.window_size,
+            "window_size": state.window.size,
             # Device tensors when the skip decision stays on the device; ints in the file.
             "skipped_updates": int(state.skipped_updates),
             "consecutive_skips": int(state.consecutive_skips),
         },
-        "window": {"loss": state.window_loss, "targets": state.window_targets},
+        "window": {"loss": state.window.loss, "targets": state.window.targets},
         "optimizer_type": type(state.optimizer).__name__,
         "scheduler_type": None if state.scheduler is None else type(state.scheduler).__name__,
         "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),

@@ -183,7 +183,7 @@ def gather(
     an FSDP2 or tensor-parallel state inside an open accumulation window."""
     model, every = state.model, lanes(state)
     grads = None
-    open_window = max(lane.window_size for lane in every)
+    open_window = max(lane.window.size for lane in every)
     if open_window > 0:
         if not holds_only_ddp(model):
             # FSDP2 keeps them inside its parameter groups, with no public way to read them

@@ -26,7 +26,13 @@ import torch
 
 from steplib.checkpoint import storage
 from steplib.checkpoint.storage import ALGORITHMS, FileRecord, Location, StorageOptions
-from steplib.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
+from steplib.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    ConfigError,
+    CorruptCheckpointError,
+    describe,
+)
 
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
@@ -35,7 +41,7 @@ FORMAT = "steplib-checkpoint"
 # 3 checkpoint says "upgrade steplib" instead of taking its files for corrupt.
 VERSION = 3  # the newest format this steplib reads, and the one it writes
 MANIFEST = "manifest.json"
-SINGLE = "single"  # layouts (``steplib.checkpoint.sharded`` writes the second)
+SINGLE = "single"  # layouts (``steplib.checkpoint.dcp`` writes the second)
 SHARDED = "sharded"
 LAYOUTS = (SINGLE, SHARDED)
 
@@ -68,6 +74,43 @@ def library_versions() -> dict[str, str]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | None:
+    """The composition of ``step`` as JSON values (as ``load`` compares it), or ``None``.
+
+    ``step`` is a Step (its ``describe()``), or several steps by name as ``run`` takes them
+    (``{"D": d_step, "G": g_step}``): then a ``{"wrapper": "steps", "names": [...]}`` entry,
+    and each step's wrappers named ``"D:clip"``, ``"G:clip"``, ...
+
+    Raises:
+        ConfigError: ``step`` is neither (says what was received).
+
+    Example:
+        >>> from steplib import clip, make_train_step
+        >>> d = clip(make_train_step(lambda m, b: m(b).sum(), optimizer="D"), max_norm=1.0)
+        >>> [e["wrapper"] for e in fingerprint({"D": d, "G": make_train_step(print)})]
+        ['steps', 'D:clip']
+    """
+    if step is None:
+        return None
+    several = isinstance(step, Mapping)
+    for one in step.values() if several else (step,):
+        if not callable(getattr(one, "describe", None)):
+            raise ConfigError(
+                f"{caller}(step=...) received {describe(step)}, which is not a Step. Pass the "
+                "step you train with (make_train_step(...) and its wrappers), the steps by name "
+                'as run takes them ({"D": d_step, "G": g_step}), or leave step=None.'
+            )
+    if several:
+        described = [{"wrapper": "steps", "names": list(step)}] + [
+            {**d, "wrapper": f"{name}:{d['wrapper']}"}
+            for name, one in step.items()
+            for d in one.describe()
+        ]
+    else:
+        described = step.describe()
+    return list(orjson.loads(orjson.dumps(described, default=str)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,11 +146,10 @@ class Manifest:
         """The manifest of a checkpoint of ``state`` now (``versions`` and ``files`` are
         filled in by the write, off an async save's critical path)."""
         # As JSON values (tuples become lists, odd settings strings), as load will compare them.
-        described = None if step is None else orjson.dumps(step.describe(), default=str)
-        name = checkpoint_name(state.step, state.micro_step, state.window_size)
-        counters = (state.step, state.micro_step, state.epoch, state.window_size)
-        fingerprint = None if described is None else orjson.loads(described)
-        return cls(name, *counters, time.time(), metrics, fingerprint, {}, {}, layout, world_size)
+        name = checkpoint_name(state.step, state.micro_step, state.window.size)
+        counters = (state.step, state.micro_step, state.epoch, state.window.size)
+        described = fingerprint(step)
+        return cls(name, *counters, time.time(), metrics, described, {}, {}, layout, world_size)
 
     def to_json(self) -> bytes:
         body = {

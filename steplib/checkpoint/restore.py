@@ -10,7 +10,6 @@ import types
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import orjson
 import torch
 
 from steplib.checkpoint.contents import (
@@ -21,10 +20,11 @@ from steplib.checkpoint.contents import (
     WINDOW_GRADS,
     HandlerStates,
 )
+from steplib.checkpoint.manifest import fingerprint
 from steplib.data.loader import restore_position
 from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
-from steplib.state import TrainState
+from steplib.state import TrainState, Window
 
 _SHOWN = 8  # names listed in an error before "and N more"
 FINE_TUNE = (
@@ -43,12 +43,13 @@ def check_fingerprint(
     checkpoint: str,
     ignore: Collection[str] = (),
 ) -> None:
-    """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper.
+    """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper (several
+    steps: see ``manifest.fingerprint``).
 
     Wrappers are compared by name, not position: the built-in ones commute, so
     ``clip(amp_wrap(s))`` and ``amp_wrap(clip(s))`` are the same step. Wrappers named in
-    ``ignore`` are left out on both sides (a sharded checkpoint may be resumed with another
-    distribution: ``ddp_wrap``, ``fsdp_wrap`` or none).
+    ``ignore`` are left out on both sides, in every step (a sharded checkpoint may be resumed
+    with another distribution: ``ddp_wrap``, ``fsdp_wrap`` or none).
 
     Raises:
         ConfigError: a wrapper added, removed or with other settings (says which and the fix).
@@ -58,16 +59,17 @@ def check_fingerprint(
     # Observation-only wrappers change no number: resuming "with anomaly detection on, from
     # just before the NaN" or with other hooks is the usual way to debug, so they never count.
     ignore = {*ignore, *_OBSERVERS}
-    now = orjson.loads(orjson.dumps(step.describe(), default=str))  # compare as JSON values
+    now = fingerprint(step, caller="load") or []  # compare as JSON values
+    # "D:ddp_wrap" (a step of several) is ddp_wrap too.
     before = {
         d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
         for d in saved
-        if d["wrapper"] not in ignore
+        if d["wrapper"].rpartition(":")[2] not in ignore
     }
     after = {
         d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
         for d in now
-        if d["wrapper"] not in ignore
+        if d["wrapper"].rpartition(":")[2] not in ignore
     }
     differences = []
     for name in sorted(before.keys() | after.keys()):
@@ -135,7 +137,7 @@ def apply(
     )
 
 
-# Split out of ``apply`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.sharded``,
+# Split out of ``apply`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.dcp``,
 # which load the model and the optimizer through DCP and everything else here.
 def restore_train_state(
     train_state: Mapping[str, Any],
@@ -183,16 +185,17 @@ def _restore_lane(tree: Mapping[str, Any], state: TrainState) -> TrainState:
         state.scheduler.load_state_dict(tree["scheduler"])
     if state.scaler is not None:
         state.scaler.load_state_dict(tree["scaler"])
-    counters, window = tree["counters"], tree["window"]
+    counters, window, device = tree["counters"], tree["window"], state.device
     return state.replace(
         step=counters["step"],
         micro_step=counters["micro_step"],
-        window_size=counters["window_size"],
-        window_loss=_on_device(window["loss"], state.device),
-        window_targets=_on_device(window["targets"], state.device),
-        skipped_updates=counters["skipped_updates"],
-        consecutive_skips=counters["consecutive_skips"],
-        device_skips=None,  # rebuilt from the loaded scheduler by the next update
+        window=Window(
+            counters["window_size"],
+            _on_device(window["loss"], device),
+            _on_device(window["targets"], device),
+        ),
+        skipped_updates=torch.tensor(counters["skipped_updates"], device=device),
+        consecutive_skips=torch.tensor(counters["consecutive_skips"], device=device),
     )
 
 

@@ -122,7 +122,9 @@ def shutdown() -> None:
     still in the last collective (a foreground checkpoint's closing broadcast, say) made that
     other rank abort at interpreter exit (SIGABRT, "terminate called without an active
     exception") about one run in three, and a scheduler would requeue a finished job. With it
-    the abort became rare (0 of 15 runs; once in 10 on a loaded machine), not impossible.
+    the abort became rare (0 of 57 runs; once in 10 on a loaded machine), not impossible: the
+    rest is torch's (pytorch/pytorch#190489; docs/distributed.md has the backtrace and why a
+    DDP process cannot join gloo's worker threads before exit).
 
     Call it on every rank, after the run (``run`` waits for background checkpoints at its end;
     close an ``AsyncSaver`` of your own first) and after freeing DDP/FSDP models (a live DDP

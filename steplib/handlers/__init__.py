@@ -4,8 +4,8 @@ Every handler of steplib is here, one concept per module: evaluation (``eval_ste
 step and ``evaluate``; ``evaluation``: the ``Evaluator`` handler), training metrics
 (``metrics``), logs (``logging/``), the progress bar (``progress``, drawn with the tqdm class of
 ``terminal``), stopping rules (``stopping``), monitors of the gradient norm, the LR and
-non-finite values (``monitors``), ``throughput``, ``profiling``, ``ema``, ``export`` and the
-per-epoch or plateau ``Scheduler`` (``scheduling``).
+non-finite values (``monitors``), ``throughput``, ``profiling``, ``ema``, ``export``, the
+per-epoch or plateau ``Scheduler`` (``scheduling``) and the notebook's curves (``live_plot``).
 
 Handlers import ``events``, ``state``, ``errors``, ``distributed`` and ``checkpoint``; never
 ``loop`` or ``step``, so that a handler works with any loop that emits the events.
@@ -21,6 +21,7 @@ from steplib.handlers.export import (
     export_model,
     full_state_dict,
 )
+from steplib.handlers.live_plot import LivePlot
 from steplib.handlers.logging import (
     ConsoleLogger,
     CSVLogger,
@@ -54,6 +55,7 @@ __all__ = [
     "GradNormMonitor",
     "JsonlLogger",
     "LRMonitor",
+    "LivePlot",
     "Log",
     "LogWriteError",
     "Logger",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from steplib import errors
+from steplib.cadence import Batches, check_every
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Events, NewState
@@ -59,7 +60,8 @@ class Evaluator:
         data: the held-out batches (re-iterable), or a mapping ``{name: batches}`` of several
             sets.
         metrics: a torchmetrics ``Metric``, ``MetricCollection`` or dict of ``Metric``.
-        every: evaluate every this many optimizer updates.
+        every: evaluate every this many optimizer updates, or every n batches with
+            ``Batches(n)`` (on the update holding the n-th batch).
         at_epoch_end: evaluate at the end of each epoch (skipped when the last update was
             just evaluated).
         at_fit_end: evaluate when the run ends (skipped when the last update was just
@@ -111,7 +113,7 @@ class Evaluator:
         data: Iterable[Any],
         *,
         metrics: Metrics,
-        every: int | None = None,
+        every: int | Batches | None = None,
         at_epoch_end: bool = False,
         at_fit_end: bool = False,
         limit_batches: int | None = None,
@@ -125,7 +127,7 @@ class Evaluator:
         weights: Mapping[str, float] | None = None,
     ) -> None:
         self.metrics = as_metrics(metrics, owner="Evaluator")
-        self.every = errors.optional_positive_int("Evaluator", "every", every)
+        self.every = check_every("Evaluator(every=...)", every)
         if self.every is None and not at_epoch_end and not at_fit_end:
             raise ConfigError(
                 "Evaluator received neither every=... nor at_epoch_end=True nor "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from steplib import errors
+from steplib.cadence import due
 from steplib.errors import ConfigError, NonFiniteError, describe
 from steplib.events import Event, Events, Stop
 
@@ -78,10 +79,13 @@ class NonFiniteAlarm:
 
     def on_micro_step_end(self, event: Event) -> None:
         """Flag this micro-batch's loss (device ops only)."""
-        bad = ~torch.isfinite(event.output.loss.detach())
+        # Several steps (a GAN): a non-finite loss of any of them.
+        losses = [out.loss.detach() for out in (event.outputs or {"": event.output}).values()]
+        bad = ~torch.isfinite(torch.stack(losses)).all()
         self._window.append(torch.stack((bad, torch.zeros_like(bad))))
         # The update this micro-batch belongs to: while its window is open, the next one.
-        window_open = getattr(event.state, "window_size", 0) > 0
+        window = getattr(event.state, "window", None)
+        window_open = window is not None and window.size > 0
         step = event.step + 1 if window_open else event.step
         self._window_where.append((step, event.epoch, event.batch_index, event.micro_step))
 
@@ -100,7 +104,7 @@ class NonFiniteAlarm:
         self._pending.extend(window)
         self._pending_where.extend(self._window_where)
         self._window, self._window_where = [], []
-        if event.step % self.every == 0:
+        if due(self.every, event):
             return self.check(event)
         return None
 

@@ -25,6 +25,7 @@ from typing import IO, Any
 import torch
 
 from steplib import errors
+from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
@@ -37,7 +38,9 @@ class ProgressBar:
     Args:
         total: updates the run will make (``max_steps``), for a bar with an end and an ETA;
             ``None`` shows a counter.
-        every: read the loss, LR and target counts every this many updates (and at the end).
+        every: read the loss, LR and target counts every this many updates (and at the end),
+            or every n batches with ``Batches(n)``. In a run of several steps, each step's
+            loss is shown (``D loss``, ``G loss``).
         desc: a label in front of the bar.
         file: where to draw the bar (tqdm's default, stderr, when ``None``).
         disable: draw nothing, and read no tensor. ``None`` (the default): draw on rank 0 only
@@ -68,16 +71,16 @@ class ProgressBar:
         (4, 4, True)
     """
 
-    # Device-side sums since the last refresh (None: nothing summed yet) and the latest LR.
-    _targets: torch.Tensor | None
-    _loss: torch.Tensor | None
+    # Device-side sums since the last refresh, by step name ("" for a run of one step): the
+    # targets and the loss times the targets; and the latest LR.
+    _sums: dict[str, tuple[torch.Tensor, torch.Tensor]]
     _lr: torch.Tensor | None
 
     def __init__(
         self,
         total: int | None = None,
         *,
-        every: int = 10,
+        every: int | Batches = 10,
         desc: str | None = None,
         file: IO[str] | None = None,
         disable: bool | None = None,
@@ -85,14 +88,8 @@ class ProgressBar:
         samples_per_step: int | None = None,
         unit: str | None = None,
     ) -> None:
-        for label, value in (("total", total), ("every", every)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ConfigError(
-                    f"ProgressBar({label}=...) received {describe(value)}; it must be a positive "
-                    f"int, e.g. ProgressBar(total=1000, every=10)."
-                )
+        errors.optional_positive_int("ProgressBar", "total", total)
+        check_every("ProgressBar(every=...)", every)
         shown = _SHOWN if keys is None else keys
         if isinstance(shown, str) or not all(key in _SHOWN for key in shown):
             raise ConfigError(
@@ -162,24 +159,25 @@ class ProgressBar:
         self._last_step = event.step
         if self.disable or not self.keys or event.output is None:
             return
-        out = event.output
         # Device-side sums: no host read here. Weighting each update's loss by its targets
-        # gives the token-weighted mean loss over the interval.
-        targets = out.num_targets.detach().float()
-        loss = out.loss.detach().float() * targets
-        if self._targets is None:
-            self._targets, self._loss = targets, loss
-        else:
-            self._targets = self._targets + targets
-            self._loss = self._loss + loss
-        self._lr = out.lr
+        # gives the token-weighted mean loss over the interval; several steps, one each.
+        outputs = event.outputs or {"": event.output}
+        for name, out in outputs.items():
+            targets = out.num_targets.detach().float()
+            loss = out.loss.detach().float() * targets
+            if name in self._sums:
+                before_targets, before_loss = self._sums[name]
+                targets, loss = before_targets + targets, before_loss + loss
+            self._sums[name] = (targets, loss)
+        self._counted_name = name  # the last step's targets are what the rate counts
+        self._lr = event.output.lr
         self._micro_step = event.micro_step
-        if event.step % self.every == 0:
+        if due(self.every, event):
             self._refresh(event.step)
 
     def on_fit_end(self, event: Event) -> None:
         """Show the last numbers and close the bar."""
-        if self._bar is not None and self._targets is not None:
+        if self._bar is not None and self._sums:
             self._refresh(event.step)
         self.close()
 
@@ -198,7 +196,7 @@ class ProgressBar:
             bar.close()
 
     def _reset(self) -> None:
-        self._targets = self._loss = self._lr = None
+        self._sums, self._lr, self._counted_name = {}, None, ""
         self._counted = 0.0
         self._last_step = 0
         # Host counters at the last refresh: the interval's micro-batches and updates.
@@ -207,10 +205,21 @@ class ProgressBar:
 
     def _refresh(self, step: int) -> None:
         # The only host reads of the bar: once per interval, of values summed on the device.
-        assert self._targets is not None and self._loss is not None and self._lr is not None
-        targets = self._targets.item()
-        loss = self._loss.item() / targets if targets > 0 else float("nan")
-        lr = self._lr.item()
+        assert self._sums and self._lr is not None
+        # One read for everything: each step's (targets, loss sums) and the LR; a sweep's loss
+        # and LR hold one value per copy ([N]).
+        names = list(self._sums)
+        parts = [torch.cat([t.reshape(1), loss.flatten()]) for t, loss in self._sums.values()]
+        values = iter(torch.cat([p.double() for p in (*parts, self._lr.flatten())]).tolist())
+        losses: dict[str, list[float]] = {}
+        counts: dict[str, float] = {}
+        for name, part in zip(names, parts, strict=True):
+            t, *sums = (next(values) for _ in range(part.numel()))
+            counts[name] = t
+            key = "loss" if not name else f"{name}/loss"
+            losses[key] = [v / t if t > 0 else float("nan") for v in sums]
+        lrs = list(values)
+        targets = counts[self._counted_name]
         # Measured after the read, so on a GPU the interval covers work that has finished.
         now = time.perf_counter()
         micro = self._micro_step
@@ -223,22 +232,36 @@ class ProgressBar:
             counted = targets
         rate = counted / max(now - self._since, 1e-9)
         self._counted += counted
-        self._targets = self._loss = None
+        self._sums = {}
         self._since, self._micro_since, self._step_since = now, micro, step
         self.stats = {
             "step": step,
-            "loss": loss,
-            "lr": lr,
+            **{k: v[0] if len(v) == 1 else v for k, v in losses.items()},
+            "lr": lrs[0] if len(lrs) == 1 else lrs,
             f"{unit}_per_s": rate,
             unit: int(self._counted) if self._counted.is_integer() else self._counted,
         }
-        shown = {"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", f"{unit}/s": _si(rate)}
-        postfix = {k: v for k, v in shown.items() if ("rate" if "/" in k else k) in self.keys}
+        shown = {
+            **{k.replace("/", " "): _range(v, ".4f", best=True) for k, v in losses.items()},
+            "lr": _range(lrs, ".3g"),
+            f"{unit}/s": _si(rate),
+        }  # "D loss" for a step named D
+        kinds = {k: "rate" if "/" in k else "loss" if k.endswith("loss") else k for k in shown}
+        postfix = {k: v for k, v in shown.items() if kinds[k] in self.keys}
         assert self._bar is not None
         self._bar.set_postfix(postfix, refresh=True)
 
 
 _SHOWN = ("loss", "lr", "rate")
+
+
+def _range(values: list[float], spec: str, *, best: bool = False) -> str:
+    """One number as it is; a sweep's numbers as ``low-high``, with the lowest's copy."""
+    if len(values) == 1:
+        return format(values[0], spec)
+    low = min(range(len(values)), key=lambda i: (values[i] != values[i], values[i]))
+    text = f"{format(values[low], spec)}-{format(max(values), spec)}"
+    return f"{text} (best #{low})" if best else text
 
 
 def _si(value: float) -> str:

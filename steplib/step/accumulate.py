@@ -34,7 +34,7 @@ def accumulate(step: Step, k: int) -> Step:
         >>> state = TrainState.create(model=model, optimizer=opt)
         >>> step = accumulate(make_train_step(lambda m, b: m(b).pow(2).mean()), 2)
         >>> state, out = step(state, torch.ones(3, 2))
-        >>> bool(out.did_update), state.window_size
+        >>> bool(out.did_update), state.window.size
         (False, 1)
         >>> state, out = step(state, torch.ones(3, 2))
         >>> bool(out.did_update), state.step

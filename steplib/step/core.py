@@ -23,8 +23,8 @@ import torch
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
 from steplib.output import StepOutput, at_least_float32
-from steplib.state import TrainState
-from steplib.step.parts import Part, plain
+from steplib.state import TrainState, Window
+from steplib.step.parts import GradReport, Part, plain
 from steplib.step.phases import apply, forward_backward, lr_now, process_grads
 from steplib.step.plan import Plan, check_composition
 
@@ -76,7 +76,7 @@ class Step:
             ConfigError: the state has several optimizers and the step names none of them, or
                 the step names one and the state has no optimizer of that name.
         """
-        if state.lane is not None or self.optimizer is not None:
+        if state.lane.name is not None or self.optimizer is not None:
             mine, out = self._micro_batch(_lane_of(self, state), batch, close_window)
             return state.with_lane(mine), out
         return self._micro_batch(state, batch, close_window)
@@ -85,24 +85,25 @@ class Step:
         self, state: TrainState, batch: Any, close_window: bool
     ) -> tuple[TrainState, StepOutput]:
         if self.takes_step:
-            state, batch = _with_step_number(state, batch)
-        size = state.window_size + 1
+            batch = _with_step_number(state, batch)
+        window = state.window
+        size = window.size + 1
         closes = close_window or size >= self.plan.window
         out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
         loss_sum = out.loss_sum
         if loss_sum.requires_grad:  # eager: the state and output must not keep the graph alive
-            loss_sum = loss_sum.detach()  # (a compiled graph's output has none: ~2.5 us saved)
-        state = state.replace(
-            micro_step=state.micro_step + 1,
-            window_size=size,
+            loss_sum = loss_sum.detach()  # (a compiled graph's output has none: no detach)
+        window = Window(
+            size,
             # The first micro-batch of a window starts the sum: no add, no zero tensor. At least
             # float32 (a bf16 sum would round), a float64 loss stays float64.
-            window_loss=at_least_float32(loss_sum) if size == 1 else state.window_loss + loss_sum,
+            at_least_float32(loss_sum) if size == 1 else window.loss + loss_sum,
             # int + int stays on the host; a tensor count makes it a device tensor.
-            window_targets=state.window_targets + out.num_targets,
+            window.targets + out.num_targets,
         )
+        state = state.replace(micro_step=state.micro_step + 1, window=window)
         if closes:
-            return self._close(state, out.aux)
+            return self._close(state, out.aux, out.report)
         return state, StepOutput(
             loss_sum=loss_sum,
             num_targets=out.num_targets,
@@ -123,16 +124,16 @@ class Step:
             ``(state, None)`` when no window is open, else the state and output of the update,
             normalised by the targets the window actually held.
         """
-        if state.lane is not None or self.optimizer is not None:
+        if state.lane.name is not None or self.optimizer is not None:
             mine, out = self._flush(_lane_of(self, state))
             return state.with_lane(mine), out
         return self._flush(state)
 
     def _flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
-        if state.window_size == 0:
+        if state.window.size == 0:
             return state, None
         self.plan.sync.sync_unsynced(state)  # its last backward ran without gradient sync
-        return self._close(state, {})
+        return self._close(state, {}, None)
 
     @property
     def applied(self) -> tuple[tuple[str, Mapping[str, Any]], ...]:
@@ -144,13 +145,14 @@ class Step:
         return [{"wrapper": name, **settings} for name, settings in self.applied]
 
     def _close(
-        self, state: TrainState, aux: Mapping[str, torch.Tensor]
+        self, state: TrainState, aux: Mapping[str, torch.Tensor], report: GradReport | None
     ) -> tuple[TrainState, StepOutput]:
         runner = self.plan.runner
         # An async checkpoint may still be copying the parameters and optimizer state in the
         # background; this update changes them. (A runner may run the update in phase 2.)
         state.fence.wait()
-        report = runner.process_grads(self, state)
+        if report is None:  # phase 2, unless the runner ran it with the closing micro-batch
+            report = runner.process_grads(self, state)
         state, applied, lr = apply(self, state, report)
         grad_norm = report.grad_norm
         return state, StepOutput(
@@ -178,8 +180,10 @@ class Runner:
     pipeline step contribute subclasses (``Part(runner=...)``) that run the same record
     differently and override some of the methods:
 
-    * ``forward_backward(step, state, batch, *, sync) -> LossOutput``: phase 1;
-    * ``process_grads(step, state) -> GradReport``: phase 2;
+    * ``forward_backward(step, state, batch, *, sync) -> LossOutput``: phase 1 (and phase 2
+      with a closing micro-batch, whose report the output then carries);
+    * ``process_grads(step, state) -> GradReport``: phase 2 (and the update with it, which the
+      report then says);
     * ``optimizer_step(step, optimizer)``: the update inside phase 3;
     * ``refuse(part) -> str | None``: why this runner cannot run ``part``, else ``None``.
     """
@@ -262,16 +266,12 @@ def make_train_step(
     )
 
 
-def _with_step_number(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+def _with_step_number(state: TrainState, batch: Any) -> Any:
     """``(batch, step)`` for a loss that takes the step number: a device tensor, so that a
-    schedule in the loss needs no host read and a compiled step no recompile per update."""
-    held = state.step_tensor
-    if held is None or held[0] != state.step:  # first call, or the counter was set (a load)
-        held = (state.step, torch.tensor(state.step, device=state.device))
-        state = state.replace(step_tensor=held)
-    # A copy for the loss: `step += 1` in it is an in-place add, which must not move the
-    # counter that later micro-batches and states share.
-    return state, (batch, held[1].clone())
+    schedule in the loss needs no host read and a compiled step no recompile per update. A fill
+    kernel, not a host-to-device copy (which would wait for the device); a new tensor for each
+    call, so ``step += 1`` in the loss changes nothing outside it."""
+    return batch, torch.full((), state.step, dtype=torch.int64, device=state.device)
 
 
 def _step_argument(loss_fn: Any) -> str | None:

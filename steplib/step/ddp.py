@@ -107,7 +107,7 @@ def _ddp_models(state: TrainState) -> list[DistributedDataParallel]:
     if isinstance(model, DistributedDataParallel):
         return [model]
     lane = state.lane
-    if lane is not None:
+    if lane.name is not None:
         mine = {id(p) for p in lane.params}
         wrapped = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
         found = [m for m in wrapped if any(id(p) in mine for p in m.parameters())]

@@ -1,9 +1,9 @@
-"""Skipping a non-finite update without reading the decision on the host.
+"""Skipping an update without reading the decision on the host, and the memory that needs.
 
-A step that may skip (a float16 ``GradScaler`` or ``skip_nonfinite``) knows whether the window
-was finite only as a device tensor. Reading it on the host (``bool(flag)``) stalls a GPU step
-until every queued kernel has run. Three things need the decision, and each is moved onto the
-device when the optimizer and the scheduler allow it:
+A step that may skip (a float16 ``GradScaler``, ``skip_nonfinite``, or a token-weighted window
+that may hold no targets) knows whether to skip only as a device tensor. Reading it on the host
+(``bool(flag)``) stalls a GPU step until every queued kernel has run. Three things need the
+decision, and each is moved onto the device when the optimizer and the scheduler allow it:
 
 * **the optimizer update**: torch's fused optimizers (``fused=True``: Adam, AdamW, SGD, Adagrad)
   take a ``found_inf`` tensor and skip the update inside their kernel, step counter included
@@ -11,25 +11,29 @@ device when the optimizer and the scheduler allow it:
 * **the learning rate**: a ``LambdaLR`` is a function of its position, so its rates are put in
   a table on the device, one row per position, and the position is a device counter advanced
   only by applied updates; the optimizer's ``lr`` becomes a tensor that is refilled from that
-  table. The host-side scheduler object is brought up to date when a checkpoint reads it
-  (``TrainState.settle_scheduler``);
-* **the skip counters**: ``skipped_updates`` / ``consecutive_skips`` become device tensors; the
+  table. The scheduler object is set to the position once a host copy of it has landed (on the
+  CPU at once, so after every call; on CUDA an update or two later, never waited for);
+* **the skip counters**: ``skipped_updates`` / ``consecutive_skips`` are device tensors; the
   ``max_consecutive`` limit is checked on a host copy of the counter once that copy has landed
   (:class:`HostCopy`: a CUDA event is queried, never waited on), so on CUDA the error can come
   an update or two late; those updates were skipped too.
 
-Any other optimizer or scheduler keeps the host read, once per update (torch's own
-``GradScaler.step`` does the same for non-fused optimizers). :func:`decides_on_device` says which.
+The position, the table and the copies in flight are this memory's (:class:`SkipMemory`, one
+per step, as a compiled step's caches are its runner's), kept per optimizer and held weakly:
+the state carries none of it. Any other optimizer or scheduler keeps the host read, once per
+update (torch's own ``GradScaler.step`` does the same for non-fused optimizers).
+:func:`decides_on_device` says which.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
 
-from steplib.state import TrainState
+from steplib.errors import EmptyWindowError
 
 LambdaLR = torch.optim.lr_scheduler.LambdaLR
 
@@ -80,57 +84,138 @@ class HostCopy:
         return self._host.item()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class DeviceSkips:
-    """The bookkeeping of a step whose skip decision stays on the device (kept in
-    ``TrainState.device_skips``; replaced, never changed, by each update).
+@dataclasses.dataclass
+class _Schedule:
+    """One ``LambdaLR``'s position kept on the device.
 
     Attributes:
-        position: the scheduler's position (``LambdaLR.last_epoch``) as a 0-dim int64 device
-            tensor, advanced by applied updates only; ``None`` without a scheduler.
+        position: the position (``last_epoch``) as a 0-dim int64 device tensor, advanced by
+            applied updates only.
         bound: the largest value ``position`` can hold (it starts at the scheduler's position
             and every update may add one), known on the host.
-        lr_table: ``[rows, param groups]`` learning rates on the device, row ``p`` holding the
-            rates at position ``p``; rows up to ``bound`` are filled. ``None`` without a
-            scheduler.
-        pending: the host copy of ``consecutive_skips`` not yet checked against
-            ``max_consecutive``, or ``None``.
+        table: ``[rows, param groups]`` learning rates on the device, row ``p`` holding the
+            rates at position ``p``; rows up to ``bound`` are filled.
+        written: the position last set on the scheduler object: another value there means it
+            was set from outside (a checkpoint loaded), and the device position starts again.
+        landing: host copies of ``position`` not yet set on the scheduler, oldest first.
     """
 
-    position: torch.Tensor | None
+    position: torch.Tensor
     bound: int
-    lr_table: torch.Tensor | None
-    pending: HostCopy | None
+    table: torch.Tensor
+    written: int
+    landing: list[HostCopy] = dataclasses.field(default_factory=list)
 
-    def settle(self, scheduler: Any) -> None:
-        """Set the host-side ``LambdaLR`` to the position on the device (one host read); what
-        ``TrainState.settle_scheduler`` calls.
 
-        Example:
-            >>> import torch
-            >>> from steplib import TrainState, make_train_step, skip_nonfinite
-            >>> model = torch.nn.Linear(2, 1)
-            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-            >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)
-            >>> state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
-            >>> step = skip_nonfinite(make_train_step(lambda m, b: m(b).sum()))
-            >>> state, out = step(state, torch.ones(1, 2))
-            >>> sched.last_epoch  # the position is on the device
-            0
-            >>> state.settle_scheduler()
-            >>> sched.last_epoch, sched.get_last_lr()
-            (1, [0.05])
-        """
-        if self.position is None:
-            return
-        position = int(self.position)
-        # Through the scheduler's own state format: what stepping it once per applied update
-        # would have left (a fresh scheduler steps once when it is built, hence the + 1).
-        settled = scheduler.state_dict()
-        settled.update(
-            last_epoch=position, _last_lr=lr_row(scheduler, position), _step_count=position + 1
+class SkipMemory:
+    """What a step whose skip decisions stay on the device remembers between updates, per
+    optimizer: the scheduler's position on the device (:class:`_Schedule`) and the host copies
+    of ``consecutive_skips`` in flight. Mutable on purpose, and the step's (``step.plan.skips``),
+    never the state's."""
+
+    def __init__(self) -> None:
+        self._schedules: weakref.WeakKeyDictionary[Any, _Schedule] = weakref.WeakKeyDictionary()
+        self._in_flight: weakref.WeakKeyDictionary[Any, list[HostCopy]] = (
+            weakref.WeakKeyDictionary()
         )
-        scheduler.load_state_dict(settled)
+        self._zeros: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+        # the last count of skips in a row computed on the host, with the tensor that holds it
+        self._host_counts: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._counts: weakref.WeakKeyDictionary[Any, list[tuple[HostCopy, int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def zero(self, optimizer: Any, device: torch.device) -> torch.Tensor:
+        """``consecutive_skips`` after an applied update: one zero per optimizer, made once
+        (a counter is replaced, never changed in place), so an update makes no kernel for it."""
+        zero = self._zeros.get(optimizer)
+        if zero is None or zero.device != device:
+            zero = self._zeros[optimizer] = torch.zeros((), dtype=torch.int64, device=device)
+        return zero
+
+    def advance(self, optimizer: torch.optim.Optimizer, scheduler: Any, applied: Any) -> None:
+        """After an update decided on the device (``applied`` a bool tensor): move the
+        scheduler's position by it, refill the optimizer's ``lr`` tensors from the table row at
+        the new position, and set the landed positions on the scheduler object."""
+        if scheduler is None:
+            return
+        schedule = self._schedules.get(scheduler)
+        if schedule is None or schedule.written != scheduler.last_epoch:
+            schedule = self._schedules[scheduler] = _start(optimizer, scheduler)
+        table, bound = schedule.table, schedule.bound + 1
+        if bound >= table.shape[0]:  # doubling: a device copy at 64, 128, 256, ... updates
+            grown = table.new_empty((2 * table.shape[0], table.shape[1]))
+            grown[: table.shape[0]].copy_(table)
+            table = grown
+        _fill_row(table, bound, lr_row(scheduler, bound))
+        position = schedule.position + applied.to(torch.int64)
+        row = table.index_select(0, position.view(1))[0]
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        values = [value.to(lr.dtype) for value, lr in zip(row.unbind(), lrs, strict=True)]
+        torch._foreach_copy_(lrs, values)
+        schedule.position, schedule.bound, schedule.table = position, bound, table
+        schedule.landing.append(HostCopy(position))
+        landed = None
+        while schedule.landing and schedule.landing[0].ready():  # in order; on the CPU at once
+            landed = int(schedule.landing.pop(0).read())
+        if landed is not None and landed != schedule.written:
+            _set_position(scheduler, landed)
+            schedule.written = landed
+
+    def check_not_empty(self, optimizer: Any, targets: torch.Tensor, step: int) -> None:
+        """Post a host copy of an applied window's target count and read those that have
+        landed (on the CPU at once): a window that held none was updated, and is an error.
+
+        Raises:
+            EmptyWindowError: a landed count is 0 (the update it names was applied).
+        """
+        in_flight = self._counts.setdefault(optimizer, [])
+        in_flight.append((HostCopy(targets), step + 1))
+        while in_flight and in_flight[0][0].ready():
+            copy, update = in_flight.pop(0)
+            if copy.read() <= 0:
+                in_flight.clear()
+                raise EmptyWindowError(
+                    f"update {update} was made from a window that held no targets (its "
+                    "num_targets summed to 0, e.g. all padding): its gradients were zero, yet "
+                    f"{type(optimizer).__name__} moved the parameters (momentum, weight decay) "
+                    "and the scheduler advanced. This optimizer cannot skip an update on the "
+                    "device. Create it with fused=True (it then skips inside its kernel, no "
+                    "host read), or wrap the step with skip_nonfinite(step) (the decision is "
+                    "then read on the host once per update), or drop empty batches from the data."
+                )
+
+    def too_many(
+        self, state: Any, consecutive: torch.Tensor, limit: int, *, on_host: bool
+    ) -> int | None:
+        """The first count of skips in a row above ``limit`` known on the host, else ``None``.
+
+        A skip decided on the host (``on_host``) after a count the host knows (this memory's
+        zero, the one zero of ``TrainState.create``, or a count it computed) is counted there:
+        the decision was the update's one read. Otherwise a host copy of ``consecutive`` is
+        posted and those that have landed are read, in order (on the CPU at once)."""
+        optimizer, before = state.optimizer, state.consecutive_skips
+        if on_host:
+            known = self._host_counts.get(optimizer)
+            if before is self._zeros.get(optimizer) or before is state.skipped_updates:
+                count: int | None = 1
+            elif known is not None and known[0] is before:
+                count = known[1] + 1
+            else:
+                count = None
+            if count is not None:
+                self._host_counts[optimizer] = (consecutive, count)
+                return count if count > limit else None
+        in_flight = self._in_flight.setdefault(optimizer, [])
+        in_flight.append(HostCopy(consecutive))
+        while in_flight and in_flight[0].ready():
+            seen = int(in_flight.pop(0).read())
+            if seen > limit:
+                in_flight.clear()
+                return seen
+        return None
 
 
 def lr_row(scheduler: Any, position: int) -> list[float]:
@@ -141,13 +226,22 @@ def lr_row(scheduler: Any, position: int) -> list[float]:
     ]
 
 
-def start(optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device) -> DeviceSkips:
-    """The bookkeeping for the first update decided on the device; without a scheduler there is
-    nothing to tabulate. With one, each group's ``lr`` becomes a device tensor (float64 on the
+def _set_position(scheduler: Any, position: int) -> None:
+    # Through the scheduler's own state format: what stepping it once per applied update would
+    # have left (a fresh scheduler steps once when it is built, hence the + 1).
+    settled = scheduler.state_dict()
+    settled.update(
+        last_epoch=position, _last_lr=lr_row(scheduler, position), _step_count=position + 1
+    )
+    scheduler.load_state_dict(settled)
+
+
+def _start(optimizer: torch.optim.Optimizer, scheduler: Any) -> _Schedule:
+    """The device position for the first update decided on the device (or the first after the
+    scheduler was set from outside). Each group's ``lr`` becomes a device tensor (float64 on the
     CPU, as exact as the float it replaces; float32 on CUDA, the dtype fused CUDA kernels read)
     that later updates refill from the table."""
-    if scheduler is None:
-        return DeviceSkips(position=None, bound=0, lr_table=None, pending=None)
+    device = optimizer.param_groups[0]["params"][0].device
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     for group in optimizer.param_groups:
         lr = group["lr"]
@@ -160,81 +254,14 @@ def start(optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device
     rows = max(64, 2 * (position + 1))
     table = torch.empty((rows, len(optimizer.param_groups)), dtype=torch.float64, device=device)
     _fill_row(table, position, lr_row(scheduler, position))
-    return DeviceSkips(
+    return _Schedule(
         position=torch.full((), position, dtype=torch.int64, device=device),
         bound=position,
-        lr_table=table,
-        pending=None,
+        table=table,
+        written=position,
     )
 
 
 def _fill_row(table: torch.Tensor, row: int, values: list[float]) -> None:
     host = torch.tensor(values, dtype=table.dtype, pin_memory=table.device.type == "cuda")
     table[row].copy_(host, non_blocking=True)
-
-
-def advance(
-    record: DeviceSkips,
-    *,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    applied: torch.Tensor,
-) -> DeviceSkips:
-    """After an update whose ``applied`` flag is a device tensor: move the position by it and
-    refill the optimizer's ``lr`` tensors from the table row at the new position."""
-    if record.position is None or record.lr_table is None:
-        return record
-    table, bound = record.lr_table, record.bound + 1
-    if bound >= table.shape[0]:  # doubling: a device copy at 64, 128, 256, ... updates
-        grown = table.new_empty((2 * table.shape[0], table.shape[1]))
-        grown[: table.shape[0]].copy_(table)
-        table = grown
-    # Row `bound` is a pure function of its index, so writing it again (a notebook re-running a
-    # cell from an older state) writes the same values: older states are not changed.
-    _fill_row(table, bound, lr_row(scheduler, bound))
-    position = record.position + applied.to(torch.int64)
-    row = table.index_select(0, position.view(1))[0]
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    values = [value.to(lr.dtype) for value, lr in zip(row.unbind(), lrs, strict=True)]
-    torch._foreach_copy_(lrs, values)
-    return dataclasses.replace(record, position=position, bound=bound, lr_table=table)
-
-
-def check_consecutive(
-    record: DeviceSkips, consecutive: torch.Tensor, limit: int
-) -> tuple[DeviceSkips, int | None]:
-    """Read the host copy of an earlier ``consecutive_skips`` if it has landed, and post a copy
-    of this update's. Returns the record and a count read that exceeds ``limit``, else ``None``.
-    On the CPU a copy lands at once, so the count read is this update's."""
-    pending = record.pending
-    if pending is None:
-        pending = HostCopy(consecutive)
-    elif pending.ready():  # an earlier copy landed: check it, then copy this update's
-        seen = int(pending.read())
-        if seen > limit:
-            return dataclasses.replace(record, pending=None), seen
-        pending = HostCopy(consecutive)
-    if pending.ready():  # at once on the CPU
-        seen = int(pending.read())
-        return dataclasses.replace(record, pending=None), (seen if seen > limit else None)
-    return dataclasses.replace(record, pending=pending), None
-
-
-def count(
-    state: TrainState, applied: torch.Tensor, limit: int | None
-) -> tuple[DeviceSkips, dict[str, Any], int | None]:
-    """After an update decided on the device: the new record (the scheduler's position moved
-    by ``applied``), the skip counters as device tensors, and a consecutive-skip count read
-    back that exceeds ``limit`` (else ``None``)."""
-    record = state.device_skips or start(state.optimizer, state.scheduler, state.device)
-    record = advance(record, optimizer=state.optimizer, scheduler=state.scheduler, applied=applied)
-    skipped = (~applied).to(torch.int64)
-    consecutive = (state.consecutive_skips + skipped) * skipped
-    seen = None
-    if limit is not None:
-        record, seen = check_consecutive(record, consecutive, limit)
-    counters = {
-        "skipped_updates": state.skipped_updates + skipped,
-        "consecutive_skips": consecutive,
-    }
-    return record, counters, seen

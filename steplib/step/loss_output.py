@@ -23,11 +23,14 @@ NO_AUX: Mapping[str, torch.Tensor] = types.MappingProxyType({})
 
 
 class LossOutput(NamedTuple):
-    """A ``loss_fn`` result in one shape: the loss to back-propagate, its target count, aux."""
+    """A ``loss_fn`` result in one shape: the loss to back-propagate, its target count, aux;
+    and, from a runner that ran phase 2 with the window's closing micro-batch (``compile_step``
+    runs them as one graph), that phase's report (a ``steplib.step.parts.GradReport``)."""
 
     loss_sum: torch.Tensor
     num_targets: torch.Tensor | int
     aux: Mapping[str, torch.Tensor]
+    report: Any = None
 
 
 def parse_loss_output(result: Any) -> LossOutput:

@@ -194,13 +194,17 @@ class GradReport(NamedTuple):
         loss_sum: the window's loss sum over every process.
         num_targets: the window's target count over every process.
         grad_norm: the total gradient norm before clipping, if a transform measured it.
-        nonfinite: a bool tensor, True when the update must be skipped, else ``None``.
+        nonfinite: a bool tensor, True when the update must be skipped (a non-finite value, or
+            a window with no targets), else ``None``.
+        updated: the runner made the optimizer update with phase 2 (``compile_step``, when
+            nothing may act between them); phase 3 then does not make it again.
     """
 
     loss_sum: torch.Tensor
     num_targets: torch.Tensor | int
     grad_norm: torch.Tensor | None
     nonfinite: torch.Tensor | None
+    updated: bool = False
 
 
 GradTransform = Callable[[Gradients], None]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from steplib.errors import TooManySkipsError
-from steplib.state import TrainState
+from steplib.state import EMPTY_WINDOW, TrainState
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
 from steplib.step.parts import Gradients, GradReport, Update
@@ -60,7 +60,7 @@ def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
     lane = state.lane
     # Several optimizers: only this one's parameters take gradients, so the generator's
     # backward through the discriminator leaves the discriminator's open window alone.
-    if lane is None:
+    if lane.name is None:
         loss.backward()
     else:  # what requires a gradient now: a parameter may have been (un)frozen since
         loss.backward(inputs=[p for p in lane.params if p.requires_grad])
@@ -76,7 +76,7 @@ def process_grads(
     order, all on the device. ``window``: the window's ``(loss_sum, targets)`` where ``state``
     does not hold them yet (a compiled step's closing micro-batch runs phase 2 in its graph)."""
     plan = step.plan
-    loss, count = (state.window_loss, state.window_targets) if window is None else window
+    loss, count = (state.window.loss, state.window.targets) if window is None else window
     loss_sum, targets, averaged = plan.sync.reduce_window(state, loss, count)  # type: ignore[arg-type]
     # DDP already averaged the gradients over `averaged` processes: divide by the rest.
     divisor = targets if averaged == 1 else targets / averaged
@@ -86,18 +86,30 @@ def process_grads(
     for transform in plan.transforms:
         transform(grads)
     grads.settle()  # a division no transform folded in
-    return GradReport(loss_sum, targets, grads.grad_norm, grads.nonfinite)
+    flag = grads.nonfinite
+    if isinstance(targets, torch.Tensor) and (
+        flag is not None or device_skips.decides_on_device(state.optimizer, state.scheduler)
+    ):
+        # A window that holds no targets (all padding) makes no update: decided with the
+        # count over every process (every rank skips alike), on the device where the optimizer
+        # skips in its kernel, else with the host read a skip flag costs anyway. (An int count
+        # is decided on the host in `apply`; for any other step, `apply` checks it after.)
+        empty = targets <= 0
+        flag = empty if flag is None else flag | empty
+    return GradReport(loss_sum, targets, grads.grad_norm, flag)
 
 
 def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState, Any, Any]:
     """Phase 3: the optimizer update unless skipped, scaler update, zero_grad, scheduler.
 
-    A skip decision stays on the device when the optimizer can skip inside its kernel (a
-    fused optimizer) and the scheduler is ``None`` or a ``LambdaLR`` (see
-    ``steplib.step.device_skips``); otherwise it is read on the host, once per update.
+    An update is skipped when the report says so (non-finite values, or a window whose target
+    count tensor is 0) or when the window's count is the int 0. A decision the report holds as a
+    tensor stays on the device when the optimizer can skip inside its kernel (a fused optimizer)
+    and the scheduler is ``None`` or a ``LambdaLR`` (see ``steplib.step.device_skips``);
+    otherwise it is read on the host, once per update.
 
     Returns:
-        The state with the window reset and the counters advanced; whether the update was
+        The state with the window emptied and the counters advanced; whether the update was
         applied: a bool, or a bool device tensor when the decision stayed there; and the
         learning rate it used (read after the ``before_update`` hooks, which may set it).
 
@@ -105,33 +117,40 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
         TooManySkipsError: more skipped updates in a row than a part's
             ``max_consecutive_skips``.
     """
-    plan, nonfinite = step.plan, report.nonfinite
-    optimizer = state.optimizer
-    on_device = nonfinite is not None and device_skips.decides_on_device(optimizer, state.scheduler)
+    plan, flag, targets = step.plan, report.nonfinite, report.num_targets
+    optimizer, scheduler = state.optimizer, state.scheduler
     applied: bool | torch.Tensor = True
-    if nonfinite is not None:
+    on_device = False
+    if not isinstance(targets, torch.Tensor) and targets <= 0:
+        applied = False  # an empty window, known on the host: nothing to read
+    elif flag is not None:
+        on_device = device_skips.decides_on_device(optimizer, scheduler)
         # The host read, when the decision cannot stay on the device: a host-side
         # scheduler must know whether to advance. Once per update, never mid-window.
-        applied = ~nonfinite if on_device else not bool(nonfinite)
-    if applied is not False and plan.hooks:
+        applied = ~flag if on_device else not bool(flag)
+    # The update hooks run at every closed window, applied or skipped (`out.did_update` says
+    # which): a decision kept on the device cannot choose whether to call them.
+    if plan.hooks:
         _call(plan, "before_update", state)  # the final, unscaled, normalised, clipped grads
     lr = lr_now(state)
     if applied is not False:
-        if plan.updates or on_device:
-            update = _update_call(step, state, nonfinite if on_device else None)
+        if report.updated:  # the runner made it with phase 2
+            pass
+        elif plan.updates or on_device:
+            update = _update_call(step, state, flag if on_device else None)
             for outer in reversed(plan.updates):
                 update = _around(outer, state, update)
             update()
         else:  # the common case: no closure to build
             plan.runner.optimizer_step(step, optimizer)
-        if plan.hooks:
-            _call(plan, "after_update", state)
+    if plan.hooks:
+        _call(plan, "after_update", state)
     if scaler_active(state):
         state.scaler.update()  # type: ignore[union-attr]
     if type(optimizer).zero_grad is _ZERO_GRAD:
-        # What Optimizer.zero_grad(set_to_none=True) does, without its profiler range: that
-        # range alone cost ~3% of a small model's update. An optimizer with its own zero_grad
-        # gets it called.
+        # What Optimizer.zero_grad(set_to_none=True) does, without its profiler range (a
+        # visible share of a small model's update, docs/performance.md). An optimizer with its
+        # own zero_grad gets it called.
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -139,25 +158,34 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
         optimizer.zero_grad(set_to_none=True)
     if plan.hooks:
         _call(plan, "after_zero_grad", state)
-    limit = plan.max_consecutive_skips
-    changes: dict[str, Any] = {"step": state.step + 1, "window_size": 0}
-    if state.step_tensor is not None:  # a loss that takes the step: advanced on the device
-        count, tensor = state.step_tensor
-        changes["step_tensor"] = (count + 1, tensor + 1)
-    changes.update(window_loss=0.0, window_targets=0)
-    if isinstance(applied, torch.Tensor):
-        record, counters, seen = device_skips.count(state, applied, limit)
-        if seen is not None:
-            _too_many_skips(seen, limit, state.step)  # type: ignore[arg-type]
-        return state.replace(**changes, **counters, device_skips=record), applied, lr
-    if applied and state.scheduler is not None:
-        state.scheduler.step()
-    consecutive = 0 if applied else state.consecutive_skips + 1
-    if limit is not None and consecutive > limit:  # host-decided: an int
-        _too_many_skips(int(consecutive), limit, state.step)
-    changes["skipped_updates"] = state.skipped_updates + (0 if applied else 1)
-    changes["consecutive_skips"] = consecutive
-    return state.replace(**changes), applied, lr
+    if applied is True:
+        if isinstance(targets, torch.Tensor) and flag is None:  # see process_grads
+            plan.skips.check_not_empty(optimizer, targets, state.step)
+        if scheduler is not None:
+            scheduler.step()
+        skipped, consecutive = state.skipped_updates, plan.skips.zero(optimizer, state.device)
+    else:
+        missed: torch.Tensor | int = 1  # skipped, decided on the host
+        if isinstance(applied, torch.Tensor):  # the scheduler's position moves by it, there
+            plan.skips.advance(optimizer, scheduler, applied)
+            missed = (~applied).to(torch.int64)
+        skipped = state.skipped_updates + missed
+        consecutive = (state.consecutive_skips + missed) * missed
+        limit = plan.max_consecutive_skips
+        if limit is not None:
+            seen = plan.skips.too_many(state, consecutive, limit, on_host=not on_device)
+            if seen is not None:
+                _too_many_skips(seen, limit, state.step)
+    return (
+        state.replace(
+            step=state.step + 1,
+            window=EMPTY_WINDOW,
+            skipped_updates=skipped,
+            consecutive_skips=consecutive,
+        ),
+        applied,
+        lr,
+    )
 
 
 def _update_call(

@@ -12,6 +12,7 @@ import torch
 
 from steplib.errors import ConfigError
 from steplib.state import TrainState
+from steplib.step.device_skips import SkipMemory
 from steplib.step.parts import (
     LOCAL,
     NORMALISE,
@@ -64,6 +65,8 @@ class Plan:
         sync: the step's :class:`GradSync`.
         max_consecutive_skips: the tightest limit, else ``None``.
         runner: how the phases run.
+        skips: what the step remembers of skips decided on the device (its own, never the
+            state's: see ``steplib.step.device_skips``).
     """
 
     window: int
@@ -75,6 +78,7 @@ class Plan:
     sync: GradSync
     max_consecutive_skips: int | None
     runner: Any  # steplib.step.core.Runner
+    skips: SkipMemory
 
     @classmethod
     def of(
@@ -106,6 +110,7 @@ class Plan:
             sync=next((p.sync for p in parts if p.sync is not None), LOCAL),
             max_consecutive_skips=min(limits, default=None),
             runner=next((p.runner for p in parts if p.runner is not None), default_runner),
+            skips=SkipMemory(),
         )
 
 

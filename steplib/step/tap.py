@@ -20,11 +20,12 @@ def tap(step: Step, **hooks: Any) -> Step:
 
     ``before_backward`` / ``after_backward`` around every micro-batch's backward;
     ``before_update`` (gradients final: unscaled, normalised, clipped) and ``after_update``
-    around the optimizer step: for applied updates only when a skip decision is read on the
-    host, for every closed window when it stays on the device (a fused optimizer skips inside
-    its kernel; ``out.did_update`` says which); ``after_zero_grad`` after
-    the gradients are cleared, at every closed window. A hook's return value is ignored; it may
-    read anything (e.g. gradient statistics) but should not replace parameters.
+    around the optimizer step, at every closed window, in every composition: also when the
+    update is skipped (a non-finite window, a window with no targets), since a decision kept
+    on the device cannot choose whether to call them (``out.did_update`` says which);
+    ``after_zero_grad`` after the gradients are cleared, at every closed window. A hook's
+    return value is ignored; it may read anything (e.g. gradient statistics) but should not
+    replace parameters.
 
     Args:
         step: the step to wrap.

@@ -247,7 +247,6 @@ def _values(call: Call, full: bool) -> Values:
         return values
     state = call.state
     values += parameter_values(state) + optimizer_values(state)
-    state.settle_scheduler()  # a LambdaLR whose position is on the device (fused-optimizer skips)
     for name in ("scheduler", "scaler"):
         obj = getattr(state, name)
         if obj is not None:
@@ -256,8 +255,9 @@ def _values(call: Call, full: bool) -> Values:
 
 
 def _counters(state: Any) -> Values:
-    names = ("step", "micro_step", "epoch", "window_size", "skipped_updates")
-    return [(f"the counter state.{name}", getattr(state, name)) for name in names]
+    names = ("step", "micro_step", "epoch", "skipped_updates")
+    values = [(f"the counter state.{name}", getattr(state, name)) for name in names]
+    return [*values, ("the counter state.window.size", state.window.size)]
 
 
 def _message(parted: _Parted, leg: _Interrupted, save_at: int) -> str:

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from steplib import errors
+from steplib.cadence import Batches, check_every
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events
@@ -95,7 +95,8 @@ def event_record(event: Event) -> Record:
         event carries a ``StepOutput``: ``loss``, ``lr``, ``num_targets``, ``grad_norm`` (when
         measured), ``skipped`` (when an update was skipped) and each aux value by its name
         (``aux.<name>`` if the name is one of the keys above). A one-element tensor becomes a
-        number, a larger one a (nested) list.
+        number, a larger one a (nested) list. In a run of several steps each step's values
+        are under its name: ``D/loss``, ``G/loss``, ``G/lr``, ...
 
     Example:
         >>> import torch
@@ -111,20 +112,24 @@ def event_record(event: Event) -> Record:
         (1, 0.1, 8, 0.75)
     """
     record = event_counters(event)
-    out = event.output
-    if out is None:
+    if event.output is None:
         return record
-    record["loss"] = _number(out.loss)
-    record["lr"] = _number(out.lr)
-    targets = _number(out.num_targets)
-    # Target counts are whole numbers carried in a float tensor; write 4096, not 4096.0.
-    record["num_targets"] = int(targets) if float(targets).is_integer() else targets
-    if out.grad_norm is not None:
-        record["grad_norm"] = _number(out.grad_norm)
-    if _number(out.skipped):
-        record["skipped"] = True
-    for name, value in out.aux.items():
-        record[f"aux.{name}" if name in _RESERVED or name == "skipped" else name] = _number(value)
+    # Several steps (a GAN's D and G): each step's values under its name, "D/loss", "G/loss".
+    outputs = event.outputs or {"": event.output}
+    for name, out in outputs.items():
+        prefix = f"{name}/" if name else ""
+        record[prefix + "loss"] = _number(out.loss)
+        record[prefix + "lr"] = _number(out.lr)
+        targets = _number(out.num_targets)
+        # Target counts are whole numbers carried in a float tensor; write 4096, not 4096.0.
+        record[prefix + "num_targets"] = int(targets) if float(targets).is_integer() else targets
+        if out.grad_norm is not None:
+            record[prefix + "grad_norm"] = _number(out.grad_norm)
+        if out.skipped.any():  # a sweep's is one per copy
+            record[prefix + "skipped"] = True
+        for key, value in out.aux.items():
+            reserved = key in _RESERVED or key == "skipped"
+            record[prefix + (f"aux.{key}" if reserved else key)] = _number(value)
     return record
 
 
@@ -227,7 +232,8 @@ class Log:
             own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
             :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
         every: write every this many updates when registered with :meth:`attach` (or in a
-            list of handlers); ``None`` to register it yourself with ``events.on``.
+            list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
+            yourself with ``events.on``.
 
     Raises:
         ConfigError: a sink that is not a :class:`Logger`, a source that is not callable, or
@@ -251,7 +257,7 @@ class Log:
         sinks: Logger | Sequence[Logger],
         *,
         sources: Sequence[Source] = (event_record,),
-        every: int | None = None,
+        every: int | Batches | None = None,
     ) -> None:
         sinks = [sinks] if isinstance(sinks, Logger) else list(sinks)
         for sink in sinks:
@@ -268,7 +274,7 @@ class Log:
                 )
         self.sinks = sinks
         self.sources = tuple(sources)
-        self.every = errors.optional_positive_int("Log", "every", every)
+        self.every = check_every("Log(every=...)", every)
 
     def attach(self, events: Events) -> Events:
         """Write on ``step_end`` every ``every`` updates (close the sinks yourself, or use the

@@ -161,11 +161,11 @@ def hooked_update(optimizer: torch.optim.Optimizer) -> None:
 def process_and_update(
     step: Step, state: TrainState, raw_step: Callable[..., Any], window: Any = None
 ) -> tuple[GradReport, bool]:
-    # The update runs in the graph unless a transform may skip it (a non-finite flag exists:
-    # known when the graph is traced, so the branch is not in the graph).
+    # The update runs in the graph unless it may be skipped (a skip flag exists, or the window
+    # holds the int count 0: known when the graph is traced, so the branch is not in the graph).
     with torch.no_grad():
         report = process_grads(step, state, window=window)
-        if report.nonfinite is None:
+        if report.nonfinite is None and report.num_targets > 0:
             raw_step(state.optimizer)
             return report, True
     return report, False
@@ -182,7 +182,7 @@ def micro_and_update(
     # gradients are read here, not passed in: phase 2 reads them again through the optimizer.
     grads: list[torch.Tensor] = [p.grad for p in plan.params]  # type: ignore[misc]
     loss_sum, count, aux = micro_acc(plan, grads, batch)
-    window = (state.window_loss + loss_sum, state.window_targets + count)
+    window = (state.window.loss + loss_sum, state.window.targets + count)
     return ((loss_sum, count, aux), *process_and_update(step, state, raw_step, window))
 
 
@@ -276,10 +276,10 @@ _OWN_GLOBAL = re.compile(
 
 def keep_guards(entries: Sequence[Any]) -> list[bool]:
     """Dynamo's guard filter for the graphs that start in steplib's code: drop the guards on
-    torch's and steplib's own functions and constants (one lookup each, every call: ~20% of a
-    small step's time), which do not change while a process trains. Every guard on the user's
-    code and globals, the model, the batch, the optimizer and the global grad/autocast state is
-    kept."""
+    torch's and steplib's own functions and constants (one lookup each, on every call; their
+    cost is in docs/performance.md), which do not change while a process trains. Every guard on
+    the user's code and globals, the model, the batch, the optimizer and the global
+    grad/autocast state is kept."""
     return [not (entry.is_global and _OWN_GLOBAL.match(entry.name)) for entry in entries]
 
 
@@ -288,8 +288,8 @@ def inner_backend(
 ) -> Any:
     """The backend ``torch.compile(backend=..., mode=..., options=...)`` would use; inductor's
     with its size asserts off unless ``options`` sets them: the generated code checks every
-    input's sizes and strides again after dynamo's guards did (~8% of a small step's time,
-    measured on a CPU)."""
+    input's sizes and strides again after dynamo's guards did (measured in
+    docs/performance.md)."""
     if mode is not None and options is not None:
         raise ConfigError(
             "compile_step received both mode= and options=; torch.compile takes one of them. "

@@ -1,53 +1,14 @@
-"""``compile_step``: the step's forward, backward, clipping and optimizer update under
-``torch.compile``.
+"""``compile_step``: the step's forward, backward, gradient processing and optimizer update under
+``torch.compile``, run by :class:`CompiledRunner` over the same step record (the phases are the
+core's own functions, compiled: one code path).
 
-What runs as a graph once the step is warm (no graph break):
-
-* **each micro-batch: forward + backward + accumulation, one graph.** The user's
-  ``loss_fn(model, batch)`` is differentiated with ``torch.func.grad_and_value`` over
-  ``torch.func.functional_call`` (the parameters are swapped in as plain tensors), so dynamo
-  traces the backward pass instead of breaking the graph at ``loss.backward()``, and no
-  autograd graph is built at run time. The first micro-batch of a window returns the gradients
-  (they become ``p.grad``); the others add into ``p.grad`` inside their graph. On a small model
-  this is what pays: the eager autograd engine, a compiled forward with an AOTAutograd backward
-  and compiled autograd all cost more per micro-batch than this one graph.
-* **the closing micro-batch, phase 2 and the optimizer update, one graph**: the micro-batch's
-  graph, the core's ``process_grads`` itself (one code path: the eager step's function,
-  compiled) and the body of the optimizer's ``step`` without the ``graph_break()`` calls its
-  decorator adds: one graph entry per micro-batch, none more per update (a window of one
-  micro-batch: phase 2 and the update as a graph of their own). Phase 3 only records the
-  update. When something must act between them (``skip_nonfinite`` decides whether to step,
-  a ``tap(before_update=...)``, optimizer step hooks, a shorter last window, distributed
-  gradients or loss scaling), they are compiled apart or phase 2 runs eagerly.
-* The learning rate is a float64 0-dim tensor in the param groups (Adam's betas too, which
-  ``OneCycleLR`` cycles). The scheduler stays plain Python (once per update, it writes the new
-  rate into that tensor), so a changing rate never recompiles; a ``LambdaLR`` lambda cannot be
-  traced without specialising on the step number.
-
-The first update of an optimizer runs eagerly (autograd, and the optimizer's lazy state
-creation): it is cheaper than compiling a path that runs once, and it shows which parameters
-receive gradients. An optimizer that holds state for every parameter already (loaded from a
-checkpoint) is compiled from its first update, as it was in the run that saved it: a resumed run
-then computes the same numbers as the uninterrupted one. The fused forward/backward is used when
-every parameter of the optimizer received one, the gradients are local (no ``ddp_wrap`` /
-``fsdp_wrap`` / ``detect_anomaly``: they work in autograd hooks), there is no autocast or loss
-scaling and no ``tap`` around backward; and if its first trace fails (a buffer updated in place
-inside the forward, as BatchNorm's running statistics are, is refused by the transform) the step
-says why in :class:`CompileStats` and uses autograd. The autograd path compiles ``loss_fn``
-alone (AOTAutograd compiles the backward).
-
-Numerics: after the first update, Adam-style step counters become float64 CPU tensors. Eager
-code reads a counter with ``.item()`` and computes the bias corrections ``1 - beta ** step`` in
-double precision; compiled code computes them from the tensor, so a float32 counter moves AdamW
-away from eager by ~1e-6 over 200 updates (4e-7 even for float64 parameters). Dynamo guards a
-float64 CPU scalar with a NaN check that reads it (``.item()`` on a CPU tensor: no device sync).
-
-Overhead: on a small model most of a compiled call is dynamo's entry and guard checks. The guards
-on torch's and steplib's own functions and constants are dropped (``graphs.keep_guards``); every
-guard on the user's code, model, batch and optimizer is kept.
-
-Every graph compiled is counted in :class:`CompileStats`; one compiled for a function that ran
-compiled code already is a recompile (a guard failed: a new shape, dtype or Python value).
+Once warm, each micro-batch is one graph (forward and backward by ``torch.func.grad_and_value``,
+accumulation included), and the closing micro-batch, phase 2 and the update are one graph when
+nothing may act between them (a skip decision, a ``tap(before_update=...)``, optimizer hooks, a
+shorter last window, distributed gradients or loss scaling compile them apart or run phase 2
+eagerly). The first update of an optimizer runs eagerly (it creates the optimizer's state); one
+loaded from a checkpoint compiles at once, so a resumed run equals the uninterrupted one.
+What runs where, why, the numerics and the measured costs: docs/performance.md, ``compile_step``.
 """
 
 from __future__ import annotations
@@ -174,10 +135,6 @@ class CompiledRunner(Runner):
         self.raw_steps: dict[type, Callable[..., Any]] = {}
         # the step whose loss_fn is compiled for the autograd path, and that loss_fn's region
         self.autograd: tuple[LossFn, Step] | None = None
-        # the optimizer whose update ran inside the phase-2 graph, until phase 3 records it
-        self.updated: torch.optim.Optimizer | None = None
-        # phase 2's report when the closing micro-batch's graph ran it, until phase 2 asks
-        self.report: GradReport | None = None
 
     def _region(self, fn: Callable[..., Any], *, ours: bool = True) -> Region:
         guard_filter = keep_guards if ours else None
@@ -194,7 +151,7 @@ class CompiledRunner(Runner):
         plan = self.plan(step, state)
         if plan is not None:
             if plan.checked:
-                if sync and self.updates_in_graph(step, state, state.window_size + 1):
+                if sync and self.updates_in_graph(step, state, state.window.size + 1):
                     return self.micro_update(plan, step, state, batch)
                 return self.micro(plan, batch)
             try:
@@ -257,41 +214,37 @@ class CompiledRunner(Runner):
         self, plan: FusedPlan, step: Step, state: TrainState, batch: Any
     ) -> LossOutput:
         """The closing micro-batch, phase 2 and the update in one graph (one graph entry fewer
-        per update); phase 2 then returns the report and phase 3 records the update."""
+        per update); the output carries phase 2's report, which says the update was made."""
         if any(p.grad is None for p in plan.params):  # a window of one, or grads set to None
             return self.micro(plan, batch)
         if needs_prepare(optimizer := state.optimizer):
             prepare(optimizer)
         state.fence.wait()  # what Step._close waits for before an update, which this is
         raw_step = self.raw_step(optimizer)
-        out, self.report, updated = self.micro_and_update(plan, batch, step, state, raw_step)
-        self.updated = optimizer if updated else None
-        return LossOutput(out[0], out[1], out[2] if out[2] else NO_AUX)
+        out, report, updated = self.micro_and_update(plan, batch, step, state, raw_step)
+        self.stats.updates += updated
+        report = report._replace(updated=updated)
+        return LossOutput(out[0], out[1], out[2] if out[2] else NO_AUX, report)
 
     def process_grads(
         self, step: Step, state: TrainState, *, window: tuple[torch.Tensor, Any] | None = None
     ) -> GradReport:
-        optimizer, size = state.optimizer, state.window_size if window is None else 0
-        if self.report is not None:  # the closing micro-batch's graph ran phase 2
-            report, self.report = self.report, None
-            return report
+        optimizer, size = state.optimizer, state.window.size if window is None else 0
         if self.updates_in_graph(step, state, size):
             # Phase 2 and the optimizer update in one graph when nothing may skip the update;
             # phase 3's optimizer_step then only records it.
             if needs_prepare(optimizer):
                 prepare(optimizer)
             report, updated = self.process_and_update(step, state, self.raw_step(optimizer))
-            self.updated = optimizer if updated else None
-            return report
+            self.stats.updates += updated
+            return report._replace(updated=updated)
         if self.compiles_phase2(step, state, size):
             return self.compiled_process(step, state)
         return process_grads(step, state, window=window)
 
     def optimizer_step(self, step: Step, optimizer: torch.optim.Optimizer) -> None:
         """Phase 3's optimizer update: eager the first time for this optimizer, then compiled."""
-        if self.updated is optimizer:  # done by the phase-2 graph
-            self.updated = None
-        elif optimizer not in self.prepared:
+        if optimizer not in self.prepared:
             has_grads = all(p.grad is not None for g in optimizer.param_groups for p in g["params"])
             optimizer.step()  # creates the optimizer's state lazily: not worth a graph
             prepare(optimizer)

@@ -1,0 +1,110 @@
+"""How often a handler runs: ``every=`` in optimizer updates (an int) or in batches
+(:class:`Batches`), and :func:`due`, the one rule that the emitter and every handler with an
+``every=`` of its own follow. Imports ``errors`` only."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+from steplib.errors import ConfigError, describe
+
+# The counter that `every` (an int) and `once` count for each event; the others fire every time.
+COUNTER = types.MappingProxyType(
+    dict(micro_step_end="micro_step", step_end="step", epoch_start="epoch", epoch_end="epoch")
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Batches:
+    """A cadence counted in batches, for ``every=`` (a plain int counts optimizer updates):
+    ``Evaluator(..., every=Batches(100))``, ``Log(sinks, every=Batches(10))``,
+    ``checkpoint_every(dir, every=Batches(1000))``, ``events.on("step_end", f,
+    every=Batches(10))``.
+
+    At ``step_end`` it fires on the update whose window holds the n-th batch: with
+    ``accumulate(step, 4)``, ``every=Batches(10)`` fires on the updates that hold batches 10,
+    20, 30, ... (the 3rd, 5th, 8th, ...). At ``micro_step_end`` it fires on every n-th batch.
+    Batches are counted over the whole run (``state.micro_step``, which a resume restores), not
+    from 0 in each epoch.
+
+    Attributes:
+        n: the number of batches between two calls (an int >= 1).
+
+    Raises:
+        ValueError: ``n`` is not an int >= 1.
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(
+                f"Batches(n) received {self.n!r}; it is the number of batches between two "
+                "calls and must be an int >= 1, e.g. every=Batches(10)."
+            )
+
+
+def due(every: int | Batches, event: Any) -> bool:
+    """Whether ``event`` is on the cadence ``every``.
+
+    Args:
+        every: an int counts the event's counter (``step`` for ``step_end``, ``micro_step``
+            for ``micro_step_end``, ``epoch`` for the epoch events); :class:`Batches` counts
+            batches (``event.micro_step``, and ``event.batches``, those the event covers).
+        event: an :class:`~steplib.events.Event`.
+
+    Returns:
+        ``True`` when a handler with this cadence runs at ``event``.
+
+    Example:
+        >>> from steplib.events import Event
+        >>> due(2, Event("step_end", None, step=4)), due(3, Event("step_end", None, step=4))
+        (True, False)
+
+        Updates of 2 batches each: every 3 batches is the 2nd, 3rd, 5th, 6th, ... update.
+
+        >>> [s for s in range(1, 7)
+        ...  if due(Batches(3), Event("step_end", None, step=s, micro_step=2 * s, batches=2))]
+        [2, 3, 5, 6]
+    """
+    if isinstance(every, Batches):
+        # The event covers batches micro_step - batches + 1 .. micro_step: due when one of them
+        # is a multiple of n.
+        return bool(event.micro_step // every.n > (event.micro_step - event.batches) // every.n)
+    return bool(getattr(event, COUNTER.get(event.name, "step")) % every == 0)
+
+
+def check_every(call: str, every: Any, *, batches: bool = True) -> int | Batches | None:
+    """``every`` when it is ``None``, an int >= 1 or (where ``batches``) a :class:`Batches`.
+
+    Args:
+        call: how the argument was passed, for the message (``"Evaluator(every=...)"``).
+        every: the cadence received.
+        batches: whether :class:`Batches` is accepted here.
+
+    Returns:
+        ``every``.
+
+    Raises:
+        ConfigError: anything else (says what was received and what to pass).
+
+    Example:
+        >>> check_every("Log(every=...)", Batches(10))
+        Batches(n=10)
+        >>> check_every("Log(every=...)", 0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        steplib.errors.ConfigError: Log(every=...) received 0 (type int); it must be ...
+    """
+    if every is None or (batches and isinstance(every, Batches)):
+        return every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        counts = " or Batches(n) (batches)" if batches else ""
+        example = " or every=Batches(100)" if batches else ""
+        raise ConfigError(
+            f"{call} received {describe(every)}; it must be a positive int (a number of "
+            f"optimizer updates){counts}, e.g. every=100{example}."
+        )
+    return every

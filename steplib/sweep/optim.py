@@ -1,0 +1,289 @@
+"""Optimizers over a sweep's stacked parameters whose hyper-parameters differ per copy.
+
+Why not ``torch.optim``: it refuses a learning rate tensor of more than one element, in every
+variant. With the same hyper-parameters for every copy, a plain ``torch.optim.AdamW`` over
+``copies.parameters()`` is exact already (Adam is element-wise); use these when any value
+differs per copy, when copies are stopped one by one, or for per-copy skips.
+
+Each hyper-parameter is a float (every copy) or a sequence of N floats (one per copy), held as
+a ``[N]`` tensor in ``param_groups[0]["copies"]``. ``param_groups[0]["lr"]`` is a plain float
+that a ``torch.optim.lr_scheduler`` scales as usual: the rate of copy ``i`` is
+``group["lr"] * copies["lr"][i]``. Given per copy, ``lr`` starts as ``group["lr"] = 1.0`` and
+``copies["lr"] = lr``, so a multiplicative schedule (``LambdaLR``, ``warmup_cosine``,
+``StepLR``) gives copy ``i`` exactly the rate its own run would have had.
+
+``group["active"]`` (a ``[N]`` bool tensor, saved with the optimizer) says which copies still
+train: a stopped copy's parameters and optimizer state are never changed again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from steplib.errors import ConfigError, describe
+
+
+class PerCopyOptimizer(torch.optim.Optimizer):
+    """What the sweep optimizers share: the per-copy values, the active copies, and an update
+    that leaves a copy alone where ``mask`` is False. Subclasses name their per-copy values in
+    ``per_copy``, their buffers in ``state_keys``, and write ``update_one`` (out of place).
+
+    Args:
+        params: ``copies.parameters()``: every tensor with the copies' leading dimension.
+        n: the number of copies (``None``: the parameters' leading dimension).
+        **hparams: ``lr`` and the names in ``per_copy`` (a float, or one per copy), and any
+            setting shared by every copy.
+
+    Attributes:
+        n: the number of copies.
+    """
+
+    per_copy: tuple[str, ...] = ()  # the hyper-parameters that may differ per copy
+    state_keys: tuple[str, ...] = ()  # the per-parameter buffers, zeros at the first update
+
+    def __init__(self, params: Iterable[torch.Tensor], *, n: int | None, **hparams: Any) -> None:
+        params = list(params)
+        if not params or not all(isinstance(p, torch.Tensor) for p in params):
+            raise ConfigError(
+                f"{type(self).__name__} received params={describe(params)}; pass the sweep's "
+                "parameters: copies.parameters()."
+            )
+        n = params[0].shape[0] if n is None and params[0].ndim else n
+        if not isinstance(n, int) or n < 1 or any(p.ndim == 0 or p.shape[0] != n for p in params):
+            raise ConfigError(
+                f"{type(self).__name__}: every parameter must have the copies' leading "
+                f"dimension ({n}); got shapes {[tuple(p.shape) for p in params][:4]}. Pass "
+                "copies.parameters() of a steplib.sweep.Copies."
+            )
+        device = params[0].device
+        values: dict[str, list[float]] = {}
+        lr = hparams.pop("lr")
+        group_lr = 1.0 if _is_sequence(lr) else _number(type(self).__name__, "lr", lr)
+        values["lr"] = _values(type(self).__name__, "lr", lr if _is_sequence(lr) else 1.0, n)
+        for name in self.per_copy:
+            values[name] = _values(type(self).__name__, name, hparams.pop(name), n)
+        # Held in float64, as torch.optim holds them (Python floats); cast per parameter.
+        copies = {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in values.items()}
+        defaults = {
+            "lr": group_lr,
+            "copies": copies,
+            "active": torch.ones(n, dtype=torch.bool, device=device),
+            **hparams,
+        }
+        super().__init__(params, defaults)
+        self.n = n
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+    ) -> Any:
+        """One update of every active copy; where ``mask`` (a ``[N]`` bool tensor) is False
+        the copy is left exactly as it was (parameters, moments, step count)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            keep = group["active"] if mask is None else group["active"] & mask
+            rates = dict(group["copies"])
+            rates["lr"] = group["lr"] * rates["lr"]
+            views: dict[tuple[torch.dtype, int], dict[str, torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                shape = (self.n,) + (1,) * (p.ndim - 1)
+                kind = (p.dtype, p.ndim)  # made once per dtype and rank, not per parameter
+                if kind not in views:
+                    views[kind] = {k: v.to(p.dtype).view(shape) for k, v in rates.items()}
+                view = views[kind]
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros(self.n, dtype=p.dtype, device=p.device)
+                    state.update({key: torch.zeros_like(p) for key in self.state_keys})
+                here = keep.view(shape)
+                new_p, new_state = self.update_one(p, p.grad, state, view, group)
+                p.copy_(torch.where(here, new_p, p))
+                for key, value in new_state.items():
+                    state[key].copy_(torch.where(here, value, state[key]))
+                state["step"].add_(keep.to(p.dtype))
+        return loss
+
+    def update_one(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        h: dict[str, torch.Tensor],
+        group: dict[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(new parameter, {state key: new value})`` out of place, for every copy."""
+        raise NotImplementedError
+
+
+class SweepAdamW(PerCopyOptimizer):
+    """AdamW (decoupled weight decay, as ``torch.optim.AdamW``) or, with ``decoupled=False``,
+    Adam with L2 weight decay (as ``torch.optim.Adam``), with per-copy hyper-parameters.
+
+    Args:
+        params: ``copies.parameters()``.
+        lr, beta1, beta2, eps, weight_decay: a float, or a sequence of one value per copy.
+        decoupled: AdamW's decay (``p *= 1 - lr * wd``) when True, Adam's L2 term otherwise.
+        n: the number of copies (read from the parameters when left out).
+
+    Raises:
+        ConfigError: a value that is not a number, a sequence of the wrong length, or
+            parameters without the copies' leading dimension.
+
+    Example:
+        >>> import torch
+        >>> from steplib.sweep import Copies
+        >>> copies = Copies.stack([torch.nn.Linear(2, 1) for _ in range(3)])
+        >>> opt = SweepAdamW(copies.parameters(), lr=[1e-3, 3e-3, 1e-2], weight_decay=0.01)
+        >>> opt.param_groups[0]["lr"], opt.param_groups[0]["copies"]["lr"].tolist()
+        (1.0, [0.001, 0.003, 0.01])
+    """
+
+    per_copy = ("beta1", "beta2", "eps", "weight_decay")
+    state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        lr: float | Sequence[float] = 1e-3,
+        beta1: float | Sequence[float] = 0.9,
+        beta2: float | Sequence[float] = 0.999,
+        eps: float | Sequence[float] = 1e-8,
+        weight_decay: float | Sequence[float] = 1e-2,
+        decoupled: bool = True,
+        n: int | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            n=n,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=bool(decoupled),
+        )
+
+    def update_one(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        h: dict[str, torch.Tensor],
+        group: dict[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # torch.optim.Adam(W)'s single-tensor formulas, per copy.
+        lr, b1, b2, wd = h["lr"], h["beta1"], h["beta2"], h["weight_decay"]
+        step = state["step"].view(lr.shape) + 1
+        if group["decoupled"]:
+            p = p * (1 - lr * wd)
+        else:
+            grad = grad + wd * p
+        exp_avg = state["exp_avg"].lerp(grad, 1 - b1)
+        exp_avg_sq = state["exp_avg_sq"] * b2 + (1 - b2) * (grad * grad)
+        step_size = lr / (1 - b1**step)
+        denom = exp_avg_sq.sqrt() / (1 - b2**step).sqrt() + h["eps"]
+        new = p - step_size * exp_avg / denom
+        return new, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+class SweepSGD(PerCopyOptimizer):
+    """SGD with momentum, dampening, Nesterov and L2 weight decay (as ``torch.optim.SGD``), with
+    per-copy hyper-parameters.
+
+    Args:
+        params: ``copies.parameters()``.
+        lr, momentum, dampening, weight_decay: a float, or a sequence of one value per copy.
+        nesterov: Nesterov momentum (for every copy).
+        n: the number of copies (read from the parameters when left out).
+
+    Raises:
+        ConfigError: as :class:`SweepAdamW`.
+
+    Example:
+        >>> import torch
+        >>> from steplib.sweep import Copies
+        >>> copies = Copies.stack([torch.nn.Linear(2, 1) for _ in range(2)])
+        >>> opt = SweepSGD(copies.parameters(), lr=0.1, momentum=[0.0, 0.9])
+        >>> opt.param_groups[0]["copies"]["momentum"].tolist()
+        [0.0, 0.9]
+    """
+
+    per_copy = ("momentum", "dampening", "weight_decay")
+    state_keys = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        lr: float | Sequence[float],
+        momentum: float | Sequence[float] = 0.0,
+        dampening: float | Sequence[float] = 0.0,
+        weight_decay: float | Sequence[float] = 0.0,
+        nesterov: bool = False,
+        n: int | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            n=n,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=bool(nesterov),
+        )
+
+    def update_one(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, Any],
+        h: dict[str, torch.Tensor],
+        group: dict[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # torch.optim.SGD's formulas, per copy: the first update starts the buffer at the
+        # gradient itself, and a copy without momentum uses the gradient as it is.
+        momentum = h["momentum"]
+        grad = grad + h["weight_decay"] * p
+        first = state["step"].view(momentum.shape) == 0
+        old = state["momentum_buffer"]
+        buf = torch.where(first, grad, old * momentum + (1 - h["dampening"]) * grad)
+        moved = grad + momentum * buf if group["nesterov"] else buf
+        direction = torch.where(momentum != 0, moved, grad)
+        return p - h["lr"] * direction, {"momentum_buffer": buf}
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, Sequence | torch.Tensor) and not isinstance(value, str)
+
+
+def _number(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(
+            f"{owner}({name}=...) received {describe(value)}; pass a number, or a list with one "
+            f"number per copy, e.g. {name}=[1e-3, 3e-3]."
+        )
+    return float(value)
+
+
+def _values(owner: str, name: str, value: Any, n: int) -> list[float]:
+    if not _is_sequence(value):
+        return [_number(owner, name, value)] * n
+    values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+    if len(values) != n:
+        raise ConfigError(
+            f"{owner}({name}=...) received {len(values)} values for {n} copies; pass one per "
+            f"copy, or a single number for all of them."
+        )
+    return [_number(owner, name, v) for v in values]

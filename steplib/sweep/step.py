@@ -1,0 +1,298 @@
+"""``sweep_step``: a built step (``make_train_step`` and its wrappers) run for N copies at once.
+
+The step's own parts are reused, not re-implemented: its window (``accumulate``), its contexts
+(``amp_wrap``'s autocast), its gradient transforms in their fixed order (``clip``,
+``skip_nonfinite``, yours) and its hooks. The transforms receive :class:`CopyGradients`, whose
+norm and scaling are per copy, so each copy is clipped and skipped as its own run would be.
+
+What differs from the step it wraps, and why:
+
+* the loss is ``vmap``-ed over the copies' stacked tensors (one batch, shared), and the sum of
+  the N losses is back-propagated: the copies are independent, so each stacked gradient row is
+  that copy's own gradient;
+* ``StepOutput``'s ``loss``, ``grad_norm``, ``did_update``, ``skipped`` and ``lr`` are ``[N]``;
+* an update skipped for one copy (non-finite, or the copy stopped) or for all (a window that
+  held no targets) is a mask in the optimizer's update, decided on the device: there is no host
+  read in a sweep's step;
+* ``state.skipped_updates`` counts skipped copy-updates in total (a 0-dim tensor); each
+  copy's updates are its optimizer ``step`` count;
+* the scheduler advances once per sweep update for every copy (a copy whose update was skipped
+  does not hold its schedule back, as its own run would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from steplib.errors import ConfigError, describe
+from steplib.output import StepOutput, at_least_float32
+from steplib.state import EMPTY_WINDOW, TrainState, Window
+from steplib.step import Step
+from steplib.step.core import EAGER
+from steplib.step.loss_output import parse_loss_output
+from steplib.step.parts import LOCAL
+from steplib.sweep.copies import Copies, per_copy
+from steplib.sweep.grads import CopyGradients
+from steplib.sweep.optim import PerCopyOptimizer
+from steplib.sweep.trial import trial
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepStep:
+    """A step for N copies: ``step(state, batch) -> (state, StepOutput)`` with ``[N]`` outputs.
+    Build it with :func:`sweep_step`; use it as any step (your loop, ``run``, handlers).
+
+    Attributes:
+        step: the step it runs per copy (the user's ``loss_fn`` and wrappers).
+        copies: the :class:`Copies` it trains (the state's model).
+    """
+
+    step: Step
+    copies: Copies
+    losses: Any = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def n(self) -> int:
+        """The number of copies."""
+        return self.copies.n
+
+    def __call__(
+        self, state: TrainState, batch: Any, *, close_window: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        """One micro-batch for every copy; an update when it closes the window.
+
+        Raises:
+            ConfigError: the state's model is not this sweep's copies, or the state holds a
+                float16 ``GradScaler``.
+        """
+        self._check(state)
+        plan = self.step.plan
+        size = state.window.size + 1
+        closes = close_window or size >= plan.window
+        with contextlib.ExitStack() as stack:
+            for enter in plan.micro_contexts:
+                stack.enter_context(enter(state, closes))
+            with contextlib.ExitStack() as inner:
+                for enter_forward in plan.forward_contexts:
+                    inner.enter_context(enter_forward(state))
+                loss_sum, count, aux = self.losses(batch)
+            _call(plan.hooks, "before_backward", state)
+            loss_sum.sum().backward()  # independent copies: each row gets its own gradient
+            _call(plan.hooks, "after_backward", state)
+        loss_sum = at_least_float32(loss_sum.detach())
+        count = count[0]  # one shared batch: every copy counted the same targets
+        state = state.replace(
+            micro_step=state.micro_step + 1,
+            window=Window(
+                size,
+                loss_sum if size == 1 else state.window.loss + loss_sum,
+                state.window.targets + count,
+            ),
+        )
+        if closes:
+            return self._close(state, aux)
+        return state, StepOutput(
+            loss_sum=loss_sum,
+            num_targets=count,
+            did_update=torch.zeros(self.n, dtype=torch.bool, device=loss_sum.device),
+            skipped=torch.zeros(self.n, dtype=torch.bool, device=loss_sum.device),
+            grad_norm=None,
+            lr=self._lr(state),
+            aux=aux,
+        )
+
+    def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
+        """Close an open, shorter window (normalised by what it held); ``(state, None)`` when
+        no window is open."""
+        if state.window.size == 0:
+            return state, None
+        return self._close(state, {})
+
+    @property
+    def applied(self) -> tuple[tuple[str, Mapping[str, Any]], ...]:
+        """``(("sweep", {"n": n}), *the wrapped step's)``."""
+        return (("sweep", {"n": self.n}), *self.step.applied)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The composition as plain data, the sweep first."""
+        return [{"wrapper": name, **settings} for name, settings in self.applied]
+
+    def _close(
+        self, state: TrainState, aux: Mapping[str, torch.Tensor]
+    ) -> tuple[TrainState, StepOutput]:
+        plan, optimizer = self.step.plan, state.optimizer
+        state.fence.wait()  # an async checkpoint may still be copying what this update changes
+        loss_sum = torch.as_tensor(state.window.loss)  # a tensor: the window is not empty
+        grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window.targets, n=self.n)
+        for transform in plan.transforms:
+            transform(grads)
+        grads.settle()
+        targets = torch.as_tensor(grads.num_targets, device=state.device)
+        lr = self._lr(state)
+        _call(plan.hooks, "before_update", state)
+        if isinstance(optimizer, PerCopyOptimizer):
+            # Kept: finite, and from a window that held targets (all padding makes no update).
+            kept = targets > 0 if grads.nonfinite is None else ~grads.nonfinite & (targets > 0)
+            kept = kept.expand(self.n)
+            update = lambda: optimizer.step(mask=kept)  # noqa: E731
+            applied = optimizer.param_groups[0]["active"] & kept
+            skipped = ~kept
+        elif grads.nonfinite is not None:  # torch's optimizers would update a NaN copy: refuse
+            raise ConfigError(
+                f"a transform of this sweep's step ({self.step.describe()}) skips the update of "
+                f"some copies, and {type(optimizer).__name__} updates every copy or none. Use "
+                "a sweep optimizer, which masks the update per copy: SweepAdamW or SweepSGD "
+                "(steplib.sweep)."
+            )
+        else:
+            update = optimizer.step
+            applied = torch.ones(self.n, dtype=torch.bool, device=state.device)
+            skipped = ~applied
+        for outer in reversed(plan.updates):
+            update = _around(outer, state, update)
+        update()
+        _call(plan.hooks, "after_update", state)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        _call(plan.hooks, "after_zero_grad", state)
+        if not isinstance(optimizer, PerCopyOptimizer):
+            # It cannot skip a window that held no targets: checked once the count's host copy
+            # lands, as the step does for such an optimizer (an error that names the fix).
+            plan.skips.check_not_empty(optimizer, targets, state.step)
+        if state.scheduler is not None:
+            state.scheduler.step()
+        state = state.replace(
+            step=state.step + 1,
+            window=EMPTY_WINDOW,
+            # One number each, as a checkpoint holds them: copy-updates skipped in total, and
+            # updates in a row that skipped some copy. Per copy, the optimizer's step counts.
+            skipped_updates=state.skipped_updates + skipped.sum(),
+            consecutive_skips=torch.where(skipped.any(), state.consecutive_skips + 1, 0),
+        )
+        return state, StepOutput(
+            loss_sum=grads.loss_sum,
+            num_targets=grads.num_targets,
+            did_update=applied,
+            skipped=skipped,
+            grad_norm=grads.grad_norm,
+            lr=lr,
+            aux=aux,
+        )
+
+    def _lr(self, state: TrainState) -> torch.Tensor:
+        group = state.optimizer.param_groups[0]
+        if isinstance(state.optimizer, PerCopyOptimizer):
+            return (group["lr"] * group["copies"]["lr"]).to(torch.float64)
+        lr = torch.as_tensor(group["lr"], dtype=torch.float64)
+        return lr.expand(self.n).clone()
+
+    def _check(self, state: TrainState) -> None:
+        if state.model is not self.copies:
+            raise ConfigError(
+                f"the sweep step was built for a Copies of {self.n}, and the state's model is "
+                f"{describe(state.model)}. Create the state with the same copies: "
+                "TrainState.create(model=copies, optimizer=SweepAdamW(copies.parameters(), ...))."
+            )
+        if state.scaler is not None and state.scaler.is_enabled():
+            raise ConfigError(
+                "a sweep cannot use a float16 GradScaler: its one loss scale would be shared "
+                "by every copy, so one copy's overflow would skip them all. Train the sweep in "
+                "bfloat16 (amp_wrap(step, dtype=torch.bfloat16), no scaler) or float32."
+            )
+
+
+def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
+    """Run ``step`` (the user's ``loss_fn`` and wrappers) for every copy of ``copies`` at once.
+
+    The loss is called once per copy through ``torch.func.vmap`` on the one shared batch, so
+    ``loss_fn`` must be a function of tensors: no host reads (``.item()``), no Python branches
+    on tensor values, no in-place updates of tensors that are not registered buffers. A trial
+    forward call on ``example_batch`` finds those now (it changes no tensor and no RNG).
+
+    Args:
+        step: ``make_train_step(loss_fn)``, wrapped as you like with ``accumulate``, ``clip``
+            (per copy), ``skip_nonfinite`` (per copy), ``amp_wrap`` (bfloat16) or your own
+            gradient transforms.
+        copies: the :class:`Copies` the state trains.
+        example_batch: one batch of the data (the first), for the trial call.
+
+    Returns:
+        A :class:`SweepStep`.
+
+    Raises:
+        ConfigError: ``step`` is not a Step; it is distributed (``ddp_wrap``, ``fsdp_wrap``),
+            compiled (``compile_step``) or takes the step number; or ``loss_fn`` cannot run
+            under ``vmap`` (which operation, where, and the fix).
+
+    Example:
+        >>> import torch
+        >>> import steplib as sl
+        >>> from steplib.sweep import Copies, SweepAdamW, sweep_step
+        >>> copies = Copies.seeded(lambda: torch.nn.Linear(2, 1), seeds=range(4))
+        >>> opt = SweepAdamW(copies.parameters(), lr=[1e-3, 3e-3, 1e-2, 3e-2])
+        >>> state = sl.TrainState.create(model=copies, optimizer=opt)
+        >>> batch = (torch.ones(8, 2), torch.zeros(8, 1))
+        >>> loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+        >>> step = sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=batch)
+        >>> state, out = step(state, batch)
+        >>> tuple(out.loss.shape), out.did_update.tolist()
+        ((4,), [True, True, True, True])
+    """
+    if not isinstance(step, Step):
+        raise ConfigError(
+            f"sweep_step received {describe(step)}; pass a step: "
+            "sweep_step(make_train_step(loss_fn), copies=copies, example_batch=batch)."
+        )
+    if not isinstance(copies, Copies):
+        raise ConfigError(
+            f"sweep_step(copies=...) received {describe(copies)}; pass the Copies the state "
+            "trains: Copies.seeded(make_model, seeds=range(8)) or Copies.stack(models)."
+        )
+    plan = step.plan
+    if plan.sync is not LOCAL or plan.runner is not EAGER or step.takes_step:
+        what = "distributed" if plan.sync is not LOCAL else "compiled"
+        what = "a loss that takes the step number" if step.takes_step else what
+        raise ConfigError(
+            f"sweep_step received a step that is {what} ({step.describe()}); a sweep runs "
+            "one process, eagerly, with loss_fn(model, batch). Build the sweep from "
+            "make_train_step(loss_fn) and accumulate / clip / skip_nonfinite / amp_wrap."
+        )
+    loss_fn = step.loss_fn
+    # What loss_fn returns is checked once, outside vmap (under vmap a loss does not report
+    # requires_grad), on a plain copy; inside, each form becomes (loss_sum, count, aux).
+    device = next(copies.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        parse_loss_output(loss_fn(copies.copy(0), example_batch))
+
+    def parsed(model: Any, batch: Any) -> Any:
+        loss, count, aux = _triple(loss_fn(model, batch))
+        return loss, torch.as_tensor(count, device=loss.device), dict(aux)
+
+    losses = per_copy(parsed, copies)
+    trial(losses, copies, example_batch)
+    return SweepStep(step=step, copies=copies, losses=losses)
+
+
+def _triple(result: Any) -> tuple[torch.Tensor, Any, Mapping[str, torch.Tensor]]:
+    """``(loss_sum, num_targets, aux)`` of any form ``parse_loss_output`` accepts."""
+    if isinstance(result, torch.Tensor):
+        return result, 1, {}
+    if len(result) == 2:
+        loss, second = result
+        return (loss, 1, second) if isinstance(second, Mapping) else (loss, second, {})
+    return result[0], result[1], result[2]
+
+
+def _around(outer: Any, state: TrainState, inner: Any) -> Any:
+    return lambda: outer(state, inner)
+
+
+def _call(hooks: Mapping[str, tuple[Any, ...]], point: str, state: TrainState) -> None:
+    for hook in hooks.get(point, ()):
+        hook(state)

@@ -1,0 +1,187 @@
+"""``run`` drives several steps over one state (issue 28): ``run({"D": d_step, "G": g_step},
+state, data)`` equals the two steps called in order in your own loop, bit for bit (with
+accumulation, a shorter last window closed at the end of a sized epoch, and an open one flushed
+at the end of an unsized one); the handlers see every step's output; a checkpoint fingerprints
+every step's composition; bad arguments are refused with the fix."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steplib import (
+    ConfigError,
+    Event,
+    Events,
+    ProgressBar,
+    TrainState,
+    accumulate,
+    clip,
+    iterate,
+    make_train_step,
+    run,
+)
+from steplib.checkpoint import load, save
+from steplib.errors import NonFiniteError
+from steplib.handlers import NonFiniteAlarm
+from steplib.handlers.logging import event_record
+
+
+def _state() -> TrainState:
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    d = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    return TrainState.create(
+        model={"G": g, "D": d},
+        optimizer={"G": torch.optim.Adam(g.parameters(), lr=1e-2),
+                   "D": torch.optim.SGD(d.parameters(), lr=1e-1, momentum=0.9)},
+    )  # fmt: skip
+
+
+def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+
+def _d_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    real, noise = batch
+    return _bce(model["D"](real), 1.0) + _bce(model["D"](model["G"](noise).detach()), 0.0)
+
+
+def _g_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _bce(model["D"](model["G"](batch[1])), 1.0)
+
+
+def _steps(d_clip: float = 1.0) -> dict[str, Any]:
+    return {
+        "D": clip(accumulate(make_train_step(_d_loss, optimizer="D"), 2), max_norm=d_clip),
+        "G": accumulate(make_train_step(_g_loss, optimizer="G"), 3),
+    }
+
+
+def _batches(n: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 1, generator=g) + 3, torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+class Unsized:
+    """Batches without a length: an open window is flushed when the pass ends."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches)
+
+
+def _own_loop(data: list[Any], epochs: int, *, sized: bool) -> tuple[TrainState, list[float]]:
+    state, steps, losses = _state(), _steps(), []
+    for _ in range(epochs):
+        for index, batch in enumerate(data):
+            close = sized and index == len(data) - 1
+            for step in steps.values():
+                state, out = step(state, batch, close_window=close)
+                losses.append(out.loss.item())
+        for step in steps.values():
+            state, _ = step.flush(state)
+        state = state.replace(epoch=state.epoch + 1)
+    return state, losses
+
+
+def _assert_same_training(a: TrainState, b: TrainState) -> None:
+    for name, tensor in a.model.state_dict().items():
+        assert torch.equal(b.model.state_dict()[name], tensor), name
+    for lane in ("G", "D"):
+        mine, theirs = a[lane], b[lane]
+        assert (mine.step, mine.micro_step, mine.window.size) == (
+            theirs.step,
+            theirs.micro_step,
+            theirs.window.size,
+        )
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_several_steps_through_run_equal_the_steps_called_in_order_in_your_own_loop(
+    sized: bool,
+) -> None:
+    data = _batches()
+    expected, expected_losses = _own_loop(data, epochs=2, sized=sized)
+    losses: list[float] = []
+    loop = iterate(_steps(), _state(), data if sized else Unsized(data), max_epochs=2)
+    while True:
+        try:
+            _, outs = next(loop)
+        except StopIteration as finished:
+            state = finished.value  # the last state, its epoch counted
+            break
+        losses.extend(out.loss.item() for out in outs.values())  # a flush yields what ran
+    if sized:
+        assert losses == expected_losses
+    assert state.epoch == 2
+    # 7 batches: D closes 4 windows per epoch (the last one shorter), G 3 (likewise).
+    assert (state["D"].step, state["G"].step) == (8, 6)
+    _assert_same_training(expected, state)
+
+
+def test_events_carry_each_steps_output_and_logs_and_the_bar_show_each_loss() -> None:
+    records: list[dict[str, Any]] = []
+    seen: list[tuple[int, tuple[str, ...]]] = []
+
+    def log(event: Event) -> None:
+        records.append(event_record(event))
+        assert event.outputs is not None
+        seen.append((event.step, tuple(event.outputs)))
+        assert event.output is event.outputs["G"]  # event.output: the last step's
+
+    bar = ProgressBar(every=1, file=io.StringIO())
+    events = bar.attach(Events().on("step_end", log))
+    state = run(_steps(), _state(), _batches(6), events=events)
+    assert [step for step, _ in seen] == [1, 2]  # step_end follows state.step: G's updates
+    assert all(names == ("D", "G") for _, names in seen)
+    assert {"D/loss", "G/loss", "G/lr", "D/num_targets"} <= records[0].keys()
+    assert "loss" not in records[0]
+    assert records[-1]["G/loss"] == pytest.approx(bar.stats["G/loss"])
+    assert state.step == 2 and state["D"].step == 3
+
+
+def test_a_non_finite_loss_of_any_step_raises_the_alarm() -> None:
+    def nan_d_loss(model: Any, batch: Any) -> torch.Tensor:
+        return _d_loss(model, batch) * float("nan")
+
+    steps = {"D": make_train_step(nan_d_loss, optimizer="D"), "G": _steps()["G"]}
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        run(steps, _state(), _batches(3), events=[NonFiniteAlarm(every=1)])
+
+
+def test_a_checkpoint_fingerprints_every_step_of_the_run(tmp_path: Any) -> None:
+    state = run(_steps(), _state(), _batches(4))
+    url = save(state, str(tmp_path / "ckpt"), step=_steps())
+    assert load(url, _state(), step=_steps()).step == state.step
+    with pytest.raises(ConfigError, match=r"D:clip max_norm=1.0 in the checkpoint, 2.0 now"):
+        load(url, _state(), step=_steps(d_clip=2.0))
+    with pytest.raises(ConfigError, match=r"the checkpoint's step applies steps\(names="):
+        load(url, _state(), step=_steps()["G"])  # one step for a checkpoint of two
+    with pytest.raises(ConfigError, match=r"G:accumulate"):
+        load(url, _state(), step={"D": _steps()["D"], "G": make_train_step(_g_loss, optimizer="G")})
+    with pytest.raises(ConfigError, match=r"names=\['D', 'G'\] in the checkpoint"):
+        load(url, _state(), step={"G": _steps()["G"], "D": _steps()["D"]})  # another order
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s, d: run({}, s, d), r"name each step"),
+        (lambda s, d: run({"D": print}, s, d), r"the step 'D' of type builtin_function"),  # type: ignore[dict-item]
+        (lambda s, d: run(_steps()["D"], s, d, feed={"D": print}), r"feed=.*several steps"),
+        (lambda s, d: run(_steps(), s, d, feed={"X": print}), r"The steps here: \['D', 'G'\]"),
+        (lambda s, d: save(s, "memory://x", step={"D": print}), r"step=\.\.\.\) received"),
+    ],
+)
+def test_bad_several_step_arguments_are_refused_with_the_fix(call: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(_state(), _batches(2))

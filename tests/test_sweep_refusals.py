@@ -1,0 +1,166 @@
+"""A sweep refuses, when it is built, what vmap cannot run or what would be wrong in silence:
+the message names the operation, where it is, and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import steplib as sl
+from steplib.errors import EmptyWindowError
+from steplib.sweep import Copies, SweepAdamW, SweepSGD, sweep_step
+from tests.reference import make_batches, mean_loss, tiny_model, token_loss
+
+BATCH = make_batches(1)[0]
+
+
+def build(loss_fn: Any, copies: Copies | None = None) -> Any:
+    copies = copies or Copies.stack([tiny_model(i) for i in range(3)])
+    return sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=BATCH)
+
+
+def loss_with_item(model: nn.Module, batch: Any) -> torch.Tensor:
+    loss = mean_loss(model, batch)
+    scale = 2.0 if loss.item() > 1.0 else 1.0
+    return loss * scale
+
+
+def loss_with_branch(model: nn.Module, batch: Any) -> torch.Tensor:
+    loss = mean_loss(model, batch)
+    if loss > 1.0:
+        return loss * 2
+    return loss
+
+
+def loss_with_boolean_mask(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y, _ = batch
+    out = model(x)
+    confident = out.abs() > 0.1  # depends on the copy's outputs: a shape per copy
+    return F.mse_loss(out[confident], y[confident])
+
+
+def test_a_boolean_mask_from_the_shared_batch_runs() -> None:
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y, mask = batch
+        return F.mse_loss(model(x)[mask], y[mask])
+
+    build(loss_fn)  # the same shape for every copy: nothing to refuse
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "operation", "fix", "line"),
+    [
+        (loss_with_item, ".item()", "keep the value a tensor", "loss.item()"),
+        (loss_with_branch, "branches in Python", "torch.where", "if loss > 1.0"),
+        (loss_with_boolean_mask, "boolean mask", "multiply by the mask", "out[confident]"),
+    ],
+)
+def test_sweep_refuses_a_loss_vmap_cannot_run_when_built_naming_operation_line_and_fix(
+    loss_fn: Any, operation: str, fix: str, line: str
+) -> None:
+    with pytest.raises(sl.ConfigError) as caught:
+        build(loss_fn)
+    message = str(caught.value)
+    assert operation in message and fix in message and line in message
+    assert "test_sweep_refusals.py" in message
+
+
+class Counting(nn.Module):
+    """Keeps a running sum in a tensor attribute that is not a registered buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+        self.seen = torch.zeros(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        self.seen += out.detach().sum(0)
+        return out.flatten()
+
+
+def test_sweep_refuses_an_in_place_update_of_a_tensor_that_is_not_per_copy() -> None:
+    copies = Copies.stack([Counting() for _ in range(3)])
+    with pytest.raises(sl.ConfigError, match="register_buffer"):
+        build(mean_loss, copies)
+
+
+def test_building_a_sweep_changes_no_buffer_and_no_random_stream() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 3), nn.BatchNorm1d(3), nn.Dropout(0.5), nn.Flatten(0))
+
+    copies = Copies.stack([make() for _ in range(3)])
+    buffers = {k: v.clone() for k, v in copies.stacked.named_buffers()}
+    rng = torch.get_rng_state()
+    build(mean_loss, copies)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in copies.stacked.named_buffers():
+        assert torch.equal(value, buffers[name]), name
+
+
+def test_sweep_refuses_a_loss_of_the_wrong_form_with_the_step_message() -> None:
+    with pytest.raises(sl.LossFnError, match="shape"):
+        build(lambda m, b: (m(b[0]) - b[1]) ** 2)  # not reduced
+
+
+def test_sweep_refuses_a_float16_scaler_a_step_number_and_another_model() -> None:
+    copies = Copies.stack([tiny_model(i) for i in range(2)])
+    opt = SweepSGD(copies.parameters(), lr=0.1)
+    step = build(mean_loss, copies)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(sl.ConfigError, match="bfloat16"):
+        step(sl.TrainState.create(model=copies, optimizer=opt, scaler=scaler), BATCH)
+    other = Copies.stack([tiny_model(i) for i in range(2)])
+    with pytest.raises(sl.ConfigError, match="same copies"):
+        step(sl.TrainState.create(model=other, optimizer=SweepSGD(other.parameters(), lr=1)), BATCH)
+    with pytest.raises(sl.ConfigError, match="step number"):
+        sweep_step(
+            sl.make_train_step(lambda m, b, step: mean_loss(m, b)),
+            copies=copies,
+            example_batch=BATCH,
+        )
+
+
+def test_copies_refuse_different_architectures_and_optimizers_the_wrong_number_of_values() -> None:
+    with pytest.raises(sl.ConfigError, match="same architecture"):
+        Copies.stack([nn.Linear(2, 3), nn.Linear(2, 4)])
+    with pytest.raises(sl.ConfigError, match="two or more"):
+        Copies.stack([nn.Linear(2, 3)])
+    copies = Copies.stack([nn.Linear(2, 3) for _ in range(3)])
+    with pytest.raises(sl.ConfigError, match="2 values for 3 copies"):
+        SweepAdamW(copies.parameters(), lr=[0.1, 0.2])
+    with pytest.raises(sl.ConfigError, match="leading"):
+        SweepAdamW(nn.Linear(2, 4).parameters(), lr=0.1, n=3)
+    with pytest.raises(sl.ConfigError, match=r"\[0, 3\)"):
+        copies.copy(3)
+
+
+def test_a_per_copy_skip_with_a_torch_optimizer_is_refused_before_any_update() -> None:
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    with torch.no_grad():
+        copies.stacked.get_parameter("0.weight")[1].fill_(float("nan"))
+    before = [p.detach().clone() for p in copies.parameters()]
+    opt = torch.optim.AdamW(copies.parameters(), lr=0.1)  # cannot mask one copy
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    step = sweep_step(
+        sl.skip_nonfinite(sl.make_train_step(mean_loss)), copies=copies, example_batch=BATCH
+    )
+    with pytest.raises(sl.ConfigError, match="SweepAdamW or SweepSGD"):
+        step(state, BATCH)
+    for b, p in zip(before, copies.parameters(), strict=True):
+        assert torch.equal(b.nan_to_num(), p.detach().nan_to_num())
+
+
+def test_a_window_without_targets_with_a_torch_optimizer_is_an_error_naming_the_fix() -> None:
+    copies = Copies.stack([tiny_model(i) for i in range(2)])
+    opt = torch.optim.SGD(copies.parameters(), lr=0.1, momentum=0.9)  # cannot skip one window
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    x, y, mask = BATCH
+    step = sweep_step(sl.make_train_step(token_loss), copies=copies, example_batch=BATCH)
+    state, _ = step(state, BATCH)
+    with pytest.raises(EmptyWindowError, match="held no targets"):
+        step(state, (x, y, torch.zeros_like(mask)))

@@ -1,0 +1,183 @@
+"""A sweep under ``run`` with the handlers: per-copy losses in logs and the progress bar, an
+evaluator with per-copy metrics, per-copy early stopping and successive halving (a mask in the
+update, no host read in the step), checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+
+import steplib as sl
+from steplib.checkpoint import load, save
+from steplib.handlers import Log
+from steplib.sweep import (
+    Copies,
+    SuccessiveHalving,
+    SweepAdamW,
+    SweepEarlyStopping,
+    active_copies,
+    per_copy_metric,
+    sweep_step,
+)
+from steplib.testing import assert_no_host_sync
+from tests.reference import make_batches, tiny_model
+
+N = 4
+LRS = [1e-3, 3e-3, 1e-2, 3e-1]
+
+
+def data(n: int = 24, seed: int = 5) -> list[Any]:
+    return [(x, y) for x, y, _ in make_batches(n, seed=seed)]
+
+
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def build(n: int = N) -> tuple[Copies, sl.TrainState, Any]:
+    copies = Copies.stack([tiny_model(i) for i in range(n)])
+    opt = SweepAdamW(copies.parameters(), lr=(LRS * n)[:n], weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, sl.warmup_cosine(warmup=3, total=40))
+    state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=sched)
+    step = sweep_step(sl.clip(sl.make_train_step(loss_fn), max_norm=1.0), copies=copies,
+                      example_batch=data()[0])  # fmt: skip
+    return copies, state, step
+
+
+def evaluator(copies: Copies, every: int = 4) -> sl.Evaluator:
+    eval_step = sl.make_eval_step(lambda m, b: m(b[0]) - b[1].expand(m.n, *b[1].shape))
+    metrics = {"loss": per_copy_metric(torchmetrics.MeanSquaredError(), copies.n)}
+    return sl.Evaluator(
+        lambda s, b: (eval_step(s, b), torch.zeros(copies.n, *b[1].shape)),
+        data(6, seed=9),
+        metrics=metrics,
+        every=every,
+    )
+
+
+def test_a_sweep_step_reads_nothing_on_the_host() -> None:
+    copies, state, _ = build()
+    wrapped = sl.accumulate(sl.skip_nonfinite(sl.clip(sl.make_train_step(loss_fn), max_norm=1)), 2)
+    step = sweep_step(wrapped, copies=copies, example_batch=data()[0])
+    state = assert_no_host_sync(step, state, data(4))
+    assert state.step == 2
+
+
+def test_run_logs_one_loss_per_copy_and_the_progress_bar_shows_the_range(tmp_path: Path) -> None:
+    _, state, step = build()
+    log, bar_file = tmp_path / "log.jsonl", io.StringIO()
+    bar = sl.ProgressBar(every=2, file=bar_file)
+    logger = Log(sl.JsonlLogger(str(log)), every=2)
+    sl.run(step, state, data(8), events=[logger, bar])
+    records = [orjson.loads(line) for line in log.read_text().splitlines()]
+    assert [len(r["loss"]) for r in records] == [N] * 4
+    assert len(records[-1]["lr"]) == N and len(records[-1]["grad_norm"]) == N
+    assert "skipped" not in records[-1]
+    assert len(bar.stats["loss"]) == N and "(best #" in bar_file.getvalue()
+
+
+def test_evaluator_records_per_copy_metrics_and_early_stopping_stops_copies_alone() -> None:
+    copies, state, step = build()
+    ev = evaluator(copies)
+    stopper = SweepEarlyStopping("val_loss", patience=1)
+    before: dict[int, torch.Tensor] = {}
+
+    def remember(event: sl.Event) -> None:
+        for i in range(N):
+            if i not in active_copies(state.optimizer) and i not in before:
+                before[i] = copies.stacked.get_parameter("0.weight")[i].detach().clone()
+
+    events = sl.Events(ev, stopper).on("step_end", remember)
+    state = sl.run(step, state, data(24), events=events)
+    assert all(len(v["val_loss"]) == N for _, v in ev.history)
+    stopped = [i for i in range(N) if i not in active_copies(state.optimizer)]
+    assert stopped, "the lr=0.3 copy oscillates and stops early"
+    for i in stopped:  # a stopped copy is never updated again
+        assert torch.equal(before[i], copies.stacked.get_parameter("0.weight")[i])
+
+
+def test_successive_halving_halves_the_active_copies_at_each_evaluation() -> None:
+    copies, state, step = build(8)
+    ev = evaluator(copies, every=4)
+    seen: list[int] = []
+    events = sl.Events(ev, SuccessiveHalving("val_loss", keep=0.5)).on(
+        "validation_end", lambda e: seen.append(len(active_copies(e.state.optimizer)))
+    )
+    state = sl.run(step, state, data(16), events=events)
+    assert seen == [4, 2, 1, 1]
+    best = active_copies(state.optimizer)[0]
+    values = ev.history[0][1]["val_loss"]
+    assert best in sorted(range(8), key=lambda i: values[i])[:4]
+
+
+def test_a_sweep_saved_and_loaded_mid_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    batches = data(20)
+    copies, state, step = build()
+    losses = []
+    for i, batch in enumerate(batches):
+        state, out = step(state, batch)
+        losses.append(out.loss)
+        if i == 9:
+            url = save(state, str(tmp_path / "ckpt"), step=step)
+    copies2, state2, step2 = build()
+    state2 = load(url, state2, step=step2)
+    resumed = []
+    for batch in batches[10:]:
+        state2, out = step2(state2, batch)
+        resumed.append(out.loss)
+    for a, b in zip(losses[10:], resumed, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(
+        torch.cat([p.flatten() for p in copies.parameters()]),
+        torch.cat([p.flatten() for p in copies2.parameters()]),
+    )
+    opt, opt2 = state.optimizer.state_dict(), state2.optimizer.state_dict()
+    for key in opt["state"]:
+        for name, value in opt["state"][key].items():
+            assert torch.equal(value, opt2["state"][key][name]), name
+
+
+def test_resume_restores_the_stopped_copies_and_the_stoppers_state(tmp_path: Path) -> None:
+    def one_run(kill_at: int | None) -> tuple[Copies, SweepEarlyStopping]:
+        copies, state, step = build()
+        stopper = SweepEarlyStopping("val_loss", patience=2)
+        ckpt = sl.checkpoint_every(str(tmp_path / str(kill_at)), every=4, step=step)
+        loader = sl.resumable_loader(data(32), batch_size=None, seed=1)
+        events = sl.Events(sl.resume_from(ckpt), evaluator(copies), stopper, ckpt)
+        sl.run(step, state, loader, events=events, max_steps=kill_at or 32)
+        if kill_at is None:
+            return copies, stopper
+        copies, state, step = build()  # a new process: everything rebuilt
+        stopper = SweepEarlyStopping("val_loss", patience=2)
+        ckpt = sl.checkpoint_every(str(tmp_path / str(kill_at)), every=4, step=step)
+        loader = sl.resumable_loader(data(32), batch_size=None, seed=1)
+        events = sl.Events(sl.resume_from(ckpt), evaluator(copies), stopper, ckpt)
+        sl.run(step, state, loader, events=events, max_steps=32)
+        return copies, stopper
+
+    whole, stopper = one_run(None)
+    resumed, stopper2 = one_run(12)
+    assert max(stopper.wait) >= 2  # some copy was stopped (patience 2)
+    assert stopper.state_dict() == stopper2.state_dict()
+    for a, b in zip(whole.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
+    _, state, step = build()
+    ev = sl.Evaluator(
+        sl.make_eval_step(lambda m, b: (m(b[0]).mean(0), b[1])),
+        data(2),
+        metrics={"loss": torchmetrics.MeanSquaredError()},
+        every=2,
+    )
+    with pytest.raises(sl.ConfigError, match="per_copy_metric"):
+        sl.run(step, state, data(4), events=sl.Events(ev, SweepEarlyStopping("val_loss")))
