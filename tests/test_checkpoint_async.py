@@ -20,14 +20,14 @@ from steplib import Events, make_train_step, run
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
+    background,
     checkpoint_every,
-    checksummed,
     latest,
     list_checkpoints,
     load,
     save,
+    storage,
 )
-from steplib.checkpoint.copying import copy_tensors
 from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
 from tests.reference import make_batches, mean_loss
 
@@ -45,7 +45,7 @@ def _files(url: str) -> dict[str, Any]:
 def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The first write of each checkpoint file stalls 100 ms (the event is set then)."""
     started = threading.Event()
-    write = checksummed._ChecksumWriter.write
+    write = storage.ChecksumFile.write
 
     def slow_write(self: Any, data: Any) -> int:
         if self.size == 0:
@@ -53,7 +53,7 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
             time.sleep(0.1)
         return write(self, data)
 
-    monkeypatch.setattr(checksummed._ChecksumWriter, "write", slow_write)
+    monkeypatch.setattr(storage.ChecksumFile, "write", slow_write)
     return started
 
 
@@ -182,12 +182,13 @@ def test_snapshot_buffers_are_reused_and_the_second_checkpoint_has_the_new_value
     assert_same(snapshot(load(second, make_state(seed=3))), at_second)
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_the_chunked_snapshot_copy_equals_copy_(workers: int) -> None:
+def test_the_snapshot_holds_every_kind_of_tensor_as_it_was_at_save_time() -> None:
+    """The snapshot (plain ``copy_`` into reused buffers; the chunked copy engine is gone)
+    equals the tensors at save time, whatever their layout, and keeps them when they change."""
     torch.manual_seed(0)
     sources = [
-        torch.randn(1000),  # several chunks of 1 KiB, taken by several threads
-        torch.randn(7, 5).t(),  # not contiguous: copy_
+        torch.randn(1000),
+        torch.randn(7, 5).t(),  # not contiguous
         torch.randn(300).to(torch.bfloat16),
         torch.randint(0, 255, (513,), dtype=torch.uint8),
         torch.empty(0),
@@ -195,30 +196,35 @@ def test_the_chunked_snapshot_copy_equals_copy_(workers: int) -> None:
         torch.randn(4, 4)[1:3],  # a view with a storage offset
         torch.randn(3, dtype=torch.complex64).conj(),  # a lazy conjugate: copy_ resolves it
     ]
-    buffers = [torch.full(s.shape, 7, dtype=s.dtype) for s in sources]
-    copy_tensors(list(zip(buffers, sources, strict=True)), chunk_bytes=1024, workers=workers)
-    for buffer, source in zip(buffers, sources, strict=True):
-        assert torch.equal(buffer, source.resolve_conj())
+    expected = [s.resolve_conj().clone() for s in sources]
+    buffers: dict[Any, torch.Tensor] = {}
+    for _ in range(2):  # the second snapshot reuses the first one's buffers
+        copied, waits = background.snapshot(list(sources), buffers, deferred=set())
+        assert not waits  # CPU tensors not deferred: copied before snapshot returns
+        for source in sources:
+            source.zero_()
+        for buffer, value in zip(copied, expected, strict=True):
+            assert torch.equal(buffer.resolve_conj(), value)
+        sources = [e.clone() for e in expected]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's nice is Linux's")
-def test_the_writer_runs_at_the_lowest_cpu_priority_and_training_keeps_its_own(
+def test_the_writer_runs_in_its_own_thread_and_training_keeps_its_priority(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def priority() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     seen: list[tuple[str, int]] = []
-    write = checksummed.write_tensors
+    write = storage.write_tensors
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append((threading.current_thread().name, priority()))
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(checksummed, "write_tensors", spy)
+    monkeypatch.setattr(storage, "write_tensors", spy)
     training = priority()
     with AsyncSaver() as saver:
         saver.save(make_state(), str(tmp_path))
     assert seen and {name.split("-")[1] for name, _ in seen} == {"save"}  # the writer thread
-    assert {nice for _, nice in seen} == {19}
     assert priority() == training

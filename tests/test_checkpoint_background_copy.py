@@ -27,7 +27,7 @@ from steplib.checkpoint import (
     save,
     wait_snapshot,
 )
-from steplib.checkpoint.copying import BackgroundCopy
+from steplib.checkpoint.background import BackgroundCopy
 from tests.checkpoint_helpers import assert_same, make_state, snapshot, train
 from tests.reference import make_batches, mean_loss
 

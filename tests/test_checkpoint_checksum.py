@@ -14,10 +14,10 @@ import xxhash
 from steplib.checkpoint import (
     CheckpointWarning,
     CorruptCheckpointError,
-    checksum,
     latest,
     load,
     save,
+    storage,
 )
 from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
 
@@ -29,25 +29,25 @@ __all__ = ["memory_dir"]
 def test_file_digest_in_chunks_equals_the_digest_of_the_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str, size: int
 ) -> None:
-    monkeypatch.setattr(checksum, "CHUNK_BYTES", 4096)  # several chunks for these small files
+    monkeypatch.setattr(storage, "CHUNK_BYTES", 4096)  # several chunks for these small files
     data = os.urandom(size)
     path = tmp_path / "file"
     path.write_bytes(data)
     whole = xxhash.xxh3_64_hexdigest(data) if algorithm == "xxh3_64" else f"{zlib.crc32(data):08x}"
-    assert checksum.file_digest(str(path), size, algorithm) == (whole, size)
-    assert checksum.digest(data, algorithm) == whole
+    assert storage.file_digest(str(path), size, algorithm) == (whole, size)
+    assert storage.digest(data, algorithm) == whole
 
 
 def test_a_file_shorter_than_expected_reports_what_was_read(tmp_path: Path) -> None:
     path = tmp_path / "file"
     path.write_bytes(os.urandom(900))
-    _, read = checksum.file_digest(str(path), 1000)  # truncated after its size was read
+    _, read = storage.file_digest(str(path), 1000)  # truncated after its size was read
     assert read == 900
 
 
 def test_an_unknown_algorithm_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"unknown checksum algorithm 'md5'; known: xxh3_64"):
-        checksum.hasher("md5")
+        storage.hasher("md5")
 
 
 def _flip_byte(path: Path) -> None:

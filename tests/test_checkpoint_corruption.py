@@ -17,7 +17,6 @@ from steplib.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     CorruptCheckpointError,
-    checksummed,
     latest,
     list_checkpoints,
     load,
@@ -139,7 +138,7 @@ def test_large_tensors_checksummed_beside_the_write_match_the_file(
     directory = str(tmp_path) if where == "local" else memory_dir
     model = torch.nn.Sequential(torch.nn.Linear(1024, 600), torch.nn.Linear(600, 3))
     weight = model.get_parameter("0.weight")
-    assert weight.numel() * 4 >= 2 * checksummed.OVERLAP_BYTES  # the helper-thread path
+    assert weight.numel() * 4 >= 2 << 20  # large writes (a helper thread checksummed them once)
     state = TrainState.create(model=model, optimizer=torch.optim.AdamW(model.parameters()))
     url = save(state, directory)
     fs, root = fsspec.core.url_to_fs(url)

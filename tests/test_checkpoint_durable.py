@@ -22,12 +22,12 @@ from steplib.checkpoint import (
     AsyncSaver,
     CheckpointWarning,
     checkpoint_every,
-    checksummed,
     latest,
     list_checkpoints,
     load,
     resume_from,
     save,
+    storage,
 )
 from steplib.checkpoint import storage as storage_module
 from steplib.testing import run_ranks
@@ -107,14 +107,14 @@ class _Died(BaseException):
 
 
 def _die_while_writing_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    write = checksummed._ChecksumWriter.write
+    write = storage.ChecksumFile.write
 
     def dies_half_way(self: Any, data: Any) -> int:
         if self.size > 0:
             raise _Died
         return write(self, data)
 
-    monkeypatch.setattr(checksummed._ChecksumWriter, "write", dies_half_way)
+    monkeypatch.setattr(storage.ChecksumFile, "write", dies_half_way)
 
 
 def _die_before_the_rename(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -170,7 +170,7 @@ def _gan_preempted(rank: int, world: int, *, root: str, when: str) -> dict[str, 
     update's handlers, or rank 1 while it waits in the ranks' all-reduce of the flag, or rank 0
     after the handlers and then rank 1 too, while it saves for rank 0's signal (a scheduler's
     SIGTERM reaches the ranks at different moments)."""
-    preemption_module: Any = importlib.import_module("steplib.checkpoint.preemption")
+    preemption_module: Any = importlib.import_module("steplib.checkpoint.resume")
     state, step, loader = _gan(rank)
     checkpointer = checkpoint_every(f"{root}/preempt", every=100, data=loader)
     handler = preemption(checkpointer)

@@ -18,13 +18,13 @@ from steplib.checkpoint import (
     CheckpointInfo,
     best_checkpoint,
     checkpoint_every,
-    handlers,
+    checkpointer,
     list_checkpoints,
     prune,
     save,
-    select_retained,
     storage,
 )
+from steplib.checkpoint.retention import select_retained
 from steplib.handlers import BestValue
 from tests.checkpoint_helpers import make_state, memory_dir
 from tests.reference import make_batches, mean_loss
@@ -250,7 +250,7 @@ def test_only_rank_0_removes_leftovers_newer_than_the_newest(
     save(state.replace(step=2), str(directory))
     (directory / ".tmp-step-00000001-0badf00d").mkdir()  # older: any process removes it
     (directory / ".tmp-step-00000003-0badf00d").mkdir()  # another rank may be writing it
-    monkeypatch.setattr(handlers, "is_main", lambda: False)
+    monkeypatch.setattr(checkpointer, "is_main", lambda: False)
     checkpoint_every(str(directory), every=100).on_fit_start(Event("fit_start", state, step=2))
     assert sorted(os.listdir(directory)) == [".tmp-step-00000003-0badf00d", "step-00000002"]
 

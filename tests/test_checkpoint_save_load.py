@@ -23,8 +23,8 @@ from steplib.checkpoint import (
     load,
     save,
 )
-from steplib.checkpoint.checksummed import FileRecord
 from steplib.checkpoint.manifest import Manifest
+from steplib.checkpoint.storage import FileRecord
 from tests.checkpoint_helpers import assert_same, make_state, memory_dir, snapshot, train
 from tests.reference import make_batches, mean_loss
 

@@ -31,16 +31,16 @@ from steplib.checkpoint import (
     CheckpointWarning,
     CorruptCheckpointError,
     checkpoint_every,
-    checksummed,
-    handlers,
+    checkpointer,
     latest,
     list_checkpoints,
     load,
     preemption,
     resume_from,
     save,
+    storage,
 )
-from steplib.checkpoint.sharded.dcp_io import MetadataReader
+from steplib.checkpoint.dcp import MetadataReader
 from steplib.data import resumable_loader
 from steplib.testing import run_ranks
 from tests import sharded_runs
@@ -57,14 +57,14 @@ def _slow_background_writes(rank: int, seconds: float) -> None:
     """On ``rank``, each train-state file written outside the main thread (by AsyncSaver)
     starts late, so the other rank's background save waits in a collective of the checkpoint
     group while both ranks train on (all-reduces on the default group)."""
-    write = checksummed.write_tensors
+    write = storage.write_tensors
 
     def slow(*args: Any, **kwargs: Any) -> Any:
         if dist.get_rank() == rank and threading.current_thread() is not threading.main_thread():
             time.sleep(seconds)
         return write(*args, **kwargs)
 
-    checksummed.write_tensors = slow  # a forked rank: the patch dies with the process
+    storage.write_tensors = slow  # a forked rank: the patch dies with the process
 
 
 def _async_and_sync_at(root: str, loader: Any, step: Any, out: dict[str, Any]) -> Any:
@@ -109,13 +109,13 @@ def _ddp_run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     # The same run saving: every update into keep/ (keep_last=2), at SAVE_AT sync and async.
     _slow_background_writes(rank=0, seconds=0.3)
     prunes: list[int] = []
-    prune = handlers.prune
+    prune = checkpointer.prune
 
     def counting_prune(*args: Any, **kwargs: Any) -> list[str]:
         prunes.append(1)
         return prune(*args, **kwargs)
 
-    handlers.prune = counting_prune  # a forked rank: the patch dies with the process
+    checkpointer.prune = counting_prune  # a forked rank: the patch dies with the process
     state, step, loader = build("ddp", rank)
     events = Events()
     checkpoint_every(f"{root}/keep", every=1, keep_last=2, data=loader, step=step).attach(events)
@@ -163,19 +163,19 @@ def _ddp_run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     results["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
 
     # A failed save on rank 1 only: both ranks raise, nothing is committed or left behind.
-    write = checksummed.write_tensors
+    write = storage.write_tensors
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         if dist.get_rank() == 1:
             raise OSError(28, "No space left on device")
         return write(*args, **kwargs)
 
-    checksummed.write_tensors = failing
+    storage.write_tensors = failing
     try:
         save(resumed.state.replace(step=99), keep)  # type: ignore[union-attr]
     except CheckpointError as err:
         results["failed_save"] = str(err)
-    checksummed.write_tensors = write
+    storage.write_tensors = write
     results["after_failed_save"] = sorted(os.listdir(keep))
     del state, step, loader, resumed
     return results
@@ -374,7 +374,7 @@ def _preempted(rank: int, world: int, *, root: str, inside_agreement: bool) -> d
     handlers ran, or while it waits in the ranks' all-reduce of the flag (which it entered
     having read its flag: 0), as a scheduler's SIGTERM can land at any moment."""
     # The module (the package's name `preemption` is the function that builds the handler).
-    preemption_module: Any = importlib.import_module("steplib.checkpoint.preemption")
+    preemption_module: Any = importlib.import_module("steplib.checkpoint.resume")
     state, step, loader = build("ddp", rank)
     checkpointer = checkpoint_every(f"{root}/preempt", every=100, data=loader, step=step)
     handler = preemption(checkpointer)

@@ -106,8 +106,8 @@ def test_the_scan_finds_the_known_classes_and_raise_sites() -> None:
     assert "CheckpointWarning" in classes  # a Warning is an exception class too
     sites = raised(trees, classes)
     assert "TooManySkipsError" in sites["steplib.step.phases"]
-    assert "CheckpointWarning" in sites["steplib.checkpoint.listing"]  # warnings.warn(...)
-    assert "CorruptCheckpointError" in sites["steplib.checkpoint.checksummed"]  # via _missing()
+    assert "CheckpointWarning" in sites["steplib.checkpoint.manifest"]  # warnings.warn(...)
+    assert "CorruptCheckpointError" in sites["steplib.checkpoint.storage"]  # via _missing()
 
 
 def test_every_steplib_exception_class_is_on_the_errors_page() -> None:

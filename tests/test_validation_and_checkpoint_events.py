@@ -16,7 +16,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from steplib import Evaluator, Events, Stop, make_eval_step, make_train_step, run
-from steplib.checkpoint import background, checkpoint_every, latest, list_checkpoints, load
+from steplib.checkpoint import checkpoint_every, latest, list_checkpoints, load, pipeline
 from tests.checkpoint_helpers import make_state
 from tests.reference import make_batches, mean_loss
 
@@ -64,13 +64,13 @@ def test_checkpoint_end_reports_each_committed_checkpoint_once_complete_on_disk(
     tmp_path: Path, in_background: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if in_background:
-        write = background.write
+        write = pipeline.write
 
         def slow_write(*args: Any, **kwargs: Any) -> str:
             time.sleep(0.05)  # the commit lands while training goes on
             return write(*args, **kwargs)
 
-        monkeypatch.setattr(background, "write", slow_write)
+        monkeypatch.setattr(pipeline, "write", slow_write)
     directory = str(tmp_path)
     step = make_train_step(mean_loss)
     params: dict[int, list[torch.Tensor]] = {}
@@ -129,6 +129,6 @@ def test_a_stop_from_checkpoint_end_stops_the_loop_and_a_failed_save_is_not_repo
 
     failing.on("step_end", break_the_directory, once=1)
     failing.on("checkpoint_end", lambda e: reported.append(e.checkpoint.step))
-    with pytest.raises(background.CheckpointError, match="could not write"):
+    with pytest.raises(pipeline.CheckpointError, match="could not write"):
         run(make_train_step(mean_loss), make_state(), make_batches(3), events=failing)
     assert reported == [2]  # nothing more

@@ -1,27 +1,23 @@
 """Checkpoints and exact resume through fsspec: atomic, verified, asynchronous, preemption-safe.
 
-* :func:`save`, :func:`load`, :func:`latest`, :func:`best_checkpoint`, :func:`list_checkpoints`,
+* :func:`save`, :func:`load`, :func:`latest`, :func:`list_checkpoints`, :func:`best_checkpoint`,
   :func:`prune`.
-* :func:`load_weights`: the model's weights only, from a checkpoint or an exported file
-  (fine-tuning).
+* :func:`load_weights`: the model's weights only (fine-tuning).
 * :class:`AsyncSaver`: snapshot now, write in a background thread; :func:`wait_snapshot`.
 * Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
 
 The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when a
 process group is initialised and the state's model is, or holds, a DDP or FSDP2 module, or
-holds DTensor parameters (tensor parallel); see ``steplib.checkpoint.sharded``.
+holds DTensor parameters (tensor parallel). The layout of this package and where a change
+belongs: ``docs/architecture.md``.
 """
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot
-from steplib.checkpoint.every import checkpoint_every
-from steplib.checkpoint.handlers import Checkpointer
-from steplib.checkpoint.listing import CheckpointInfo, latest, list_checkpoints
-from steplib.checkpoint.loading import load
-from steplib.checkpoint.metrics import default_metrics
-from steplib.checkpoint.preemption import Preemption, preemption
-from steplib.checkpoint.resume import Resume, resume_from
-from steplib.checkpoint.retention import best_checkpoint, prune, select_retained
-from steplib.checkpoint.saving import save
+from steplib.checkpoint.checkpointer import checkpoint_every
+from steplib.checkpoint.manifest import CheckpointInfo, latest, list_checkpoints
+from steplib.checkpoint.pipeline import load, save
+from steplib.checkpoint.resume import preemption, resume_from
+from steplib.checkpoint.retention import best_checkpoint, prune
 from steplib.checkpoint.weights import load_weights
 from steplib.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 
@@ -30,13 +26,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointWarning",
-    "Checkpointer",
     "CorruptCheckpointError",
-    "Preemption",
-    "Resume",
     "best_checkpoint",
     "checkpoint_every",
-    "default_metrics",
     "latest",
     "list_checkpoints",
     "load",
@@ -45,6 +37,5 @@ __all__ = [
     "prune",
     "resume_from",
     "save",
-    "select_retained",
     "wait_snapshot",
 ]

@@ -1,58 +1,184 @@
-"""``AsyncSaver``: take the snapshot now, write it in a background thread, train on.
+"""Asynchronous saves: the snapshot is taken now, written in a background thread.
 
-The snapshot copies every tensor of the checkpoint into CPU buffers (pinned for GPU tensors),
-which are kept and reused by the next save, so that after the first save no memory is
-allocated or page-faulted for it. Of the CPU tensors, the parameters and the optimizer's state
-(most of the bytes) change only when the optimizer updates them: a background thread copies
-them while training goes on, and the next update waits for that copy (``TrainState.fence``,
-called by every step before it processes the gradients, and by ``load``). The rest (buffers,
-which a forward pass may change, the gradients of an open window, extras, RNG and data states)
-is copied before ``save`` returns. Both copies are done by a few threads in chunks
-(``copying.py``: a busy core delays one chunk, not the whole copy). GPU tensors are copied
-asynchronously on the training stream, ahead of the kernels that will change them, and only
-the writer thread waits for those copies. Writing, checksumming and committing happen in a
-thread at the lowest CPU priority (``_lowest_priority``); torch's file writing and xxhash's checksum
-release the GIL, so the training thread keeps running.
-
-A tensor that something other than the optimizer changes in place while the background copy
-runs (``Tensor._version`` tells) fails that checkpoint loudly rather than committing a torn
-copy: call :func:`wait_snapshot` before such a change.
-
-A DDP, FSDP2 or DTensor state is saved as a sharded (DCP) checkpoint
-(``steplib.checkpoint.sharded``): every rank snapshots its part, and the background threads of
-all ranks write and commit it together on a process group of their own (see
-``AsyncSaver._checkpoint_group``).
-
-A second save waits for the first (the buffers are reused, and two commits in flight could
-land out of order). An error in the background is raised by the next ``save``, by ``wait``
-or by ``close``: it is never lost.
+The snapshot copies every tensor into CPU buffers kept for the next save (pinned for GPU
+tensors, copied on the training stream ahead of the kernels that change them). The parameters
+and the optimizer state, which only the next update changes, are copied by a thread while the
+next forward and backward run; that update waits for the copy (``TrainState.fence``). The rest
+(buffers, window gradients, extras, RNG and data states) is copied before ``save`` returns. The
+write is ``pipeline.write``, the same as a synchronous save's; for a sharded state DCP writes
+the snapshot (its DTensors kept) on a gloo group of the saver's own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
+import dataclasses
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from copy import copy as shallow_copy
 from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from steplib.checkpoint.contents import lanes
-from steplib.checkpoint.copying import BackgroundCopy, Path, snapshot_tree, update_only_storages
-from steplib.checkpoint.listing import StorageOptions
-from steplib.checkpoint.saving import SavePlan, check_durable, prepare, write
-from steplib.checkpoint.sharded.layout import is_sharded
-from steplib.checkpoint.sharded.save import prepare_sharded, snapshot_plan, write_sharded
+from steplib.checkpoint import pipeline
+from steplib.checkpoint.contents import DCP_DIR, lanes
+from steplib.checkpoint.pipeline import Checkpoints, check_durable
+from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError
 from steplib.state import TrainState
 
+Path = tuple[Any, ...]  # where a tensor sits in a tree: the key of its reused buffer
+
+
+def snapshot(
+    tree: Any, buffers: dict[Path, torch.Tensor], *, deferred: set[int]
+) -> tuple[Any, list[Any]]:
+    """A deep copy of ``tree`` with every tensor in a CPU buffer (reused from ``buffers`` by
+    path, pinned for GPU tensors copied on their stream); tensors whose storage is in
+    ``deferred`` are copied by a :class:`BackgroundCopy`. A tensor seen twice is copied once;
+    a DTensor stays a DTensor. Returns the copy and what the writer must ``synchronize()``."""
+    dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    copies: dict[int, torch.Tensor] = {}
+    used: dict[Path, torch.Tensor] = {}
+    later: list[tuple[Path, torch.Tensor, torch.Tensor]] = []
+    devices: set[torch.device] = set()
+
+    def to_buffer(obj: Any, tensor: torch.Tensor, path: Path) -> torch.Tensor:
+        # Keyed by the id of the tree's own object (a DTensor's to_local() is new each time).
+        if id(obj) not in copies:
+            source = tensor.detach()
+            if source.layout != torch.strided:  # sparse and other layouts: a plain copy
+                copies[id(obj)] = source.to("cpu", copy=True)
+                return copies[id(obj)]
+            cuda = source.device.type == "cuda"
+            buffer = buffers.get(path)
+            if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+                buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=cuda)
+            if cuda:
+                buffer.copy_(source, non_blocking=True)
+                devices.add(source.device)
+            elif _storage(source) in deferred and not source.is_inference():  # no _version
+                later.append((path, buffer, source))
+            else:
+                buffer.copy_(source)
+            used[path] = copies[id(obj)] = buffer
+        return copies[id(obj)]
+
+    def copy(obj: Any, path: Path) -> Any:
+        if dtensor is not None and isinstance(obj, dtensor):
+            local = to_buffer(obj, obj.to_local(), path)
+            return dtensor.from_local(
+                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                stride=obj.stride(),
+            )  # fmt: skip
+        if isinstance(obj, torch.Tensor):
+            return to_buffer(obj, obj, path)
+        if isinstance(obj, dict):
+            out = {k: copy(v, (*path, k)) for k, v in obj.items()}
+            if type(obj) is dict:
+                return out
+            ordered = shallow_copy(obj)  # keeps what a state dict carries beside its items
+            ordered.update(out)
+            return ordered
+        if isinstance(obj, list | tuple):
+            return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))
+        return obj  # numbers, strings, None: immutable
+
+    result = copy(tree, ())
+    waits: list[Any] = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        waits.append(event)
+    if later:
+        waits.append(BackgroundCopy(later))
+    buffers.clear()
+    buffers.update(used)
+    return result, waits
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def update_only_storages(state: TrainState) -> set[int]:
+    """The CPU storages only an optimizer update changes: parameters and optimizer state."""
+    dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    tensors: list[torch.Tensor] = []
+    for lane in lanes(state):
+        tensors += [p for group in lane.optimizer.param_groups for p in group["params"]]
+        tensors += [
+            v
+            for s in lane.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        ]
+    storages = set()
+    for tensor in tensors:
+        local = tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+        if local.device.type == "cpu" and local.layout == torch.strided:
+            storages.add(_storage(local))
+    storages.discard(0)  # empty tensors have no storage to tell apart
+    return storages
+
+
+class BackgroundCopy:
+    """Copies CPU tensors into their buffers in a thread while training runs forward and
+    backward; the next update waits for it (``TrainState.fence``). A tensor changed in place
+    meanwhile (``Tensor._version`` tells) fails the checkpoint instead of tearing it."""
+
+    def __init__(self, copies: list[tuple[Path, torch.Tensor, torch.Tensor]]) -> None:
+        self._copies: list[tuple[Path, torch.Tensor, torch.Tensor, int]] | None = [
+            (path, buffer, source, source._version) for path, buffer, source in copies
+        ]
+        self._changed: list[Path] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="steplib-snapshot-background")
+        self._thread.start()
+
+    def _run(self) -> None:
+        copies = self._copies
+        assert copies is not None
+        try:
+            for _, buffer, source, _ in copies:
+                buffer.copy_(source)
+            # Any in-place change made during the copy has bumped the version by now.
+            self._changed = [
+                path for path, _, source, version in copies if source._version != version
+            ]
+        except BaseException as err:  # raised by synchronize(), in the writer
+            self._error = err
+        finally:
+            self._copies = None  # keep no live tensor (a parameter) alive past the copy
+
+    def join(self) -> None:
+        """Wait until every tensor is copied."""
+        self._thread.join()
+
+    def synchronize(self) -> None:
+        """Wait, then raise ``CheckpointError`` if a tensor changed during the copy."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+        if self._changed:
+            names = ", ".join("/".join(map(str, path)) for path in self._changed[:5])
+            more = len(self._changed) - 5
+            raise CheckpointError(
+                f"{names}{f' and {more} more' if more > 0 else ''} changed in place while the "
+                "async checkpoint was copying them in the background (between AsyncSaver.save "
+                "and the next optimizer update), so the copy is not a snapshot; nothing was "
+                "committed. Something outside the optimizer changed parameters or optimizer "
+                "state in place: call steplib.checkpoint.wait_snapshot(state) before changing "
+                "them (it waits for the copy), or change them before saving."
+            )
+
 
 class AsyncSaver:
-    """Saves checkpoints in a background thread (one at a time).
+    """Saves checkpoints in a background thread, one at a time: the snapshot is taken now,
+    the write (``pipeline.write``) runs while training goes on. An error in the background is
+    raised by the next ``save``, by ``wait`` or by ``close``: it is never lost.
 
     Example:
         >>> import torch
@@ -61,7 +187,6 @@ class AsyncSaver:
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> with AsyncSaver() as saver:
         ...     url = saver.save(state, "memory://doctest-async/ckpt")
-        ...     # training goes on here while the checkpoint is written
         >>> url
         'memory://doctest-async/ckpt/step-00000000'
     """
@@ -70,7 +195,6 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict[Path, torch.Tensor] = {}
-        self._sharded_buffers: dict[Path, torch.Tensor] = {}
         self._group: Any = None
         self._group_of: Any = None
 
@@ -87,75 +211,48 @@ class AsyncSaver:
         durable: bool = True,
         after: Callable[[str], Any] | None = None,
     ) -> str:
-        """Snapshot ``state`` and write it in the background; see ``steplib.checkpoint.save``.
+        """Snapshot ``state`` and write it in the background; the arguments are ``save``'s, and
+        ``after``, called with the URL in the writer thread once committed. Returns the URL the
+        checkpoint will have. Raises the previous save's ``CheckpointError`` first."""
+        given = Checkpoints(directory, data, extras, step, storage_options, durable)
+        return self.submit(given, state, metrics=metrics, after=after)
 
-        Args:
-            state: the state to save, as for ``save``.
-            directory: the checkpoint directory, as for ``save``.
-            data: the loader whose position is saved, as for ``save``.
-            extras: further objects with ``state_dict``, as for ``save``.
-            step: the step whose composition is recorded, as for ``save``.
-            metrics: numbers for the manifest, as for ``save``.
-            storage_options: passed to fsspec, as for ``save``.
-            durable: as for ``save``: fsync the checkpoint before it counts as committed
-                (``True``), or not (``False``; a power loss soon after may lose it).
-            after: called with the checkpoint's URL in the background thread once the
-                checkpoint is committed (e.g. pruning old checkpoints, queueing a report); its
-                errors surface like the write's.
-
-        Returns:
-            The URL the checkpoint will have once committed.
-
-        Raises:
-            CheckpointError: the previous background save failed (raised here, before this
-                save starts), or an argument error as for ``save``.
-            ConfigError: a bad argument (``durable`` not a bool, and those of ``save``).
-        """
-        check_durable(durable, "AsyncSaver.save")
+    def submit(
+        self,
+        given: Checkpoints,
+        state: TrainState,
+        *,
+        metrics: Any,
+        after: Callable[[str], Any] | None = None,
+        caller: str = "AsyncSaver.save",
+    ) -> str:
+        """:meth:`save` with its inputs given once (``checkpoint_every``'s)."""
+        check_durable(given.durable, caller)
         self.wait()
-        # Copied in the background: nothing but the next update changes them.
-        deferred = set().union(*(update_only_storages(lane.optimizer) for lane in lanes(state)))
-        arguments: dict[str, Any] = {
-            "data": data,
-            "extras": extras,
-            "step": step,
-            "metrics": metrics,
-            "storage_options": storage_options,
-            "caller": "AsyncSaver.save",
-        }
-        write_plan: Callable[[], Any]
-        if is_sharded(state):
-            # Every rank snapshots its part now and writes it in the background, on a process
-            # group of its own: see _checkpoint_group.
-            sharded_plan = prepare_sharded(state, directory, **arguments)
-            sharded_copy, copied = snapshot_plan(
-                sharded_plan, self._sharded_buffers, deferred=deferred
-            )
-            group = self._checkpoint_group()
-            url, name = sharded_plan.url, sharded_plan.name
-
-            def write_plan() -> Any:
-                _wait(copied)
-                return write_sharded(sharded_copy, group=group, fsync=durable)
-
-        else:
-            plan = prepare(state, directory, **arguments)
-            trees, copied = snapshot_tree(plan.trees, self._buffers, deferred=deferred)
-            copy = SavePlan(plan.directory, plan.name, trees, plan.manifest)
-            url, name = plan.url, plan.name
-
-            def write_plan() -> Any:
-                _wait(copied)
-                return write(copy, fsync=durable)
-
-        for pending in copied:
+        plan = given.plan(state, metrics=metrics, caller=caller)
+        # Keyed by file name (the DCP tensors under "dcp"): the paths of the reused buffers.
+        tree = plan.files if plan.tensors is None else {**plan.files, DCP_DIR: plan.tensors}
+        trees, waits = snapshot(tree, self._buffers, deferred=update_only_storages(state))
+        tensors = None if plan.tensors is None else trees.pop(DCP_DIR)
+        copy = dataclasses.replace(plan, files=trees, tensors=tensors)
+        for pending in waits:
             if isinstance(pending, BackgroundCopy):
                 state.fence.hold(pending)
-        self._thread = threading.Thread(
-            target=self._write, args=(write_plan, after), name=f"steplib-save-{name}"
-        )
+        group = self._checkpoint_group() if plan.tensors is not None else None
+
+        def work() -> None:
+            try:
+                for pending in waits:
+                    pending.synchronize()
+                url = pipeline.write(copy, group=group)
+                if after is not None:
+                    after(url)
+            except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
+                self._error = err
+
+        self._thread = threading.Thread(target=work, name=f"steplib-save-{plan.name}")
         self._thread.start()
-        return url
+        return plan.url
 
     @property
     def pending(self) -> bool:
@@ -163,11 +260,7 @@ class AsyncSaver:
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
-        """Block until the background save (if any) is committed.
-
-        Raises:
-            CheckpointError: that save failed (the error it raised is its ``__cause__``).
-        """
+        """Block until the background save is committed (``CheckpointError`` if it failed)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -187,73 +280,31 @@ class AsyncSaver:
             self.wait()
         finally:
             self._buffers = {}
-            self._sharded_buffers = {}
 
     def __enter__(self) -> AsyncSaver:
         return self
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
 
     def _checkpoint_group(self) -> Any:
-        """The process group the background sharded saves communicate on, created on the
-        first one (by every rank, as ``new_group`` requires) and reused by the next ones.
-
-        Training keeps issuing collectives on the default group while DCP writes in the
-        background; two threads issuing collectives on one gloo group mix their messages up
-        and crash. A gloo group also keeps DCP's small metadata exchanges off the GPU.
-        """
-        world = dist.group.WORLD
-        if self._group is None or self._group_of is not world:  # a new default group
+        # Two threads issuing collectives on one gloo group mix their messages up: the
+        # background writes get a group of their own, made once by every rank (a collective).
+        if self._group is None or self._group_of is not dist.group.WORLD:
             self._group = dist.new_group(backend="gloo")
-            self._group_of = world
+            self._group_of = dist.group.WORLD
         return self._group
-
-    def _write(self, write_plan: Callable[[], str], after: Callable[[str], Any] | None) -> None:
-        _lowest_priority()
-        try:
-            url = write_plan()
-            if after is not None:
-                after(url)
-        except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
-            self._error = err
-
-
-def _lowest_priority() -> None:
-    """Make the calling thread (and the threads it starts) the last to get a core: Linux's
-    nice 19 for this thread alone.
-
-    Serialising, checksumming and copying into the page cache keep a core busy for about as
-    long as a sync save takes. Where training keeps every core busy (CPU training; a loaded
-    host), that work took cores from the training threads: on 2 cores an update next to the
-    writer ran 3x slower, and the async save cost training as much time as a sync one
-    (``benchmarks/bench_checkpoint.py``). At nice 19 the writer runs in the time training
-    leaves idle and yields to it otherwise; the write takes longer only where the cores are
-    busy, and a save, ``wait`` or ``close`` waiting for it leaves it the cores. (Elsewhere
-    ``setpriority`` takes a process id, not a thread's: nothing is changed there.)
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):  # e.g. a sandbox without the system call
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def wait_snapshot(state: TrainState) -> None:
-    """Wait until a pending async save has copied the parameters and optimizer state of
-    ``state``: after this they may change in place without tearing that checkpoint.
-
-    Steps and ``load`` call it themselves before they change them; call it before changing
-    parameters in place outside the optimizer (a weight projection in a handler, say) while an
-    ``AsyncSaver.save`` may be in flight. It returns at once when none is. Without it, such a
-    change fails that checkpoint (``Tensor._version`` tells), except a change through
-    ``.data``, which has a version counter of its own: that one would go unnoticed.
+    """Wait until a pending async save has copied the parameters and optimizer state: after
+    this they may change in place without tearing that checkpoint (steps and ``load`` wait
+    themselves; a change outside the optimizer should call this first).
 
     Args:
-        state: the state given to ``AsyncSaver.save`` (its optimizer identifies the save).
+        state: the state given to ``AsyncSaver.save``.
 
     Example:
         >>> import torch
@@ -263,14 +314,5 @@ def wait_snapshot(state: TrainState) -> None:
         >>> with AsyncSaver() as saver:
         ...     url = saver.save(state, "memory://doctest-wait-snapshot/ckpt")
         ...     wait_snapshot(state)
-        ...     with torch.no_grad():
-        ...         _ = model.weight.mul_(0)  # the checkpoint keeps the weights at save time
     """
     state.fence.wait()
-
-
-def _wait(copied: list[Any]) -> None:
-    """In the writer: wait until the snapshot's copies (GPU copies into the pinned buffers, the
-    background copy of CPU tensors) have landed; raise if one is not a snapshot."""
-    for copy in copied:
-        copy.synchronize()

@@ -1,34 +1,30 @@
-"""What a checkpoint holds, gathered from a TrainState and checked on the way out.
+"""What a checkpoint holds, gathered from a TrainState and checked on the way out (each file a
+``torch.save`` of plain containers and tensors, read back with ``weights_only=True``):
+``model.pt``, ``optimizer.pt`` (several optimizers by name), ``train_state.pt`` (counters,
+window, schedulers, scalers, ``state.extras``, extra objects' and attached handlers' states,
+RNG states, the data position, frozen parameters) and, inside an open accumulation window,
+``window_grads.pt``. A sharded checkpoint holds the same train state per rank (``dcp``).
 
-Files of a checkpoint (each a ``torch.save`` of plain containers and tensors only, so that
-``torch.load(..., weights_only=True)`` reads it):
-
-* ``model.pt``: ``model.state_dict()``.
-* ``optimizer.pt``: ``optimizer.state_dict()``; for a state with several named optimizers,
-  ``{"optimizers": {name: optimizer.state_dict()}}``.
-* ``train_state.pt``: counters, the accumulation window, scheduler and scaler state, the
-  state's ``extras``, the ``state_dict`` of each extra object, RNG states, the data position;
-  with several optimizers, ``"lanes"``: the same per-optimizer entries for each one but the
-  first (whose entries are at the top, as for a single optimizer).
-* ``window_grads.pt``: only when taken inside an open accumulation window (``window_size >
-  0``): the gradients accumulated so far. They are part of the state then; without them the
-  resumed window would update with a fraction of its gradient.
-
-Sharded checkpoints (``steplib.checkpoint.sharded``) hold the same ``train_state`` tree, one
-per rank, next to the model and optimizer tensors that DCP writes. How a checkpoint goes back
-into a state is ``restore``.
-"""
+The handlers attached to a run's ``Events`` that have ``state_dict()`` / ``load_state_dict()``
+are found without being named, keyed by class name and index among those of that class
+(``Evaluator[0]``): the same handlers attached in the same order get the same keys."""
 
 from __future__ import annotations
 
 import collections
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint.manifest import fingerprint
-from steplib.errors import ConfigError, CorruptCheckpointError, describe
+from steplib.distributed.parallelize import is_parallel_model
+from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
+from steplib.events import Event, Events
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
 
@@ -40,16 +36,63 @@ WINDOW_GRADS = "window_grads.pt"
 _LEAVES = (type(None), bool, int, float, str, torch.Tensor)  # isinstance: Parameter too
 
 
+DCP_DIR = "dcp"
+# The distribution may change between the saving and the resuming run (that is resharding).
+DISTRIBUTION_WRAPPERS = frozenset({"ddp_wrap", "fsdp_wrap"})
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s train-state file inside a sharded checkpoint."""
+    return f"rank-{rank:05d}.pt"
+
+
+def is_sharded(state: Any) -> bool:
+    """Whether ``state`` is saved sharded: a process group is initialised and its model holds
+    a DDP or FSDP2 module (a GAN's ``{"G": apply_ddp(g), "D": apply_ddp(d)}`` too) or DTensor
+    parameters (one rank's shard each: ``ConfigError`` without a process group)."""
+    model = getattr(state, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return False
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped and any(is_parallel_model(m) for m in model.modules()):
+        return True
+    if holds_dtensor_parameters(model):
+        if not grouped:
+            raise ConfigError(
+                f"the state's model ({type(model).__name__}) holds DTensor parameters "
+                "(tensor parallel or FSDP2), each rank's shard, but no process group is "
+                "initialised, so the shards cannot be written or read together. Save and load "
+                "on every rank before dist.destroy_process_group(); to use the weights in one "
+                "process, load the checkpoint into a plain (unsharded) model."
+            )
+        return True
+    return False
+
+
+def holds_only_ddp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds DDP modules and no FSDP2 one: an open accumulation window's
+    gradients are then plain per-rank tensors, which a checkpoint can hold."""
+    parallel = [m for m in model.modules() if is_parallel_model(m)]
+    return bool(parallel) and all(isinstance(m, DistributedDataParallel) for m in parallel)
+
+
+def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (a shard or a replica on a mesh)."""
+    # No DTensor exists before its module is imported: a single-process save need not import it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
+
+
+def prunes_here(state: Any) -> bool:
+    """Whether this process prunes after saving ``state``: rank 0 alone for a sharded
+    checkpoint (the ranks share one directory), every process otherwise."""
+    return not is_sharded(state) or dist.get_rank() == 0
+
+
 def check_arguments(
     caller: str, state: Any, *, data: Any, extras: Any, step: Any
 ) -> Mapping[str, Any]:
-    """Check the arguments shared by save and load; return ``extras`` as a mapping.
-
-    Raises:
-        ConfigError: a state that is not a TrainState, a ``data`` without ``state_dict`` /
-            ``load_state_dict``, ``extras`` that is not a mapping of such objects, or a ``step``
-            that is neither a Step nor several by name.
-    """
+    """Check the inputs shared by save and load (``ConfigError``); return ``extras`` as a dict."""
     if not isinstance(state, TrainState):
         raise ConfigError(
             f"{caller} received state={describe(state)}, which is not a TrainState. Pass the "
@@ -82,11 +125,8 @@ def check_arguments(
 def gather(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
 ) -> dict[str, Any]:
-    """The trees to write, one per file name (live tensors: copy them before training on).
-
-    Raises:
-        ConfigError: a value that a weights-only load could not read back (names where).
-    """
+    """The trees to write, by file name (live tensors); ``ConfigError`` for a value a
+    weights-only load could not read back."""
     model = state.model
     trees: dict[str, Any] = {
         MODEL: model.state_dict(),
@@ -100,14 +140,13 @@ def gather(
     return trees
 
 
-# Split out of ``gather`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.sharded``,
+# Split out of ``gather`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.dcp``,
 # which write the model and optimizer through DCP and this tree, per rank, with ``torch.save``.
 def train_state_tree(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
 ) -> dict[str, Any]:
-    """Everything of ``state`` but the model and the optimizer tensors, as plain data: the
-    counters, window, scheduler, scaler, extras, RNG states, the data position and which
-    parameters are frozen (a run resumed past an unfreeze trains what the saved run did)."""
+    """Everything of ``state`` but the model and optimizer tensors, as plain data (frozen
+    parameters too: a run resumed past an unfreeze trains what the saved run did)."""
     tree = lane_tree(state)
     tree["counters"]["epoch"] = state.epoch
     tree.update(
@@ -154,15 +193,8 @@ def optimizer_tree(state: TrainState) -> dict[str, Any]:
 
 
 def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = False) -> Any:
-    """``torch.load(source, weights_only=True)`` of a checkpoint's file, on the CPU; what it
-    cannot read is a :class:`CorruptCheckpointError` naming the file.
-
-    Args:
-        source: a local path or a file object.
-        checkpoint: the checkpoint's URL, for the message.
-        file_name: the file's name in the checkpoint, for the message.
-        mmap: map a local file instead of reading it.
-    """
+    """``torch.load(source, weights_only=True)`` on the CPU; what it cannot read is a
+    ``CorruptCheckpointError`` naming ``file_name`` of ``checkpoint``."""
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
@@ -185,11 +217,7 @@ def window_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def check_metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, float]:
-    """The metrics to record in a manifest, as floats.
-
-    Raises:
-        ConfigError: not a mapping of string names to numbers or one-element tensors.
-    """
+    """The metrics to record in a manifest, as floats (``ConfigError`` if not numbers by name)."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
@@ -247,3 +275,99 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+HANDLERS = "handlers"  # the name of the attached handlers' states among a checkpoint's objects
+
+
+class HandlerStates:
+    """The handlers with state attached to a run, by key; saved as one extra object.
+
+    Args:
+        handlers: ``{key: handler}``, each with ``state_dict()`` and ``load_state_dict()``.
+
+    Example:
+        >>> from steplib.handlers.stopping import EarlyStopping
+        >>> HandlerStates({"EarlyStopping[0]": EarlyStopping("val_loss")}).state_dict()
+        {'EarlyStopping[0]': {'best': {'value': None, 'step': None}, 'wait': 0, 'evaluations': 0}}
+    """
+
+    def __init__(self, handlers: Mapping[str, Any]) -> None:
+        self.handlers = dict(handlers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each handler's ``state_dict()`` by key."""
+        return {key: handler.state_dict() for key, handler in self.handlers.items()}
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Load each handler's saved state (checked first by :meth:`check`)."""
+        for key, handler in self.handlers.items():
+            handler.load_state_dict(saved[key])
+
+    def check(self, saved: Mapping[str, Any] | None, *, checkpoint: str) -> None:
+        """Refuse (``ConfigError``, nothing loaded) a checkpoint whose saved handlers are not these;
+        ``saved`` is ``None`` for one written before handler states were saved (a warning)."""
+        if saved is None:
+            if self.handlers:
+                warnings.warn(
+                    f"checkpoint {checkpoint} was written before steplib saved the state of the "
+                    f"handlers attached to a run; {', '.join(self.handlers)} start from the "
+                    "state they were built with.",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+            return
+        missing, extra = sorted(saved.keys() - self.handlers), sorted(self.handlers - saved.keys())
+        if not (missing or extra):
+            return
+        parts = [f"not attached now: {', '.join(missing)}"] if missing else []
+        parts += [f"attached now, not in the checkpoint: {', '.join(extra)}"] if extra else []
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds the state of the handlers "
+            f"{sorted(saved) or 'none'}; the handlers with state attached to this run are "
+            f"{sorted(self.handlers) or 'none'} ({'; '.join(parts)}). A resumed run continues "
+            "the saved handlers: build and attach the same ones, in the same order, as the "
+            "run that saved it (Events(resume_from(ckpt), evaluator, stopper, ckpt)); or load "
+            "the state alone by hand: load(latest(directory), state)."
+        )
+
+
+def with_handlers(
+    caller: str, extras: Mapping[str, Any] | None, events: Events | None
+) -> dict[str, Any]:
+    """``extras`` and, under :data:`HANDLERS`, the handlers with state attached to ``events``
+    (but those ``extras`` names); ``ConfigError`` when ``extras`` uses the name ``"handlers"``.
+
+    Example:
+        >>> from steplib.handlers.stopping import EarlyStopping
+        >>> events = Events().on("step_end", EarlyStopping("val_loss"), every=10)
+        >>> sorted(with_handlers("doc", None, events)[HANDLERS].handlers)
+        ['EarlyStopping[0]']
+    """
+    named = dict(extras or {})
+    if HANDLERS in named:
+        raise ConfigError(
+            f"{caller}(extras=...) received the name {HANDLERS!r}, which a checkpoint keeps for "
+            "the state of the handlers attached to the run (saved without being named). Give "
+            "that object another name."
+        )
+    if events is None:
+        return named
+    skip = {id(obj) for obj in named.values()}
+    counts: dict[str, int] = {}
+    found = {}
+    for handler in events.attached():
+        if id(handler) in skip or not is_stateful(handler):
+            continue
+        kind = type(handler).__name__
+        counts[kind] = counts.get(kind, -1) + 1
+        found[f"{kind}[{counts[kind]}]"] = handler
+    return {**named, HANDLERS: HandlerStates(found)}
+
+
+def run_data(data: Any, event: Event) -> Any:
+    """The loader whose position to save or load: ``data``, else the ``fit_start`` event's
+    if it is stateful, else ``None``."""
+    if data is not None:
+        return data
+    return event.data if is_stateful(event.data) else None

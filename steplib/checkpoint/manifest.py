@@ -1,14 +1,11 @@
-"""The manifest: the last file of a checkpoint, what makes it exist, and its table of contents.
+"""The manifest, the last file of a checkpoint (what makes it exist, and its table of
+contents), and which checkpoints a directory holds: ``latest`` and ``list_checkpoints``.
 
-``manifest.json`` (orjson) holds the counters, time, metrics, versions, the step's fingerprint
-and the size and checksum of every other file (``"xxh3_64"``; ``"crc32"`` in checkpoints written
-before steplib 0.2.0, still verified). It carries its own CRC32 too (of its body, keys sorted),
-so that an altered manifest is detected like any other file; it stays CRC32 (a few KiB: speed
-does not matter) so that an older steplib gets past it and says "upgrade steplib".
-
-Checkpoint names sort in training order: ``step-00000120`` for a checkpoint taken between
-windows, ``step-00000120-micro-00000483`` for one taken inside an open accumulation window
-(later than ``step-00000120``, earlier than ``step-00000121``).
+``manifest.json`` (orjson) holds the counters, time, metrics, versions, the step's fingerprint,
+the layout (torch files or DCP) and world size, and the size and checksum of every other file.
+It carries its own CRC32 (of its body, keys sorted), so that an altered manifest is detected
+like any other file. Checkpoint names sort in training order: ``step-00000120`` between
+windows, ``step-00000120-micro-00000483`` inside an open accumulation window.
 """
 
 from __future__ import annotations
@@ -18,25 +15,33 @@ import math
 import platform
 import re
 import time
+import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import torch
 
-from steplib.checkpoint.checksum import ALGORITHMS
-from steplib.checkpoint.checksummed import FileRecord
-from steplib.errors import ConfigError, CorruptCheckpointError, describe
+from steplib.checkpoint import storage
+from steplib.checkpoint.storage import ALGORITHMS, FileRecord, Location, StorageOptions
+from steplib.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    ConfigError,
+    CorruptCheckpointError,
+    describe,
+)
 
+T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
 # Format versions: 1 single-process, 2 sharded (DCP), both with CRC32 file checksums; 3 either
 # layout with XXH3 file checksums (what this steplib writes). An older steplib reading a format
 # 3 checkpoint says "upgrade steplib" instead of taking its files for corrupt.
 VERSION = 3  # the newest format this steplib reads, and the one it writes
 MANIFEST = "manifest.json"
-SINGLE = "single"  # layouts (``steplib.checkpoint.sharded`` writes the second)
+SINGLE = "single"  # layouts (``steplib.checkpoint.dcp`` writes the second)
 SHARDED = "sharded"
 LAYOUTS = (SINGLE, SHARDED)
 
@@ -110,19 +115,10 @@ def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | No
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Manifest:
-    """The contents of ``manifest.json``.
-
-    Attributes:
-        name: the checkpoint's directory name.
-        step, micro_step, epoch, window_size: the TrainState counters when it was taken.
-        time: when it was taken (unix seconds).
-        metrics: numbers recorded with it (what ``keep_best`` ranks by).
-        fingerprint: ``step.describe()`` of the step that trained it, or ``None``.
-        versions: steplib, torch and Python versions of the writer.
-        files: size and checksum of each data file (by path inside the checkpoint).
-        layout: ``"single"`` (one process, ``torch.save`` files) or ``"sharded"`` (DCP).
-        world_size: the number of processes that wrote it.
-    """
+    """The contents of ``manifest.json``: the name, the counters, the time (unix seconds),
+    the metrics, ``step.describe()`` (or ``None``), the writer's versions, each file's record
+    (by path inside the checkpoint), the layout (``"single"`` or ``"sharded"``, DCP) and the
+    number of processes that wrote it."""
 
     name: str
     step: int
@@ -147,23 +143,13 @@ class Manifest:
         layout: str = SINGLE,
         world_size: int = 1,
     ) -> Manifest:
-        """The manifest of a checkpoint of ``state`` now; ``versions`` and ``files`` are
-        filled in by the write, off an async save's critical path."""
+        """The manifest of a checkpoint of ``state`` now (``versions`` and ``files`` are
+        filled in by the write, off an async save's critical path)."""
         # As JSON values (tuples become lists, odd settings strings), as load will compare them.
-        return cls(
-            name=checkpoint_name(state.step, state.micro_step, state.window.size),
-            step=state.step,
-            micro_step=state.micro_step,
-            epoch=state.epoch,
-            window_size=state.window.size,
-            time=time.time(),
-            metrics=metrics,
-            fingerprint=fingerprint(step),
-            versions={},
-            files={},
-            layout=layout,
-            world_size=world_size,
-        )
+        name = checkpoint_name(state.step, state.micro_step, state.window.size)
+        counters = (state.step, state.micro_step, state.epoch, state.window.size)
+        described = fingerprint(step)
+        return cls(name, *counters, time.time(), metrics, described, {}, {}, layout, world_size)
 
     def to_json(self) -> bytes:
         body = {
@@ -189,11 +175,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, checkpoint: str) -> Manifest:
-        """Parse and check a manifest.
-
-        Raises:
-            CorruptCheckpointError: not JSON, not a steplib manifest, or its own CRC differs.
-        """
+        """Parse and check a manifest (``CorruptCheckpointError``: not one, or altered)."""
         try:
             body = orjson.loads(data)
             if not isinstance(body, dict) or body.get("format") != FORMAT:
@@ -210,22 +192,17 @@ class Manifest:
                     f"format version {body['version']} is newer than this steplib reads "
                     f"({VERSION}); upgrade steplib"
                 )
-            return cls(
-                name=str(body["name"]),
-                step=int(body["step"]),
-                micro_step=int(body["micro_step"]),
-                epoch=int(body["epoch"]),
-                window_size=int(body["window_size"]),
-                time=float(body["time"]),
-                metrics={
-                    k: (math.nan if v is None else float(v)) for k, v in body["metrics"].items()
-                },
-                fingerprint=body["fingerprint"],
-                versions=dict(body["versions"]),
-                files={k: _record(k, v) for k, v in body["files"].items()},
-                layout=str(body.get("layout", SINGLE)),
-                world_size=int(body.get("world_size", 1)),
+            step, micro, epoch, window = (
+                int(body[k]) for k in ("step", "micro_step", "epoch", "window_size")
             )
+            metrics = {k: math.nan if v is None else float(v) for k, v in body["metrics"].items()}
+            files = {k: _record(k, v) for k, v in body["files"].items()}
+            layout, world = str(body.get("layout", SINGLE)), int(body.get("world_size", 1))
+            return cls(
+                str(body["name"]), step, micro, epoch, window, float(body["time"]), metrics,
+                body["fingerprint"],
+                dict(body["versions"]), files, layout, world,
+            )  # fmt: skip
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(
                 f"checkpoint {checkpoint}: its file {MANIFEST} cannot be read ({err}). Use an "
@@ -245,4 +222,167 @@ def _record(name: str, entry: Mapping[str, Any]) -> FileRecord:
     raise ValueError(
         f"the entry of {name} has no checksum this steplib knows ({', '.join(ALGORITHMS)}); "
         "upgrade steplib"
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint, as listed by :func:`list_checkpoints`.
+
+    Attributes:
+        url: pass it to ``load``; name: its directory name (``step-00000120``); step,
+        micro_step, epoch: its counters; time: when it was taken (unix seconds); metrics:
+        the numbers saved with it.
+    """
+
+    url: str
+    name: str
+    step: int
+    micro_step: int
+    epoch: int
+    time: float
+    metrics: Mapping[str, float]
+
+
+def latest(
+    directory: str, *, verify: bool = True, storage_options: StorageOptions = None
+) -> str | None:
+    """The newest valid checkpoint in ``directory``, or ``None`` when there is none.
+
+    Only committed checkpoints count. With ``verify`` every file of the candidate is checked;
+    a corrupt one is skipped with a ``CheckpointWarning`` naming the file.
+
+    Args:
+        directory: the directory given to ``save``.
+        verify: check the checksums (``False``: only that the manifest is readable).
+        storage_options: passed to fsspec.
+
+    Returns:
+        The checkpoint's URL, or ``None`` (also when ``directory`` does not exist).
+
+    Example:
+        >>> latest("memory://doctest-latest/nothing-here") is None
+        True
+    """
+    location = storage.resolve(directory, storage_options, caller="latest")
+
+    def check(checkpoint: Location, manifest: Manifest) -> None:
+        if verify:  # else a readable manifest is enough
+            storage.verify_all(checkpoint, manifest.files)
+
+    found = newest_valid(location, check)
+    return found[0] if isinstance(found, tuple) else None
+
+
+def list_checkpoints(
+    directory: str, *, storage_options: StorageOptions = None
+) -> list[CheckpointInfo]:
+    """The committed checkpoints in ``directory``, oldest first (files are not verified; one
+    whose manifest cannot be read is left out with a ``CheckpointWarning``).
+
+    Args:
+        directory: the directory given to ``save``.
+        storage_options: passed to fsspec.
+
+    Returns:
+        One :class:`CheckpointInfo` per checkpoint.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> from steplib.checkpoint import save
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> for s in (1, 2):
+        ...     _ = save(state.replace(step=s), "memory://doctest-list/ckpt", metrics={"loss": s})
+        >>> [(c.name, c.metrics["loss"]) for c in list_checkpoints("memory://doctest-list/ckpt")]
+        [('step-00000001', 1.0), ('step-00000002', 2.0)]
+    """
+    location = storage.resolve(directory, storage_options, caller="list_checkpoints")
+    return scan(location, warn=True)[0]
+
+
+def scan(location: Location, *, warn: bool = False) -> tuple[list[CheckpointInfo], list[Location]]:
+    """Committed checkpoints (oldest first) and everything else that looks like a checkpoint
+    directory but is not a valid committed one (uncommitted, corrupt manifest, staging); with
+    ``warn``, each corrupt one is warned about."""
+    infos: list[CheckpointInfo] = []
+    prefixes = (storage.STAGING_PREFIX, storage.TRASH_PREFIX)
+    other = [location.child(n) for n in storage.list_names(location) if n.startswith(prefixes)]
+    for checkpoint in candidates(location, newest_first=False):
+        try:
+            manifest = committed_manifest(checkpoint)
+        except CorruptCheckpointError as err:
+            if warn:
+                warn_skipped(err, stacklevel=4)
+            manifest = None
+        if manifest is None:
+            other.append(checkpoint)
+        else:
+            infos.append(_info(checkpoint, manifest))
+    return infos, other
+
+
+def read_manifest(location: Location) -> Manifest:
+    manifest = committed_manifest(location)
+    if manifest is not None:
+        return manifest
+    if any(sort_key(name) for name in storage.list_names(location)):
+        raise CheckpointError(
+            f"load received {location.url!r}, a directory of checkpoints, not one "
+            "checkpoint. Load the newest with load(latest(url), state), or use "
+            "resume_from(url) as a fit_start handler."
+        )
+    raise CheckpointError(
+        f"load received {location.url!r}, where there is no checkpoint (no {MANIFEST}): "
+        "it does not exist, or its save never finished (the manifest is written last). "
+        "Pick one with latest(directory) or list_checkpoints(directory)."
+    )
+
+
+def committed_manifest(location: Location) -> Manifest | None:
+    """The checkpoint's manifest, or ``None`` when it has none (never committed)."""
+    try:
+        data = storage.read_bytes(location.child(MANIFEST))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    return Manifest.from_json(data, checkpoint=location.url)
+
+
+def candidates(location: Location, *, newest_first: bool) -> Iterator[Location]:
+    keyed = [(key, name) for name in storage.list_names(location) if (key := sort_key(name))]
+    for _, name in sorted(keyed, reverse=newest_first):
+        yield location.child(name)
+
+
+def newest_valid(
+    location: Location, read: Callable[[Location, Manifest], T]
+) -> tuple[str, T] | list[str]:
+    """``(url, read(checkpoint, manifest))`` for the newest committed checkpoint that ``read``
+    gets through without a ``CorruptCheckpointError`` (each one skipped is warned about);
+    else the names of the corrupt ones (none: no committed checkpoint)."""
+    corrupt: list[str] = []
+    for checkpoint in candidates(location, newest_first=True):
+        try:
+            manifest = committed_manifest(checkpoint)
+            if manifest is not None:
+                return checkpoint.url, read(checkpoint, manifest)
+        except CorruptCheckpointError as err:
+            warn_skipped(err, stacklevel=4)  # for latest(): the line that called it
+            corrupt.append(checkpoint.name)
+    return corrupt
+
+
+def warn_skipped(err: CorruptCheckpointError, *, stacklevel: int = 3) -> None:
+    warnings.warn(
+        f"{err} Skipped; falling back to the previous checkpoint.",
+        CheckpointWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _info(location: Location, manifest: Manifest) -> CheckpointInfo:
+    counters = (manifest.step, manifest.micro_step, manifest.epoch)
+    return CheckpointInfo(
+        location.url, location.name, *counters, manifest.time, dict(manifest.metrics)
     )

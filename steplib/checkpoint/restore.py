@@ -1,8 +1,7 @@
-"""How a checkpoint goes back into a TrainState: checked against the state first, then loaded.
-
-Everything is checked before anything is changed: a checkpoint that does not fit the state
-(other parameter names, another optimizer, another step composition) raises ``ConfigError``
-and leaves the state as it was. What the files hold is ``contents``.
+"""How a checkpoint goes back into a state: every part checked against the state first (model
+names and shapes, optimizers, schedulers, scalers, extras, handlers, data, the step's
+composition), then loaded; a check that fails raises ``ConfigError`` with nothing changed.
+Both back-ends end here (``dcp`` loads the tensors itself, then the train state here).
 """
 
 from __future__ import annotations
@@ -13,8 +12,14 @@ from typing import Any
 
 import torch
 
-from steplib.checkpoint.attached import HANDLERS, HandlerStates
-from steplib.checkpoint.contents import MODEL, OPTIMIZER, TRAIN_STATE, WINDOW_GRADS
+from steplib.checkpoint.contents import (
+    HANDLERS,
+    MODEL,
+    OPTIMIZER,
+    TRAIN_STATE,
+    WINDOW_GRADS,
+    HandlerStates,
+)
 from steplib.checkpoint.manifest import fingerprint
 from steplib.data.loader import restore_position
 from steplib.errors import ConfigError
@@ -22,6 +27,10 @@ from steplib.seeding import restore_rng
 from steplib.state import TrainState, Window
 
 _SHOWN = 8  # names listed in an error before "and N more"
+FINE_TUNE = (
+    "use load_weights(state, url, strict=False) (the weights only, with a fresh optimizer, as "
+    "to fine-tune)"
+)
 
 
 _OBSERVERS = ("detect_anomaly", "tap")
@@ -102,10 +111,7 @@ def apply(
         _shapes(state.model.state_dict()),
         model_type=type(state.model).__name__,
         checkpoint=checkpoint,
-        hint=(
-            "use load_weights(state, url, strict=False) (the weights only, with a fresh "
-            "optimizer, as to fine-tune)"
-        ),
+        hint=FINE_TUNE,
     )
     optimizers = _optimizers_by_name(trees[OPTIMIZER], train_state, state, checkpoint)
     trees_by_name = lane_trees(train_state, state)
@@ -131,7 +137,7 @@ def apply(
     )
 
 
-# Split out of ``apply`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.sharded``,
+# Split out of ``apply`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.dcp``,
 # which load the model and the optimizer through DCP and everything else here.
 def restore_train_state(
     train_state: Mapping[str, Any],

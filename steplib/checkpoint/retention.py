@@ -12,8 +12,8 @@ from typing import Any
 
 from steplib import errors
 from steplib.checkpoint import storage
-from steplib.checkpoint.listing import CheckpointInfo, StorageOptions, list_checkpoints, scan
-from steplib.checkpoint.manifest import sort_key
+from steplib.checkpoint.manifest import CheckpointInfo, list_checkpoints, scan, sort_key
+from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError, ConfigError, describe
 
 MODES = ("min", "max")
@@ -45,11 +45,8 @@ def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any,
 def check_ranked_metric(
     caller: str, *, keep_best: int | None, metric: str | None, recorded: Mapping[str, Any]
 ) -> None:
-    """Raise ``ConfigError`` when ``keep_best`` ranks by a ``metric`` that this save does not
-    record: a misspelt name would rank nothing, and pruning would delete the best checkpoints.
-
-    Called before the checkpoint is written, so nothing has been pruned when it raises.
-    """
+    """Raise ``ConfigError`` (before anything is written or pruned) when ``keep_best`` ranks
+    by a ``metric`` this save does not record: pruning would delete the best checkpoints."""
     if keep_best is None or metric in recorded:
         return
     numbers = ", ".join(sorted(recorded)) or "(none)"
@@ -71,22 +68,19 @@ def select_retained(
 ) -> list[CheckpointInfo]:
     """The checkpoints to keep, in the order given (oldest first).
 
+    The newest is always kept; with ``keep_last`` and ``keep_best`` both ``None``, all. A
+    checkpoint without ``metric`` (or NaN) is never among the best; of equal values the older
+    ranks first (a tie is not an improvement, as ``BestValue`` decides everywhere).
+
     Args:
         checkpoints: committed checkpoints, oldest first (``list_checkpoints``).
-        keep_last: keep the newest this many (at least the newest one is always kept); with
-            both ``keep_last`` and ``keep_best`` ``None``, everything is kept.
-        keep_best: keep the best this many by ``metric``; checkpoints without the metric (or
-            with NaN) are never among the best. A tie is not an improvement: of equal values
-            the older checkpoint ranks first, as ``Evaluator.best``, ``EarlyStopping`` and
-            ``export_best`` decide (``BestValue``).
+        keep_last: keep the newest this many.
+        keep_best: keep the best this many by ``metric``.
         metric: the metric name ``keep_best`` ranks by.
         mode: ``"min"`` or ``"max"``: whether a lower or a higher value is better.
 
     Returns:
         The retained checkpoints.
-
-    Raises:
-        ConfigError: invalid settings.
 
     Example:
         >>> infos = [CheckpointInfo(f"u{s}", f"n{s}", s, s, 0, 0.0, {"loss": l})
@@ -124,29 +118,22 @@ def prune(
 ) -> list[str]:
     """Delete the checkpoints of ``directory`` that :func:`select_retained` does not keep.
 
-    Also removes what crashed saves left behind (uncommitted directories, corrupt ones, hidden
-    ``.tmp-*`` staging directories): those older than the newest checkpoint, or all of them
-    with ``leftovers="all"``. A checkpoint is uncommitted first (manifest, or the rename on a
-    local disk) so that a crash while pruning never leaves a half-deleted checkpoint that looks
-    valid. Assumes one writer per directory.
+    Also removes what crashed saves left (uncommitted, corrupt or ``.tmp-*`` directories)
+    older than the newest checkpoint (``leftovers="all"``: all of them, when no save into
+    ``directory`` is in flight). A checkpoint is uncommitted before its files go, so a crash
+    while pruning never leaves a half-deleted one that looks valid.
 
     Args:
         directory: the directory given to ``save``.
-        keep_last: how many of the newest to keep; see :func:`select_retained`.
-        keep_best: how many of the best by ``metric`` to keep; see :func:`select_retained`.
-        metric: the manifest's metric that ranks them; see :func:`select_retained`.
+        keep_last: how many of the newest to keep (see ``select_retained``).
+        keep_best: how many of the best by ``metric`` to keep.
+        metric: the manifest's metric that ranks them.
         mode: ``"min"`` or ``"max"``: which end of ``metric`` is best.
         storage_options: passed to fsspec.
-        leftovers: ``"older"``: leave those newer than the newest checkpoint, which a save in
-            flight may own; ``"all"``: remove them too (only when no save into ``directory``
-            is in flight: ``checkpoint_every`` does so when it starts and after each save).
+        leftovers: ``"older"`` or ``"all"``.
 
     Returns:
         The URLs of the deleted checkpoints (not of the debris).
-
-    Raises:
-        ConfigError: invalid settings.
-        CheckpointError: the filesystem of ``directory`` is not installed.
 
     Example:
         >>> import torch
@@ -211,19 +198,13 @@ def best_checkpoint(
 
     Args:
         directory: the directory of checkpoints (``checkpoint_every``'s).
-        metric: the name of a metric saved with the checkpoints (``"val_loss"``), or the
-            ``Evaluator`` that monitors it (its name and mode).
+        metric: a metric saved with the checkpoints, or the ``Evaluator`` that monitors it.
         mode: ``"min"`` (default) or ``"max"``; the evaluator's when given one.
         storage_options: passed to fsspec.
 
     Returns:
-        The URL of the checkpoint with the best value (the oldest of equal ones: a tie is not
-        an improvement, as for ``Evaluator.best``).
-
-    Raises:
-        CheckpointError: no checkpoint in ``directory`` records ``metric`` (the message lists
-            the metrics they record).
-        ConfigError: a bad ``metric`` or ``mode``.
+        The URL of the best checkpoint (the oldest of equal ones). ``CheckpointError`` when
+        none records ``metric``.
 
     Example:
         >>> import torch

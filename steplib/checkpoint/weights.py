@@ -16,12 +16,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from steplib.checkpoint import checksummed, storage
-from steplib.checkpoint.contents import MODEL, read_tree
-from steplib.checkpoint.listing import StorageOptions, committed_manifest, newest_valid
-from steplib.checkpoint.manifest import SHARDED, Manifest
-from steplib.checkpoint.sharded.layout import holds_dtensor_parameters
-from steplib.checkpoint.storage import Location
+from steplib.checkpoint import storage
+from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters, read_tree
+from steplib.checkpoint.manifest import SHARDED, Manifest, committed_manifest, newest_valid
+from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.distributed.parallelize import inner_module
 from steplib.errors import (
     CheckpointError,
@@ -60,53 +58,30 @@ def load_weights(
     ignore_mismatched_sizes: bool = False,
     storage_options: StorageOptions = None,
 ) -> LoadedWeights:
-    """Load the weights saved at ``source`` into ``model``; nothing else changes.
+    """Load the weights saved at ``source`` into ``model``; nothing else changes (the
+    optimizer, counters, RNG and data stay fresh: fine-tuning; ``load`` resumes a run).
 
-    The optimizer, scheduler, counters, RNG states and data position are not touched: this
-    starts a fine-tuning run from another run's weights (``load`` resumes a run instead). The
-    weights are read on the CPU and copied into the model's parameters and buffers, on the
-    model's device and in its dtype.
-
-    ``source`` is one of:
-
-    * a steplib checkpoint (``save``, ``latest``, ``best_checkpoint``): its files are verified
-      against their checksums first; a sharded (DCP) checkpoint of any number of ranks works;
-    * a directory of checkpoints (``checkpoint_every``'s): the newest valid one, skipping a
-      corrupt one with a ``CheckpointWarning`` as ``latest`` does;
-    * a file of ``export_model`` (``format="torch"`` or ``"safetensors"``), or any
-      ``torch.save`` / safetensors file of a ``state_dict``.
-
-    Names are matched as DDP and ``torch.compile`` users expect: ``model`` may be wrapped by
-    either (the weights go into the module inside), and weights saved from a wrapped model
-    (``module.`` / ``_orig_mod.`` before every name) load into a plain one. An FSDP2 or
-    tensor-parallel model is loaded on every rank together (each rank reads the whole
-    weights, then keeps its shard).
+    ``source`` is a steplib checkpoint (verified first; a sharded one of any number of
+    ranks too), a directory of them (the newest valid one), or a file of ``export_model`` or
+    any ``torch.save`` / safetensors ``state_dict``. A model wrapped by DDP or
+    ``torch.compile`` takes the weights into the module inside, and weights saved from a
+    wrapped one (``module.`` / ``_orig_mod.``) load into a plain one. An FSDP2 or
+    tensor-parallel model loads on every rank together (each keeps its shard).
 
     Args:
         model: the module, or a TrainState (its model).
         source: a local path or fsspec URL: a checkpoint, a directory of them, or a file.
-        strict: ``True`` refuses weights whose names differ from the model's (listing them);
-            ``False`` loads the names both have, leaves the others as they are, and warns
-            with the lists (a ``CheckpointWarning``).
-        ignore_mismatched_sizes: ``False`` refuses a weight whose shape differs from the
-            model's (as torch does); ``True`` skips it, so that the model keeps its own (a head
-            for other classes, as Hugging Face's ``from_pretrained`` option of that name), and
-            warns with the names and both shapes (a ``CheckpointWarning``).
+        strict: ``True`` refuses weights whose names differ from the model's; ``False``
+            loads the names both have and warns with the rest (``CheckpointWarning``).
+        ignore_mismatched_sizes: ``True`` skips a weight of another shape (the model keeps
+            its own, a new head) and warns; ``False`` refuses it, as torch does.
         storage_options: passed to fsspec.
 
     Returns:
-        torch's ``(missing_keys, unexpected_keys)`` named tuple, as ``load_state_dict``
-        returns it: the model's names not in ``source`` (left as they were), and the names of
-        ``source`` not in the model (not used). Both are empty after a strict load. Its
-        ``mismatched_keys`` are the names skipped for their shapes (left as they were).
-
-    Raises:
-        ConfigError: with ``strict=True``, names that differ (missing and unexpected listed);
-            with ``ignore_mismatched_sizes=False``, a weight whose shape differs from the
-            model's; in any case, a ``source`` that holds no ``state_dict``, or a bad argument.
-            Nothing is changed then.
-        CorruptCheckpointError: a checkpoint file is truncated, altered or missing (named).
-        CheckpointError: nothing at ``source``, or a directory without a checkpoint.
+        torch's ``(missing_keys, unexpected_keys)``, with ``mismatched_keys``: the names
+        skipped for their shapes. ``ConfigError`` (nothing changed) for names or shapes that
+        differ as above, or a ``source`` without a ``state_dict``; ``CorruptCheckpointError``
+        for a damaged file; ``CheckpointError`` for nothing at ``source``.
 
     Example:
         >>> from steplib import TrainState
@@ -243,9 +218,7 @@ def _read_checkpoint(
     location: Location, manifest: Manifest, storage_options: StorageOptions
 ) -> dict[str, Any]:
     if manifest.layout == SHARDED:
-        from steplib.checkpoint.sharded.weights import read_weights  # DCP: imported on use
-
-        return read_weights(location, manifest, storage_options)
+        return _read_sharded(location, manifest, storage_options)
     record = manifest.files.get(MODEL)
     if record is None:
         raise CorruptCheckpointError(
@@ -255,10 +228,10 @@ def _read_checkpoint(
     file = location.child(MODEL)
     source: Any
     if file.is_local:  # verified streaming, then mapped: the file is never held twice in memory
-        checksummed.verify_local(file, record, checkpoint=location.url)
+        storage.verify(file, record, checkpoint=location.url)
         source = file.path
     else:
-        source = io.BytesIO(checksummed.read_verified(file, record, checkpoint=location.url))
+        source = io.BytesIO(storage.read_verified(file, record, checkpoint=location.url))
     return _state_dict(read_tree(source, location.url, MODEL, mmap=file.is_local), location.url)
 
 
@@ -351,3 +324,27 @@ def _differences(missing: list[str], unexpected: list[str]) -> str:
 def _listed(items: list[str]) -> str:
     shown = ", ".join(items[:_SHOWN])
     return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def _read_sharded(location: Location, manifest: Manifest, storage_options: Any) -> dict[str, Any]:
+    """``model.state_dict()`` as saved, whole, on the CPU, every file verified first. No
+    collective: every rank of a job may call it alone. ``CorruptCheckpointError`` if damaged."""
+    import torch.distributed.checkpoint as torch_dcp  # imported on use, with steplib's side
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    from steplib.checkpoint import dcp
+
+    url = location.url
+    storage.verify_all(location, manifest.files)
+    rank_tree = dcp.read_rank_file(location, manifest, 0)
+    metadata = dcp.read_metadata(location, storage_options)
+    # Whole tensors to read into: DCP assembles them from the shards of every rank.
+    tensors = {
+        key[len("model.") :]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
+    }
+    reader = dcp.reader(location, storage_options)
+    with dcp.dcp_errors("read", url):
+        torch_dcp.load({"model": tensors}, storage_reader=reader, no_dist=True)
+    return dcp.merge(tensors, rank_tree["plain"].get("model", {}))  # with non-tensor entries

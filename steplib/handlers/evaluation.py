@@ -263,7 +263,7 @@ class Evaluator:
     def state_dict(self) -> dict[str, Any]:
         """What decides its later records: the best value and its step, whether the last
         evaluation improved it, the history and the last evaluated update. Attached to a run,
-        it is saved with each checkpoint and restored on resume (``checkpoint.attached``).
+        it is saved with each checkpoint and restored on resume (``checkpoint.contents``).
 
         Example:
             >>> import torchmetrics

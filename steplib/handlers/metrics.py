@@ -104,7 +104,7 @@ class TrainMetrics:
 
     def state_dict(self) -> dict[str, Any]:
         """The sums of the interval not yet read. Attached to a run, they are saved with each
-        checkpoint and restored on resume (``checkpoint.attached``), so that the first record
+        checkpoint and restored on resume (``checkpoint.contents``), so that the first record
         after a resume covers the same updates as without the interruption.
 
         Example:

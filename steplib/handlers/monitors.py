@@ -187,7 +187,7 @@ class GradNormMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         """The sums of the interval not yet read (tensors, or ``None``). Attached to a run, they
-        are saved with each checkpoint and restored on resume (``checkpoint.attached``), so
+        are saved with each checkpoint and restored on resume (``checkpoint.contents``), so
         that the first read after a resume covers the same updates as without the interruption.
 
         Example:

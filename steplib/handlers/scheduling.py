@@ -3,7 +3,7 @@ handler. A scheduler stepped per optimizer update belongs in the state instead
 (``TrainState.create(scheduler=...)``): the step advances it with each applied update.
 
 Its state is saved with every checkpoint and restored at resume without being named (it is a
-handler with ``state_dict``; see ``steplib.checkpoint.attached``), and checkpoint saves run
+handler with ``state_dict``; see ``steplib.checkpoint.contents``), and checkpoint saves run
 after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
 scheduler from before its step.
 

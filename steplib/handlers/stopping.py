@@ -226,7 +226,7 @@ class EarlyStopping:
 
     def state_dict(self) -> dict[str, Any]:
         """The best value, the checks waited and the evaluations seen. Attached to a run, it
-        is saved with each checkpoint and restored on resume (``checkpoint.attached``)."""
+        is saved with each checkpoint and restored on resume (``checkpoint.contents``)."""
         return {"best": self.best.state_dict(), "wait": self.wait, "evaluations": self._evaluations}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -1,0 +1,400 @@
+"""``checkpoint_every``: the checkpoint handler. It saves every N updates and/or epochs with
+the loader's position and the attached handlers' state, prunes, and reports each committed
+checkpoint as ``checkpoint_end`` on the training thread. Its inputs are given once (a
+``pipeline.Checkpoints``), which ``resume_from(ckpt)`` and ``preemption(ckpt)`` reuse.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from steplib import errors
+from steplib.cadence import Batches, check_every, due
+from steplib.checkpoint import storage
+from steplib.checkpoint.background import AsyncSaver
+from steplib.checkpoint.contents import check_metrics, prunes_here, run_data, with_handlers
+from steplib.checkpoint.manifest import CheckpointInfo
+from steplib.checkpoint.pipeline import Checkpoints, check_durable
+from steplib.checkpoint.retention import check_ranked_metric, check_retention, prune
+from steplib.checkpoint.storage import StorageOptions
+from steplib.distributed import is_main
+from steplib.errors import CheckpointError, ConfigError, describe
+from steplib.events import Emitted, Event, Events
+from steplib.state import EVALUATED_AT, TrainState
+
+_log = logging.getLogger("steplib.checkpoint")
+Metrics = Callable[[Event], Mapping[str, Any]]
+
+
+def default_metrics(event: Event) -> dict[str, float]:
+    """What a checkpoint records without a ``metrics`` function: the update's ``loss`` and
+    each number in ``state.extras`` that belongs to this state (a value an evaluation of
+    another update left there, per ``extras["evaluated_at"]``, is not this model's score).
+
+    Args:
+        event: the event whose state is saved (its ``output`` gives ``loss``).
+
+    Returns:
+        ``{name: float}`` (a host read of tensors, at save time only).
+
+    Example:
+        >>> import types
+        >>> extras = {"val_loss": 0.25, "note": "x", "evaluated_at": {"val_loss": 4}}
+        >>> default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=4))
+        {'val_loss': 0.25}
+        >>> default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=5))
+        {}
+    """
+    numbers: dict[str, float] = {}
+    output = getattr(event, "output", None)
+    loss = getattr(output, "loss", None)
+    # A sweep's loss is one per copy: no single number to rank the checkpoint by.
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        numbers["loss"] = float(loss)  # a host sync, at save time only
+    extras = getattr(event.state, "extras", {})
+    stale = stale_values(extras, event.step)
+    for name, value in extras.items():
+        if name in stale:
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            numbers[name] = float(value)
+    return numbers
+
+
+def stale_values(extras: Mapping[str, Any], step: int) -> set[str]:
+    """The names in ``extras`` that an evaluation of another update than ``step`` put there."""
+    evaluated = extras.get(EVALUATED_AT, {})
+    return {name for name, at in evaluated.items() if at != step}
+
+
+class Checkpointer:
+    """The handler :func:`checkpoint_every` builds (with its checked arguments); register it
+    with :meth:`attach`.
+
+    Attributes:
+        given: the directory and what each save is given (``pipeline.Checkpoints``).
+        last_saved: the URL of the last checkpoint this handler saved, or ``None``.
+        events: the ``Events`` it reports ``checkpoint_end`` to and whose attached handlers'
+            state it saves (``None`` until attached).
+    """
+
+    def __init__(
+        self,
+        given: Checkpoints,
+        *,
+        every: int | Batches | None,
+        epochs: int | None = None,
+        keep_last: int | None,
+        keep_best: int | None,
+        metric: str | None,
+        mode: str,
+        metrics: Metrics | None,
+        background: bool,
+        at_end: bool,
+        check_metric: bool = True,
+    ) -> None:
+        self.given = given
+        self.every, self.epochs, self.at_end = every, epochs, at_end
+        self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
+        self.metrics, self.check_metric = metrics or default_metrics, check_metric
+        self._run_data: Any = None  # the stateful loader run() draws from (its fit_start's)
+        self._saver = AsyncSaver() if background else None
+        self._saved_at: tuple[int, int] | None = None
+        self.last_saved: str | None = None
+        self.events: Events | None = None
+        self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
+
+    @property
+    def directory(self) -> str:
+        return self.given.directory
+
+    def attach(self, events: Events) -> Events:
+        """Register on ``fit_start``, ``step_end``, ``epoch_end`` (every ``epochs``),
+        ``fit_end`` and ``exception``; return ``events``."""
+        self.events = events
+        events.on("fit_start", self.on_fit_start)
+        # Last at each event: a save holds what every other handler did there (an evaluation,
+        # a scheduler's step), in whatever order they were attached.
+        events.on("step_end", self.on_step_end, last=True)
+        if self.epochs is not None:
+            events.on("epoch_end", self.on_epoch_end, every=self.epochs, last=True)
+        events.on("fit_end", self.on_fit_end, last=True)
+        events.on("exception", self.on_exception)
+        return events
+
+    def __call__(self, event: Event) -> Emitted | None:
+        return self.on_step_end(event)
+
+    def on_fit_start(self, event: Event) -> None:
+        """Check that the directory can be written (``CheckpointError`` if not), remove what a
+        killed save left there, remember where the run starts and the loader it draws from."""
+        self._saved_at = _position(event.state)
+        self._run_data = run_data(self.given.data, event)
+        directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
+        storage.check_writable(directory, caller=repr(self))
+        if prunes_here(event.state) and (self._saver is None or not self._saver.pending):
+            self._prune(keep=False)
+
+    def on_step_end(self, event: Event) -> Emitted | None:
+        """Save when ``event.step`` is a multiple of ``every``; report what was committed.
+        ``ConfigError`` when ``keep_best``'s ``metric`` is not among this save's metrics."""
+        if self.every is not None and due(self.every, event):
+            return self.on_epoch_end(event)
+        return self.report(event)
+
+    def on_epoch_end(self, event: Event) -> Emitted | None:
+        """Save unless this state was saved already, and report."""
+        return self._save_and_report(event, strict=True)
+
+    def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted | None:
+        """Emit ``checkpoint_end`` for each checkpoint committed and not yet reported, oldest
+        first, each seeing the state the previous one left (from ``earlier``'s, if given);
+        return the outcome, to return from the handler."""
+        if self.events is None:  # never attached: nobody to tell
+            self._committed.clear()
+        if not self._committed:
+            return earlier
+        state, stop = (event.state, None) if earlier is None else (earlier.state, earlier.stop)
+        while self._committed:
+            info = self._committed.popleft()
+            assert self.events is not None
+            emitted = self.events.emit(Event.at("checkpoint_end", state, checkpoint=info))
+            state, stop = emitted.state, stop or emitted.stop
+        return Emitted(state, stop)
+
+    def on_fit_end(self, event: Event) -> Emitted | None:
+        """Save the final state (``at_end``, if it moved), wait for background writes
+        (``CheckpointError`` if one failed), and report."""
+        earlier = self._save_and_report(event, strict=False) if self.at_end else None
+        self.wait()
+        return self.report(event, earlier=earlier)
+
+    def on_exception(self, event: Event) -> Emitted | None:
+        """Let a background write finish (its error logged, not raised over the first); report."""
+        try:
+            self.wait()
+        except CheckpointError as err:
+            _log.error("background checkpoint failed while the run was failing: %s", err)
+        return self.report(event)
+
+    def save(self, event: Event, *, blocking: bool = False) -> str:
+        """Save ``event.state`` now (unless already saved) and prune; return the URL.
+        ``blocking``: in this thread, committed on return (a preemption's). Off the schedule,
+        a save whose metrics lack ``metric`` is written but prunes nothing."""
+        return self._save(event, blocking=blocking, strict=False)
+
+    def _save_and_report(self, event: Event, *, strict: bool) -> Emitted | None:
+        earlier = None
+        if _position(event.state) != self._saved_at:
+            # The save in flight lands and is reported before this one starts, so that its
+            # checkpoint_end handlers find it in place (this save's pruning may remove it).
+            self.wait()
+            earlier = self.report(event)
+            self._save(event, blocking=False, strict=strict)
+        return self.report(event, earlier=earlier)
+
+    def _save(self, event: Event, *, blocking: bool, strict: bool) -> str:
+        state: TrainState = event.state
+        if self._saved_at == _position(state) and self.last_saved is not None:
+            if blocking:
+                self.wait()
+            return self.last_saved
+        metrics = self.metrics(event)
+        # Not evaluated at this update (an earlier evaluation scored another model, or none
+        # yet): this save records no score and does not compete for best, but may prune.
+        known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
+        ranked = self.keep_best is None or self.metric in metrics or known
+        caller = "checkpoint_every"
+        if strict and not known:
+            check_ranked_metric(
+                caller, keep_best=self.keep_best, metric=self.metric, recorded=metrics
+            )
+        elif not ranked:
+            recorded = ", ".join(sorted(metrics)) or "none"
+            why = "saved without pruning, so that no best checkpoint is lost"
+            _log.warning(
+                "%s(metric=%r): not among its metrics (%s); %s", caller, self.metric, recorded, why
+            )
+        given = dataclasses.replace(
+            self.given,
+            data=self.given.data if self.given.data is not None else self._run_data,
+            extras=with_handlers(caller, self.given.extras, self.events),
+        )
+        here = prunes_here(state)  # sharded: rank 0 alone (the ranks share one directory)
+        taken, numbers = time.time(), check_metrics(metrics, caller)
+
+        def committed(url: str) -> None:  # in the writer's thread for a background save
+            if here:
+                self._prune(keep=ranked)
+            name = url.rstrip("/").rsplit("/", 1)[-1]
+            at = (state.step, state.micro_step, state.epoch)
+            self._committed.append(CheckpointInfo(url, name, *at, taken, dict(numbers)))
+
+        if self._saver is not None and not blocking:
+            url = self._saver.submit(given, state, metrics=metrics, after=committed)
+        else:
+            self.wait()
+            url = given.save(state, metrics=metrics)
+            committed(url)
+        self._saved_at = _position(state)
+        self.last_saved = url
+        return url
+
+    def wait(self) -> None:
+        """Wait for the background save, if any (``CheckpointError`` if it failed)."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    def _prune(self, keep: bool = True) -> None:
+        # Called with no save of this handler in flight, so no leftover is its own; only rank 0
+        # removes the newest leftovers (another rank may be writing one).
+        prune(
+            self.directory,
+            keep_last=self.keep_last if keep else None,
+            keep_best=self.keep_best if keep else None,
+            metric=self.metric,
+            mode=self.mode,
+            storage_options=self.given.storage_options,
+            leftovers="all" if is_main() else "older",
+        )
+
+    def __repr__(self) -> str:
+        cadence = (f"{k}={v}" for k, v in (("every", self.every), ("epochs", self.epochs)) if v)
+        return f"checkpoint_every({self.directory!r}, {', '.join(cadence)})"
+
+
+def _position(state: TrainState) -> tuple[int, int]:
+    return state.step, state.micro_step
+
+
+def checkpoint_every(
+    directory: str,
+    *,
+    every: int | Batches | None = None,
+    epochs: int | None = None,
+    at_epoch_end: bool = False,
+    keep_last: int | None = None,
+    keep_best: int | None = None,
+    metric: Any = None,
+    mode: str | None = None,
+    data: Any = None,
+    extras: Mapping[str, Any] | None = None,
+    step: Any = None,
+    metrics: Metrics | None = None,
+    background: bool = False,
+    at_end: bool = True,
+    storage_options: StorageOptions = None,
+    durable: bool = True,
+) -> Checkpointer:
+    """A handler that saves a checkpoint every ``every`` optimizer updates and/or at the end of
+    every ``epochs``-th epoch, and reports each one committed as ``checkpoint_end`` (its
+    ``CheckpointInfo`` in ``event.checkpoint``). At ``fit_start`` it checks that ``directory``
+    can be written and removes what a killed save left there (rank 0 alone on several ranks).
+
+    Args:
+        directory: a local path or fsspec URL of the directory of checkpoints.
+        every: save when ``state.step`` is a multiple of this (an int >= 1), every n batches
+            with ``Batches(n)`` (at the update holding the n-th batch), or ``None``.
+        epochs: save at the end of every this-many epochs (with ``every``, both save).
+        at_epoch_end: ``True`` is ``epochs=1``.
+        keep_last: after each save keep the newest this many (``None``: keep all).
+        keep_best: also keep the best this many by ``metric``.
+        metric: the metric ``keep_best`` ranks by, or the ``Evaluator`` that monitors it.
+        mode: ``"min"`` (default) or ``"max"``: whether lower or higher ``metric`` is better.
+        data: the loader whose position to save (see ``steplib.data.resumable_loader``).
+        extras: more objects with ``state_dict()`` to save by name.
+        step: the Step; its composition is saved and checked on resume.
+        metrics: ``event -> {name: number}`` recorded with each checkpoint (by default
+            :func:`default_metrics`).
+        background: write in a background thread (:class:`AsyncSaver`); errors surface at
+            the next save or at ``fit_end``.
+        at_end: also save at ``fit_end`` if the state changed since the last save.
+        storage_options: passed to fsspec.
+        durable: fsync each checkpoint before it counts as saved (see ``save``).
+
+    Returns:
+        A :class:`Checkpointer`; call ``.attach(events)``.
+
+    Raises:
+        ConfigError: a bad cadence, ``durable`` or retention setting; at a scheduled save
+            (before anything is written or pruned), a ``metric`` its metrics do not hold.
+
+    Example:
+        >>> import torch
+        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> from steplib.checkpoint import list_checkpoints
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
+        >>> events = checkpoint_every("memory://doctest-every/ckpt", every=2, keep_last=2,
+        ...                           step=step).attach(Events())
+        >>> state = run(step, state, [torch.ones(4, 2)] * 5, events=events)
+        >>> [c.step for c in list_checkpoints("memory://doctest-every/ckpt")]
+        [4, 5]
+    """
+    epochs = check_cadence(every, epochs, at_epoch_end)
+    # A name typed by hand may be misspelt: a scheduled save refuses it when it is missing. An
+    # evaluator's own name is not, and is missing only before its first evaluation.
+    typed = isinstance(metric, str)
+    if metric is not None:
+        metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
+    mode = mode or "min"
+    check_retention(
+        "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
+    )
+    check_durable(durable, "checkpoint_every")
+    given = Checkpoints(directory, data, extras, step, storage_options, durable)
+    return Checkpointer(
+        given,
+        every=every,
+        epochs=epochs,
+        keep_last=keep_last,
+        keep_best=keep_best,
+        metric=metric,
+        mode=mode,
+        metrics=metrics,
+        background=background,
+        at_end=at_end,
+        check_metric=typed,
+    )
+
+
+def check_cadence(every: Any, epochs: Any, at_epoch_end: Any) -> int | None:
+    """The epoch cadence of ``checkpoint_every`` (1 for ``at_epoch_end=True``), checked."""
+    if at_epoch_end is not False and at_epoch_end is not True:
+        raise ConfigError(
+            f"checkpoint_every(at_epoch_end=...) received {describe(at_epoch_end)}; pass True "
+            "(save at every epoch end) or False, or epochs=N for every N epochs."
+        )
+    if at_epoch_end and epochs is not None:
+        raise ConfigError(
+            f"checkpoint_every received at_epoch_end=True (every epoch) and epochs={epochs!r} "
+            "(every that many epochs), which contradict each other. Pass one: epochs=1 is "
+            "at_epoch_end=True."
+        )
+    if at_epoch_end:
+        epochs = 1
+    if every is None and epochs is None:
+        raise ConfigError(
+            "checkpoint_every received no cadence (every=None), so it would never save. Pass "
+            "every=500 (optimizer updates between checkpoints), epochs=1 (every epoch end; "
+            "at_epoch_end=True is the same), or both."
+        )
+    check_every("checkpoint_every(every=...)", every)
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+    ):
+        raise ConfigError(
+            f"checkpoint_every(epochs=...) received {describe(epochs)}; it is the number of "
+            "epochs between checkpoints and must be an int >= 1, e.g. epochs=2."
+        )
+    return epochs

@@ -1,0 +1,400 @@
+"""The DCP back-end: the model and optimizer tensors of a DDP, FSDP2 or tensor-parallel state
+through torch.distributed.checkpoint and fsspec (imported on use: DCP costs ~0.8 s). A sharded
+checkpoint holds ``dcp/`` (each rank writes its shard, replicated tensors once), one
+``rank-0000N.pt`` per rank (its train state, and the non-tensor part of the state dicts) and
+the manifest. Only tensors go through DCP, which stores other values as pickles; its
+``.metadata`` is read by an unpickler that builds DCP's records only. DCP reshards on load:
+into 1, 4 ranks or a plain module; on another world size the RNG states are not restored, and
+an open window or a per-rank data position (not ``shard=True``) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as torch_dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint import state_dict as sd
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from steplib.checkpoint import contents, restore, storage
+from steplib.checkpoint.contents import DCP_DIR, holds_only_ddp, is_sharded, lanes, rank_file
+from steplib.checkpoint.pipeline import Checkpoints, Plan
+from steplib.checkpoint.storage import FileRecord, Location
+from steplib.data.shards import check_new_world
+from steplib.distributed.parallelize import is_parallel_model
+from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from steplib.state import TrainState
+
+try:  # re-exported by torch.distributed.checkpoint up to torch 2.12, private module since
+    from torch.distributed.checkpoint import FsspecReader, FsspecWriter  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the torch version
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+Tree = dict[str, Any]
+
+
+class _ChecksumFileSystem:
+    """An ``FsspecWriter``'s filesystem recording each file written by name (a rename too)."""
+
+    def __init__(self, inner: Any, records: MutableMapping[str, FileRecord]) -> None:
+        self.inner, self.records = inner, records
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with self.inner.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = storage.ChecksumFile(raw)
+            yield stream
+        # Recorded only once the file is complete and closed (not when the write failed).
+        self.records[os.path.basename(os.fspath(path))] = stream.record()
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self.inner.rename(path, new_path)
+        if record := self.records.pop(os.path.basename(os.fspath(path)), None):
+            self.records[os.path.basename(os.fspath(new_path))] = record
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class ChecksumWriter(FsspecWriter):
+    """DCP's ``FsspecWriter`` recording every file this rank writes in ``records``."""
+
+    def __init__(self, path: str, *, records: MutableMapping[str, FileRecord], **kwargs: Any):
+        # overwrite=False: an old .metadata in a fresh staging directory means two saves.
+        super().__init__(path, overwrite=False, **kwargs)
+        this: Any = self  # FsspecWriter's attributes are untyped (torch's mypy: ignore-errors)
+        this.fs = _ChecksumFileSystem(this.fs, records)
+
+
+class MetadataReader(FsspecReader):
+    """DCP's ``FsspecReader`` whose ``.metadata`` unpickler builds DCP's records, sizes and
+    dtypes only: a file that names anything else (code to run) is refused, not executed."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        # The body of FileSystemReader.read_metadata, with pickle.load replaced.
+        this: Any = self
+        path = this._get_metadata_path(kwargs.get("rank"))
+        with this.fs.create_stream(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = this.load_id
+        return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")
+    }  # fmt: skip
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if self._allowed(module, name) else None
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"DCP's .metadata names {module}.{name}, which is not part of DCP's metadata; "
+                "steplib does not run code from a checkpoint. Use a checkpoint written by "
+                "steplib's save."
+            )
+        return found
+
+    def _allowed(self, module: str, name: str) -> bool:
+        if (module, name) in self._ALLOWED:
+            return True
+        if module == "torch.distributed.checkpoint.metadata":
+            found = getattr(dcp_metadata, name, None)  # the records and enums defined there
+            return isinstance(found, type) and found.__module__ == module
+        if module == "torch":
+            kinds = (torch.dtype, torch.layout, torch.memory_format)
+            return isinstance(getattr(torch, name, None), kinds)
+        return False
+
+
+def split(tree: Any) -> tuple[Tree, Tree]:
+    """``(tensors, plain)``: the tensor leaves of nested dicts for DCP, the rest for
+    ``torch.save``. Lists (e.g. the optimizer's ``param_groups``) go whole to ``plain``."""
+    tensors: Tree = {}
+    plain: Tree = {}
+    for key, value in tree.items():
+        if isinstance(value, torch.Tensor):
+            tensors[key] = value
+        elif isinstance(value, dict) and value:
+            sub_tensors, sub_plain = split(value)
+            if sub_tensors:
+                tensors[key] = sub_tensors
+            if sub_plain or not sub_tensors:
+                plain[key] = sub_plain
+        else:
+            plain[key] = value
+    return tensors, plain
+
+
+def merge(tensors: Tree, plain: Tree) -> Tree:
+    """The inverse of :func:`split`: one nested dict (plain dicts, new at every level)."""
+    out: Tree = {}
+    for key in [*plain, *(k for k in tensors if k not in plain)]:
+        a, b = tensors.get(key), plain.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out[key] = merge(a, b)
+        else:
+            out[key] = a if key in tensors else b
+    return out
+
+
+@contextlib.contextmanager
+def dcp_errors(action: str, url: str) -> Iterator[None]:
+    """DCP's ``CheckpointException`` (the same on every rank) as a ``CheckpointError``; its
+    warning on a load meant to run without a process group (``no_dist=True``) silenced."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", "torch.distributed is disabled, unavailable or uninitialized"
+            )
+            yield
+    except CheckpointException as err:
+        failures = "; ".join(
+            f"rank {rank}: {type(error).__name__}: {error}"
+            for rank, error in sorted(getattr(err, "failures", {}).items())
+        )
+        raise CheckpointError(
+            f"torch.distributed.checkpoint could not {action} {url} ({failures or err}). "
+            "Check that every rank can reach the directory (one shared filesystem or object "
+            "store for all nodes), its permissions and free space; nothing was committed and "
+            "older checkpoints are intact."
+        ) from None
+
+
+def gather(
+    state: TrainState, *, data: Any, extras: Mapping[str, Any], caller: str
+) -> tuple[Tree, Tree]:
+    """``(files, tensors)``: this rank's file and DCP's tensors, live. ``ConfigError`` for
+    an FSDP2 or tensor-parallel state inside an open accumulation window."""
+    model, every = state.model, lanes(state)
+    grads = None
+    open_window = max(lane.window.size for lane in every)
+    if open_window > 0:
+        if not holds_only_ddp(model):
+            # FSDP2 keeps them inside its parameter groups, with no public way to read them
+            # back; a tensor-parallel model's are bound to this run's mesh.
+            fsdp = any(is_parallel_model(m) for m in model.modules())
+            kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
+            raise ConfigError(
+                f"{caller}: the state is inside an open accumulation window "
+                f"({open_window} micro-batches done) of {kind} model, whose "
+                "unsynchronised gradients cannot be saved. Save between windows: "
+                "checkpoint_every and preemption() do; or save when out.did_update is True."
+            )
+        grads = contents.window_grads(model)
+    # get_optimizer_state_dict initialises an empty optimizer state by stepping it once with
+    # lr=0, which changes what the next real step computes (Adam's step count). Before an
+    # optimizer's first update there is no state to save anyway: only its hyperparameters.
+    # One DCP state holds every optimizer that has state (their parameters are disjoint).
+    stateful = [lane.optimizer for lane in every if lane.optimizer.state]
+    optim_sd = sd.get_optimizer_state_dict(model, stateful) if stateful else {}
+    tensors, plain = split({"model": sd.get_model_state_dict(model), "optimizer": optim_sd})
+    # Each optimizer: whether it had state, and its groups' settings and sizes.
+    infos = [
+        {
+            "has_state": bool(o.state),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
+            "group_sizes": [len(g["params"]) for g in o.param_groups],
+        }
+        for o in (lane.optimizer for lane in every)
+    ]
+    rank_tree = {
+        "plain": plain,
+        "optimizer": infos[0],
+        "optimizer_names": list(state.names),
+        "lane_optimizers": dict(zip(state.names[1:], infos[1:], strict=True)),
+        "train_state": contents.train_state_tree(state, data=data, extras=extras),
+        "window_grads": grads,
+    }
+    name = rank_file(dist.get_rank())
+    contents.check_plain(rank_tree, name)
+    return {name: rank_tree}, tensors
+
+
+def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]:
+    """DCP writes this rank's shard of ``plan.tensors`` into ``staging``; return its files'
+    records. DCP agrees on failures: the same ``CheckpointError`` on every rank."""
+    if dist.get_rank(group) == 0 and not staging.is_local:  # an older save's, in place
+        with contextlib.suppress(FileNotFoundError):
+            staging.fs.rm(staging.child(DCP_DIR).path, recursive=True)
+    written: dict[str, FileRecord] = {}
+    writer = ChecksumWriter(
+        staging.child(DCP_DIR).url,
+        records=written,
+        # An object store's files have no fsync; DCP would call os.sync() for each instead.
+        sync_files=plan.fsync and staging.is_local,
+        **plan.storage_options,
+    )
+    with dcp_errors("write", plan.url):
+        torch_dcp.save(plan.tensors, storage_writer=writer, process_group=group)
+    return {f"{DCP_DIR}/{name}": record for name, record in written.items()}
+
+
+def load(
+    location: Location,
+    manifest: Any,
+    state: TrainState,
+    given: Checkpoints,
+    extras: Mapping[str, Any],
+) -> TrainState:
+    """Load a sharded checkpoint into ``state``, verified and checked first (see ``load``)."""
+    url, data, options = location.url, given.data, dict(given.storage_options or {})
+    # A collective for a sharded state; a plain module loads alone (rank 0 only, to evaluate).
+    distributed = is_sharded(state)
+    me = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    storage.verify_all(location, manifest.files, me=me, world=world)
+
+    same_world = world == manifest.world_size
+    rank_tree = read_rank_file(location, manifest, me if same_world else 0)
+    train_state = rank_tree["train_state"]
+    restore.check_optimizer_names(rank_tree.get("optimizer_names", []), state, checkpoint=url)
+    restore.check_train_state(train_state, state, data=data, extras=extras, checkpoint=url)
+    # Each optimizer's record, the first's under "optimizer" (as before several were saved).
+    infos = [rank_tree["optimizer"], *rank_tree.get("lane_optimizers", {}).values()]
+    trees = restore.lane_trees(train_state, state)
+    for lane, info, tree in zip(lanes(state), infos, trees.values(), strict=True):
+        restore.check_optimizer(
+            tree["optimizer_type"], info["group_sizes"], lane.optimizer, checkpoint=url
+        )
+    saved = manifest.world_size
+    if not same_world and data is not None:
+        # Only a sharded loader's position (all ranks' samples) moves to another world size.
+        check_new_world(
+            data, train_state["data"], saved_world_size=saved, world_size=world, checkpoint=url
+        )
+    if manifest.window_size > 0 and (not same_world or not holds_only_ddp(state.model)):
+        raise ConfigError(
+            f"load: checkpoint {url} was taken inside an open accumulation window by "
+            f"{saved} DDP ranks, whose unsynchronised gradients only fit {saved} DDP ranks "
+            f"(here {world} rank(s), a {type(state.model).__name__}). Resume it as it was "
+            "saved, or use a checkpoint taken between windows."
+        )
+    if not same_world and _holds_dtensor(train_state["objects"]):
+        raise ConfigError(
+            f"load(extras=...): checkpoint {url} was written by {manifest.world_size} ranks "
+            f"and is loaded on {world}; its extra objects hold sharded tensors (DTensor, e.g. "
+            "an EMA of an FSDP2 model), saved per rank, which steplib cannot reshard. Resume "
+            f"on {manifest.world_size} ranks."
+        )
+
+    model = state.model
+    pairs = list(zip(lanes(state), infos, strict=True))
+    stateful = [lane.optimizer for lane, info in pairs if info["has_state"]]
+    target = {
+        "model": sd.get_model_state_dict(model),
+        "optimizer": sd.get_optimizer_state_dict(model, stateful) if stateful else {},
+    }
+    tensors, _ = split(target)
+    _check_keys(read_metadata(location, options), tensors, state, url)
+    with dcp_errors("read", url):
+        torch_dcp.load(tensors, storage_reader=reader(location, options), no_dist=not distributed)
+    loaded = merge(tensors, rank_tree["plain"])
+    sd.set_model_state_dict(model, loaded["model"])
+    if stateful:
+        sd.set_optimizer_state_dict(model, stateful, loaded["optimizer"])
+    for lane, info in pairs:
+        if not info["has_state"]:
+            _load_hyperparameters(lane.optimizer, info["groups"])
+    grads = rank_tree["window_grads"] or {}
+    restored = restore.restore_train_state(
+        train_state, state, data=data, extras=extras, grads=grads, restore_rng_states=same_world
+    )
+    return restored
+
+
+def _holds_dtensor(tree: Any) -> bool:
+    values = tree.values() if isinstance(tree, Mapping) else tree
+    if isinstance(tree, Mapping | list | tuple):
+        return any(_holds_dtensor(v) for v in values)
+    return isinstance(tree, DTensor)
+
+
+def read_rank_file(location: Location, manifest: Any, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s file of a verified sharded checkpoint (``CorruptCheckpointError`` if
+    the manifest lists none)."""
+    name, url = rank_file(rank), location.url
+    if name not in manifest.files:
+        raise CorruptCheckpointError(
+            f"checkpoint {url}: its manifest lists no {name} although it was written by "
+            f"{manifest.world_size} ranks; it was not written by steplib's save. Use another "
+            "checkpoint."
+        )
+    file = location.child(name)
+    source: Any = file.path if file.is_local else io.BytesIO(storage.read_bytes(file))
+    return dict(contents.read_tree(source, url, name))
+
+
+def _check_keys(
+    metadata: Any, tensors: Mapping[str, Any], state: TrainState, checkpoint: str
+) -> None:
+    """Compare the tensors the state needs with DCP's metadata first (DCP would fail half-way)."""
+    saved = {
+        key: tuple(entry.size) if isinstance(entry, dcp_metadata.TensorStorageMetadata) else None
+        for key, entry in metadata.state_dict_metadata.items()
+    }
+    needed = _flatten(tensors)
+    restore.check_model(
+        {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")},
+        {k[len("model.") :]: v for k, v in needed.items() if k.startswith("model.")},
+        model_type=type(state.model).__name__,
+        checkpoint=checkpoint,
+        hint=restore.FINE_TUNE,
+    )
+    missing = sorted(k for k in needed if k.startswith("optimizer.") and k not in saved)
+    if missing:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds no optimizer state for "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Build the "
+            "optimizer with the settings of the run that saved it (e.g. the same momentum)."
+        )
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
+    # The dotted names DCP gives nested dicts, with global shapes (a DTensor's .shape).
+    out: dict[str, tuple[int, ...]] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = tuple(value.shape)
+    return out
+
+
+def _load_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    # Saved before the first update: no per-parameter state, only the groups' settings. The
+    # optimizer's own load_state_dict takes them (and empties its state, as it was).
+    index = iter(range(sum(len(g["params"]) for g in optimizer.param_groups)))
+    params = [[next(index) for _ in g["params"]] for g in optimizer.param_groups]
+    saved = [dict(g, params=p) for g, p in zip(groups, params, strict=True)]
+    optimizer.load_state_dict({"state": {}, "param_groups": saved})
+
+
+def reader(location: Location, storage_options: Any) -> MetadataReader:
+    return MetadataReader(location.child(DCP_DIR).url, **dict(storage_options or {}))
+
+
+def read_metadata(location: Location, storage_options: Any) -> Any:
+    """DCP's ``.metadata`` (``CorruptCheckpointError`` when it cannot be read)."""
+    try:
+        return reader(location, storage_options).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, RuntimeError) as err:
+        raise CorruptCheckpointError(
+            f"checkpoint {location.url}: its file {DCP_DIR}/.metadata cannot be read ({err}), "
+            "although its checksum passes. Use another checkpoint."
+        ) from None

@@ -1,0 +1,371 @@
+"""The one pipeline every checkpoint goes through, given its inputs once.
+
+:class:`Checkpoints` holds what a run's saves and loads share (the directory, the data, the
+extra objects, the step, the storage options, durability); ``save``, ``load``,
+``AsyncSaver``, ``checkpoint_every`` and ``resume_from`` build one and call it. A save is
+``plan`` (check, gather) -> ``snapshot`` (async saves only) -> :func:`write` (files, manifest
+last, commit); a load is manifest -> verify -> check against the state -> apply. Two storage
+back-ends: ``torch.save`` files (``contents``), and DCP for a sharded state (``dcp``, imported
+on use: it costs ~0.8 s). Which ranks write what is decided once, by :func:`is_sharded`: a
+sharded checkpoint is written by every rank (each its RNG and data position) and committed
+once, by rank 0; any other by the process alone. The commit is the same code for both: the
+steps that rank 0 does alone are agreed on by every rank (:func:`_on_rank0`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+
+from steplib.checkpoint import storage
+from steplib.checkpoint.contents import (
+    DISTRIBUTION_WRAPPERS,
+    MODEL,
+    OPTIMIZER,
+    TRAIN_STATE,
+    check_arguments,
+    check_metrics,
+    gather,
+    is_sharded,
+    read_tree,
+)
+from steplib.checkpoint.manifest import (
+    MANIFEST,
+    SHARDED,
+    Manifest,
+    library_versions,
+    newest_valid,
+    read_manifest,
+)
+from steplib.checkpoint.restore import apply, check_fingerprint
+from steplib.checkpoint.storage import Location, StorageOptions
+from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError, describe
+from steplib.state import TrainState
+
+
+def check_durable(durable: Any, caller: str) -> None:
+    """Refuse a ``durable`` that is not a bool (``"no"`` or ``0`` would read as intended)."""
+    if not isinstance(durable, bool):
+        raise ConfigError(
+            f"{caller}(durable=...) received {describe(durable)}; it says whether the "
+            "checkpoint is fsync'ed to disk before the save counts as done and must be True or "
+            "False. Pass durable=True (the default: a power loss cannot lose a finished save) "
+            "or durable=False (faster; a power loss soon after may lose the newest checkpoint, "
+            "and resuming falls back to the previous one)."
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """What one process writes for a save, gathered at one moment (live tensors)."""
+
+    directory: Location
+    name: str
+    files: dict[str, Any]  # file name -> tree, written with torch.save
+    tensors: dict[str, Any] | None  # DCP's, for a sharded checkpoint
+    manifest: Manifest  # ``files`` and ``versions`` are filled in by ``write``
+    storage_options: dict[str, Any]
+    fsync: bool
+
+    @property
+    def url(self) -> str:
+        return self.directory.child(self.name).url
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Checkpoints:
+    """A directory of checkpoints and what each save and load of it is given once.
+
+    Attributes:
+        directory: a local path or fsspec URL of the directory of checkpoints.
+        data: the loader whose position is saved and restored, or ``None``.
+        extras: further objects with ``state_dict`` / ``load_state_dict``, by name.
+        step: the Step; its composition is recorded and checked on load.
+        storage_options: passed to fsspec.
+        durable: fsync files and directories before a save counts as committed.
+    """
+
+    directory: str
+    data: Any = None
+    extras: Mapping[str, Any] | None = None
+    step: Any = None
+    storage_options: StorageOptions = None
+    durable: bool = True
+
+    def plan(self, state: TrainState, *, metrics: Any, caller: str) -> Plan:
+        """Check the inputs and gather what this process writes (live tensors).
+
+        Raises:
+            ConfigError: a bad input, or a value a weights-only load could not read back.
+        """
+        check_durable(self.durable, caller)
+        extras = check_arguments(caller, state, data=self.data, extras=self.extras, step=self.step)
+        directory = storage.resolve(self.directory, self.storage_options, caller=caller)
+        numbers = check_metrics(metrics, caller)
+        tensors, world = None, 1
+        if is_sharded(state):
+            from steplib.checkpoint import dcp
+
+            files, tensors = dcp.gather(state, data=self.data, extras=extras, caller=caller)
+            world = dist.get_world_size()
+        else:
+            files = gather(state, data=self.data, extras=extras)
+        layout = SHARDED if tensors is not None else "single"
+        manifest = Manifest.of(
+            state, metrics=numbers, step=self.step, layout=layout, world_size=world
+        )
+        options = dict(self.storage_options or {})
+        return Plan(directory, manifest.name, files, tensors, manifest, options, self.durable)
+
+    def save(self, state: TrainState, *, metrics: Any = None, caller: str = "save") -> str:
+        """Write a checkpoint of ``state`` and commit it; return its URL (see ``save``)."""
+        return write(self.plan(state, metrics=metrics, caller=caller))
+
+    def load(self, url: str, state: TrainState) -> TrainState:
+        """Load the checkpoint at ``url`` into ``state``; see ``load``."""
+        extras = check_arguments("load", state, data=self.data, extras=self.extras, step=self.step)
+        state.fence.wait()  # an async save may still be copying what we overwrite
+        location = storage.resolve(url, self.storage_options, caller="load")
+        manifest = read_manifest(location)
+        sharded = manifest.layout == SHARDED
+        # A sharded checkpoint may be resumed with another distribution (that is resharding).
+        ignore = DISTRIBUTION_WRAPPERS if sharded else ()
+        check_fingerprint(manifest.fingerprint, self.step, checkpoint=location.url, ignore=ignore)
+        if sharded:  # written by DCP; loads into any world size
+            from steplib.checkpoint import dcp
+
+            return dcp.load(location, manifest, state, self, extras)
+        trees = _read_trees(location, manifest)
+        return apply(trees, state, data=self.data, extras=extras, checkpoint=location.url)
+
+    def load_newest(self, state: TrainState) -> tuple[str, TrainState] | None:
+        """Load the newest valid checkpoint of :attr:`directory`, skipping corrupt ones with a
+        warning; ``(url, state)``, or ``None`` when there is none.
+
+        Raises:
+            CorruptCheckpointError: there are committed checkpoints, and every one is corrupt.
+        """
+        location = storage.resolve(self.directory, self.storage_options, caller="resume_from")
+        found = newest_valid(location, lambda checkpoint, _: self.load(checkpoint.url, state))
+        if isinstance(found, tuple):
+            return found
+        if found:
+            # Starting fresh would silently throw the run away (and retention would then
+            # delete the evidence): a person should decide.
+            raise CorruptCheckpointError(
+                f"every checkpoint in {location.url} is corrupt ({', '.join(found)}; the "
+                "warnings say why), so there is nothing valid to resume from. Restore them from "
+                "a copy, or move them away to start the run fresh."
+            )
+        return None
+
+
+def _read_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
+    missing = {MODEL, OPTIMIZER, TRAIN_STATE} - manifest.files.keys()
+    if missing:
+        raise CorruptCheckpointError(
+            f"checkpoint {location.url}: its manifest lists no {', '.join(sorted(missing))}; it "
+            "was not written by steplib's save. Use another checkpoint."
+        )
+    url, files = location.url, manifest.files
+    if not location.is_local:
+        read = storage.read_verified
+        return {
+            name: read_tree(
+                io.BytesIO(read(location.child(name), record, checkpoint=url)), url, name
+            )
+            for name, record in files.items()
+        }
+    # torch.load reads a path with its own reader, several times faster than from bytes; the
+    # checksums are computed meanwhile in a thread (xxhash and file reads release the GIL).
+    # Nothing is applied to the state before every checksum has passed.
+    with ThreadPoolExecutor(1, thread_name_prefix="steplib-verify") as pool:
+        checks = [
+            pool.submit(storage.verify, location.child(name), record, checkpoint=url)
+            for name, record in files.items()
+        ]
+        try:
+            trees = {name: read_tree(location.child(name).path, url, name) for name in files}
+        finally:  # a failed checksum is the better explanation of a failed load
+            for check in checks:
+                check.result()
+    return trees
+
+
+def _on_rank0(action: Callable[[], Any], group: Any, sharded: bool) -> Any:
+    """``action()`` on rank 0, whose result (or failure, as the same ``CheckpointError``) every
+    rank of a sharded save returns, so that none is left waiting in a collective."""
+    if not sharded:
+        return action()
+    outcome: list[Any] = [None, None]
+    if dist.get_rank(group) == 0:
+        try:
+            outcome[0] = action()
+        except Exception as err:  # reported to every rank, raised on every rank
+            outcome[1] = f"rank 0: {type(err).__name__}: {err}"
+    dist.broadcast_object_list(
+        outcome, src=dist.get_global_rank(group, 0) if group else 0, group=group
+    )
+    if outcome[1] is not None:
+        raise CheckpointError(outcome[1])
+    return outcome[0]
+
+
+def write(plan: Plan, *, group: Any = None) -> str:
+    """Write ``plan`` and commit it; return the checkpoint's URL. For a sharded plan every rank
+    of ``group`` (the default group when ``None``) calls it: each writes its files, rank 0 the
+    manifest, and every rank returns the same URL or raises the same error.
+
+    Raises:
+        CheckpointError: any I/O error on any rank (nothing committed; the staging removed).
+    """
+    sharded, fsync = plan.tensors is not None, plan.fsync
+    me = dist.get_rank(group) if sharded else 0
+    staging: Location | None = None
+    try:
+        path = _on_rank0(lambda: storage.begin(plan.directory, plan.name).path, group, sharded)
+        fs = plan.directory.fs
+        staging = Location(plan.directory.child(path.rsplit("/", 1)[-1]).url, fs, path)
+        records: dict[str, storage.FileRecord] = {}
+        if sharded:
+            from steplib.checkpoint import dcp
+
+            records.update(dcp.write(plan, staging, group=group))  # DCP agrees on its failures
+        failure = None
+        try:
+            for name, tree in plan.files.items():
+                records[name] = storage.write_tensors(staging.child(name), tree, fsync=fsync)
+        except Exception as err:
+            if not sharded:
+                raise
+            failure = f"rank {me}: {type(err).__name__}: {err}"  # raised on every rank below
+        reports: list[Any] = [(records, failure)]
+        if sharded:
+            reports = [None] * dist.get_world_size(group)
+            dist.all_gather_object(reports, (records, failure), group=group)
+            if failures := [f for _, f in reports if f is not None]:
+                raise CheckpointError("; ".join(failures))
+
+        def commit() -> str:
+            assert staging is not None
+            files = {k: v for written, _ in reports for k, v in written.items()}
+            manifest = dataclasses.replace(
+                plan.manifest, files=dict(sorted(files.items())), versions=library_versions()
+            )
+            storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
+            return storage.commit(plan.directory, staging, plan.name, fsync=fsync).url
+
+        return str(_on_rank0(commit, group, sharded))
+    except Exception as err:
+        # Sharded: only failures the ranks agreed on (a barrier could wait forever otherwise).
+        if not isinstance(err, CheckpointError if sharded else OSError):
+            raise
+        # A sharded save's failures are agreed on by every rank, so every rank is here; the
+        # barrier makes "save raised" mean "the staging directory is gone" on every rank.
+        if staging is not None and staging.is_local and me == 0:
+            storage.remove(staging)
+        if sharded:
+            dist.barrier(group=group)
+        detail = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+        raise CheckpointError(
+            f"save could not write the checkpoint {plan.url} ({detail}). Pass a directory that "
+            "every rank can write to (one shared filesystem or object store for all nodes; "
+            "check the path, its permissions, free space and credentials); nothing was "
+            "committed and older checkpoints are intact."
+        ) from err
+
+
+def save(
+    state: TrainState,
+    directory: str,
+    *,
+    data: Any = None,
+    extras: Mapping[str, Any] | None = None,
+    step: Any = None,
+    metrics: Mapping[str, Any] | None = None,
+    storage_options: StorageOptions = None,
+    durable: bool = True,
+) -> str:
+    """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
+
+    A sharded state (DDP, FSDP2 or DTensor parameters, with a process group) is saved through
+    DCP: call it on every rank at the same update. ``durable=False`` skips the fsyncs (still
+    atomic and checksummed): a power loss within the kernel's write-back delay may lose the
+    newest checkpoint, which then fails its checksums and is skipped on resume.
+
+    Args:
+        state: the TrainState to save (see ``docs/checkpoints.md`` for what it holds).
+        directory: a local path or fsspec URL of the directory that holds the checkpoints.
+        data: the data loader whose position to save (e.g. ``steplib.data.resumable_loader``).
+        extras: more objects to save by name, each with ``state_dict()`` (an EMA, a metric).
+        step: the Step that trains ``state``; its composition is saved and checked by ``load``.
+        metrics: numbers to record in the manifest (what ``keep_best`` ranks checkpoints by).
+        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
+        durable: fsync the checkpoint before returning.
+
+    Returns:
+        The new checkpoint's URL: ``<directory>/step-<step>`` (``...-micro-<n>`` mid-window).
+
+    Raises:
+        ConfigError: a bad argument, or a value a weights-only load could not read back.
+        CheckpointError: the directory cannot be written, or its filesystem is not installed.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> save(state, "memory://doctest-save/ckpt")
+        'memory://doctest-save/ckpt/step-00000000'
+    """
+    given = Checkpoints(directory, data, extras, step, storage_options, durable)
+    return given.save(state, metrics=metrics)
+
+
+def load(
+    url: str,
+    state: TrainState,
+    *,
+    data: Any = None,
+    extras: Mapping[str, Any] | None = None,
+    step: Any = None,
+    storage_options: StorageOptions = None,
+) -> TrainState:
+    """Load the checkpoint at ``url`` into the objects of ``state``; return the resumed state.
+
+    Every file is verified against its checksum and the checkpoint checked against ``state``
+    before anything changes; then the objects of ``state``, the data position and the RNG
+    states are loaded. Files are read with ``weights_only=True``: never any pickled code. A
+    sharded checkpoint loads into any number of ranks, or a plain module (DCP reshards).
+
+    Args:
+        url: a checkpoint URL, as returned by :func:`save` or ``latest``.
+        state: a TrainState built like the saved one (same model, optimizer, scheduler, scaler).
+        data: the loader to continue from the saved position (the one given to ``save``).
+        extras: the objects given to ``save(extras=...)``, by the same names, to load into.
+        step: the Step you resume with: compared with the saved composition.
+        storage_options: passed to fsspec.
+
+    Returns:
+        The state at the saved counters (an epoch that ended at the save: the next one).
+
+    Raises:
+        CheckpointError: no checkpoint at ``url`` (never committed, or a directory of them).
+        CorruptCheckpointError: a file is truncated, altered or missing (the error names it).
+        ConfigError: the checkpoint does not fit ``state`` or was trained by another step.
+
+    Example:
+        >>> import torch
+        >>> from steplib import TrainState
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> url = save(state.replace(step=7), "memory://doctest-load/ckpt")
+        >>> load(url, state).step
+        7
+    """
+    return Checkpoints(url, data, extras, step, storage_options).load(url, state)
