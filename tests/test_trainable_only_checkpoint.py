@@ -59,7 +59,9 @@ def _run(root: Path, max_steps: int) -> sl.TrainState:
 def test_it_holds_the_trainable_parameters_alone_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     whole = _run(tmp_path / "whole", max_steps=9)
     _run(tmp_path / "resumed", max_steps=5)  # saved at 4 and at its end, 5
-    written = torch.load(Path(latest(str(tmp_path / "resumed"))) / "model.pt", weights_only=True)
+    newest = latest(str(tmp_path / "resumed"))
+    assert newest is not None
+    written = torch.load(Path(newest) / "model.pt", weights_only=True)
     assert sorted(written) == sorted(  # the adapter and the base's BatchNorm statistics
         [
             "down.weight",
