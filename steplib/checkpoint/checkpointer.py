@@ -21,7 +21,7 @@ from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import check_metrics, prunes_here, run_data, with_handlers
 from steplib.checkpoint.manifest import CheckpointInfo
-from steplib.checkpoint.pipeline import Checkpoints, check_durable
+from steplib.checkpoint.pipeline import Checkpoints, check_durable, check_trainable_only
 from steplib.checkpoint.retention import check_ranked_metric, check_retention, prune
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed import is_main
@@ -294,6 +294,7 @@ def checkpoint_every(
     at_end: bool = True,
     storage_options: StorageOptions = None,
     durable: bool = True,
+    trainable_only: bool = False,
 ) -> Checkpointer:
     """A handler that saves a checkpoint every ``every`` optimizer updates and/or at the end of
     every ``epochs``-th epoch, and reports each one committed as ``checkpoint_end`` (its
@@ -320,6 +321,8 @@ def checkpoint_every(
         at_end: also save at ``fit_end`` if the state changed since the last save.
         storage_options: passed to fsspec.
         durable: fsync each checkpoint before it counts as saved (see ``save``).
+        trainable_only: save the trainable parameters alone, over a frozen base that is
+            checked, not rewritten (see ``save``).
 
     Returns:
         A :class:`Checkpointer`; call ``.attach(events)``.
@@ -352,7 +355,10 @@ def checkpoint_every(
         "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
     check_durable(durable, "checkpoint_every")
-    given = Checkpoints(directory, data, extras, step, storage_options, durable)
+    check_trainable_only(trainable_only, "checkpoint_every")
+    given = Checkpoints(
+        directory, data, extras, step, storage_options, durable, trainable_only=trainable_only
+    )
     return Checkpointer(
         given,
         every=every,

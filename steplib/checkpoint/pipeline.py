@@ -48,6 +48,22 @@ from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError,
 from steplib.state import TrainState
 
 
+def check_trainable_only(trainable_only: Any, caller: str, *, sharded: bool = False) -> None:
+    """Refuse a ``trainable_only`` that is not a bool, or ``True`` for a sharded state."""
+    if not isinstance(trainable_only, bool):
+        raise ConfigError(
+            f"{caller}(trainable_only=...) received {describe(trainable_only)}; pass True (the "
+            "trainable parameters alone, e.g. LoRA adapters over a frozen base) or False (the "
+            "whole model, the default)."
+        )
+    if trainable_only and sharded:
+        raise ConfigError(
+            f"{caller}(trainable_only=True) received a sharded state (DDP, FSDP2 or DTensor "
+            "parameters), whose checkpoint DCP writes whole; a checkpoint of the trainable "
+            "parameters alone is written for a single process. Pass trainable_only=False."
+        )
+
+
 def check_durable(durable: Any, caller: str) -> None:
     """Refuse a ``durable`` that is not a bool (``"no"`` or ``0`` would read as intended)."""
     if not isinstance(durable, bool):
@@ -88,6 +104,8 @@ class Checkpoints:
         step: the Step; its composition is recorded and checked on load.
         storage_options: passed to fsspec.
         durable: fsync files and directories before a save counts as committed.
+        trainable_only: save the model's trainable parameters alone (adapters over a frozen
+            base); a load finds the base in place and checks it is the same.
     """
 
     directory: str
@@ -96,6 +114,7 @@ class Checkpoints:
     step: Any = None
     storage_options: StorageOptions = None
     durable: bool = True
+    trainable_only: bool = False
 
     def plan(self, state: TrainState, *, metrics: Any, caller: str) -> Plan:
         """Check the inputs and gather what this process writes (live tensors).
@@ -108,13 +127,15 @@ class Checkpoints:
         directory = storage.resolve(self.directory, self.storage_options, caller=caller)
         numbers = check_metrics(metrics, caller)
         tensors, world = None, 1
-        if is_sharded(state):
+        sharded = is_sharded(state)
+        check_trainable_only(self.trainable_only, caller, sharded=sharded)
+        if sharded:
             from steplib.checkpoint import dcp
 
             files, tensors = dcp.gather(state, data=self.data, extras=extras, caller=caller)
             world = dist.get_world_size()
         else:
-            files = gather(state, data=self.data, extras=extras)
+            files = gather(state, data=self.data, extras=extras, trainable_only=self.trainable_only)
         layout = SHARDED if tensors is not None else "single"
         manifest = Manifest.of(
             state, metrics=numbers, step=self.step, layout=layout, world_size=world
@@ -290,6 +311,7 @@ def save(
     metrics: Mapping[str, Any] | None = None,
     storage_options: StorageOptions = None,
     durable: bool = True,
+    trainable_only: bool = False,
 ) -> str:
     """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
 
@@ -307,6 +329,9 @@ def save(
         metrics: numbers to record in the manifest (what ``keep_best`` ranks checkpoints by).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         durable: fsync the checkpoint before returning.
+        trainable_only: write the model's trainable parameters alone (LoRA adapters over a
+            frozen base: the base is not rewritten at every save) with a digest of the frozen
+            rest; ``load`` then finds the base in the model and refuses another one.
 
     Returns:
         The new checkpoint's URL: ``<directory>/step-<step>`` (``...-micro-<n>`` mid-window).
@@ -323,7 +348,9 @@ def save(
         >>> save(state, "memory://doctest-save/ckpt")
         'memory://doctest-save/ckpt/step-00000000'
     """
-    given = Checkpoints(directory, data, extras, step, storage_options, durable)
+    given = Checkpoints(
+        directory, data, extras, step, storage_options, durable, trainable_only=trainable_only
+    )
     return given.save(state, metrics=metrics)
 
 

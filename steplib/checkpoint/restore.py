@@ -19,6 +19,7 @@ from steplib.checkpoint.contents import (
     TRAIN_STATE,
     WINDOW_GRADS,
     HandlerStates,
+    base_digest,
 )
 from steplib.checkpoint.manifest import fingerprint
 from steplib.data.loader import restore_position
@@ -106,9 +107,14 @@ def apply(
         ConfigError: the checkpoint does not fit ``state`` (nothing is changed then).
     """
     train_state = trees[TRAIN_STATE]
+    weights = state.model.state_dict()
+    base = train_state.get("base")  # a checkpoint of the trainable parameters alone
+    if base is not None:
+        check_base(base, weights, trees[MODEL].keys(), checkpoint=checkpoint)
+        weights = {name: value for name, value in weights.items() if name in trees[MODEL]}
     check_model(
         _shapes(trees[MODEL]),
-        _shapes(state.model.state_dict()),
+        _shapes(weights),
         model_type=type(state.model).__name__,
         checkpoint=checkpoint,
         hint=FINE_TUNE,
@@ -124,7 +130,7 @@ def apply(
         )
     check_train_state(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
 
-    state.model.load_state_dict(trees[MODEL])
+    state.model.load_state_dict(trees[MODEL], strict=base is None)  # the base: checked above
     for name, saved in optimizers.items():
         _lane(state, name).optimizer.load_state_dict(saved)
     return restore_train_state(
@@ -311,6 +317,25 @@ def check_train_state(
 
 
 Shapes = Mapping[str, tuple[int, ...] | None]  # name -> tensor shape (None: not a tensor)
+
+
+def check_base(
+    base: Mapping[str, Any], weights: Mapping[str, Any], saved: Collection[str], *, checkpoint: str
+) -> None:
+    """Raise ``ConfigError`` unless the entries of ``weights`` that a checkpoint of the
+    trainable parameters alone does not hold (``saved``) are the frozen base it was trained on.
+    """
+    rest = weights.keys() - saved
+    if len(rest) == base["entries"] and base_digest(weights, rest) == base["digest"]:
+        return
+    raise ConfigError(
+        f"load: checkpoint {checkpoint} holds the trainable parameters alone "
+        f"(trainable_only=True), trained over a frozen base of {base['entries']} entries "
+        f"(digest {base['digest']}); the rest of this model ({len(rest)} entries) is another "
+        "base: other weights, another model or other adapters. Build the model as the run "
+        "that saved it did: load the same base weights (the same pretrained model, revision "
+        "and dtype), add the same adapters, then load or resume."
+    )
 
 
 def check_model(

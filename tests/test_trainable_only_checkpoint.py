@@ -1,0 +1,99 @@
+"""Checkpoints of the trainable parameters alone (``trainable_only=True``): what LoRA and other
+adapter fine-tunes save. The frozen base is not written; a resume finds it in the model, checks
+it is the one trained on (a digest), and continues bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import steplib as sl
+from steplib.checkpoint import latest, load, save
+from steplib.errors import ConfigError
+
+
+class Adapted(nn.Module):
+    """A frozen "pretrained" base with a small trainable adapter beside it (LoRA's shape)."""
+
+    def __init__(self, base_seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(base_seed)
+        self.base = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+        self.base.requires_grad_(False)
+        torch.manual_seed(100)
+        self.down, self.up = nn.Linear(8, 2, bias=False), nn.Linear(2, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def _state(base_seed: int = 0) -> sl.TrainState:
+    model = Adapted(base_seed)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sl.TrainState.create(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-2))
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _data() -> sl.data.ResumableLoader:
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 8, generator=g), torch.randint(0, 3, (48,), generator=g)
+    )
+    return sl.resumable_loader(data, batch_size=8, seed=0)
+
+
+def _run(root: Path, max_steps: int) -> sl.TrainState:
+    step = sl.make_train_step(_loss)
+    ckpt = sl.checkpoint_every(str(root), every=2, step=step, trainable_only=True)
+    return sl.run(step, _state(), _data(), events=sl.Events(sl.resume_from(ckpt), ckpt),
+                  max_steps=max_steps)  # fmt: skip
+
+
+def test_it_holds_the_trainable_parameters_alone_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    whole = _run(tmp_path / "whole", max_steps=9)
+    _run(tmp_path / "resumed", max_steps=5)  # saved at 4 and at its end, 5
+    newest = latest(str(tmp_path / "resumed"))
+    assert newest is not None
+    written = torch.load(Path(newest) / "model.pt", weights_only=True)
+    assert sorted(written) == sorted(  # the adapter and the base's BatchNorm statistics
+        [
+            "down.weight",
+            "up.weight",
+            *(f"base.1.{b}" for b in ("running_mean", "running_var", "num_batches_tracked")),
+        ]
+    )
+    resumed = _run(tmp_path / "resumed", max_steps=9)
+    assert resumed.step == whole.step == 9
+    theirs = whole.model.state_dict()
+    for name, mine in resumed.model.state_dict().items():
+        assert torch.equal(mine, theirs[name]), name
+    moments = [s.optimizer.state_dict()["state"][0]["exp_avg"] for s in (resumed, whole)]
+    assert torch.equal(*moments)
+
+
+def test_a_load_onto_another_base_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    url = save(_state(), str(tmp_path), trainable_only=True)
+    other = _state(base_seed=1)
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(ConfigError, match="another base") as caught:
+        load(url, other)
+    assert "load the same base weights" in str(caught.value)
+    for name, value in other.model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert load(url, _state()).step == 0  # the same base loads
+
+
+def test_bad_inputs_are_refused_when_built(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainable_only=\.\.\.\) received 'yes'"):
+        sl.checkpoint_every(str(tmp_path), every=2, trainable_only="yes")  # type: ignore[arg-type]
+    frozen = _state()
+    frozen.model.requires_grad_(False)
+    with pytest.raises(ConfigError, match="no parameter of the model"):
+        save(frozen, str(tmp_path), trainable_only=True)
