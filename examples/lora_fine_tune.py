@@ -3,9 +3,11 @@
 A tiny Llama built from a config stands in for a pretrained base (nothing is downloaded; a real
 run loads it with ``AutoModelForCausalLM.from_pretrained``). ``peft.get_peft_model`` freezes the
 base and adds rank-4 adapters to the attention's ``q_proj`` and ``v_proj``; the optimizer gets
-only what is trainable. The step, the accumulation, the checkpoints and the resume are
-steplib's usual ones: PEFT's model is an ``nn.Module`` like any other. Checked by
-tests/test_lora_example.py against a plain loop, and for an exact resume.
+only what is trainable, and the checkpoints hold only what is trained
+(``trainable_only=True``): a billion-parameter base is not rewritten every few updates. The
+step, the accumulation and the resume are steplib's usual ones: PEFT's model is an
+``nn.Module`` like any other. Checked by tests/test_lora_example.py against a plain loop, for an
+exact resume, and for a resume onto another base (refused).
 
     python examples/lora_fine_tune.py
 """
@@ -92,7 +94,9 @@ def main(root: str = "runs/lora", max_steps: int = 8, accumulation: int = 2) -> 
     state = sl.TrainState.create(model=model, optimizer=optimizer)
     step = sl.accumulate(sl.make_train_step(loss_fn), accumulation)
     loader = sl.resumable_loader(sequences(64), batch_size=4, seed=0, collate_fn=pad)
-    ckpt = sl.checkpoint_every(root, every=2, keep_last=2, step=step)
+    # The adapters, their optimizer state, the counters, RNG and data position: not the base,
+    # which a resume takes from where it came from (and checks by its digest).
+    ckpt = sl.checkpoint_every(root, every=2, keep_last=2, step=step, trainable_only=True)
     events: Any = sl.Events(sl.resume_from(ckpt), ckpt)
     return sl.run(step, state, loader, events=events, max_steps=max_steps)
 

@@ -1,7 +1,7 @@
 """examples/lora_fine_tune.py: PEFT's LoRA on a tiny Llama built from a config, trained by
 steplib. Its adapters equal a plain PyTorch loop's bit for bit (dropout in the adapters
-included), the base is never changed, and a run stopped and resumed equals the uninterrupted
-one."""
+included), the base is never changed, its checkpoints hold the adapters alone, a run stopped
+and resumed equals the uninterrupted one, and a resume onto another base is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import steplib as sl
+from steplib.checkpoint import latest, load
+from steplib.errors import ConfigError
 from steplib.testing import reference_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,3 +78,22 @@ def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path: Path) 
         resumed.optimizer.state_dict()["state"][0]["exp_avg"],
         whole.optimizer.state_dict()["state"][0]["exp_avg"],
     )
+
+
+def test_its_checkpoints_hold_the_adapters_alone_and_refuse_another_base(tmp_path: Path) -> None:
+    example = _example()
+    final = example.main(str(tmp_path), max_steps=2)
+    url = latest(str(tmp_path))
+    assert url is not None
+    written = torch.load(Path(url) / "model.pt", weights_only=True)
+    adapters = {n for n, p in final.model.named_parameters() if p.requires_grad}
+    assert set(written) == adapters  # a Llama has no buffer in its state_dict
+    base = sum(p.numel() for p in final.model.parameters() if not p.requires_grad)
+    assert sum(t.numel() for t in written.values()) * 20 < base
+
+    model = example.with_adapters(example.build_base(seed=1))  # another "pretrained" base
+    other = sl.TrainState.create(
+        model=model, optimizer=torch.optim.AdamW(example.trainable(model), lr=1e-3)
+    )
+    with pytest.raises(ConfigError, match="another base"):
+        load(url, other)
