@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from steplib.checkpoint import pipeline
 from steplib.checkpoint.contents import DCP_DIR, lanes
-from steplib.checkpoint.pipeline import Checkpoints, check_durable
+from steplib.checkpoint.pipeline import Checkpoints, check_options
 from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError
 from steplib.state import TrainState
@@ -227,7 +227,7 @@ class AsyncSaver:
         caller: str = "AsyncSaver.save",
     ) -> str:
         """:meth:`save` with its inputs given once (``checkpoint_every``'s)."""
-        check_durable(given.durable, caller)
+        check_options(given, caller)
         self.wait()
         plan = given.plan(state, metrics=metrics, caller=caller)
         # Keyed by file name (the DCP tensors under "dcp"): the paths of the reused buffers.

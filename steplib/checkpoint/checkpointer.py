@@ -21,7 +21,7 @@ from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import check_metrics, prunes_here, run_data, with_handlers
 from steplib.checkpoint.manifest import CheckpointInfo
-from steplib.checkpoint.pipeline import Checkpoints, check_durable, check_trainable_only
+from steplib.checkpoint.pipeline import Checkpoints, check_options
 from steplib.checkpoint.retention import check_ranked_metric, check_retention, prune
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed import is_main
@@ -314,15 +314,12 @@ def checkpoint_every(
         data: the loader whose position to save (see ``steplib.data.resumable_loader``).
         extras: more objects with ``state_dict()`` to save by name.
         step: the Step; its composition is saved and checked on resume.
-        metrics: ``event -> {name: number}`` recorded with each checkpoint (by default
-            :func:`default_metrics`).
-        background: write in a background thread (:class:`AsyncSaver`); errors surface at
-            the next save or at ``fit_end``.
+        metrics: ``event -> {name: number}`` recorded with each save (:func:`default_metrics`).
+        background: write in a background thread (:class:`AsyncSaver`); errors surface later.
         at_end: also save at ``fit_end`` if the state changed since the last save.
         storage_options: passed to fsspec.
         durable: fsync each checkpoint before it counts as saved (see ``save``).
-        trainable_only: save the trainable parameters alone, over a frozen base that is
-            checked, not rewritten (see ``save``).
+        trainable_only: the trainable parameters and buffers alone (see ``save``).
 
     Returns:
         A :class:`Checkpointer`; call ``.attach(events)``.
@@ -354,11 +351,8 @@ def checkpoint_every(
     check_retention(
         "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
-    check_durable(durable, "checkpoint_every")
-    check_trainable_only(trainable_only, "checkpoint_every")
-    given = Checkpoints(
-        directory, data, extras, step, storage_options, durable, trainable_only=trainable_only
-    )
+    given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
+    check_options(given, "checkpoint_every")
     return Checkpointer(
         given,
         every=every,

@@ -124,28 +124,16 @@ def check_arguments(
 
 
 def gather(
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    rng: bool = True,
-    trainable_only: bool = False,
+    state: TrainState, *, data: Any, extras: Mapping[str, Any], trainable_only: bool = False
 ) -> dict[str, Any]:
     """The trees to write, by file name (live tensors); ``ConfigError`` for a value a
-    weights-only load could not read back. ``trainable_only``: the model's trainable
-    parameters alone, and the record of the frozen rest (:func:`trainable_part`)."""
+    weights-only load could not read back; ``trainable_only``: see :func:`trainable_part`."""
     model = state.model
     weights, base = model.state_dict(), None
     if trainable_only:
         weights, base = trainable_part(model, weights)
-    trees: dict[str, Any] = {
-        MODEL: weights,
-        OPTIMIZER: optimizer_tree(state),
-        TRAIN_STATE: {
-            **train_state_tree(state, data=data, extras=extras, rng=rng),
-            "base": base,
-        },
-    }
+    train_state = {**train_state_tree(state, data=data, extras=extras), "base": base}
+    trees = {MODEL: weights, OPTIMIZER: optimizer_tree(state), TRAIN_STATE: train_state}
     if any(lane.window.size > 0 for lane in lanes(state)):
         trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
@@ -155,9 +143,7 @@ def gather(
 
 # Split out of ``gather`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.dcp``,
 # which write the model and optimizer through DCP and this tree, per rank, with ``torch.save``.
-def train_state_tree(
-    state: TrainState, *, data: Any, extras: Mapping[str, Any], rng: bool = True
-) -> dict[str, Any]:
+def train_state_tree(state: TrainState, *, data: Any, extras: Mapping[str, Any]) -> dict[str, Any]:
     """Everything of ``state`` but the model and optimizer tensors, as plain data (frozen
     parameters too: a run resumed past an unfreeze trains what the saved run did)."""
     tree = lane_tree(state)
@@ -165,7 +151,7 @@ def train_state_tree(
     tree.update(
         extras=dict(state.extras),
         objects={name: obj.state_dict() for name, obj in extras.items()},
-        rng=capture_rng() if rng else None,
+        rng=capture_rng(),
         data=None if data is None else data.state_dict(),
         frozen=[name for name, p in state.model.named_parameters() if not p.requires_grad],
     )
@@ -227,47 +213,24 @@ def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = Fals
 def trainable_part(
     model: torch.nn.Module, weights: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The entries of ``weights`` (``model.state_dict()``) that training changes: the
-    trainable parameters and the buffers (a BatchNorm's statistics move in a frozen body too);
-    and the record of the frozen parameters, the base a load must find in place: how many
-    entries and their :func:`base_digest`.
-
-    Raises:
-        ConfigError: ``model`` has no trainable parameter.
-    """
+    """What training changes in ``weights`` (``model.state_dict()``): the trainable parameters
+    and the buffers (a frozen BatchNorm's statistics move too); and the record of the frozen
+    parameters a load must find in place: their count and ``xxh3_64`` digest (of names, dtypes,
+    shapes and bytes: a base of a billion parameters is read once per save, not written)."""
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    kept = {name: value for name, value in weights.items() if name not in frozen}
     if len(frozen) == len(list(model.parameters())):
         raise ConfigError(
-            f"save(trainable_only=True): no parameter of the model ({type(model).__name__}) "
-            "requires a gradient, so the checkpoint would hold no weights. Save the whole "
-            "model (trainable_only=False), or unfreeze what is trained first."
+            f"trainable_only=True: no parameter of the model ({type(model).__name__}) requires "
+            "a gradient, so the checkpoint would hold no weights. Save the whole model "
+            "(trainable_only=False), or unfreeze what is trained first."
         )
-    base = weights.keys() - kept.keys()
-    return kept, {"entries": len(base), "digest": base_digest(weights, base)}
-
-
-def base_digest(weights: Mapping[str, Any], names: Any) -> str:
-    """The ``xxh3_64`` of the entries ``names`` of ``weights``: names, dtypes, shapes and bytes,
-    in name order. A base of a billion parameters is read once per save (no file written).
-
-    Example:
-        >>> w = {"a": torch.ones(2), "b": torch.zeros(1)}
-        >>> base_digest(w, ["a"]) == base_digest({"a": torch.ones(2)}, ["a"])
-        True
-        >>> base_digest(w, ["a"]) == base_digest({"a": torch.ones(2) * 2}, ["a"])
-        False
-    """
-    digest = hasher()
-    for name in sorted(names):
-        value = weights[name]
-        if not isinstance(value, torch.Tensor):  # a module's extra state: its repr stands in
-            digest.update(f"{name}={value!r};".encode())
-            continue
+    base, digest = sorted(weights.keys() & frozen), hasher()
+    for name in base:
+        value = weights[name].detach()
         digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
-        flat = value.detach().reshape(-1).cpu().contiguous()
-        digest.update(flat.view(torch.uint8).numpy())
-    return str(digest.hexdigest())
+        digest.update(value.reshape(-1).cpu().contiguous().view(torch.uint8).numpy())
+    kept = {name: value for name, value in weights.items() if name not in frozen}
+    return kept, {"entries": len(base), "digest": str(digest.hexdigest())}
 
 
 def window_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -48,31 +48,24 @@ from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError,
 from steplib.state import TrainState
 
 
-def check_trainable_only(trainable_only: Any, caller: str, *, sharded: bool = False) -> None:
-    """Refuse a ``trainable_only`` that is not a bool, or ``True`` for a sharded state."""
-    if not isinstance(trainable_only, bool):
+def check_options(given: Checkpoints, caller: str, *, sharded: bool = False) -> None:
+    """Refuse a ``durable`` or ``trainable_only`` that is not a bool (``"no"`` or ``0`` would
+    read as intended), and ``trainable_only`` for a sharded state (DCP writes it whole)."""
+    if not isinstance(given.durable, bool):
         raise ConfigError(
-            f"{caller}(trainable_only=...) received {describe(trainable_only)}; pass True (the "
-            "trainable parameters alone, e.g. LoRA adapters over a frozen base) or False (the "
-            "whole model, the default)."
-        )
-    if trainable_only and sharded:
-        raise ConfigError(
-            f"{caller}(trainable_only=True) received a sharded state (DDP, FSDP2 or DTensor "
-            "parameters), whose checkpoint DCP writes whole; a checkpoint of the trainable "
-            "parameters alone is written for a single process. Pass trainable_only=False."
-        )
-
-
-def check_durable(durable: Any, caller: str) -> None:
-    """Refuse a ``durable`` that is not a bool (``"no"`` or ``0`` would read as intended)."""
-    if not isinstance(durable, bool):
-        raise ConfigError(
-            f"{caller}(durable=...) received {describe(durable)}; it says whether the "
+            f"{caller}(durable=...) received {describe(given.durable)}; it says whether the "
             "checkpoint is fsync'ed to disk before the save counts as done and must be True or "
             "False. Pass durable=True (the default: a power loss cannot lose a finished save) "
             "or durable=False (faster; a power loss soon after may lose the newest checkpoint, "
             "and resuming falls back to the previous one)."
+        )
+    if not isinstance(given.trainable_only, bool) or (given.trainable_only and sharded):
+        where = " for a sharded state (DDP, FSDP2, DTensor), which DCP writes whole"
+        where = where if sharded else ""
+        raise ConfigError(
+            f"{caller}(trainable_only=...) received {describe(given.trainable_only)}{where}; "
+            "pass True (the trainable parameters and buffers alone: adapters over a frozen base) "
+            "or False (the whole model, the default; for a sharded state the only choice)."
         )
 
 
@@ -122,13 +115,12 @@ class Checkpoints:
         Raises:
             ConfigError: a bad input, or a value a weights-only load could not read back.
         """
-        check_durable(self.durable, caller)
         extras = check_arguments(caller, state, data=self.data, extras=self.extras, step=self.step)
         directory = storage.resolve(self.directory, self.storage_options, caller=caller)
         numbers = check_metrics(metrics, caller)
         tensors, world = None, 1
         sharded = is_sharded(state)
-        check_trainable_only(self.trainable_only, caller, sharded=sharded)
+        check_options(self, caller, sharded=sharded)
         if sharded:
             from steplib.checkpoint import dcp
 

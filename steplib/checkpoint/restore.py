@@ -19,7 +19,7 @@ from steplib.checkpoint.contents import (
     TRAIN_STATE,
     WINDOW_GRADS,
     HandlerStates,
-    base_digest,
+    trainable_part,
 )
 from steplib.checkpoint.manifest import fingerprint
 from steplib.data.loader import restore_position
@@ -109,8 +109,16 @@ def apply(
     train_state = trees[TRAIN_STATE]
     weights = state.model.state_dict()
     base = train_state.get("base")  # a checkpoint of the trainable parameters alone
+    if base is not None and trainable_part(state.model, weights)[1] != base:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds the trainable parameters alone "
+            f"(trainable_only=True), trained over a frozen base of {base['entries']} "
+            f"parameters (digest {base['digest']}); this model's frozen parameters are another "
+            "base: other weights, another model or other adapters. Build the model as the run "
+            "that saved it did: load the same base weights (the same pretrained model, "
+            "revision and dtype), add the same adapters, then load or resume."
+        )
     if base is not None:
-        check_base(base, weights, trees[MODEL].keys(), checkpoint=checkpoint)
         weights = {name: value for name, value in weights.items() if name in trees[MODEL]}
     check_model(
         _shapes(trees[MODEL]),
@@ -317,25 +325,6 @@ def check_train_state(
 
 
 Shapes = Mapping[str, tuple[int, ...] | None]  # name -> tensor shape (None: not a tensor)
-
-
-def check_base(
-    base: Mapping[str, Any], weights: Mapping[str, Any], saved: Collection[str], *, checkpoint: str
-) -> None:
-    """Raise ``ConfigError`` unless the entries of ``weights`` that a checkpoint of the
-    trainable parameters alone does not hold (``saved``) are the frozen base it was trained on.
-    """
-    rest = weights.keys() - saved
-    if len(rest) == base["entries"] and base_digest(weights, rest) == base["digest"]:
-        return
-    raise ConfigError(
-        f"load: checkpoint {checkpoint} holds the trainable parameters alone "
-        f"(trainable_only=True), trained over a frozen base of {base['entries']} entries "
-        f"(digest {base['digest']}); the rest of this model ({len(rest)} entries) is another "
-        "base: other weights, another model or other adapters. Build the model as the run "
-        "that saved it did: load the same base weights (the same pretrained model, revision "
-        "and dtype), add the same adapters, then load or resume."
-    )
 
 
 def check_model(
