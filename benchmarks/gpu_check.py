@@ -3,7 +3,7 @@
 Usage (from the repository root; ``make gpu`` runs it on a GPU machine, after installing the
 wheels that machine lacks, see docs/development.md)::
 
-    python -m benchmarks.gpu_check                  # on CUDA: the whole check, ~8 minutes at most
+    python -m benchmarks.gpu_check                  # on CUDA: the whole check, ~9 minutes at most
     python -m benchmarks.gpu_check --device cpu     # the dry run CI makes: the same checks, quick
 
 It runs, each in a child process with its own time budget, never stopping at a failure:
@@ -15,7 +15,9 @@ It runs, each in a child process with its own time budget, never stopping at a f
 3. ``bench_compile --device ...`` for the tiny MLP and the transformer, eager against
    ``compile_step`` in the default mode and in ``mode="reduce-overhead"`` (CUDA graphs). The
    dry run times the tiny MLP in the default mode only, with ``--quick``: it checks that the
-   script and every benchmark it calls still run.
+   script and every benchmark it calls still run;
+4. ``bench_sweep --device ...``: a vectorised sweep of N copies against N sequential runs,
+   N up to 64 on CUDA.
 
 The report (``report.md`` in ``$GPU_REPORT_DIR``, default ``gpu-report/``) names the card,
 torch, CUDA and Python, gives each check's status and time, and the tail of its output, which
@@ -38,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-TOTAL_S = 480  # the whole check on a GPU: the machines are lent for minutes at a time
+TOTAL_S = 520  # the whole check on a GPU: the machines are lent for minutes at a time
 # The dry run is not timed, only checked: on a busy 2-core CPU (CI, with the test suite beside
 # it) a cold compile alone can take over a minute, so its budgets are this much longer.
 CPU_SLACK = 4
@@ -95,6 +97,11 @@ def checks(device: str) -> list[Check]:
             args = ("benchmarks.bench_compile", "--device", device, "--workload", workload)
             title = f"bench_compile, {workload}, mode={mode}"
             found.append(Check(title, (*args, "--mode", mode, *sizes), budget))
+    # A sweep of N copies against N sequential runs (the GPU goal: 10x at N=64).
+    sweep = ("benchmarks.bench_sweep", "--device", device)
+    found.append(
+        Check("bench_sweep", (*sweep, *(("--quick",) if quick else ("--rounds", "20"))), 40)
+    )
     return found
 
 

@@ -26,14 +26,15 @@ def test_the_dry_run_reports_the_machine_and_every_check_passed(tmp_path: Path) 
     assert "compile_stats" in report  # the compiled step's figures made it into the report
 
 
-def test_the_gpu_plan_covers_the_tests_both_workloads_and_cuda_graphs_in_8_minutes() -> None:
+def test_the_gpu_plan_covers_the_tests_both_workloads_cuda_graphs_and_sweeps_in_9_minutes() -> None:
     plan = gpu_check.checks("cuda")
     titles = [c.title for c in plan]
     assert titles[0] == "pytest -m gpu"
     for workload in ("tiny", "transformer"):
         for mode in ("default", "reduce-overhead"):
             assert f"bench_compile, {workload}, mode={mode}" in titles
-    assert sum(c.budget_s for c in plan) <= gpu_check.TOTAL_S == 480
+    assert titles[-1] == "bench_sweep"
+    assert sum(c.budget_s for c in plan) <= gpu_check.TOTAL_S == 520
     assert all("--device" in c.args and "cuda" in c.args for c in plan[1:])
 
 
