@@ -100,7 +100,8 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                 shape = (self.n,) + (1,) * (p.ndim - 1)
                 kind = (p.dtype, p.ndim)  # made once per dtype and rank, not per parameter
                 if kind not in views:
-                    views[kind] = {k: v.to(p.dtype).view(shape) for k, v in rates.items()}
+                    view = {k: v.to(p.dtype).view(shape) for k, v in rates.items()}
+                    views[kind] = {**view, **self.derived(view), "keep": keep.to(p.dtype)}
                 view = views[kind]
                 state = self.state[p]
                 if not state:
@@ -111,8 +112,13 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                 p.copy_(torch.where(here, new_p, p))
                 for key, value in new_state.items():
                     state[key].copy_(torch.where(here, value, state[key]))
-                state["step"].add_(keep.to(p.dtype))
+                state["step"].add_(view["keep"])
         return loss
+
+    def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Values computed from the hyper-parameters alone (``1 - beta1``, ...): once per
+        update and dtype, not once per parameter."""
+        return {}
 
     def update_one(
         self,
@@ -152,6 +158,14 @@ class SweepAdamW(PerCopyOptimizer):
     per_copy = ("beta1", "beta2", "eps", "weight_decay")
     state_keys = ("exp_avg", "exp_avg_sq")
 
+    def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """AdamW's decay factor ``1 - lr * wd`` and ``1 - beta1``, ``1 - beta2``."""
+        return {
+            "decay": torch.rsub(h["lr"] * h["weight_decay"], 1),
+            "one_minus_beta1": torch.rsub(h["beta1"], 1),
+            "one_minus_beta2": torch.rsub(h["beta2"], 1),
+        }
+
     def __init__(
         self,
         params: Iterable[torch.Tensor],
@@ -187,13 +201,13 @@ class SweepAdamW(PerCopyOptimizer):
         lr, b1, b2, wd = h["lr"], h["beta1"], h["beta2"], h["weight_decay"]
         step = state["step"].view(lr.shape) + 1
         if group["decoupled"]:
-            p = p * (1 - lr * wd)
+            p = p * h["decay"]
         else:
             grad = grad + wd * p
-        exp_avg = state["exp_avg"].lerp(grad, 1 - b1)
-        exp_avg_sq = state["exp_avg_sq"] * b2 + (1 - b2) * (grad * grad)
-        step_size = lr / (1 - b1**step)
-        denom = exp_avg_sq.sqrt() / (1 - b2**step).sqrt() + h["eps"]
+        exp_avg = state["exp_avg"].lerp(grad, h["one_minus_beta1"])
+        exp_avg_sq = state["exp_avg_sq"] * b2 + h["one_minus_beta2"] * (grad * grad)
+        step_size = lr / torch.rsub(b1**step, 1)
+        denom = exp_avg_sq.sqrt() / torch.rsub(b2**step, 1).sqrt() + h["eps"]
         new = p - step_size * exp_avg / denom
         return new, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
