@@ -213,9 +213,15 @@ def _where(rank: int, proc: Any, stacks: IO[bytes], timeout: float) -> str:
     if not proc.is_alive():
         return f"rank {rank} died without an answer (exit code {proc.exitcode})."
     os.kill(proc.pid, _DUMP_STACKS)  # faulthandler in the rank writes every thread's stack
-    deadline = time.monotonic() + 5
-    while os.fstat(stacks.fileno()).st_size == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # faulthandler writes line by line: wait until something is written and it stops growing
+    # (a read after the first line alone showed "Current thread ..." and no frame).
+    deadline, size = time.monotonic() + 5, -1
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = os.fstat(stacks.fileno()).st_size
+        if now > 0 and now == size:
+            break
+        size = now
     stacks.seek(0)
     text = stacks.read().decode(errors="replace").strip() or "(it wrote no stack in 5 s)"
     return f"rank {rank} did not answer within {timeout}s; it was still running, at:\n{text}\n"
