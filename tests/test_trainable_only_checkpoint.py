@@ -90,6 +90,14 @@ def test_a_load_onto_another_base_is_refused_before_anything_changes(tmp_path: P
     assert load(url, _state()).step == 0  # the same base loads
 
 
+def test_a_load_into_other_adapters_over_the_same_base_is_refused(tmp_path: Path) -> None:
+    url = save(_state(), str(tmp_path), trainable_only=True)
+    other = _state()
+    other.model.extra = nn.Linear(8, 3, bias=False)  # a trainable adapter the saved run had not
+    with pytest.raises(ConfigError, match=r"missing from the checkpoint: extra\.weight"):
+        load(url, other)
+
+
 def test_bad_inputs_are_refused_when_built(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"trainable_only=\.\.\.\) received 'yes'"):
         sl.checkpoint_every(str(tmp_path), every=2, trainable_only="yes")  # type: ignore[arg-type]

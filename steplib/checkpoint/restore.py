@@ -109,17 +109,19 @@ def apply(
     train_state = trees[TRAIN_STATE]
     weights = state.model.state_dict()
     base = train_state.get("base")  # a checkpoint of the trainable parameters alone
-    if base is not None and trainable_part(state.model, weights)[1] != base:
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} holds the trainable parameters alone "
-            f"(trainable_only=True), trained over a frozen base of {base['entries']} "
-            f"parameters (digest {base['digest']}); this model's frozen parameters are another "
-            "base: other weights, another model or other adapters. Build the model as the run "
-            "that saved it did: load the same base weights (the same pretrained model, "
-            "revision and dtype), add the same adapters, then load or resume."
-        )
     if base is not None:
-        weights = {name: value for name, value in weights.items() if name in trees[MODEL]}
+        # What this model would save is what the checkpoint must hold (check_model says which
+        # adapter is missing or extra); the rest must be the frozen base it was trained over.
+        weights, here = trainable_part(state.model, weights)
+        if here != base:
+            raise ConfigError(
+                f"load: checkpoint {checkpoint} holds the trainable parameters alone "
+                f"(trainable_only=True), trained over a frozen base of {base['entries']} "
+                f"parameters (digest {base['digest']}); this model's frozen parameters are another "
+                "base: other weights, another model or other adapters. Build the model as the run "
+                "that saved it did: load the same base weights (the same pretrained model, "
+                "revision and dtype), add the same adapters, then load or resume."
+            )
     check_model(
         _shapes(trees[MODEL]),
         _shapes(weights),
