@@ -88,10 +88,11 @@ def checks(device: str) -> list[Check]:
     ]
     # The transformer's cold compile alone took 59 s on an H100 (torch 2.11): it gets more.
     for workload, budget in (("tiny", 50),) if quick else (("tiny", 50), ("transformer", 110)):
-        # --atol: on an H100 the compiled transformer drifted 5.6e-5 from the eager loop in 20
-        # updates (inductor's fused kernels round differently): within 1e-4 it is still timed.
+        # --atol: on an H100 the compiled transformer drifted 5.6e-5, then 1.3e-4, from the eager
+        # loop in 20 updates (inductor's fused kernels round differently, and Adam amplifies
+        # it): within 1e-3 it is still timed; a broken compile is off by far more.
         sizes: tuple[str, ...] = ("--quick",)
-        sizes = sizes if quick else ("--rounds", "10", "--gate-updates", "20", "--atol", "1e-4")
+        sizes = sizes if quick else ("--rounds", "10", "--gate-updates", "20", "--atol", "1e-3")
         # CUDA graphs need CUDA: the dry run compiles once, in the default mode.
         for mode in ("default",) if quick else ("default", "reduce-overhead"):
             args = ("benchmarks.bench_compile", "--device", device, "--workload", workload)
@@ -165,18 +166,22 @@ def write_report(
     path: Path, device: str, results: Sequence[Result], pending: Sequence[Check] = ()
 ) -> None:
     """The markdown report: the machine, a table of the checks (``pending``: not run yet), and
-    each check's output tail; each check's whole output goes next to it, in ``<n>.log``."""
+    each check's output tail; the checks' whole outputs go next to it, in one ``checks.log``
+    (two files in all: the device tool brings back only a few files from a run)."""
     lines = [f"# steplib GPU check ({time.strftime('%Y-%m-%d %H:%M')})", ""]
     lines += [*environment(device), "", "| check | status | seconds |", "|---|---|---|"]
     lines += [f"| {r.check.title} | {r.status} | {r.seconds:.0f} |" for r in results]
     lines += [f"| {c.title} | not run yet | - |" for c in pending]
     path.parent.mkdir(parents=True, exist_ok=True)
+    log = []
     for number, r in enumerate(results, 1):
-        (path.parent / f"{number}.log").write_text(r.output)
+        log += [f"===== {number}. {r.check.title}: {r.status} =====", r.output]
         tail = "\n".join(r.output.rstrip().splitlines()[-TAIL_LINES:])
         lines += ["", f"## {r.check.title}: {r.status}", ""]
-        lines += [f"`python -m {' '.join(r.check.args)}`; the whole output: `{number}.log`"]
+        command = f"`python -m {' '.join(r.check.args)}`"
+        lines += [f"{command}; the whole output: `checks.log`, section {number}."]
         lines += ["", "```text", tail or "(no output)", "```"]
+    (path.parent / "checks.log").write_text("\n".join(log) + "\n")
     path.write_text("\n".join(lines) + "\n")
 
 

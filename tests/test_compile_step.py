@@ -454,3 +454,44 @@ def test_a_fresh_scheduler_over_an_optimizer_with_state_sees_its_first_update_ru
     for batch in _data(3):
         state, _ = step(state, batch)
     assert sched.last_epoch == 3
+
+
+def test_under_cuda_graphs_no_optimizer_is_traced_and_eager_numbers_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # mode="reduce-overhead" on an H100: dynamo asserted while tracing the optimizer once CUDA
+    # graph trees ran, and a gradient kept from a graph's output was overwritten by the next
+    # replay (a segfault). The update runs eagerly there; on a CPU the same code path runs.
+    batches = _data(16)
+    eager_model, _ = _train(_eager(), 30, batches, optimizer="adamw")
+    entered: set[str] = set()
+    region_call = compile_module.Region.__call__
+
+    def named(self: Any, *args: Any) -> Any:
+        entered.add(self.fn.__wrapped__.__name__)
+        return region_call(self, *args)
+
+    monkeypatch.setattr(compile_module.Region, "__call__", named)
+    compiled = compile_step(_eager(), mode="reduce-overhead")
+    model, _ = _train(compiled, 30, batches, optimizer="adamw")
+    assert entered == {"micro_first", "process_grads"}  # no update, no graph adding to inputs
+    assert _max_diff(model, eager_model) < 1e-5
+    assert compile_stats(compiled).updates == 30
+
+
+def test_a_cuda_graph_backend_s_outputs_are_copies_the_next_replay_cannot_overwrite() -> None:
+    class CudaGraphBackend:  # what inductor's wrapper says in mode="reduce-overhead"
+        def __init__(self) -> None:
+            self.config = {"triton.cudagraphs": True}
+
+        def __call__(self, graph: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+            return graph.forward
+
+    stats = compile_module.CompileStats()
+    region = compile_module.Region(
+        lambda x: x.view(-1), CudaGraphBackend(), stats, {}, guard_filter=None
+    )
+    x = torch.ones(2, 2)
+    out = region(x)
+    assert torch.equal(out, x.view(-1))
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

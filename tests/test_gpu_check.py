@@ -50,6 +50,9 @@ def test_a_failing_or_overlong_check_is_reported_and_the_rest_still_run(tmp_path
     report = (tmp_path / "report.md").read_text()
     assert "| fails | failed (exit" in report and "| sleeps | out of time" in report
     assert "| never | not run yet |" in report
+    # Two files whatever the number of checks: the device tool brings back only a few.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checks.log", "report.md"]
+    assert "===== 1. fails: failed (exit" in (tmp_path / "checks.log").read_text()
 
 
 def test_make_gpu_runs_the_check_on_the_device_asked_for() -> None:

@@ -332,11 +332,26 @@ class Region:
         if guard_filter is not None and _COMPILE_TAKES_ISOLATE:  # same release as guard filters
             extra["options"] = {"guard_filter_fn": guard_filter}
         self.fn = torch.compile(fn, backend=_CountingBackend(inner, self), **extra, **kwargs)
+        self.copies_outputs = uses_cuda_graphs(inner)
 
     def __call__(self, *args: Any) -> Any:
         out = self.fn(*args)
         self.ran = True
+        if self.copies_outputs:
+            # A CUDA graph's outputs live in its memory pool and are overwritten when a graph
+            # of the pool runs again (each no_grad call starts a new generation). The step
+            # keeps them past that: the gradients as p.grad, the loss and the report in the
+            # output the handlers read later. Copies keep them; without, the next graph read
+            # freed memory (a segfault on an H100, see docs/performance.md).
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
         return out
+
+
+def uses_cuda_graphs(backend: Any) -> bool:
+    """Whether inductor will run the compiled graphs as CUDA graphs (``mode="reduce-overhead"``
+    or ``options={"triton.cudagraphs": True}``)."""
+    config = getattr(backend, "config", None)
+    return isinstance(config, dict) and bool(config.get("triton.cudagraphs"))
 
 
 class _CountingBackend:

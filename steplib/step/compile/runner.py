@@ -39,6 +39,7 @@ from steplib.step.compile.graphs import (
     prepare,
     process_and_update,
     update,
+    uses_cuda_graphs,
 )
 from steplib.step.core import LossFn, Runner, Step, add_part
 from steplib.step.loss_output import NO_AUX, LossOutput
@@ -68,6 +69,10 @@ def compile_step(step: Step, **compile_kwargs: Any) -> Step:
         two implementations that round differently: a ReLU gate that a rounding difference
         flips, and Adam on a parameter whose true gradient is zero (a bias before BatchNorm,
         an attention key bias), whose rounding noise it normalises into lr-sized steps.
+        With CUDA graphs (``mode="reduce-overhead"``) each micro-batch's forward/backward is
+        one CUDA graph, and the optimizer's own ``step()`` runs eagerly (dynamo cannot trace
+        an optimizer while CUDA graph trees run; an update mutates its inputs, which CUDA
+        graphs never capture anyway).
         One semantic difference: on the fused path a parameter that gets no gradient in a
         later window receives zeros, not ``None``, so AdamW's weight decay and momentum still
         move it (the first update checks that every parameter gets one; a model whose
@@ -118,6 +123,11 @@ class CompiledRunner(Runner):
         self.stats = stats
         self.inner = inner
         self.kwargs = kwargs
+        # Under CUDA graphs the optimizer update runs eagerly: dynamo cannot trace an optimizer
+        # once CUDA graph trees run (torch asserts the tree has a current node, and it has none
+        # between two no_grad graphs: an H100 run hit it), and an update's graph mutates its
+        # inputs, which CUDA graphs never capture anyway. The forward/backward is captured.
+        self.cuda_graphs = uses_cuda_graphs(inner)
         self.micro_first = self._region(micro_first)
         self.micro_acc = self._region(micro_acc)
         self.compiled_process = self._region(process_grads)
@@ -179,7 +189,8 @@ class CompiledRunner(Runner):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not params or not all(optimizer.state.get(p) for p in params):
             return False
-        prepare(optimizer)
+        if not self.cuda_graphs:
+            prepare(optimizer)
         self.prepared[optimizer] = True  # each parameter had a gradient: it has state
         return True
 
@@ -205,6 +216,7 @@ class CompiledRunner(Runner):
         plan = step.plan
         return (
             self.compiles_phase2(step, state, size)
+            and not self.cuda_graphs
             and not plan.updates
             and "before_update" not in plan.hooks
             and plain_step(state.optimizer)
@@ -244,11 +256,12 @@ class CompiledRunner(Runner):
 
     def optimizer_step(self, step: Step, optimizer: torch.optim.Optimizer) -> None:
         """Phase 3's optimizer update: eager the first time for this optimizer, then compiled."""
-        if optimizer not in self.prepared:
+        if optimizer not in self.prepared or self.cuda_graphs:
             has_grads = all(p.grad is not None for g in optimizer.param_groups for p in g["params"])
             optimizer.step()  # creates the optimizer's state lazily: not worth a graph
-            prepare(optimizer)
-            self.prepared[optimizer] = has_grads
+            if not self.cuda_graphs:
+                prepare(optimizer)
+            self.prepared.setdefault(optimizer, has_grads)
         else:
             if needs_prepare(optimizer):  # e.g. a state loaded from a checkpoint since
                 prepare(optimizer)
@@ -306,8 +319,12 @@ class CompiledRunner(Runner):
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                grads = [p.grad for p in params]
-            loss_sum, count, aux = self.micro_acc(plan, grads, batch)
+            grads = [p.grad for p in params]  # none is None now
+            if self.cuda_graphs:  # a graph adding to its inputs would not be captured
+                new, loss_sum, count, aux = self.micro_first(plan, batch)
+                torch._foreach_add_(grads, list(new))  # type: ignore[arg-type]
+            else:
+                loss_sum, count, aux = self.micro_acc(plan, grads, batch)
         return LossOutput(loss_sum, count, aux if aux else NO_AUX)
 
 
