@@ -9,6 +9,16 @@ import os
 import torch
 import torch.distributed as dist
 
+# Imported now, before any process group exists, on purpose: torch.distributed.nn.functional's
+# collectives take `group=group.WORLD` as a default argument, evaluated when the module is
+# first imported. Imported after init_process_group (DDP's constructor imports torch._dynamo,
+# which imports it), those defaults hold the default group for the life of the process:
+# destroy_process_group cannot free it, gloo's worker threads outlive it, and one that drops a
+# tensor while the interpreter finalizes aborts the process (SIGABRT after a finished run;
+# docs/distributed.md). Imported first, the defaults hold no group. It costs ~7 ms.
+if dist.is_available():
+    import torch.distributed.nn.functional
+
 from steplib.distributed.launch_env import LaunchEnv, read_launch_env
 from steplib.errors import ConfigError
 
@@ -118,13 +128,10 @@ def shutdown() -> None:
     group (the default one and the groups made from it: the gloo groups of ``preemption`` and
     ``AsyncSaver``).
 
-    The barrier is the point: a rank that tore its gloo connections down while another was
-    still in the last collective (a foreground checkpoint's closing broadcast, say) made that
-    other rank abort at interpreter exit (SIGABRT, "terminate called without an active
-    exception") about one run in three, and a scheduler would requeue a finished job. With it
-    the abort became rare (0 of 57 runs; once in 10 on a loaded machine), not impossible: the
-    rest is torch's (pytorch/pytorch#190489; docs/distributed.md has the backtrace and why a
-    DDP process cannot join gloo's worker threads before exit).
+    The barrier lets every rank leave its last collective before any tears its connections
+    down; destroying the groups joins gloo's worker threads, so none is left to abort the
+    interpreter's exit (SIGABRT after a finished run; docs/distributed.md says why they
+    outlived the group before, and the import at the top of this module that prevents it).
 
     Call it on every rank, after the run (``run`` waits for background checkpoints at its end;
     close an ``AsyncSaver`` of your own first) and after freeing DDP/FSDP models (a live DDP
