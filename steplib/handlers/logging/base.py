@@ -38,10 +38,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from steplib.cadence import Batches, check_every
+from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Events, Handler
 
 Record = dict[str, Any]
 Source = Callable[[Event], Mapping[str, Any]]
@@ -218,7 +218,7 @@ class Logger(abc.ABC):
         self.close()
 
 
-class Log:
+class Log(Handler):
     """A handler that writes one record per call to every sink: the event's counters, then the
     values of each source, merged in order (a later source wins on a shared name).
 
@@ -276,12 +276,9 @@ class Log:
         self.sources = tuple(sources)
         self.every = check_every("Log(every=...)", every)
 
-    def attach(self, events: Events) -> Events:
-        """Write on ``step_end`` every ``every`` updates (close the sinks yourself, or use the
+    def on_attach(self, events: Events) -> None:
+        """Refuse to be attached without ``every`` (close the sinks yourself, or use the
         ``Log`` as a context manager).
-
-        Returns:
-            ``events``, so calls chain.
 
         Raises:
             ConfigError: built without ``every``.
@@ -291,9 +288,14 @@ class Log:
                 "Log(...) was built without every=, so it does not say how often to write. "
                 "Pass Log(sinks, every=50), or register it: events.on('step_end', log, every=50)."
             )
-        return events.on("step_end", self, every=self.every)
+
+    def on_step_end(self, event: Event) -> None:
+        """Write every ``every`` updates (or batches)."""
+        if self.every is not None and due(self.every, event):
+            self(event)
 
     def __call__(self, event: Event) -> None:
+        """Write one record of ``event`` (registered with ``events.on``: on each call)."""
         record = event_counters(event)
         for source in self.sources:
             record.update(source(event))
