@@ -25,7 +25,7 @@ from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState
 from steplib.handlers.eval_step import as_metrics, evaluate
-from steplib.handlers.logging.base import Log, Logger, event_counters
+from steplib.handlers.logging.base import Log, Sink, event_counters
 from steplib.handlers.stopping import BestValue
 from steplib.state import EVALUATED_AT, TrainState
 
@@ -122,7 +122,7 @@ class Evaluator(Handler):
         monitor: str | None = None,
         mode: str = "min",
         model: nn.Module | None = None,
-        sinks: Logger | Sequence[Logger] = (),
+        sinks: Sink | Sequence[Sink] = (),
         combine: str | None = None,
         weights: Mapping[str, float] | None = None,
     ) -> None:

@@ -9,7 +9,7 @@ handler::
 
 Reading a tensor (``.item()``) is a host sync. It happens here, in the handler, and only on the
 events the logger is registered for (``every=...``), never inside a step. :func:`event_record`
-turns an event into a flat ``{name: number}`` record; a sink (a :class:`Logger`) only decides
+turns an event into a flat ``{name: number}`` record; a :class:`Sink` only decides
 where the record goes, by implementing ``write`` and ``close``. The sinks are the other modules
 of this package: ``jsonl`` (JSON lines through fsspec), ``csv``, ``tensorboard`` (extra ``tb``),
 ``console`` and ``trackers`` (W&B, MLflow); ``file_sink`` is the base of the two file sinks.
@@ -185,11 +185,12 @@ def _shortest_float32(number: float) -> float:
     return number
 
 
-_L = TypeVar("_L", bound="Logger")
+_L = TypeVar("_L", bound="Sink")
 
 
-class Logger(abc.ABC):
-    """Base of the sinks: a handler that writes :func:`event_record` of each event it gets.
+class Sink(abc.ABC):
+    """Where records go (``JsonlLogger``, ``CSVLogger``, ...: each is a ``Sink``): also a
+    handler that writes :func:`event_record` of each event it gets.
 
     A sink implements :meth:`write` and :meth:`close`; the handler call, the context manager and
     the record format are shared, so every sink logs the same fields.
@@ -218,6 +219,11 @@ class Logger(abc.ABC):
         self.close()
 
 
+# The 0.1 name of Sink, beside Log (the handler that writes to sinks): kept so that your own
+# sinks (`class MySink(Logger)`) still work. Deprecated: write Sink; removed in 0.3.
+Logger = Sink
+
+
 class Log(Handler):
     """A handler that writes one record per call to every sink: the event's counters, then the
     values of each source, merged in order (a later source wins on a shared name).
@@ -227,7 +233,7 @@ class Log(Handler):
     the first error is raised after.
 
     Args:
-        sinks: one :class:`Logger` or a sequence of them.
+        sinks: one :class:`Sink` or a sequence of them.
         sources: functions ``source(event) -> {name: value}``; the default writes the step's
             own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
             :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
@@ -236,7 +242,7 @@ class Log(Handler):
             yourself with ``events.on``.
 
     Raises:
-        ConfigError: a sink that is not a :class:`Logger`, a source that is not callable, or
+        ConfigError: a sink that is not a :class:`Sink`, a source that is not callable, or
             ``every`` not a positive int.
 
     Example:
@@ -254,16 +260,16 @@ class Log(Handler):
 
     def __init__(
         self,
-        sinks: Logger | Sequence[Logger],
+        sinks: Sink | Sequence[Sink],
         *,
         sources: Sequence[Source] = (event_record,),
         every: int | Batches | None = None,
     ) -> None:
-        sinks = [sinks] if isinstance(sinks, Logger) else list(sinks)
+        sinks = [sinks] if isinstance(sinks, Sink) else list(sinks)
         for sink in sinks:
-            if not isinstance(sink, Logger):
+            if not isinstance(sink, Sink):
                 raise ConfigError(
-                    f"Log(sinks) received {describe(sink)}, which is not a Logger. Pass sinks "
+                    f"Log(sinks) received {describe(sink)}, which is not a Sink. Pass sinks "
                     "such as JsonlLogger('runs/exp/metrics.jsonl') or CSVLogger(...)."
                 )
         for source in sources:
