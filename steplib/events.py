@@ -51,7 +51,7 @@ class Event:
             the checkpoint just committed, for ``checkpoint_end``.
         data: for ``fit_start``, the batches ``run`` draws from (their position is saved).
         events: the :class:`Events` emitting this event (:meth:`Events.emit` sets it): where a
-            handler emits an event of its own, and what :meth:`Events.attached` lists.
+            handler emits an event of its own and finds the attached handlers.
         outputs: in a run of several steps (``run({"D": d_step, "G": g_step}, ...)``), each
             step's ``StepOutput`` by name (those that ran); else ``None``.
         batches: the batches this event covers, for step events: 1 for ``micro_step_end``,
