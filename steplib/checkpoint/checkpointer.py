@@ -158,7 +158,7 @@ class Checkpointer(Handler):
         while self._committed:
             info = self._committed.popleft()
             assert events is not None
-            emitted = events.emit(Event.at("checkpoint_end", state, checkpoint=info, events=events))
+            emitted = events.emit(Event.at("checkpoint_end", state, checkpoint=info))
             state, stop = emitted.state, stop or emitted.stop
         return Emitted(state, stop)
 

@@ -248,12 +248,7 @@ class Evaluator(Handler):
         if event.events is None:
             return NewState(state)
         return event.events.emit(
-            Event.at(
-                "validation_end",
-                state,
-                metrics=types.MappingProxyType(values),
-                events=event.events,
-            )
+            Event.at("validation_end", state, metrics=types.MappingProxyType(values))
         )
 
     def unless_evaluated(self, event: Event) -> NewState | Emitted | None:
