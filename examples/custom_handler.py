@@ -5,8 +5,9 @@ of the first update whose loss exceeded ``factor`` times that average. Every ``c
 updates it reads the flag once (one host transfer) and returns ``Stop(reason)`` if it is set:
 the loop then ends cleanly (``fit_end`` handlers run, a checkpoint handler saves).
 
-It shows the shape of a stateful handler: an object you build and hold, an ``attach`` that
-registers its methods, work on the device on every event and host reads on an interval, a
+It shows the shape of a stateful handler: an object you build and hold, a method named after
+the event it runs on (``on_step_end``: ``Events`` registers it), work on the device on every
+event and host reads on an interval it checks itself (``due``), a
 ``Stop`` to end the run, and ``state_dict`` / ``load_state_dict`` so that a checkpoint carries
 it (attached to the run, it is saved by ``checkpoint_every`` and restored by ``resume_from``).
 ``docs/custom_wrappers_and_handlers.md`` walks through it; ``tests/test_custom_examples.py``
@@ -25,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from steplib import ConfigError, Event, Events, Stop, TrainState, make_train_step, run
+from steplib.cadence import due
+from steplib.events import Handler
 
 
-class LossSpikeStop:
+class LossSpikeStop(Handler):  # Handler gives it attach(events); Events(spikes) works without
     """Stop when an update's loss exceeds ``factor`` times its running average.
 
     Args:
@@ -71,11 +74,12 @@ class LossSpikeStop:
         self._first: torch.Tensor | None = None  # update of the first spike, -1 for none
         self._seen = 0  # updates averaged (a host int: counting needs no device read)
 
-    def attach(self, events: Events) -> Events:
-        """Register :meth:`update` on every ``step_end`` and :meth:`check` every
-        ``check_every``; returns ``events``."""
-        events.on("step_end", self.update)
-        return events.on("step_end", self.check, every=self.check_every)
+    def on_step_end(self, event: Event) -> Stop | None:
+        """:meth:`update` on every update, :meth:`check` every ``check_every``."""
+        self.update(event)
+        if not due(self.check_every, event):
+            return None
+        return self.check(event)
 
     def update(self, event: Event) -> None:
         """Fold this update's loss into the average and flag a spike: device ops only."""

@@ -37,6 +37,8 @@ from steplib import (
     run,
     warmup_cosine,
 )
+from steplib.cadence import due
+from steplib.events import Handler
 from steplib.handlers import BestValue
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -73,23 +75,22 @@ class Callback(Protocol):
     def attach(self, events: Events) -> Events: ...
 
 
-class LogEvery:
+class LogEvery(Handler):
     """Was ``class LogEvery(Callback)`` with ``on_step_end(self, trainer)``: print the loss."""
 
     def __init__(self, every: int) -> None:
         self.every = every
         self.lines: list[str] = []
 
-    def attach(self, events: Events) -> Events:
-        return events.on("step_end", self.on_step_end, every=self.every)  # no modulo by hand
-
-    def on_step_end(self, event: Event) -> None:
+    def on_step_end(self, event: Event) -> None:  # the same name: Events registers it
+        if not due(self.every, event):  # every N updates (or Batches(n)): one rule
+            return
         line = f"update {event.step}: loss {event.output.loss.item():.4f}"  # read every N only
         self.lines.append(line)
         print(line)
 
 
-class KeepBest:
+class KeepBest(Handler):
     """Was ``class KeepBest(Callback)`` with ``on_validation_end(self, trainer, metrics)``:
     save the weights whenever the held-out loss improves."""
 
@@ -97,11 +98,8 @@ class KeepBest:
         self.path = Path(path)
         self.best = BestValue(mode="min")
 
-    def attach(self, events: Events) -> Events:
-        # After the Evaluator's epoch_end handler, which put val_loss into state.extras.
-        return events.on("epoch_end", self.on_epoch_end)
-
     def on_epoch_end(self, event: Event) -> None:
+        # Attached after the Evaluator, whose epoch_end put val_loss into state.extras.
         if self.best.update(event.state.extras["val_loss"], step=event.step):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(event.state.model.state_dict(), self.path)

@@ -1,11 +1,13 @@
 """How often a handler runs: ``every=`` in optimizer updates (an int) or in batches
 (:class:`Batches`), and :func:`due`, the one rule that the emitter and every handler with an
-``every=`` of its own follow. Imports ``errors`` only."""
+``every=`` of its own follow; the :class:`Registration` of a function on an event, with its
+``every=`` / ``once=``. Imports ``errors`` only."""
 
 from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Callable
 from typing import Any
 
 from steplib.errors import ConfigError, describe
@@ -14,6 +16,8 @@ from steplib.errors import ConfigError, describe
 COUNTER = types.MappingProxyType(
     dict(micro_step_end="micro_step", step_end="step", epoch_start="epoch", epoch_end="epoch")
 )
+# The events whose every= may count batches (Batches(n)).
+COUNTER_BATCHES = ("micro_step_end", "step_end")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,3 +112,69 @@ def check_every(call: str, every: Any, *, batches: bool = True) -> int | Batches
             f"optimizer updates){counts}, e.g. every=100{example}."
         )
     return every
+
+
+def check_every_or_once(name: str, every: Any, once: Any) -> None:
+    """The checks of ``events.on(name, handler, every=..., once=...)``.
+
+    Raises:
+        ConfigError: ``every`` is neither a positive int nor (step events) :class:`Batches`.
+        ValueError: ``once`` not a positive int, both given, or given for an event that has no
+            counter.
+    """
+    check_every(f"Events.on({name!r}, every=...)", every, batches=name in COUNTER_BATCHES)
+    if once is not None and (isinstance(once, bool) or not isinstance(once, int) or once < 1):
+        raise ValueError(
+            f"Events.on({name!r}, once=...) received {once!r}; it must be a positive int, "
+            "e.g. once=100."
+        )
+    if every is not None and once is not None:
+        raise ValueError(
+            f"Events.on({name!r}) received both every={every} and once={once}; choose one "
+            "(register the handler twice to get both)."
+        )
+    if (every is not None or once is not None) and name not in COUNTER:
+        raise ValueError(
+            f"Events.on({name!r}) received every/once, but {name!r} has no counter to "
+            "count them by; register it without them (its handler sees event.step). "
+            f"every/once apply to: {', '.join(COUNTER)}."
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Registration:
+    """One function registered on an event (``events.on``): when it runs, and for whom.
+
+    Attributes:
+        handler: the function of one event.
+        every: ``every=``, or ``None``.
+        once: ``once=``, or ``None``.
+        owner: the handler object ``Events.add`` registered it for (``Events.remove``).
+        last: whether it runs after the functions registered without ``last=True``.
+    """
+
+    handler: Callable[[Any], Any]
+    every: int | Batches | None
+    once: int | None
+    owner: Any
+    last: bool
+
+    def runs_at(self, event: Any) -> bool:
+        """Whether it runs at ``event`` (an event without a counter, e.g. ``fit_end``:
+        always)."""
+        counter = COUNTER.get(event.name)
+        if counter is None:
+            return True
+        if self.every is not None:
+            return due(self.every, event)
+        return self.once is None or getattr(event, counter) == self.once
+
+    def belongs_to(self, handler: Any) -> bool:
+        """Whether removing ``handler`` removes it: the same function, or an object's."""
+        # A bound method compares equal to another of the same object and function; an object
+        # owns what was registered for it (its on_ methods, what its attach registered).
+        return (
+            self.handler == handler
+            or self.owner is handler
+            or getattr(self.handler, "__self__", None) is handler
+        )

@@ -1,10 +1,12 @@
-"""The event emitter and its payloads. Imports nothing from steplib.
+"""The event emitter and its payloads. Imports nothing from steplib but ``cadence``.
 
-Handlers are plain functions of one :class:`Event`. A handler may return ``None``, a
-:class:`Stop` (the loop stops after the current step), or a :class:`NewState` (the loop goes on
-with that state: how a resume handler swaps in a loaded state). A handler that emits an event
-of its own (the evaluator's ``validation_end``, the checkpointer's ``checkpoint_end``) returns
-the :class:`Emitted` of that emission, so that its handlers' state and stop reach the loop.
+A handler is a plain function of one :class:`Event` (``events.on("step_end", fn)``), or an
+object whose ``on_step_end``, ``on_fit_end``, ... methods ``Events(obj)`` registers. It may
+return ``None``, a :class:`Stop` (the loop stops after the current step), or a
+:class:`NewState` (the loop goes on with that state: how a resume handler swaps in a loaded
+state). A handler that emits an event of its own on ``event.events`` (the evaluator's
+``validation_end``, the checkpointer's ``checkpoint_end``) returns the :class:`Emitted` of that
+emission, so that its handlers' state and stop reach the loop.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from steplib.cadence import COUNTER, Batches, check_every, due
+from steplib.cadence import Batches, Registration, check_every_or_once
 
 EVENT_NAMES = (
     "fit_start",
@@ -48,7 +50,8 @@ class Event:
         checkpoint: the ``CheckpointInfo`` (``url``, ``step``, ``epoch``, ``metrics``, ...) of
             the checkpoint just committed, for ``checkpoint_end``.
         data: for ``fit_start``, the batches ``run`` draws from (their position is saved).
-        events: the :class:`Events` emitting ``fit_start`` (see :meth:`Events.attached`).
+        events: the :class:`Events` emitting this event (:meth:`Events.emit` sets it): where a
+            handler emits an event of its own and finds the attached handlers.
         outputs: in a run of several steps (``run({"D": d_step, "G": g_step}, ...)``), each
             step's ``StepOutput`` by name (those that ran); else ``None``.
         batches: the batches this event covers, for step events: 1 for ``micro_step_end``,
@@ -130,7 +133,20 @@ class NewState:
     state: Any
 
 
-Handler = Callable[[Event], Any]
+class Handler:
+    """The base of steplib's handler objects, optional for yours: :meth:`Events.add` registers
+    the methods named ``on_<event>`` of any object. It adds :meth:`attach` and ``last``.
+
+    Attributes:
+        last: ``True`` to register every ``on_`` method with ``last=True`` (a checkpoint's
+            save: it must hold what the other handlers did at that event).
+    """
+
+    last: bool = False
+
+    def attach(self, events: Events) -> Events:
+        """Register its ``on_<event>`` methods on ``events`` (``events.add(self)``); return it."""
+        return events.add(self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,38 +165,12 @@ class Emitted:
     stop: Stop | None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Registration:
-    handler: Handler
-    every: int | Batches | None
-    once: int | None
-    owner: Any  # the object whose attach() registered it (Events.add), for Events.remove
-    last: bool  # called after the handlers registered without last=True
-
-    def belongs_to(self, handler: Any) -> bool:
-        # A bound method compares equal to another of the same object and function; an object
-        # owns what its attach registered (its bound methods, closures, itself).
-        return (
-            self.handler == handler
-            or self.owner is handler
-            or getattr(self.handler, "__self__", None) is handler
-        )
-
-    def wants(self, event: Event) -> bool:
-        counter_name = COUNTER.get(event.name)
-        if counter_name is None:
-            return True
-        if self.every is not None:
-            return due(self.every, event)
-        return self.once is None or getattr(event, counter_name) == self.once
-
-
 class Events:
     """Handlers by event name, called in registration order (those registered with
     ``last=True`` after the others). Safe to rebuild in a notebook: nothing is global.
 
     Args:
-        *handlers: handler objects to :meth:`add` now, in order (each attaches itself).
+        *handlers: handler objects to :meth:`add` now, in order.
 
     Example:
         >>> events = Events()
@@ -193,57 +183,80 @@ class Events:
     """
 
     def __init__(self, *handlers: Any) -> None:
-        self._handlers: dict[str, list[_Registration]] = {name: [] for name in EVENT_NAMES}
-        self._adding: Any = None  # the object whose attach() is running, inside add()
+        self._handlers: dict[str, list[Registration]] = {name: [] for name in EVENT_NAMES}
+        self._adding: Any = None  # the handler object add() is registering
         self.add(*handlers)
 
     def add(self, *handlers: Any) -> Events:
-        """Register handler objects, in order: each one's ``attach(events)`` says on which
-        events and intervals it runs (``Events(evaluator, stopper, ProgressBar())`` is the
-        same as calling ``attach`` on each).
+        """Register handler objects, in order: each one's methods named ``on_<event>`` (in
+        ``EVENT_NAMES`` order), after its ``on_attach(events)`` if it has one (where it refuses
+        a configuration), all with ``last=True`` if its ``last`` is ``True``. A cadence is the
+        handler's own (``if not due(self.every, event): return None``). An object whose class
+        defines its own ``attach(events)`` is registered by calling it.
 
         Args:
-            *handlers: objects with an ``attach(events)`` method (every steplib handler).
+            *handlers: objects with ``on_<event>`` methods, with or without :class:`Handler`.
 
         Returns:
             ``self``, so calls chain.
 
         Raises:
-            ValueError: a handler without ``attach``: a plain function needs an event name.
+            ValueError: a handler with no ``on_<event>`` method (a plain function needs an
+                event name: :meth:`on`), or whose ``last`` is not a bool.
 
         Example:
-            >>> class Counter:
+            >>> from steplib.cadence import due
+            >>> class Counter:  # no base class needed
             ...     calls = 0
-            ...     def attach(self, events):
-            ...         return events.on("step_end", self, every=2)
-            ...     def __call__(self, event):
-            ...         self.calls += 1
+            ...     def on_step_end(self, event):
+            ...         if due(2, event):  # every 2 updates
+            ...             self.calls += 1
             >>> counter = Counter()
-            >>> events = Events(counter)
+            >>> events = Events(counter)  # or counter.attach(Events()) for a Handler
             >>> for s in range(1, 5):
             ...     _ = events.emit(Event("step_end", state=None, step=s))
             >>> counter.calls
             2
         """
         for handler in handlers:
-            attach = getattr(handler, "attach", None)
-            if not callable(attach):
-                raise ValueError(
-                    f"Events received the handler {handler!r}, which has no attach(events) "
-                    "method, so it does not say on which event it runs. Register a plain "
-                    "function with events.on('step_end', handler, every=100)."
-                )
             outer, self._adding = self._adding, handler
             try:
-                attach(self)
+                own = getattr(type(handler), "attach", None)
+                # `outer is handler`: its own attach called add(self) (or Handler's, by super()).
+                if callable(own) and own is not Handler.attach and outer is not handler:
+                    handler.attach(self)
+                else:
+                    self._register(handler)
             finally:
                 self._adding = outer
         return self
 
+    def _register(self, handler: Any) -> None:
+        found = [(name, getattr(handler, f"on_{name}", None)) for name in EVENT_NAMES]
+        methods = [(name, method) for name, method in found if callable(method)]
+        if not methods:
+            raise ValueError(
+                f"Events received the handler {handler!r}, which has no on_<event> method, so it "
+                "does not say on which event it runs. Define one (on_step_end(self, event), "
+                f"... for {', '.join(EVENT_NAMES)}), or register a plain function with "
+                "events.on('step_end', handler, every=100)."
+            )
+        last = getattr(handler, "last", False)
+        if not isinstance(last, bool):
+            raise ValueError(
+                f"Events received the handler {handler!r}, whose last is {last!r}: it says whether "
+                "its on_ methods run after the others'. Make it True or False."
+            )
+        on_attach = getattr(handler, "on_attach", None)
+        if callable(on_attach):
+            on_attach(self)
+        for name, method in methods:
+            self.on(name, method, last=last)
+
     def remove(self, handler: Any) -> Events:
         """Unregister ``handler`` from every event: a function given to :meth:`on`, or a
         handler object given to :meth:`add` or attached with ``handler.attach(events)`` (all
-        that its ``attach`` registered goes).
+        that was registered for it goes: its ``on_`` methods, what its ``on_attach`` added).
 
         Removing during an emission takes effect from the next event.
 
@@ -284,7 +297,7 @@ class Events:
     def on(
         self,
         name: str,
-        handler: Handler,
+        handler: Callable[[Event], Any],
         *,
         every: int | Batches | None = None,
         once: int | None = None,
@@ -320,30 +333,13 @@ class Events:
                 f"{type(handler).__name__}, which is not callable. Pass a function of one "
                 "Event: events.on(name, lambda event: ...)."
             )
-        counted = name in ("step_end", "micro_step_end")
-        check_every(f"Events.on({name!r}, every=...)", every, batches=counted)
-        if once is not None and (isinstance(once, bool) or not isinstance(once, int) or once < 1):
-            raise ValueError(
-                f"Events.on({name!r}, once=...) received {once!r}; it must be a positive int, "
-                "e.g. once=100."
-            )
-        if every is not None and once is not None:
-            raise ValueError(
-                f"Events.on({name!r}) received both every={every} and once={once}; choose one "
-                "(register the handler twice to get both)."
-            )
-        if (every is not None or once is not None) and name not in COUNTER:
-            raise ValueError(
-                f"Events.on({name!r}) received every/once, but {name!r} has no counter to "
-                "count them by; register it without them (its handler sees event.step). "
-                f"every/once apply to: {', '.join(COUNTER)}."
-            )
+        check_every_or_once(name, every, once)
         # A new list, not an insert: an emission under way iterates the old one, so that a
         # handler registered during it is called from the next event on (as for remove). The
         # list keeps the `last` handlers at its end, each group in registration order.
         old = self._handlers[name]
         at = len(old) if last else sum(1 for r in old if not r.last)
-        new = _Registration(handler, every, once, self._adding, last)
+        new = Registration(handler, every, once, self._adding, last)
         self._handlers[name] = [*old[:at], new, *old[at:]]
         return self
 
@@ -369,10 +365,11 @@ class Events:
     def emit(self, event: Event) -> Emitted:
         """Call the handlers of ``event.name`` that want this event, in their order.
 
-        A :class:`NewState` from one handler is seen by the handlers after it (the event's
-        counters are taken from the new state). An :class:`Emitted` (a handler that emitted an
-        event of its own) counts as its state and its stop. A handler added or removed during
-        an emission counts from the next event.
+        The handlers see ``event.events`` set to these ``Events`` (where they emit an event of
+        their own). A :class:`NewState` from one handler is seen by the handlers after it (the
+        event's counters are taken from the new state). An :class:`Emitted` (a handler that
+        emitted an event of its own) counts as its state and its stop. A handler added or
+        removed during an emission counts from the next event.
 
         Args:
             event: the event; ``event.name`` says which handlers run.
@@ -380,9 +377,11 @@ class Events:
         Returns:
             The state after the handlers, and the first :class:`Stop` requested (if any).
         """
+        if event.events is not self:  # the loop's events have it already: no copy per step
+            event = dataclasses.replace(event, events=self)
         state, stop = event.state, None
         for registration in self._handlers[event.name]:
-            if not registration.wants(event):
+            if not registration.runs_at(event):
                 continue
             result = registration.handler(event)
             if isinstance(result, Emitted):

@@ -172,8 +172,8 @@ def _iterate(
     max_steps: int | None,
     max_epochs: int | None,
 ) -> Generator[tuple[TrainState, Outputs], None, TrainState]:
-    start = Event("fit_start", state, data=data, events=events)
-    state, stop = _emit(events, start, state)
+    started = events.emit(Event("fit_start", state, data=data, events=events))
+    state, stop = started.state, started.stop
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
         # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
@@ -183,7 +183,7 @@ def _iterate(
     opened = [state.micro_step - state.window.size]
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
-            state, stop = _emit(events, Event.at("epoch_start", state), state)
+            state, stop = _emit(events, state, "epoch_start")
             if stop is not None:
                 break
             total = _length(data)
@@ -215,16 +215,16 @@ def _iterate(
                     )
                     yield state, flushed if outs is None else outs
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
-                state, epoch_stop = _emit(events, Event.at("epoch_end", state), state)
+                state, epoch_stop = _emit(events, state, "epoch_end")
                 stop = stop or epoch_stop
-        state, _ = _emit(events, Event.at("fit_end", state), state)
+        state, _ = _emit(events, state, "fit_end")
     except GeneratorExit:
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
-        _emit(events, Event.at("fit_end", state), state)
+        _emit(events, state, "fit_end")
         raise
     except BaseException as error:
-        _emit(events, Event.at("exception", state, error=error), state)
+        _emit(events, state, "exception", error=error)
         raise
     return state
 
@@ -305,23 +305,20 @@ def _after_call(
     *,
     micro_batch: bool = True,
 ) -> tuple[TrainState, Stop | None]:
-    # An event is built only when a handler listens for it: a loop without step handlers pays
-    # nothing per micro-batch.
+    # An event is built only when a handler listens for it (_emit): a loop without step
+    # handlers pays nothing per micro-batch.
     stop = None
     if micro_batch and events.has("micro_step_end"):
-        event = Event.at(
-            "micro_step_end", state, output=out, outputs=outs, batch_index=index, batches=1
+        state, stop = _emit(
+            events, state, "micro_step_end", output=out, outputs=outs, batch_index=index, batches=1
         )
-        state, stop = _emit(events, event, state)
     if state.step != step_before:  # a window closed: host ints
         covered = state.micro_step - opened[0]
         opened[0] = state.micro_step
-        if events.has("step_end"):
-            event = Event.at(
-                "step_end", state, output=out, outputs=outs, batch_index=index, batches=covered
-            )
-            state, step_stop = _emit(events, event, state)
-            stop = stop or step_stop
+        state, step_stop = _emit(
+            events, state, "step_end", output=out, outputs=outs, batch_index=index, batches=covered
+        )
+        stop = stop or step_stop
     return state, stop
 
 
@@ -334,10 +331,13 @@ def _length(data: Iterable[Any]) -> int | None:
         return None
 
 
-def _emit(events: Events, event: Event, state: TrainState) -> tuple[TrainState, Stop | None]:
-    if not events.has(event.name):
+def _emit(
+    events: Events, state: TrainState, name: str, **payload: Any
+) -> tuple[TrainState, Stop | None]:
+    if not events.has(name):
         return state, None
-    emitted = events.emit(event)
+    # The event carries `events`, so that Events.emit need not copy it to set it.
+    emitted = events.emit(Event.at(name, state, events=events, **payload))
     return emitted.state, emitted.stop
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import steplib
+import steplib.events
 
 PACKAGE = Path(steplib.__file__).parent
 WRAPPERS = ("accumulate", "amp", "anomaly", "clip", "ddp", "fsdp", "skip", "tap")
@@ -181,6 +182,25 @@ def test_sizes() -> None:
 def test_the_top_level_holds_the_everyday_names_only() -> None:
     assert len(steplib.__all__) <= 40, sorted(steplib.__all__)
     assert not [n for n in steplib.__all__ if re.fullmatch(r"_.*", n)]
+
+
+def test_handlers_register_by_one_convention() -> None:
+    # One mechanism: Events.add finds a handler's on_<event> methods. No class defines its own
+    # attach (Handler's is the only one), and every class with on_<event> methods is a Handler.
+    on_event = {f"on_{name}" for name in steplib.events.EVENT_NAMES}
+    own_attach, not_handlers = [], []
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+            if "attach" in methods and (name, node.name) != ("steplib.events", "Handler"):
+                own_attach.append(f"{name}.{node.name}")
+            bases = {ast.unparse(base) for base in node.bases}
+            if methods & on_event and "Handler" not in bases:
+                not_handlers.append(f"{name}.{node.name}")
+    assert own_attach == [], "register on_<event> methods instead of writing attach"
+    assert not_handlers == [], "subclass steplib.events.Handler"
 
 
 def test_no_tricks_global_exec_or_private_writes() -> None:

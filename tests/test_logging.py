@@ -446,7 +446,7 @@ def test_log_merges_sources_writes_every_sink_and_raises_after_a_failure() -> No
 
 
 def test_log_checks_its_sinks_and_sources() -> None:
-    with pytest.raises(ConfigError, match="not a Logger"):
+    with pytest.raises(ConfigError, match="not a Sink"):
         Log([print])  # type: ignore[list-item]
     with pytest.raises(ConfigError, match="not callable"):
         Log([], sources=[3])  # type: ignore[list-item]

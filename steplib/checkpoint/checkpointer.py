@@ -26,7 +26,7 @@ from steplib.checkpoint.retention import check_ranked_metric, check_retention, p
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed import is_main
 from steplib.errors import CheckpointError, ConfigError, describe
-from steplib.events import Emitted, Event, Events
+from steplib.events import Emitted, Event, Handler
 from steplib.state import EVALUATED_AT, TrainState
 
 _log = logging.getLogger("steplib.checkpoint")
@@ -76,16 +76,19 @@ def stale_values(extras: Mapping[str, Any], step: int) -> set[str]:
     return {name for name, at in evaluated.items() if at != step}
 
 
-class Checkpointer:
+class Checkpointer(Handler):
     """The handler :func:`checkpoint_every` builds (with its checked arguments); register it
-    with :meth:`attach`.
+    with :meth:`attach`. It reports ``checkpoint_end`` to, and saves the attached handlers'
+    state of, the ``Events`` that emitted the event it saves at (``event.events``).
 
     Attributes:
         given: the directory and what each save is given (``pipeline.Checkpoints``).
         last_saved: the URL of the last checkpoint this handler saved, or ``None``.
-        events: the ``Events`` it reports ``checkpoint_end`` to and whose attached handlers'
-            state it saves (``None`` until attached).
     """
+
+    # Last at each event: a save holds what every other handler did there (an evaluation, a
+    # scheduler's step), in whatever order they were attached.
+    last = True
 
     def __init__(
         self,
@@ -110,26 +113,11 @@ class Checkpointer:
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
         self.last_saved: str | None = None
-        self.events: Events | None = None
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
 
     @property
     def directory(self) -> str:
         return self.given.directory
-
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start``, ``step_end``, ``epoch_end`` (every ``epochs``),
-        ``fit_end`` and ``exception``; return ``events``."""
-        self.events = events
-        events.on("fit_start", self.on_fit_start)
-        # Last at each event: a save holds what every other handler did there (an evaluation,
-        # a scheduler's step), in whatever order they were attached.
-        events.on("step_end", self.on_step_end, last=True)
-        if self.epochs is not None:
-            events.on("epoch_end", self.on_epoch_end, every=self.epochs, last=True)
-        events.on("fit_end", self.on_fit_end, last=True)
-        events.on("exception", self.on_exception)
-        return events
 
     def __call__(self, event: Event) -> Emitted | None:
         return self.on_step_end(event)
@@ -148,26 +136,29 @@ class Checkpointer:
         """Save when ``event.step`` is a multiple of ``every``; report what was committed.
         ``ConfigError`` when ``keep_best``'s ``metric`` is not among this save's metrics."""
         if self.every is not None and due(self.every, event):
-            return self.on_epoch_end(event)
+            return self._save_and_report(event, strict=True)
         return self.report(event)
 
     def on_epoch_end(self, event: Event) -> Emitted | None:
-        """Save unless this state was saved already, and report."""
+        """Every ``epochs`` epochs: save unless this state was saved already, and report."""
+        if self.epochs is None or not due(self.epochs, event):
+            return None
         return self._save_and_report(event, strict=True)
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted | None:
         """Emit ``checkpoint_end`` for each checkpoint committed and not yet reported, oldest
         first, each seeing the state the previous one left (from ``earlier``'s, if given);
         return the outcome, to return from the handler."""
-        if self.events is None:  # never attached: nobody to tell
+        events = event.events
+        if events is None:  # not emitted by an Events: nobody to tell
             self._committed.clear()
         if not self._committed:
             return earlier
         state, stop = (event.state, None) if earlier is None else (earlier.state, earlier.stop)
         while self._committed:
             info = self._committed.popleft()
-            assert self.events is not None
-            emitted = self.events.emit(Event.at("checkpoint_end", state, checkpoint=info))
+            assert events is not None
+            emitted = events.emit(Event.at("checkpoint_end", state, checkpoint=info))
             state, stop = emitted.state, stop or emitted.stop
         return Emitted(state, stop)
 
@@ -227,7 +218,7 @@ class Checkpointer:
         given = dataclasses.replace(
             self.given,
             data=self.given.data if self.given.data is not None else self._run_data,
-            extras=with_handlers(caller, self.given.extras, self.events),
+            extras=with_handlers(caller, self.given.extras, event.events),
         )
         here = prunes_here(state)  # sharded: rank 0 alone (the ranks share one directory)
         taken, numbers = time.time(), check_metrics(metrics, caller)

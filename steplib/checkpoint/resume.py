@@ -27,12 +27,12 @@ from steplib.checkpoint.pipeline import Checkpoints
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events, NewState, Stop
+from steplib.events import Emitted, Event, Handler, NewState, Stop
 
 _log = logging.getLogger("steplib.checkpoint")
 
 
-class Resume:
+class Resume(Handler):
     """The ``fit_start`` handler :func:`resume_from` builds.
 
     Attributes:
@@ -43,24 +43,21 @@ class Resume:
     def __init__(self, given: Checkpoints) -> None:
         self.given = given
         self.loaded: str | None = None
-        self.events: Events | None = None
 
     @property
     def directory(self) -> str:
         return self.given.directory
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start`` (before the handlers that must see the resumed state)."""
-        self.events = events
-        return events.on("fit_start", self)
+    def on_fit_start(self, event: Event) -> NewState | None:
+        """Load (as a call does); attach it before the handlers that must see the resumed state."""
+        return self(event)
 
     def __call__(self, event: Event) -> NewState | None:
         """Load the newest valid checkpoint into the state, its loader and its handlers."""
-        events = self.events if self.events is not None else event.events
         given = dataclasses.replace(
             self.given,
             data=run_data(self.given.data, event),
-            extras=with_handlers("resume_from", self.given.extras, events),
+            extras=with_handlers("resume_from", self.given.extras, event.events),
         )
         found = given.load_newest(event.state)
         if found is None:
@@ -133,13 +130,15 @@ def resume_from(
     return Resume(Checkpoints(directory, data, extras, step, storage_options))
 
 
-class Preemption:
+class Preemption(Handler):
     """The handler :func:`preemption` builds.
 
     Attributes:
         received: the signal the run was preempted by (any rank's, sharded), or ``None``.
         saved: the URL of the checkpoint saved because of it, or ``None``.
     """
+
+    last = True  # its saves run after the other handlers', as the checkpointer's do
 
     def __init__(self, checkpointer: Checkpointer, *, signals: Sequence[int]) -> None:
         self.checkpointer = checkpointer
@@ -153,14 +152,6 @@ class Preemption:
         self._agree = False  # this run's ranks decide together (a sharded state)
         self._group: Any = None  # the gloo group sharded ranks agree on, and its default group
         self._group_of: Any = None
-
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start``, ``step_end``, ``fit_end`` and ``exception``."""
-        events.on("fit_start", self.on_fit_start)
-        events.on("step_end", self.on_step_end, last=True)  # saves: after the others
-        events.on("fit_end", self.on_fit_end)
-        events.on("exception", self.on_exception)
-        return events
 
     @property
     def exit_code(self) -> int:
@@ -196,11 +187,13 @@ class Preemption:
         self._uninstall()
         return Stop(f"preempted by {name} at step {event.step}; saved {self.saved}")
 
-    def on_fit_end(self, event: Event) -> None:
-        """Save if a signal came after the last update, then restore the signal handlers."""
+    def on_fit_end(self, event: Event) -> Emitted | None:
+        """Save if a signal came after the last update (and report it: the checkpointer's
+        fit_end ran before), then restore the signal handlers."""
         if self.saved is None and self._decide(event) is not None:  # every rank decides alike
             self.saved = self.checkpointer.save(event, blocking=True)
         self._uninstall()
+        return self.checkpointer.report(event)
 
     def on_exception(self, event: Event) -> None:
         """Restore the signal handlers."""

@@ -1,4 +1,5 @@
-"""Handlers: plain callables of one :class:`~steplib.events.Event`, registered on an emitter.
+"""Handlers: objects whose ``on_<event>`` methods an emitter registers (each a
+:class:`~steplib.events.Handler`), and plain callables of one :class:`~steplib.events.Event`.
 
 Every handler of steplib is here, one concept per module: evaluation (``eval_step``: the eval
 step and ``evaluate``; ``evaluation``: the ``Evaluator`` handler), training metrics
@@ -29,6 +30,7 @@ from steplib.handlers.logging import (
     Log,
     Logger,
     MLflowLogger,
+    Sink,
     TensorBoardLogger,
     WandbLogger,
     event_counters,
@@ -65,6 +67,7 @@ __all__ = [
     "Profiler",
     "ProgressBar",
     "Scheduler",
+    "Sink",
     "StopFile",
     "TensorBoardLogger",
     "Throughput",

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Handler
 
 
-class EMA:
+class EMA(Handler):
     """``average = average + (1 - d) * (param - average)`` after each applied update.
 
     Floating-point buffers (batch-norm statistics) are copied from the model, not averaged;
@@ -92,14 +92,6 @@ class EMA:
     def updates(self) -> int:
         """Applied updates averaged so far (reading it is a host sync)."""
         return int(self._count.item())
-
-    def attach(self, events: Events) -> Events:
-        """Register :meth:`on_step_end` on every ``step_end``.
-
-        Returns:
-            ``events``, so calls chain.
-        """
-        return events.on("step_end", self.on_step_end)
 
     def on_step_end(self, event: Event) -> None:
         """Average if this update was applied (``event.output.did_update``)."""

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from steplib import errors
-from steplib.cadence import Batches, check_every
+from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
-from steplib.events import Emitted, Event, Events, NewState
+from steplib.events import Emitted, Event, Handler, NewState
 from steplib.handlers.eval_step import as_metrics, evaluate
-from steplib.handlers.logging.base import Log, Logger, event_counters
+from steplib.handlers.logging.base import Log, Sink, event_counters
 from steplib.handlers.stopping import BestValue
 from steplib.state import EVALUATED_AT, TrainState
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from steplib.handlers.eval_step import Metrics
 
 
-class Evaluator:
+class Evaluator(Handler):
     """Evaluate during training, as an event handler; register it with :meth:`attach`.
 
     On each evaluation the values (named ``prefix + name``: ``val_loss``) go into
@@ -51,9 +51,9 @@ class Evaluator:
     ``best_checkpoint(directory, evaluator)`` then watch.
 
     After each evaluation (not the sanity one) the evaluator emits ``validation_end`` on the
-    ``Events`` it was last attached to, with the recorded values in ``event.metrics`` and the
-    state that holds them in ``event.state``; a ``Stop`` or ``NewState`` returned by those
-    handlers reaches the loop.
+    ``Events`` that emitted the event it evaluated at (``event.events``), with the recorded
+    values in ``event.metrics`` and the state that holds them in ``event.state``; a ``Stop`` or
+    ``NewState`` returned by those handlers reaches the loop.
 
     Args:
         eval_step: from :func:`~steplib.handlers.eval_step.make_eval_step`.
@@ -122,7 +122,7 @@ class Evaluator:
         monitor: str | None = None,
         mode: str = "min",
         model: nn.Module | None = None,
-        sinks: Logger | Sequence[Logger] = (),
+        sinks: Sink | Sequence[Sink] = (),
         combine: str | None = None,
         weights: Mapping[str, float] | None = None,
     ) -> None:
@@ -176,7 +176,6 @@ class Evaluator:
         self._log = Log(sinks, sources=())
         self.history: list[tuple[int, dict[str, Any]]] = []
         self.sanity_values: dict[str, Any] | None = None
-        self.events: Events | None = None
         self._evaluated_step: int | None = None
 
     @property
@@ -184,23 +183,24 @@ class Evaluator:
         """``"min"`` or ``"max"``: whether a lower or higher ``monitor`` is better."""
         return self.best.mode
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start`` (sanity), ``step_end`` (``every``), ``epoch_end`` and
-        ``fit_end``, as configured; ``validation_end`` is emitted on ``events`` from now on.
-
-        Returns:
-            ``events``, so calls chain.
-        """
-        self.events = events
+    def on_fit_start(self, event: Event) -> None:
+        """The sanity evaluation (:meth:`sanity_check`), unless ``sanity_batches=0``."""
         if self.sanity_batches:
-            events.on("fit_start", self.sanity_check)
-        if self.every is not None:
-            events.on("step_end", self, every=self.every)
-        if self.at_epoch_end:
-            events.on("epoch_end", self.unless_evaluated)
-        if self.at_fit_end:
-            events.on("fit_end", self.unless_evaluated)
-        return events
+            self.sanity_check(event)
+
+    def on_step_end(self, event: Event) -> NewState | Emitted | None:
+        """Evaluate every ``every`` updates (or batches)."""
+        if self.every is None or not due(self.every, event):
+            return None
+        return self(event)
+
+    def on_epoch_end(self, event: Event) -> NewState | Emitted | None:
+        """With ``at_epoch_end``: evaluate, unless this update was evaluated already."""
+        return self.unless_evaluated(event) if self.at_epoch_end else None
+
+    def on_fit_end(self, event: Event) -> NewState | Emitted | None:
+        """With ``at_fit_end``: evaluate, unless this update was evaluated already."""
+        return self.unless_evaluated(event) if self.at_fit_end else None
 
     def run(self, state: TrainState, *, limit_batches: int | None = None) -> dict[str, Any]:
         """Evaluate every set now and return the prefixed values (no state change, no
@@ -227,8 +227,9 @@ class Evaluator:
         self._monitored(self.sanity_values)
 
     def __call__(self, event: Event) -> NewState | Emitted:
-        """Evaluate, record, log; emit ``validation_end`` with the state that holds the values
-        in its extras (and return that emission), or return that state when not attached."""
+        """Evaluate, record, log; emit ``validation_end`` on ``event.events`` with the state that
+        holds the values in its extras (and return that emission), or return that state when
+        the event came from no ``Events``."""
         values = self.run(event.state)
         self._evaluated_step = event.step
         self.history.append((event.step, values))
@@ -244,9 +245,9 @@ class Evaluator:
         if is_main():
             self._log.write({**event_counters(event), **values})
         state = event.state.replace(extras=types.MappingProxyType(extras))
-        if self.events is None:
+        if event.events is None:
             return NewState(state)
-        return self.events.emit(
+        return event.events.emit(
             Event.at("validation_end", state, metrics=types.MappingProxyType(values))
         )
 

@@ -23,10 +23,10 @@ import torch
 
 from steplib import errors
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Handler
 
 
-class LivePlot:
+class LivePlot(Handler):
     """Draw the loss (and the evaluator's values) every ``every`` updates, in place.
 
     Args:
@@ -92,12 +92,6 @@ class LivePlot:
         self.redraws = 0
         self._pending: list[torch.Tensor] = []
         self._handle: Any = None
-
-    def attach(self, events: Events) -> Events:
-        """Record every update, the evaluations, and draw at the end. Returns ``events``."""
-        events.on("step_end", self.on_step_end)
-        events.on("validation_end", self.on_validation_end)
-        return events.on("fit_end", self.on_fit_end)
 
     def on_step_end(self, event: Event) -> None:
         """Keep the update's loss on the device; redraw every ``every`` updates."""

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from steplib.events import Event, Events
+from steplib.events import Event, Handler
 
 # Names a record already uses; an aux value with one of these names is written as "aux.<name>".
 _RESERVED = ("loss", "num_targets", "updates", "skipped", "lr", "step", "epoch", "micro_step")
 
 
-class TrainMetrics:
+class TrainMetrics(Handler):
     """Running means of the training loss and aux tensors, summed on the device.
 
     Args:
@@ -58,14 +58,6 @@ class TrainMetrics:
         self._last: Any = None
         self.reset()
 
-    def attach(self, events: Events) -> Events:
-        """Register :meth:`update` on every ``step_end``.
-
-        Returns:
-            ``events``, so calls chain.
-        """
-        return events.on("step_end", self.update)
-
     def reset(self) -> None:
         """Forget the sums (a read resets them too)."""
         self._loss: torch.Tensor | None = None  # sum of loss * targets, non-skipped updates
@@ -74,6 +66,10 @@ class TrainMetrics:
         self._aux: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (sum, count)
         self._lr: torch.Tensor | None = None
         self._updates = 0
+
+    def on_step_end(self, event: Event) -> None:
+        """:meth:`update` on every update."""
+        self.update(event)
 
     def update(self, event: Event) -> None:
         """Add one update's loss, targets and aux values (device ops only, no host read)."""

@@ -19,13 +19,13 @@ import torch
 from steplib import errors
 from steplib.cadence import due
 from steplib.errors import ConfigError, NonFiniteError, describe
-from steplib.events import Event, Events, Stop
+from steplib.events import Event, Handler, Stop
 
 # Where a micro-batch was: step, epoch, batch index in the epoch, micro-step.
 _Where = tuple[int, int, int | None, int]
 
 
-class NonFiniteAlarm:
+class NonFiniteAlarm(Handler):
     """Raise :class:`NonFiniteError` (or stop) when a loss or gradient norm is NaN or infinite,
     naming the first step, epoch and batch index where it happened.
 
@@ -69,14 +69,6 @@ class NonFiniteAlarm:
         self._pending: list[torch.Tensor] = []
         self._pending_where: list[_Where] = []
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``micro_step_end`` (flag), ``step_end`` (close the window, read every
-        ``every``) and ``fit_end`` (read what is left)."""
-        events.on("micro_step_end", self.on_micro_step_end)
-        events.on("step_end", self.on_step_end)
-        events.on("fit_end", self.check)
-        return events
-
     def on_micro_step_end(self, event: Event) -> None:
         """Flag this micro-batch's loss (device ops only)."""
         # Several steps (a GAN): a non-finite loss of any of them.
@@ -108,6 +100,10 @@ class NonFiniteAlarm:
             return self.check(event)
         return None
 
+    def on_fit_end(self, event: Event) -> Stop | None:
+        """Read the flags left (:meth:`check`)."""
+        return self.check(event)
+
     def check(self, event: Event | None = None) -> Stop | None:
         """Read the pending flags (one host transfer); raise or stop at the first bad one."""
         pending, where = self._pending, self._pending_where
@@ -131,7 +127,7 @@ class NonFiniteAlarm:
         return None
 
 
-class GradNormMonitor:
+class GradNormMonitor(Handler):
     """A log source: mean and max of the gradient norm over the updates since the last read.
 
     The norm is the one the step measured (``StepOutput.grad_norm``): wrap the step with
@@ -156,9 +152,9 @@ class GradNormMonitor:
         self._count: torch.Tensor | None = None
         self._last: Any = None
 
-    def attach(self, events: Events) -> Events:
-        """Register :meth:`update` on every ``step_end``."""
-        return events.on("step_end", self.update)
+    def on_step_end(self, event: Event) -> None:
+        """:meth:`update` on every update."""
+        self.update(event)
 
     def update(self, event: Event) -> None:
         """Add this update's norm (device ops only).

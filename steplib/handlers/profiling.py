@@ -22,10 +22,10 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from steplib import errors
 from steplib.distributed import is_main, rank
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Handler
 
 
-class Profiler:
+class Profiler(Handler):
     """Profile updates on a wait/warmup/active schedule and write a Chrome trace per cycle.
 
     Args:
@@ -92,18 +92,17 @@ class Profiler:
         self.traces: list[str] = []
         self._profiler: profile | None = None
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start`` (start), ``step_end`` (advance the schedule), ``fit_end``
-        and ``exception`` (stop, writing a cycle that was recording).
+    def on_fit_start(self, event: Event) -> None:
+        """:meth:`start`."""
+        self.start(event)
 
-        Returns:
-            ``events``, so calls chain.
-        """
-        events.on("fit_start", self.start)
-        events.on("step_end", self.on_step_end)
-        events.on("fit_end", self.stop)
-        events.on("exception", self.stop)
-        return events
+    def on_fit_end(self, event: Event) -> None:
+        """:meth:`stop`, writing a cycle that was recording."""
+        self.stop(event)
+
+    def on_exception(self, event: Event) -> None:
+        """:meth:`stop`, writing a cycle that was recording."""
+        self.stop(event)
 
     def start(self, event: Event | None = None) -> None:
         """Start profiling (on rank 0 unless ``all_ranks``)."""

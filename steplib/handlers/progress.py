@@ -28,11 +28,11 @@ from steplib import errors
 from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Handler
 from steplib.handlers.terminal import tqdm_class
 
 
-class ProgressBar:
+class ProgressBar(Handler):
     """Show training progress; register it with :meth:`attach`.
 
     Args:
@@ -114,21 +114,6 @@ class ProgressBar:
         self._bar: Any = None
         self._reset()
 
-    def attach(self, events: Events) -> Events:
-        """Register the bar on ``fit_start``, ``step_end``, ``fit_end`` and ``exception``.
-
-        It must see every ``step_end`` to count the tokens of each update, so it is registered
-        without ``every``; it reads tensors only on its own interval.
-
-        Returns:
-            ``events``, so calls chain.
-        """
-        events.on("fit_start", self.on_fit_start)
-        events.on("step_end", self.on_step_end)
-        events.on("fit_end", self.on_fit_end)
-        events.on("exception", self.on_exception)
-        return events
-
     @property
     def closed(self) -> bool:
         """Whether no bar is open (before ``fit_start`` and after ``fit_end``)."""
@@ -151,7 +136,10 @@ class ProgressBar:
         self._micro_step = self._micro_since = event.micro_step
 
     def on_step_end(self, event: Event) -> None:
-        """Count the update; every ``every`` updates, read the sums and refresh the numbers."""
+        """Count the update; every ``every`` updates, read the sums and refresh the numbers.
+
+        It sees every update, to count the tokens of each; it reads tensors only on its own
+        interval."""
         if self._bar is None:  # used without fit_start (e.g. the user's own loop)
             self.on_fit_start(event)
         assert self._bar is not None

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Handler
 
 
-class Scheduler:
+class Scheduler(Handler):
     """Step ``scheduler`` at every epoch end, or after every evaluation with its value.
 
     Args:
@@ -77,17 +77,19 @@ class Scheduler:
                 "an Evaluator built with monitor='val_loss', or the name itself."
             )
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start`` (the check) and ``epoch_end``, or ``validation_end`` with
-        a metric.
+    def on_fit_start(self, event: Event) -> None:
+        """:meth:`check`."""
+        self.check(event)
 
-        Returns:
-            ``events``, so calls chain.
-        """
-        events.on("fit_start", self.check)
+    def on_epoch_end(self, event: Event) -> None:
+        """Without a metric: :meth:`step` once per epoch."""
         if self.metric is None:
-            return events.on("epoch_end", self.step)
-        return events.on("validation_end", self.step)
+            self.step(event)
+
+    def on_validation_end(self, event: Event) -> None:
+        """With a metric: :meth:`step` with the evaluation's value."""
+        if self.metric is not None:
+            self.step(event)
 
     def check(self, event: Event) -> None:
         """Refuse a scheduler that the state steps too (per update).

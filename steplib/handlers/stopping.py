@@ -25,9 +25,10 @@ import fsspec
 import torch
 
 from steplib import errors
+from steplib.cadence import due
 from steplib.distributed.collectives import any_rank
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events, Stop
+from steplib.events import Event, Events, Handler, Stop
 
 
 def _device(event: Event) -> torch.device | None:
@@ -125,7 +126,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-class EarlyStopping:
+class EarlyStopping(Handler):
     """Stop at the ``patience``-th check in a row without improvement of ``state.extras[monitor]``.
 
     ``patience`` means what it means in Lightning, Keras, Ignite and the HF Trainer:
@@ -176,28 +177,28 @@ class EarlyStopping:
         self.evaluator = None if isinstance(monitor, str) else monitor
         self._evaluations = 0  # of the evaluator's, when given one: one check per evaluation
 
-    def attach(self, events: Events) -> Events:
-        """Check after each evaluation of the evaluator it was given: on the events the
-        evaluator runs on (register the evaluator first).
-
-        Returns:
-            ``events``, so calls chain.
+    def on_attach(self, events: Events) -> None:
+        """Refuse to be attached when built from a name (register the evaluator first: it
+        checks on the events the evaluator runs on, after it).
 
         Raises:
             ConfigError: built from a name, which does not say when to check.
         """
-        evaluator = self.evaluator
-        if evaluator is None:
+        if self.evaluator is None:
             raise ConfigError(
                 f"EarlyStopping({self.monitor!r}) was given a name, which does not say when to "
                 "check. Give it the evaluator: EarlyStopping(evaluator, patience=...), or "
                 f"register it: events.on('step_end', stopper, every=500)."
             )
-        if evaluator.every is not None:
-            events.on("step_end", self, every=evaluator.every)
-        if evaluator.at_epoch_end:
-            events.on("epoch_end", self)
-        return events
+
+    def on_step_end(self, event: Event) -> Stop | None:
+        """Check on the updates the evaluator evaluates at (its ``every``)."""
+        every = None if self.evaluator is None else self.evaluator.every
+        return self(event) if every is not None and due(every, event) else None
+
+    def on_epoch_end(self, event: Event) -> Stop | None:
+        """Check at epoch end when the evaluator evaluates there (``at_epoch_end``)."""
+        return self(event) if self.evaluator is not None and self.evaluator.at_epoch_end else None
 
     def __call__(self, event: Event) -> Stop | None:
         """Check ``event.state.extras[monitor]`` (a host number: no device read)."""
@@ -237,7 +238,7 @@ class EarlyStopping:
         self._evaluations = int(state.get("evaluations", 0))
 
 
-class TimeLimit:
+class TimeLimit(Handler):
     """Stop before a wall-clock budget runs out: when the next update would likely cross it.
 
     The clock starts at ``fit_start`` (or at the first check without one). The estimate of
@@ -270,11 +271,13 @@ class TimeLimit:
         self._start: float | None = None
         self._start_step = 0
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start`` (start the clock) and ``step_end`` (check)."""
-        events.on("fit_start", self.start)
-        events.on("step_end", self, every=self.every)
-        return events
+    def on_fit_start(self, event: Event) -> None:
+        """Start the clock (:meth:`start`)."""
+        self.start(event)
+
+    def on_step_end(self, event: Event) -> Stop | None:
+        """Check every ``every`` updates."""
+        return self(event) if due(self.every, event) else None
 
     def start(self, event: Event) -> None:
         """Start the clock now."""
@@ -295,7 +298,7 @@ class TimeLimit:
         )
 
 
-class StopFile:
+class StopFile(Handler):
     """Stop when a file exists (``touch runs/exp/STOP`` from a shell), then remove it.
 
     Args:
@@ -330,9 +333,9 @@ class StopFile:
         self.remove = remove
         self._fs, self._path = fsspec.core.url_to_fs(path)
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``step_end`` every ``every`` updates."""
-        return events.on("step_end", self, every=self.every)
+    def on_step_end(self, event: Event) -> Stop | None:
+        """Check every ``every`` updates."""
+        return self(event) if due(self.every, event) else None
 
     def __call__(self, event: Event) -> Stop | None:
         """Stop if the file exists (on any rank)."""

@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from steplib import errors
 from steplib.distributed import world_size
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Handler
 
 
 def count_flops(fn: Callable[[], Any]) -> int:
@@ -149,7 +149,7 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-class Throughput:
+class Throughput(Handler):
     """A log source of the speed since its last read.
 
     Args:
@@ -229,18 +229,14 @@ class Throughput:
         self._micro_steps = 0
         self._tokens: Any = 0
 
-    def attach(self, events: Events) -> Events:
-        """Register on ``fit_start`` (start the clock) and every ``step_end`` (count).
-
-        Returns:
-            ``events``, so calls chain.
-        """
-        events.on("fit_start", self._fit_start)
-        return events.on("step_end", self.update)
-
-    def _fit_start(self, event: Event) -> None:
+    def on_fit_start(self, event: Event) -> None:
+        """Start the clock."""
         self._micro_step = event.micro_step
         self._start()
+
+    def on_step_end(self, event: Event) -> None:
+        """:meth:`update` on every update."""
+        self.update(event)
 
     def update(self, event: Event) -> None:
         """Count one update and add its tokens (a device add, no host read)."""

@@ -22,7 +22,7 @@ from torchmetrics.wrappers import MultioutputWrapper
 
 from steplib import errors
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events, Stop
+from steplib.events import Event, Handler, Stop
 from steplib.sweep.optim import PerCopyOptimizer
 
 
@@ -105,7 +105,7 @@ def active_copies(optimizer: torch.optim.Optimizer) -> list[int]:
     return [i for i, on in enumerate(_active(optimizer, "active_copies").tolist()) if on]
 
 
-class SweepEarlyStopping:
+class SweepEarlyStopping(Handler):
     """Stop each copy at its own ``patience``-th evaluation in a row without improvement of its
     value of ``monitor``; stop the run when every copy has stopped.
 
@@ -138,11 +138,8 @@ class SweepEarlyStopping:
         self.best: list[float | None] = []
         self.wait: list[int] = []
 
-    def attach(self, events: Events) -> Events:
-        """Check after each evaluation (``validation_end``). Returns ``events``."""
-        return events.on("validation_end", self)
-
-    def __call__(self, event: Event) -> Stop | None:
+    def on_validation_end(self, event: Event) -> Stop | None:
+        """Check each copy after each evaluation; stop the run when every copy has stopped."""
         optimizer = event.state.optimizer
         values = _values("SweepEarlyStopping", self.monitor, event, optimizer)
         stop_copies(optimizer, self.update(values))
@@ -181,7 +178,7 @@ class SweepEarlyStopping:
         self.best, self.wait = list(state["best"]), [int(w) for w in state["wait"]]
 
 
-class SuccessiveHalving:
+class SuccessiveHalving(Handler):
     """At each evaluation, keep training the best ``keep`` fraction of the copies still active
     (at least ``min_copies``) and stop the others: successive halving over a sweep's copies.
 
@@ -213,11 +210,8 @@ class SuccessiveHalving:
         self.keep = float(keep)
         self.min_copies = errors.positive_int("SuccessiveHalving", "min_copies", min_copies)
 
-    def attach(self, events: Events) -> Events:
-        """Halve after each evaluation (``validation_end``). Returns ``events``."""
-        return events.on("validation_end", self)
-
-    def __call__(self, event: Event) -> None:
+    def on_validation_end(self, event: Event) -> None:
+        """Halve after each evaluation."""
         optimizer = event.state.optimizer
         values = _values("SuccessiveHalving", self.monitor, event, optimizer)
         stop_copies(optimizer, self.choose(values, active=active_copies(optimizer)))

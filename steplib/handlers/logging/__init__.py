@@ -1,11 +1,19 @@
 """Metric logs: :class:`Log` and its sinks (JSONL, CSV, TensorBoard, console, W&B, MLflow).
 
-``base`` holds what every sink shares (:class:`Logger`, :class:`Log`, :func:`event_record`);
+``base`` holds what every sink shares (:class:`Sink`, :class:`Log`, :func:`event_record`);
 ``file_sink`` the base of the sinks that write one file; each other module is one destination.
 """
 
 from steplib.errors import LogWriteError
-from steplib.handlers.logging.base import Log, Logger, Record, Source, event_counters, event_record
+from steplib.handlers.logging.base import (
+    Log,
+    Logger,
+    Record,
+    Sink,
+    Source,
+    event_counters,
+    event_record,
+)
 from steplib.handlers.logging.console import ConsoleLogger
 from steplib.handlers.logging.csv import CSVLogger
 from steplib.handlers.logging.file_sink import FileSink
@@ -23,6 +31,7 @@ __all__ = [
     "Logger",
     "MLflowLogger",
     "Record",
+    "Sink",
     "Source",
     "TensorBoardLogger",
     "WandbLogger",

@@ -9,7 +9,7 @@ handler::
 
 Reading a tensor (``.item()``) is a host sync. It happens here, in the handler, and only on the
 events the logger is registered for (``every=...``), never inside a step. :func:`event_record`
-turns an event into a flat ``{name: number}`` record; a sink (a :class:`Logger`) only decides
+turns an event into a flat ``{name: number}`` record; a :class:`Sink` only decides
 where the record goes, by implementing ``write`` and ``close``. The sinks are the other modules
 of this package: ``jsonl`` (JSON lines through fsspec), ``csv``, ``tensorboard`` (extra ``tb``),
 ``console`` and ``trackers`` (W&B, MLflow); ``file_sink`` is the base of the two file sinks.
@@ -38,10 +38,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from steplib.cadence import Batches, check_every
+from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
-from steplib.events import Event, Events
+from steplib.events import Event, Events, Handler
 
 Record = dict[str, Any]
 Source = Callable[[Event], Mapping[str, Any]]
@@ -185,11 +185,12 @@ def _shortest_float32(number: float) -> float:
     return number
 
 
-_L = TypeVar("_L", bound="Logger")
+_L = TypeVar("_L", bound="Sink")
 
 
-class Logger(abc.ABC):
-    """Base of the sinks: a handler that writes :func:`event_record` of each event it gets.
+class Sink(abc.ABC):
+    """Where records go (``JsonlLogger``, ``CSVLogger``, ...: each is a ``Sink``): also a
+    handler that writes :func:`event_record` of each event it gets.
 
     A sink implements :meth:`write` and :meth:`close`; the handler call, the context manager and
     the record format are shared, so every sink logs the same fields.
@@ -218,7 +219,12 @@ class Logger(abc.ABC):
         self.close()
 
 
-class Log:
+# The 0.1 name of Sink, beside Log (the handler that writes to sinks): kept so that your own
+# sinks (`class MySink(Logger)`) still work. Deprecated: write Sink; removed in 0.3.
+Logger = Sink
+
+
+class Log(Handler):
     """A handler that writes one record per call to every sink: the event's counters, then the
     values of each source, merged in order (a later source wins on a shared name).
 
@@ -227,7 +233,7 @@ class Log:
     the first error is raised after.
 
     Args:
-        sinks: one :class:`Logger` or a sequence of them.
+        sinks: one :class:`Sink` or a sequence of them.
         sources: functions ``source(event) -> {name: value}``; the default writes the step's
             own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
             :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
@@ -236,7 +242,7 @@ class Log:
             yourself with ``events.on``.
 
     Raises:
-        ConfigError: a sink that is not a :class:`Logger`, a source that is not callable, or
+        ConfigError: a sink that is not a :class:`Sink`, a source that is not callable, or
             ``every`` not a positive int.
 
     Example:
@@ -254,16 +260,16 @@ class Log:
 
     def __init__(
         self,
-        sinks: Logger | Sequence[Logger],
+        sinks: Sink | Sequence[Sink],
         *,
         sources: Sequence[Source] = (event_record,),
         every: int | Batches | None = None,
     ) -> None:
-        sinks = [sinks] if isinstance(sinks, Logger) else list(sinks)
+        sinks = [sinks] if isinstance(sinks, Sink) else list(sinks)
         for sink in sinks:
-            if not isinstance(sink, Logger):
+            if not isinstance(sink, Sink):
                 raise ConfigError(
-                    f"Log(sinks) received {describe(sink)}, which is not a Logger. Pass sinks "
+                    f"Log(sinks) received {describe(sink)}, which is not a Sink. Pass sinks "
                     "such as JsonlLogger('runs/exp/metrics.jsonl') or CSVLogger(...)."
                 )
         for source in sources:
@@ -276,12 +282,9 @@ class Log:
         self.sources = tuple(sources)
         self.every = check_every("Log(every=...)", every)
 
-    def attach(self, events: Events) -> Events:
-        """Write on ``step_end`` every ``every`` updates (close the sinks yourself, or use the
+    def on_attach(self, events: Events) -> None:
+        """Refuse to be attached without ``every`` (close the sinks yourself, or use the
         ``Log`` as a context manager).
-
-        Returns:
-            ``events``, so calls chain.
 
         Raises:
             ConfigError: built without ``every``.
@@ -291,9 +294,14 @@ class Log:
                 "Log(...) was built without every=, so it does not say how often to write. "
                 "Pass Log(sinks, every=50), or register it: events.on('step_end', log, every=50)."
             )
-        return events.on("step_end", self, every=self.every)
+
+    def on_step_end(self, event: Event) -> None:
+        """Write every ``every`` updates (or batches)."""
+        if self.every is not None and due(self.every, event):
+            self(event)
 
     def __call__(self, event: Event) -> None:
+        """Write one record of ``event`` (registered with ``events.on``: on each call)."""
         record = event_counters(event)
         for source in self.sources:
             record.update(source(event))

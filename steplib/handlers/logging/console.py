@@ -7,11 +7,11 @@ from typing import IO, Any
 
 from steplib.distributed import is_main
 from steplib.errors import LogWriteError
-from steplib.handlers.logging.base import Logger, Record, check_keys
+from steplib.handlers.logging.base import Record, Sink, check_keys
 from steplib.handlers.terminal import tqdm_class
 
 
-class ConsoleLogger(Logger):
+class ConsoleLogger(Sink):
     """Print each record as one short line (above a progress bar, via ``tqdm.write``), and a
     summary of the last value of every name when closed.
 

@@ -13,10 +13,10 @@ import fsspec
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import Logger, Record
+from steplib.handlers.logging.base import Record, Sink
 
 
-class FileSink(Logger):
+class FileSink(Sink):
     """Base of the sinks that append bytes to one file through fsspec, flushing each write
     (:class:`~steplib.handlers.logging.jsonl.JsonlLogger`,
     :class:`~steplib.handlers.logging.csv.CSVLogger`).

@@ -7,10 +7,10 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import COUNTERS, Logger, Record, check_keys, select
+from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(Sink):
     """Write every number of a record as a TensorBoard scalar at the record's ``step``.
 
     Needs the ``tb`` extra (``pip install 'steplib[tb]'``, i.e. ``tensorboard``); the events are

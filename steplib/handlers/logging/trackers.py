@@ -1,6 +1,6 @@
-"""Experiment trackers as log sinks: Weights & Biases and MLflow (optional extras).
+r"""Experiment trackers as log sinks: Weights & Biases and MLflow (optional extras).
 
-Both are :class:`~steplib.handlers.logging.Logger` sinks, so they take the same records as the
+Both are :class:`~steplib.handlers.logging.Sink`\ s, so they take the same records as the
 JSONL, CSV and TensorBoard sinks and compose with them in one
 :class:`~steplib.handlers.logging.Log`::
 
@@ -33,7 +33,7 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import COUNTERS, Logger, Record, check_keys, select
+from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
 
 
 def _numbers(record: Record, keys: tuple[str, ...] | None) -> dict[str, float]:
@@ -62,7 +62,7 @@ def _import(module: str, caller: str, extra: str) -> Any:
         ) from error
 
 
-class WandbLogger(Logger):
+class WandbLogger(Sink):
     """Log records to a Weights & Biases run (``pip install 'steplib[wandb]'``).
 
     ``mode="offline"`` (the default) writes the run under ``dir`` and never touches the
@@ -205,7 +205,7 @@ class WandbLogger(Logger):
         self.close(exit_code=0 if exc_type is None else 1)
 
 
-class MLflowLogger(Logger):
+class MLflowLogger(Sink):
     """Log records to an MLflow run (``pip install 'steplib[mlflow]'``).
 
     Uses an ``MlflowClient`` bound to ``tracking_uri``, never MLflow's global active run, so
