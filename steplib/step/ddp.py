@@ -96,7 +96,12 @@ def _several_models(
         finally:
             for hook in hooks:
                 hook.remove()
-        fed = [model for model in mine if all(model is not seen for seen in armed)]
+        fed = [  # reached by this backward through a graph made elsewhere, never armed
+            model
+            for model in mine
+            if all(model is not seen for seen in armed)
+            and any(p.grad is not None for p in model.parameters())
+        ]
         if fed:
             _average_grads(fed)
             for model in fed:
