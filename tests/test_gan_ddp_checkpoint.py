@@ -2,7 +2,9 @@
 resumes bit for bit on 2 gloo ranks with per-rank data and dropout: it is saved as a sharded
 checkpoint (every rank writes its RNG and data position, rank 0 alone commits), never as one
 plain checkpoint that every rank writes to the same name (the last writer's RNG and data won,
-and the ranks' commits raced)."""
+and the ranks' commits raced). Saved mid-window and at a window boundary: the boundary once
+differed in the last bits (D's reducer, armed by G's loss running through D, all-reduced D's
+no_sync micro-batches in the uninterrupted run; the resumed run's fresh reducer did not)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -20,7 +23,7 @@ from steplib.data import resumable_loader
 from steplib.testing import run_ranks
 from tests.test_several_optimizers import d_loss, g_loss
 
-SAVE_AFTER, BATCHES = 3, 6  # batches before the save, in all
+BATCHES = 6  # in all; windows of 2 batches
 
 
 def _build(rank: int) -> tuple[TrainState, Any, Any, Any, nn.Module, nn.Module]:
@@ -51,30 +54,32 @@ def _train(state: TrainState, d_step: Any, g_step: Any, batches: Any, n: int) ->
     return state, losses
 
 
-def _run(rank: int, world: int, *, root: str) -> dict[str, Any]:
+def _run(rank: int, world: int, *, root: str, save_after: int) -> dict[str, Any]:
     state, d_step, g_step, loader, g, d = _build(rank)
     batches = iter(loader)
-    state, _ = _train(state, d_step, g_step, batches, SAVE_AFTER)
+    state, _ = _train(state, d_step, g_step, batches, save_after)
     url = save(state, root, data=loader, step=g_step)
-    state, rest = _train(state, d_step, g_step, batches, BATCHES - SAVE_AFTER)
+    state, rest = _train(state, d_step, g_step, batches, BATCHES - save_after)
     want = [p.detach().clone() for p in (*g.parameters(), *d.parameters())]
     del state, d_step, g_step, g, d  # free the reducers before building the next ones
 
     torch.manual_seed(12345)  # scrambled: the generators must come from the checkpoint
     state, d_step, g_step, loader, g, d = _build(rank)
     state = load(url, state, data=loader, step=g_step)
-    state, resumed = _train(state, d_step, g_step, iter(loader), BATCHES - SAVE_AFTER)
+    state, resumed = _train(state, d_step, g_step, iter(loader), BATCHES - save_after)
     got = [p.detach().clone() for p in (*g.parameters(), *d.parameters())]
     del state, d_step, g_step, g, d
     return {"url": url, "want": rest, "got": resumed, "same": list(map(torch.equal, got, want))}
 
 
-def test_a_gan_under_ddp_resumes_bit_for_bit_on_two_ranks(tmp_path: Path) -> None:
-    results = run_ranks(functools.partial(_run, root=str(tmp_path)), timeout=120)
+@pytest.mark.parametrize("save_after", [3, 4], ids=["mid_window", "window_boundary"])
+def test_a_gan_under_ddp_resumes_bit_for_bit_on_two_ranks(tmp_path: Path, save_after: int) -> None:
+    run_one = functools.partial(_run, root=str(tmp_path), save_after=save_after)
+    results = run_ranks(run_one, timeout=120)
     for result in results:
         assert result["got"] == result["want"]  # every loss of every rank, bit for bit
-        assert all(result["same"])
+        assert all(result["same"])  # every parameter of both models, bit for bit
     assert results[0]["want"] != results[1]["want"]  # the ranks did see other data
     assert results[0]["url"] == results[1]["url"]  # one checkpoint, committed once
     (saved,) = list_checkpoints(str(tmp_path))
-    assert saved.step == SAVE_AFTER // 2
+    assert saved.step == save_after // 2

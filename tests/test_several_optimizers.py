@@ -4,6 +4,7 @@ both optimizers and resumes exactly; ddp_wrap with two DDP models equals one pro
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from steplib import (
     evaluate,
     make_eval_step,
     make_train_step,
+    run,
 )
 from steplib.checkpoint import load, save
 from steplib.testing import run_ranks
@@ -302,6 +304,99 @@ def test_ddp_with_two_models_equals_one_process_on_the_whole_batch() -> None:
     for got in run_ranks(_ddp_gan):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+def _all_reduces_per_call(rank: int, world: int) -> list[tuple[str, list[str]]]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from steplib.distributed import apply_ddp
+
+    g, d = _nets()
+    g, d = apply_ddp(g), apply_ddp(d)
+    seen: list[str] = []
+    for name, model in (("G", g), ("D", d)):
+        # Unannotated: DDP refuses a hook whose `bucket` annotation is not dist.GradBucket,
+        # and this module's annotations are strings.
+        def count(bucket_state, bucket, name=name):
+            seen.append(name)
+            return allreduce_hook(bucket_state, bucket)
+
+        model.register_comm_hook(None, count)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    state = TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g, "D": opt_d})
+    steps = {
+        name: ddp_wrap(accumulate(make_train_step(loss, optimizer=name), K))
+        for name, loss in (("D", d_loss), ("G", g_loss))
+    }
+    calls = []
+    for batch in _data(2 * K, size=4):
+        for name, step in steps.items():
+            seen.clear()
+            state, _ = step(state, batch)
+            calls.append((name, list(seen)))
+    del state, steps, g, d  # free the reducers before the group goes
+    return calls
+
+
+def test_ddp_all_reduces_each_model_once_per_update_not_in_its_no_sync_micro_batches() -> None:
+    # g_loss runs D's DDP forward: D's reducer must not be armed by it, or D's next no_sync
+    # micro-batch all-reduces (once more per micro-batch, and rounded otherwise than a resumed
+    # run whose fresh reducer was never armed).
+    want = [(name, [name] if (i + 1) % K == 0 else []) for i in range(2 * K) for name in ("D", "G")]
+    for calls in run_ranks(_all_reduces_per_call):
+        assert calls == want
+
+
+def _d_loss_feeding_g(model: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    _, z = batch
+    fake = model["G"](z)  # G's one forward of the batch, handed to G's step with its graph
+    return d_loss(model, batch), {"fake": fake}
+
+
+def _g_loss_fed(model: Any, fake: torch.Tensor) -> torch.Tensor:
+    logits = model["D"](fake)
+    return F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+
+
+def _fed_gan(g: nn.Module, d: nn.Module, data: list[Batch], wrap: Any) -> None:
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    state = TrainState.create(model={"G": g, "D": d}, optimizer={"G": opt_g, "D": opt_d})
+    steps = {
+        name: wrap(accumulate(make_train_step(loss, optimizer=name), K))
+        for name, loss in (("D", _d_loss_feeding_g), ("G", _g_loss_fed))
+    }
+    run(steps, state, data, feed={"G": lambda batch, earlier: earlier["D"]["fake"]})
+
+
+def _fed_gan_on_ranks(rank: int, world: int, *, norm: bool = False) -> list[torch.Tensor]:
+    from steplib.distributed import apply_ddp
+
+    g, d = _nets()
+    if norm:  # running statistics of each rank's own data, which DDP broadcasts from rank 0
+        assert isinstance(g, nn.Sequential)
+        g.insert(1, nn.BatchNorm1d(8))
+    g, d = apply_ddp(g), apply_ddp(d)
+    half = slice(rank * 4, (rank + 1) * 4)
+    _fed_gan(g, d, [(real[half], z[half]) for real, z in _data(2 * K, size=8)], ddp_wrap)
+    result = [t.detach().clone() for t in (*g.parameters(), *d.parameters(), *g.buffers())]
+    del g, d  # free the reducers before the group goes
+    return result
+
+
+def test_ddp_averages_a_generator_whose_forward_ran_in_the_critic_step() -> None:
+    # feed: G's forward runs in D's step (where G is kept under no_sync), its backward in G's.
+    g, d = _nets()
+    _fed_gan(g, d, _data(2 * K, size=8), lambda step: step)
+    want = [p.detach() for p in (*g.parameters(), *d.parameters())]
+    first, second = run_ranks(_fed_gan_on_ranks)
+    assert all(map(torch.equal, first, second))  # G's gradients were averaged over the ranks
+    for a, b in zip(first, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+def test_ddp_gives_a_fed_generator_the_buffers_of_rank_0_at_each_update() -> None:
+    first, second = run_ranks(functools.partial(_fed_gan_on_ranks, norm=True))
+    assert all(map(torch.equal, first, second))  # parameters, and BatchNorm's statistics
 
 
 def _freeze_schedule_run(use_steplib: bool) -> list[torch.Tensor]:

@@ -8,6 +8,10 @@ Token weighting across ranks: each rank's window loss sum and target count are s
 ranks in one small all-reduce on the device (no host sync); DDP has averaged the gradients over
 the ``W`` ranks, so they are divided by ``global_targets / W``, which makes 2 ranks x k
 micro-batches equal one batch of all the data, whatever the counts per rank.
+
+With several models under DDP (a GAN, one step each), see ``steplib.step.ddp_models``: the
+other steps' models stay under ``no_sync``, and a model fed from an earlier step is averaged
+by hand.
 """
 
 from __future__ import annotations
@@ -15,13 +19,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-
-from steplib.errors import ConfigError
 from steplib.state import TrainState
 from steplib.step.core import Step
+from steplib.step.ddp_models import average_grads, ddp_models, several_models
 from steplib.step.parts import Part
 from steplib.step.ranks import RankSync, check_distributed_step
 
@@ -30,29 +30,19 @@ class DdpSync(RankSync):
     """The ``GradSync`` of ``ddp_wrap``: a manual all-reduce for a window closed by ``flush``."""
 
     def sync_unsynced(self, state: TrainState) -> None:
-        # The data ended mid-window: the last backward ran under no_sync. Average the gradients
-        # as DDP's reducer would have (every parameter, so every rank sends the same layout).
-        params = [p for m in _ddp_models(state) for p in m.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        for grad, synced in zip(
-            grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-        ):
-            grad.copy_(synced)  # type: ignore[union-attr]
+        # The data ended mid-window: the last backward ran under no_sync.
+        average_grads(ddp_models(state)[0])
 
 
 def _no_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:
     # Around forward *and* backward: DDP's reducer must see both inside no_sync.
-    models = _ddp_models(state)  # first: an unwrapped model is refused on every call
+    mine, others = ddp_models(state)  # first: an unwrapped model is refused on every call
+    if others:
+        return several_models(mine, others, sync)
     if sync:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    for model in models:
+    for model in mine:
         stack.enter_context(model.no_sync())
     return stack
 
@@ -98,26 +88,3 @@ def ddp_wrap(step: Step) -> Step:
     """
     part = Part(name="ddp_wrap", micro_context=_no_sync, sync=DdpSync())
     return check_distributed_step(step, part)
-
-
-def _ddp_models(state: TrainState) -> list[DistributedDataParallel]:
-    """The DDP module(s) whose parameters this step's optimizer updates: the state's model, or
-    (several named models, ``model={"G": DDP(g), "D": DDP(d)}``) those of its optimizer."""
-    model = state.model
-    if isinstance(model, DistributedDataParallel):
-        return [model]
-    lane = state.lane
-    if lane.name is not None:
-        mine = {id(p) for p in lane.params}
-        wrapped = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
-        found = [m for m in wrapped if any(id(p) in mine for p in m.parameters())]
-        if found:
-            return found
-    raise ConfigError(
-        f"ddp_wrap: the state's model is a {type(model).__name__}, not a "
-        "DistributedDataParallel module (nor a dict holding the one this step's optimizer "
-        "updates), so gradients would never be synchronised. Wrap it before creating the "
-        "state: model = steplib.distributed.apply_ddp(model) (or DistributedDataParallel(model)), "
-        "then TrainState.create(model=model, ...); with several models, wrap each: "
-        "model={'G': apply_ddp(g), 'D': apply_ddp(d)}."
-    )
