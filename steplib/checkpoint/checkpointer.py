@@ -1,8 +1,5 @@
-"""``checkpoint_every``: the checkpoint handler. It saves every N updates and/or epochs with
-the loader's position and the attached handlers' state, prunes, and reports each committed
-checkpoint as ``checkpoint_end`` on the training thread. Its inputs are given once (a
-``pipeline.Checkpoints``), which ``resume_from(ckpt)`` and ``preemption(ckpt)`` reuse.
-"""
+"""``checkpoint_every``: saves every N updates and/or epochs with the loader's position and the
+attached handlers' state, prunes, and reports each commit as ``checkpoint_end``."""
 
 from __future__ import annotations
 
@@ -34,15 +31,8 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 
 
 def default_metrics(event: Event) -> dict[str, float]:
-    """What a checkpoint records without a ``metrics`` function: the update's ``loss`` and
-    each number in ``state.extras`` that belongs to this state (a value an evaluation of
-    another update left there, per ``extras["evaluated_at"]``, is not this model's score).
-
-    Args:
-        event: the event whose state is saved (its ``output`` gives ``loss``).
-
-    Returns:
-        ``{name: float}`` (a host read of tensors, at save time only).
+    """What a checkpoint records without a ``metrics`` function: ``{name: float}`` of the
+    update's ``loss`` and each number in ``state.extras`` evaluated at this update.
 
     Example:
         >>> import types
@@ -52,19 +42,14 @@ def default_metrics(event: Event) -> dict[str, float]:
         >>> default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=5))
         {}
     """
-    numbers: dict[str, float] = {}
-    output = getattr(event, "output", None)
-    loss = getattr(output, "loss", None)
-    # A sweep's loss is one per copy: no single number to rank the checkpoint by.
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        numbers["loss"] = float(loss)  # a host sync, at save time only
+    loss = getattr(getattr(event, "output", None), "loss", None)
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
-    for name, value in extras.items():
-        if name in stale:
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
+    values = {"loss": loss if isinstance(loss, torch.Tensor) else None}
+    numbers = {}
+    for name, value in {**values, **{k: v for k, v in extras.items() if k not in stale}}.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # a sweep's loss is not
+            value = value.item()  # a host sync, at save time only
         if isinstance(value, int | float) and not isinstance(value, bool):
             numbers[name] = float(value)
     return numbers
@@ -77,15 +62,8 @@ def stale_values(extras: Mapping[str, Any], step: int) -> set[str]:
 
 
 class Checkpointer:
-    """The handler :func:`checkpoint_every` builds (with its checked arguments); register it
-    with :meth:`attach`.
-
-    Attributes:
-        given: the directory and what each save is given (``pipeline.Checkpoints``).
-        last_saved: the URL of the last checkpoint this handler saved, or ``None``.
-        events: the ``Events`` it reports ``checkpoint_end`` to and whose attached handlers'
-            state it saves (``None`` until attached).
-    """
+    """The handler :func:`checkpoint_every` builds; ``given``: what each save is given,
+    ``last_saved``: the URL of its last checkpoint, ``events``: where it is attached."""
 
     def __init__(
         self,
@@ -118,12 +96,10 @@ class Checkpointer:
         return self.given.directory
 
     def attach(self, events: Events) -> Events:
-        """Register on ``fit_start``, ``step_end``, ``epoch_end`` (every ``epochs``),
-        ``fit_end`` and ``exception``; return ``events``."""
+        """Register on ``fit_start``, ``step_end``, ``epoch_end``, ``fit_end``, ``exception``."""
         self.events = events
         events.on("fit_start", self.on_fit_start)
-        # Last at each event: a save holds what every other handler did there (an evaluation,
-        # a scheduler's step), in whatever order they were attached.
+        # Last at each event: a save holds what every other handler did there.
         events.on("step_end", self.on_step_end, last=True)
         if self.epochs is not None:
             events.on("epoch_end", self.on_epoch_end, every=self.epochs, last=True)
@@ -135,8 +111,8 @@ class Checkpointer:
         return self.on_step_end(event)
 
     def on_fit_start(self, event: Event) -> None:
-        """Check that the directory can be written (``CheckpointError`` if not), remove what a
-        killed save left there, remember where the run starts and the loader it draws from."""
+        """Check the directory can be written (``CheckpointError``); remove what a killed save
+        left; remember where the run starts and the loader it draws from."""
         self._saved_at = _position(event.state)
         self._run_data = run_data(self.given.data, event)
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
@@ -145,8 +121,7 @@ class Checkpointer:
             self._prune(keep=False)
 
     def on_step_end(self, event: Event) -> Emitted | None:
-        """Save when ``event.step`` is a multiple of ``every``; report what was committed.
-        ``ConfigError`` when ``keep_best``'s ``metric`` is not among this save's metrics."""
+        """Save when due by ``every``; report what was committed."""
         if self.every is not None and due(self.every, event):
             return self.on_epoch_end(event)
         return self.report(event)
@@ -156,9 +131,8 @@ class Checkpointer:
         return self._save_and_report(event, strict=True)
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted | None:
-        """Emit ``checkpoint_end`` for each checkpoint committed and not yet reported, oldest
-        first, each seeing the state the previous one left (from ``earlier``'s, if given);
-        return the outcome, to return from the handler."""
+        """Emit ``checkpoint_end`` for each commit not yet reported, oldest first, each seeing
+        the state the previous left (from ``earlier``'s); return the outcome."""
         if self.events is None:  # never attached: nobody to tell
             self._committed.clear()
         if not self._committed:
@@ -172,8 +146,7 @@ class Checkpointer:
         return Emitted(state, stop)
 
     def on_fit_end(self, event: Event) -> Emitted | None:
-        """Save the final state (``at_end``, if it moved), wait for background writes
-        (``CheckpointError`` if one failed), and report."""
+        """Save the final state (``at_end``, if it moved), wait for background writes, report."""
         earlier = self._save_and_report(event, strict=False) if self.at_end else None
         self.wait()
         return self.report(event, earlier=earlier)
@@ -187,16 +160,14 @@ class Checkpointer:
         return self.report(event)
 
     def save(self, event: Event, *, blocking: bool = False) -> str:
-        """Save ``event.state`` now (unless already saved) and prune; return the URL.
-        ``blocking``: in this thread, committed on return (a preemption's). Off the schedule,
-        a save whose metrics lack ``metric`` is written but prunes nothing."""
+        """Save ``event.state`` now (unless saved) and prune; return the URL. ``blocking``:
+        committed on return (a preemption's)."""
         return self._save(event, blocking=blocking, strict=False)
 
     def _save_and_report(self, event: Event, *, strict: bool) -> Emitted | None:
         earlier = None
         if _position(event.state) != self._saved_at:
-            # The save in flight lands and is reported before this one starts, so that its
-            # checkpoint_end handlers find it in place (this save's pruning may remove it).
+            # The save in flight is reported before this one's pruning may remove it.
             self.wait()
             earlier = self.report(event)
             self._save(event, blocking=False, strict=strict)
@@ -209,8 +180,7 @@ class Checkpointer:
                 self.wait()
             return self.last_saved
         metrics = self.metrics(event)
-        # Not evaluated at this update (an earlier evaluation scored another model, or none
-        # yet): this save records no score and does not compete for best, but may prune.
+        # Not evaluated at this update: no score, not a candidate for best, but may prune.
         known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
         ranked = self.keep_best is None or self.metric in metrics or known
         caller = "checkpoint_every"
@@ -220,16 +190,19 @@ class Checkpointer:
             )
         elif not ranked:
             recorded = ", ".join(sorted(metrics)) or "none"
-            why = "saved without pruning, so that no best checkpoint is lost"
             _log.warning(
-                "%s(metric=%r): not among its metrics (%s); %s", caller, self.metric, recorded, why
+                "%s(metric=%r): not among its metrics (%s); saved without pruning, so that no "
+                "best checkpoint is lost",
+                caller,
+                self.metric,
+                recorded,
             )
         given = dataclasses.replace(
             self.given,
             data=self.given.data if self.given.data is not None else self._run_data,
             extras=with_handlers(caller, self.given.extras, self.events),
         )
-        here = prunes_here(state)  # sharded: rank 0 alone (the ranks share one directory)
+        here = prunes_here(state)
         taken, numbers = time.time(), check_metrics(metrics, caller)
 
         def committed(url: str) -> None:  # in the writer's thread for a background save
@@ -255,8 +228,7 @@ class Checkpointer:
             self._saver.wait()
 
     def _prune(self, keep: bool = True) -> None:
-        # Called with no save of this handler in flight, so no leftover is its own; only rank 0
-        # removes the newest leftovers (another rank may be writing one).
+        # No save of this handler in flight; only rank 0 removes the newest leftovers.
         prune(
             self.directory,
             keep_last=self.keep_last if keep else None,
@@ -296,10 +268,8 @@ def checkpoint_every(
     durable: bool = True,
     trainable_only: bool = False,
 ) -> Checkpointer:
-    """A handler that saves a checkpoint every ``every`` optimizer updates and/or at the end of
-    every ``epochs``-th epoch, and reports each one committed as ``checkpoint_end`` (its
-    ``CheckpointInfo`` in ``event.checkpoint``). At ``fit_start`` it checks that ``directory``
-    can be written and removes what a killed save left there (rank 0 alone on several ranks).
+    """A handler that saves every ``every`` updates and/or ``epochs`` epochs and reports each
+    commit as ``checkpoint_end`` (its ``CheckpointInfo`` in ``event.checkpoint``).
 
     Args:
         directory: a local path or fsspec URL of the directory of checkpoints.
@@ -342,8 +312,7 @@ def checkpoint_every(
         [4, 5]
     """
     epochs = check_cadence(every, epochs, at_epoch_end)
-    # A name typed by hand may be misspelt: a scheduled save refuses it when it is missing. An
-    # evaluator's own name is not, and is missing only before its first evaluation.
+    # A typed name may be misspelt (a scheduled save refuses it missing); an evaluator's not.
     typed = isinstance(metric, str)
     if metric is not None:
         metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
