@@ -1,9 +1,5 @@
-"""``load_weights``: a model's weights only, from a checkpoint or an exported file (fine-tuning).
-
-``load`` resumes a run: everything of the state, checked to fit. Fine-tuning starts a new run
-from another run's weights: the optimizer, scheduler and counters stay fresh, and the model
-may differ where it is new (a head): names missing on one side are skipped and reported.
-"""
+"""``load_weights``: a model's weights only, from a checkpoint or an exported file, to start a
+new run from them (fine-tuning); ``load`` resumes a run."""
 
 from __future__ import annotations
 
@@ -19,26 +15,20 @@ from torch.nn.modules.module import _IncompatibleKeys
 from steplib.checkpoint import storage
 from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters, read_tree
 from steplib.checkpoint.manifest import SHARDED, Manifest, committed_manifest, newest_valid
+from steplib.checkpoint.restore import listed
 from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.distributed.parallelize import inner_module
-from steplib.errors import (
-    CheckpointError,
-    CheckpointWarning,
-    ConfigError,
-    CorruptCheckpointError,
-    describe,
-)
+from steplib.errors import CheckpointError, CheckpointWarning, ConfigError, describe
+from steplib.errors import CorruptCheckpointError as Corrupt
 from steplib.state import TrainState
 
-_SHOWN = 20  # names listed in an error or a warning before "and N more"
 # What DDP and torch.compile put before the names of the module they wrap.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _ZIP = b"PK\x03\x04"  # torch.save's format is a zip archive
 
 
 class LoadedWeights(_IncompatibleKeys):
-    """torch's ``(missing_keys, unexpected_keys)`` named tuple, with ``mismatched_keys``: the
-    names skipped by ``ignore_mismatched_sizes=True`` because their shapes differ."""
+    """torch's ``(missing_keys, unexpected_keys)``, with ``mismatched_keys`` (skipped shapes)."""
 
     mismatched_keys: list[str]
 
@@ -59,29 +49,26 @@ def load_weights(
     storage_options: StorageOptions = None,
 ) -> LoadedWeights:
     """Load the weights saved at ``source`` into ``model``; nothing else changes (the
-    optimizer, counters, RNG and data stay fresh: fine-tuning; ``load`` resumes a run).
+    optimizer, counters, RNG and data stay fresh).
 
-    ``source`` is a steplib checkpoint (verified first; a sharded one of any number of
-    ranks too), a directory of them (the newest valid one), or a file of ``export_model`` or
-    any ``torch.save`` / safetensors ``state_dict``. A model wrapped by DDP or
-    ``torch.compile`` takes the weights into the module inside, and weights saved from a
-    wrapped one (``module.`` / ``_orig_mod.``) load into a plain one. An FSDP2 or
-    tensor-parallel model loads on every rank together (each keeps its shard).
+    A model wrapped by DDP or ``torch.compile`` takes them into the module inside, and weights
+    saved from a wrapped one load into a plain one. FSDP2 / tensor parallel: every rank calls it.
 
     Args:
         model: the module, or a TrainState (its model).
-        source: a local path or fsspec URL: a checkpoint, a directory of them, or a file.
-        strict: ``True`` refuses weights whose names differ from the model's; ``False``
-            loads the names both have and warns with the rest (``CheckpointWarning``).
-        ignore_mismatched_sizes: ``True`` skips a weight of another shape (the model keeps
-            its own, a new head) and warns; ``False`` refuses it, as torch does.
+        source: a checkpoint (verified first; sharded ones of any world size too), a directory
+            of them (the newest valid), or a file of ``export_model``, ``torch.save`` or
+            safetensors: a local path or fsspec URL.
+        strict: ``False`` loads the names both have and warns with the rest.
+        ignore_mismatched_sizes: ``True`` skips a weight of another shape (a new head), warns.
         storage_options: passed to fsspec.
 
     Returns:
-        torch's ``(missing_keys, unexpected_keys)``, with ``mismatched_keys``: the names
-        skipped for their shapes. ``ConfigError`` (nothing changed) for names or shapes that
-        differ as above, or a ``source`` without a ``state_dict``; ``CorruptCheckpointError``
-        for a damaged file; ``CheckpointError`` for nothing at ``source``.
+        torch's ``(missing_keys, unexpected_keys)``, with ``mismatched_keys``.
+
+    Raises:
+        ConfigError: names or shapes that differ as above, or no ``state_dict`` (nothing
+            changed). CorruptCheckpointError: a damaged file. CheckpointError: nothing there.
 
     Example:
         >>> from steplib import TrainState
@@ -135,8 +122,7 @@ def load_weights(
             "nn.Linear(..., num_classes)."
         )
     if len(unexpected) == len(weights) and expected:
-        # strict=False would load nothing: another model, or names under a prefix (a
-        # LightningModule's "model.") that only the user can map.
+        # strict=False would load nothing: another model, or a prefix only the user can map.
         raise ConfigError(
             f"load_weights: {url} has no weight whose name this {type(module).__name__} has "
             f"({_differences(missing[:3], unexpected[:3])}, ...). If the names differ by a "
@@ -191,7 +177,6 @@ def _target(model: Any) -> nn.Module:
 
 
 def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dict[str, Any]]:
-    """``(url, weights)``: the URL actually read (the newest checkpoint of a directory)."""
     if location.fs.isfile(location.path):
         return location.url, _read_file(location)
     manifest = committed_manifest(location)
@@ -201,7 +186,7 @@ def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dic
     if isinstance(found, tuple):
         return found
     if found:
-        raise CorruptCheckpointError(
+        raise Corrupt(
             f"load_weights: every checkpoint in {location.url} is corrupt "
             f"({', '.join(found)}; the warnings say why). Restore one from a copy, or pass "
             "another checkpoint or file."
@@ -221,13 +206,13 @@ def _read_checkpoint(
         return _read_sharded(location, manifest, storage_options)
     record = manifest.files.get(MODEL)
     if record is None:
-        raise CorruptCheckpointError(
+        raise Corrupt(
             f"checkpoint {location.url}: its manifest lists no {MODEL}; it was not written by "
             "steplib's save. Use another checkpoint."
         )
     file = location.child(MODEL)
     source: Any
-    if file.is_local:  # verified streaming, then mapped: the file is never held twice in memory
+    if file.is_local:  # verified streaming, then mapped: never held twice in memory
         storage.verify(file, record, checkpoint=location.url)
         source = file.path
     else:
@@ -276,7 +261,7 @@ def _state_dict(tree: Any, url: str) -> dict[str, Any]:
             isinstance(v, torch.Tensor) or k.endswith("_extra_state") for k, v in tree.items()
         )
     ):
-        keys = sorted(map(str, tree))[:_SHOWN] if isinstance(tree, Mapping) else None
+        keys = sorted(map(str, tree))[:20] if isinstance(tree, Mapping) else None
         raise ConfigError(
             f"load_weights: {url} holds {describe(tree)}"
             f"{f' with the keys {keys}' if keys is not None else ''}, not a state_dict (names "
@@ -290,7 +275,6 @@ def _state_dict(tree: Any, url: str) -> dict[str, Any]:
 def _without_wrapper_prefixes(
     weights: dict[str, Any], expected: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The names of weights saved from a DDP or compiled model, as the plain module's."""
     while weights:
         prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None)
         # A model whose own first submodule is named "module" keeps its names.
@@ -301,7 +285,6 @@ def _without_wrapper_prefixes(
 
 
 def _reshaped(weights: Mapping[str, Any], expected: Mapping[str, Any], url: str) -> dict[str, str]:
-    """``{name: "name (shape) in url, (shape) here"}`` for the names whose shapes differ."""
     return {
         k: f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
         for k, v in expected.items()
@@ -322,13 +305,11 @@ def _differences(missing: list[str], unexpected: list[str]) -> str:
 
 
 def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+    return listed(items, shown=20)
 
 
 def _read_sharded(location: Location, manifest: Manifest, storage_options: Any) -> dict[str, Any]:
-    """``model.state_dict()`` as saved, whole, on the CPU, every file verified first. No
-    collective: every rank of a job may call it alone. ``CorruptCheckpointError`` if damaged."""
+    """``model.state_dict()`` as saved, whole, on the CPU, verified; no collective."""
     import torch.distributed.checkpoint as torch_dcp  # imported on use, with steplib's side
     import torch.distributed.checkpoint.metadata as dcp_metadata
 
