@@ -61,34 +61,29 @@ def stale_values(extras: Mapping[str, Any], step: int) -> set[str]:
     return {name for name, at in evaluated.items() if at != step}
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Checkpointer:
-    """The handler :func:`checkpoint_every` builds; ``given``: what each save is given,
-    ``last_saved``: the URL of its last checkpoint, ``events``: where it is attached."""
+    """The handler :func:`checkpoint_every` builds (with its checked arguments); ``last_saved``:
+    the URL of its last checkpoint, ``events``: where it is attached."""
 
-    def __init__(
-        self,
-        given: Checkpoints,
-        *,
-        every: int | Batches | None,
-        epochs: int | None = None,
-        keep_last: int | None,
-        keep_best: int | None,
-        metric: str | None,
-        mode: str,
-        metrics: Metrics | None,
-        background: bool,
-        at_end: bool,
-        check_metric: bool = True,
-    ) -> None:
-        self.given = given
-        self.every, self.epochs, self.at_end = every, epochs, at_end
-        self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
-        self.metrics, self.check_metric = metrics or default_metrics, check_metric
+    given: Checkpoints
+    every: int | Batches | None
+    epochs: int | None
+    keep_last: int | None
+    keep_best: int | None
+    metric: str | None
+    mode: str
+    metrics: Metrics
+    background: dataclasses.InitVar[bool]
+    at_end: bool
+    check_metric: bool  # a typed name, which may be misspelt (an evaluator's is not)
+    last_saved: str | None = dataclasses.field(default=None, init=False)
+    events: Events | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self, background: bool) -> None:
         self._run_data: Any = None  # the stateful loader run() draws from (its fit_start's)
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
-        self.last_saved: str | None = None
-        self.events: Events | None = None
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
 
     @property
@@ -133,14 +128,12 @@ class Checkpointer:
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted | None:
         """Emit ``checkpoint_end`` for each commit not yet reported, oldest first, each seeing
         the state the previous left (from ``earlier``'s); return the outcome."""
-        if self.events is None:  # never attached: nobody to tell
+        if self.events is None or not self._committed:  # never attached: nobody to tell
             self._committed.clear()
-        if not self._committed:
             return earlier
         state, stop = (event.state, None) if earlier is None else (earlier.state, earlier.stop)
         while self._committed:
             info = self._committed.popleft()
-            assert self.events is not None
             emitted = self.events.emit(Event.at("checkpoint_end", state, checkpoint=info))
             state, stop = emitted.state, stop or emitted.stop
         return Emitted(state, stop)
@@ -183,19 +176,15 @@ class Checkpointer:
         # Not evaluated at this update: no score, not a candidate for best, but may prune.
         known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
         ranked = self.keep_best is None or self.metric in metrics or known
-        caller = "checkpoint_every"
+        caller, recorded = "checkpoint_every", ", ".join(sorted(metrics)) or "none"
         if strict and not known:
             check_ranked_metric(
                 caller, keep_best=self.keep_best, metric=self.metric, recorded=metrics
             )
         elif not ranked:
-            recorded = ", ".join(sorted(metrics)) or "none"
+            why = "saved without pruning, so that no best checkpoint is lost"
             _log.warning(
-                "%s(metric=%r): not among its metrics (%s); saved without pruning, so that no "
-                "best checkpoint is lost",
-                caller,
-                self.metric,
-                recorded,
+                "%s(metric=%r): not among its metrics (%s); %s", caller, self.metric, recorded, why
             )
         given = dataclasses.replace(
             self.given,
@@ -229,14 +218,17 @@ class Checkpointer:
 
     def _prune(self, keep: bool = True) -> None:
         # No save of this handler in flight; only rank 0 removes the newest leftovers.
+        last, best = (self.keep_last, self.keep_best) if keep else (None, None)
+        leftovers = "all" if is_main() else "older"
+        options = self.given.storage_options
         prune(
             self.directory,
-            keep_last=self.keep_last if keep else None,
-            keep_best=self.keep_best if keep else None,
+            keep_last=last,
+            keep_best=best,
             metric=self.metric,
             mode=self.mode,
-            storage_options=self.given.storage_options,
-            leftovers="all" if is_main() else "older",
+            storage_options=options,
+            leftovers=leftovers,
         )
 
     def __repr__(self) -> str:
@@ -312,7 +304,6 @@ def checkpoint_every(
         [4, 5]
     """
     epochs = check_cadence(every, epochs, at_epoch_end)
-    # A typed name may be misspelt (a scheduled save refuses it missing); an evaluator's not.
     typed = isinstance(metric, str)
     if metric is not None:
         metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
@@ -322,28 +313,14 @@ def checkpoint_every(
     )
     given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
     check_options(given, "checkpoint_every")
-    return Checkpointer(
-        given,
-        every=every,
-        epochs=epochs,
-        keep_last=keep_last,
-        keep_best=keep_best,
-        metric=metric,
-        mode=mode,
-        metrics=metrics,
-        background=background,
-        at_end=at_end,
-        check_metric=typed,
-    )
+    settings = (every, epochs, keep_last, keep_best, metric, mode, metrics or default_metrics)
+    return Checkpointer(given, *settings, background, at_end, typed)
 
 
 def check_cadence(every: Any, epochs: Any, at_epoch_end: Any) -> int | None:
     """The epoch cadence of ``checkpoint_every`` (1 for ``at_epoch_end=True``), checked."""
-    if at_epoch_end is not False and at_epoch_end is not True:
-        raise ConfigError(
-            f"checkpoint_every(at_epoch_end=...) received {describe(at_epoch_end)}; pass True "
-            "(save at every epoch end) or False, or epochs=N for every N epochs."
-        )
+    choices = "True (save at every epoch end) or False, or epochs=N for every N epochs"
+    errors.boolean("checkpoint_every", "at_epoch_end", at_epoch_end, choices)
     if at_epoch_end and epochs is not None:
         raise ConfigError(
             f"checkpoint_every received at_epoch_end=True (every epoch) and epochs={epochs!r} "

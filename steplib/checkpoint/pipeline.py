@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from steplib import errors
 from steplib.checkpoint import storage
 from steplib.checkpoint.contents import (
     DISTRIBUTION_WRAPPERS,
@@ -39,28 +40,26 @@ from steplib.checkpoint.manifest import (
 )
 from steplib.checkpoint.restore import apply, check_fingerprint
 from steplib.checkpoint.storage import Location, StorageOptions
-from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError, describe
+from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from steplib.state import TrainState
 
 
 def check_options(given: Checkpoints, caller: str, *, sharded: bool = False) -> None:
     """``ConfigError`` for a non-bool ``durable`` / ``trainable_only``, or the latter sharded."""
-    if not isinstance(given.durable, bool):
+    durable = (
+        "True (fsync'ed before the save counts as done: a power loss cannot lose it) or False "
+        "(faster; a power loss soon after may lose the newest checkpoint, resuming falls back "
+        "to the previous one)"
+    )
+    errors.boolean(caller, "durable", given.durable, durable)
+    whole = "False (the whole model, the default; for a sharded state the only choice)"
+    if sharded and given.trainable_only is True:
         raise ConfigError(
-            f"{caller}(durable=...) received {describe(given.durable)}; it says whether the "
-            "checkpoint is fsync'ed to disk before the save counts as done and must be True or "
-            "False. Pass durable=True (the default: a power loss cannot lose a finished save) "
-            "or durable=False (faster; a power loss soon after may lose the newest checkpoint, "
-            "and resuming falls back to the previous one)."
+            f"{caller}(trainable_only=...) received True for a sharded state (DDP, FSDP2, "
+            f"DTensor), which DCP writes whole; pass {whole}."
         )
-    if not isinstance(given.trainable_only, bool) or (given.trainable_only and sharded):
-        where = " for a sharded state (DDP, FSDP2, DTensor), which DCP writes whole"
-        where = where if sharded else ""
-        raise ConfigError(
-            f"{caller}(trainable_only=...) received {describe(given.trainable_only)}{where}; "
-            "pass True (the trainable parameters and buffers alone: adapters over a frozen base) "
-            "or False (the whole model, the default; for a sharded state the only choice)."
-        )
+    adapters = f"True (the trainable parameters and buffers alone: adapters) or {whole}"
+    errors.boolean(caller, "trainable_only", given.trainable_only, adapters)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,7 +131,7 @@ class Checkpoints:
             from steplib.checkpoint import dcp
 
             return dcp.load(location, manifest, state, self, extras)
-        trees = _read_trees(location, manifest)
+        trees = read_trees(location, manifest)
         return apply(trees, state, data=self.data, extras=extras, checkpoint=location.url)
 
     def load_newest(self, state: TrainState) -> tuple[str, TrainState] | None:
@@ -152,14 +151,19 @@ class Checkpoints:
         return None
 
 
-def _read_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
-    missing = {MODEL, OPTIMIZER, TRAIN_STATE} - manifest.files.keys()
+def read_trees(
+    location: Location, manifest: Manifest, *, only: str | None = None, mmap: bool = False
+) -> dict[str, Any]:
+    """Every file of a checkpoint, or ``only`` that one, verified (``mmap``: mapped if local)."""
+    missing = {only} if only else {MODEL, OPTIMIZER, TRAIN_STATE}
+    missing -= manifest.files.keys()
     if missing:
         raise CorruptCheckpointError(
             f"checkpoint {location.url}: its manifest lists no {', '.join(sorted(missing))}; it "
             "was not written by steplib's save. Use another checkpoint."
         )
-    url, files, child = location.url, manifest.files, location.child
+    url, child = location.url, location.child
+    files = {only: manifest.files[only]} if only else manifest.files
     if not location.is_local:
         read = storage.read_verified
         return {
@@ -173,7 +177,7 @@ def _read_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
             pool.submit(storage.verify, child(n), r, checkpoint=url) for n, r in files.items()
         ]
         try:
-            trees = {name: read_tree(child(name).path, url, name) for name in files}
+            trees = {name: read_tree(child(name).path, url, name, mmap=mmap) for name in files}
         finally:  # a failed checksum is the better explanation of a failed load
             for check in checks:
                 check.result()
@@ -197,6 +201,20 @@ def _on_rank0(action: Callable[[], Any], group: Any, sharded: bool) -> Any:
     if outcome[1] is not None:
         raise CheckpointError(outcome[1])
     return outcome[0]
+
+
+class GlooGroup:
+    """A gloo group of its owner's own, made once per default group (``new_group`` is a
+    collective: every rank gets it at the same point)."""
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._of: Any = None
+
+    def get(self) -> Any:
+        if self._group is None or self._of is not dist.group.WORLD:
+            self._group, self._of = dist.new_group(backend="gloo"), dist.group.WORLD
+        return self._group
 
 
 def write(plan: Plan, *, group: Any = None) -> str:

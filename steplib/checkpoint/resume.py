@@ -13,11 +13,9 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-import torch.distributed as dist
-
 from steplib.checkpoint.checkpointer import Checkpointer
 from steplib.checkpoint.contents import is_sharded, run_data, with_handlers
-from steplib.checkpoint.pipeline import Checkpoints
+from steplib.checkpoint.pipeline import Checkpoints, GlooGroup
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
@@ -136,8 +134,7 @@ class Preemption:
         self._signalled: int | None = None  # set by the signal handler alone
         self._previous: dict[int, Any] = {}
         self._agree = False  # this run's ranks decide together (a sharded state)
-        self._group: Any = None  # their gloo group, and the default group it was made in
-        self._group_of: Any = None
+        self._group = GlooGroup()
 
     def attach(self, events: Events) -> Events:
         """Register on ``fit_start``, ``step_end``, ``fit_end`` and ``exception``."""
@@ -161,9 +158,8 @@ class Preemption:
             )
         self.received, self.saved, self._signalled = None, None, None
         self._agree = is_sharded(event.state)  # as a save decides who writes what
-        if self._agree and (self._group is None or self._group_of is not dist.group.WORLD):
-            self._group = dist.new_group(backend="gloo")  # a collective: every rank is here
-            self._group_of = dist.group.WORLD
+        if self._agree:
+            self._group.get()  # made here, where every rank is (a collective)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
@@ -191,7 +187,7 @@ class Preemption:
         # Sharded: the all-reduced flag alone. A rank that read its own flag again after the
         # all-reduce (a signal arriving meanwhile) would save while the others train on.
         local = self._signalled  # read once: the handler may set it at any moment
-        decided = int(max_over_ranks(local or 0, group=self._group)) if self._agree else local
+        decided = int(max_over_ranks(local or 0, group=self._group.get())) if self._agree else local
         if not decided:
             return None
         self.received = decided

@@ -12,9 +12,11 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from steplib import errors
 from steplib.checkpoint import storage
-from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters, read_tree
+from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters
 from steplib.checkpoint.manifest import SHARDED, Manifest, committed_manifest, newest_valid
+from steplib.checkpoint.pipeline import read_trees
 from steplib.checkpoint.restore import listed
 from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.distributed.parallelize import inner_module
@@ -94,17 +96,10 @@ def load_weights(
         ['1.weight', '1.bias']
     """
     module = _target(model)
-    if not isinstance(strict, bool):
-        raise ConfigError(
-            f"load_weights(strict=...) received {describe(strict)}; pass True (the names must "
-            "match) or False (load the names both have, report the rest)."
-        )
-    if not isinstance(ignore_mismatched_sizes, bool):
-        raise ConfigError(
-            "load_weights(ignore_mismatched_sizes=...) received "
-            f"{describe(ignore_mismatched_sizes)}; pass False (other shapes are refused) or "
-            "True (they are skipped, kept as the model has them, and reported)."
-        )
+    choices = "True (the names must match) or False (load the names both have, report the rest)"
+    errors.boolean("load_weights", "strict", strict, choices)
+    choices = "False (other shapes are refused) or True (skipped, kept as the model has them)"
+    errors.boolean("load_weights", "ignore_mismatched_sizes", ignore_mismatched_sizes, choices)
     location = storage.resolve(source, storage_options, caller="load_weights")
     url, weights = _read(location, storage_options)
     expected = module.state_dict()
@@ -204,20 +199,8 @@ def _read_checkpoint(
 ) -> dict[str, Any]:
     if manifest.layout == SHARDED:
         return _read_sharded(location, manifest, storage_options)
-    record = manifest.files.get(MODEL)
-    if record is None:
-        raise Corrupt(
-            f"checkpoint {location.url}: its manifest lists no {MODEL}; it was not written by "
-            "steplib's save. Use another checkpoint."
-        )
-    file = location.child(MODEL)
-    source: Any
-    if file.is_local:  # verified streaming, then mapped: never held twice in memory
-        storage.verify(file, record, checkpoint=location.url)
-        source = file.path
-    else:
-        source = io.BytesIO(storage.read_verified(file, record, checkpoint=location.url))
-    return _state_dict(read_tree(source, location.url, MODEL, mmap=file.is_local), location.url)
+    # Mapped from a local disk: the file is never held twice in memory.
+    return _state_dict(read_trees(location, manifest, only=MODEL, mmap=True)[MODEL], location.url)
 
 
 def _read_file(location: Location) -> dict[str, Any]:
