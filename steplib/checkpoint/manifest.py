@@ -185,8 +185,12 @@ def _record(name: str, entry: Mapping[str, Any]) -> FileRecord:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CheckpointInfo:
-    """A committed checkpoint, as listed by :func:`list_checkpoints` (``url``: for ``load``;
-    ``name``: its directory name; ``time``: unix seconds; ``metrics``: saved with it)."""
+    """A committed checkpoint, as listed by :func:`list_checkpoints`.
+
+    Attributes:
+        url: for ``load``; name: its directory name; step, micro_step, epoch: its counters;
+        time: when taken (unix seconds); metrics: the numbers saved with it.
+    """
 
     url: str
     name: str
