@@ -75,7 +75,10 @@ def boolean(owner: str, label: str, value: Any, choices: str) -> bool:
     """``value`` when it is a bool (``"no"`` or ``0`` would read as intended), else a
     ConfigError; ``choices`` says what True and False mean."""
     if not isinstance(value, bool):
-        raise ConfigError(f"{owner}({label}=...) received {describe(value)}; pass {choices}.")
+        raise ConfigError(
+            f"{owner}({label}=...) received {describe(value)}; it must be True or False: pass "
+            f"{choices}."
+        )
     return value
 
 

@@ -195,9 +195,15 @@ class AsyncSaver:
         durable: bool = True,
         after: Callable[[str], Any] | None = None,
     ) -> str:
-        """Snapshot ``state`` and write it in the background; return its URL to be. The
-        arguments are ``save``'s, and ``after(url)``, called in the writer once committed.
-        Raises the previous save's ``CheckpointError`` first."""
+        """Snapshot ``state`` and write it in the background; return its URL to be.
+
+        Args:
+            state, directory, data, extras, step, metrics, storage_options, durable: as for
+                ``save``. after: ``after(url)`` is called in the writer once committed.
+
+        Returns:
+            The URL the checkpoint will have (the previous save's error is raised first).
+        """
         given = Checkpoints(directory, data, extras, step, storage_options, durable)
         return self.submit(given, state, metrics=metrics, after=after)
 

@@ -273,15 +273,11 @@ def checkpoint_every(
         keep_best: also keep the best this many by ``metric``.
         metric: the metric ``keep_best`` ranks by, or the ``Evaluator`` that monitors it.
         mode: ``"min"`` (default) or ``"max"``: whether lower or higher ``metric`` is better.
-        data: the loader whose position to save (see ``steplib.data.resumable_loader``).
-        extras: more objects with ``state_dict()`` to save by name.
-        step: the Step; its composition is saved and checked on resume.
+        data, extras, step, storage_options, durable, trainable_only: as for ``save`` (by
+            default the stateful loader ``run`` draws from and the attached handlers are saved).
         metrics: ``event -> {name: number}`` recorded with each save (:func:`default_metrics`).
         background: write in a background thread (:class:`AsyncSaver`); errors surface later.
         at_end: also save at ``fit_end`` if the state changed since the last save.
-        storage_options: passed to fsspec.
-        durable: fsync each checkpoint before it counts as saved (see ``save``).
-        trainable_only: the trainable parameters and buffers alone (see ``save``).
 
     Returns:
         A :class:`Checkpointer`; call ``.attach(events)``.

@@ -121,7 +121,9 @@ def gather(
     if trainable_only:
         weights, base = trainable_part(model, weights)
     train_state = {**train_state_tree(state, data=data, extras=extras), "base": base}
-    trees = {MODEL: weights, OPTIMIZER: optimizer_tree(state), TRAIN_STATE: train_state}
+    named = {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
+    optimizers = named if state.names else state.optimizer.state_dict()
+    trees = {MODEL: weights, OPTIMIZER: optimizers, TRAIN_STATE: train_state}
     if any(lane.window.size > 0 for lane in lanes(state)):
         trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
@@ -166,12 +168,6 @@ def lane_tree(state: TrainState) -> dict[str, Any]:
 
 def lanes(state: TrainState) -> list[TrainState]:
     return [state[name] for name in state.names] or [state]
-
-
-def optimizer_tree(state: TrainState) -> dict[str, Any]:
-    if not state.names:
-        return state.optimizer.state_dict()
-    return {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
 
 
 def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = False) -> Any:

@@ -292,9 +292,12 @@ def load(
     sd.set_model_state_dict(model, loaded["model"])
     if stateful:
         sd.set_optimizer_state_dict(model, stateful, loaded["optimizer"])
-    for lane, info in pairs:
-        if not info["has_state"]:
-            _load_hyperparameters(lane.optimizer, info["groups"])
+    for optimizer, info in ((lane.optimizer, info) for lane, info in pairs):
+        if not info["has_state"]:  # saved before its first update: the groups' settings alone
+            index = iter(range(sum(len(g["params"]) for g in optimizer.param_groups)))
+            params = [[next(index) for _ in g["params"]] for g in optimizer.param_groups]
+            groups = [dict(g, params=p) for g, p in zip(info["groups"], params, strict=True)]
+            optimizer.load_state_dict({"state": {}, "param_groups": groups})
     grads = rank_tree["window_grads"] or {}
     return restore.restore_train_state(
         train_state, state, data=data, extras=extras, grads=grads, restore_rng_states=same_world
@@ -356,14 +359,6 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, 
         else:
             out[f"{prefix}{key}"] = tuple(value.shape)
     return out
-
-
-def _load_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    # Saved before the first update: only the groups' settings (the state stays empty).
-    index = iter(range(sum(len(g["params"]) for g in optimizer.param_groups)))
-    params = [[next(index) for _ in g["params"]] for g in optimizer.param_groups]
-    saved = [dict(g, params=p) for g, p in zip(groups, params, strict=True)]
-    optimizer.load_state_dict({"state": {}, "param_groups": saved})
 
 
 def reader(location: Location, storage_options: Any) -> MetadataReader:

@@ -139,11 +139,9 @@ class Manifest:
             body = orjson.loads(data)
             if not isinstance(body, dict) or body.get("format") != FORMAT:
                 raise ValueError("not a steplib checkpoint manifest")
-            stored = body.pop("manifest_crc32", None)
-            if stored != _body_crc(body):
-                raise ValueError(
-                    f"its CRC32 is {_body_crc(body)}, it says {stored}: it was altered"
-                )
+            stored, crc = body.pop("manifest_crc32", None), _body_crc(body)
+            if stored != crc:
+                raise ValueError(f"its CRC32 is {crc}, it says {stored}: it was altered")
             if body.get("layout", SINGLE) not in (SINGLE, SHARDED):
                 raise ValueError(f"unknown layout {body['layout']!r}; upgrade steplib")
             if body["version"] > VERSION:

@@ -47,9 +47,9 @@ from steplib.state import TrainState
 def check_options(given: Checkpoints, caller: str, *, sharded: bool = False) -> None:
     """``ConfigError`` for a non-bool ``durable`` / ``trainable_only``, or the latter sharded."""
     durable = (
-        "True (fsync'ed before the save counts as done: a power loss cannot lose it) or False "
-        "(faster; a power loss soon after may lose the newest checkpoint, resuming falls back "
-        "to the previous one)"
+        "durable=True (fsync'ed before the save counts as done: a power loss cannot lose it) or "
+        "durable=False (faster; a power loss soon after may lose the newest checkpoint, "
+        "resuming falls back to the previous one)"
     )
     errors.boolean(caller, "durable", given.durable, durable)
     whole = "False (the whole model, the default; for a sharded state the only choice)"
@@ -343,8 +343,7 @@ def load(
     Args:
         url: a checkpoint URL, as returned by :func:`save` or ``latest``.
         state: a TrainState built like the saved one (same model, optimizer, scheduler, scaler).
-        data: the loader to continue from the saved position (the one given to ``save``).
-        extras: the objects given to ``save(extras=...)``, by the same names, to load into.
+        data, extras: what was given to ``save``, to load into (the same names).
         step: the Step you resume with: compared with the saved composition.
         storage_options: passed to fsspec.
 

@@ -78,10 +78,8 @@ def resume_from(
 
     Args:
         directory: the directory of checkpoints, or the ``checkpoint_every`` handler.
-        data: the loader to continue (by default the stateful loader ``run`` draws from).
-        extras: the objects saved with ``extras=``, to load into.
-        step: the Step; a checkpoint of another composition raises ``ConfigError``.
-        storage_options: passed to fsspec.
+        data, extras, step, storage_options: as for ``load`` (by default the handler's, and
+            the stateful loader ``run`` draws from).
 
     Returns:
         A :class:`Resume` handler: ``Events(resume_from(ckpt), ..., ckpt)``.

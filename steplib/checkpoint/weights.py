@@ -73,6 +73,7 @@ def load_weights(
             changed). CorruptCheckpointError: a damaged file. CheckpointError: nothing there.
 
     Example:
+        >>> import warnings
         >>> from steplib import TrainState
         >>> from steplib.checkpoint import save
         >>> pretrained = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
@@ -80,7 +81,6 @@ def load_weights(
         ...     model=pretrained, optimizer=torch.optim.SGD(pretrained.parameters()))
         >>> url = save(state, "memory://doctest-weights/ckpt")
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))  # a new head comes next
-        >>> import warnings
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")  # it warns with the lists below
         ...     report = load_weights(model, url, strict=False)
@@ -88,14 +88,16 @@ def load_weights(
         ([], ['1.weight', '1.bias'])
         >>> torch.equal(model[0].weight, pretrained[0].weight)
         True
-        >>> other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore")  # it warns: 1.weight (10, 4) there, (3, 4) here
-        ...     report = load_weights(other, url, ignore_mismatched_sizes=True)
-        >>> report.mismatched_keys
-        ['1.weight', '1.bias']
     """
-    module = _target(model)
+    if isinstance(model, TrainState):
+        model.fence.wait()  # an async save may still be copying the parameters we overwrite
+        model = model.model
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"load_weights received model={describe(model)}, which is neither an nn.Module "
+            "nor a TrainState. Pass the model to load into: load_weights(model, url)."
+        )
+    module = inner_module(model)  # DDP(compile(m)), compile(DDP(m)), ...
     choices = "True (the names must match) or False (load the names both have, report the rest)"
     errors.boolean("load_weights", "strict", strict, choices)
     choices = "False (other shapes are refused) or True (skipped, kept as the model has them)"
@@ -106,7 +108,11 @@ def load_weights(
     weights = _without_wrapper_prefixes(weights, expected)
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
-    reshaped = _reshaped(weights, expected, url)
+    reshaped = {
+        k: f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
+        for k, v in expected.items()
+        if torch.is_tensor(v) and torch.is_tensor(weights.get(k)) and weights[k].shape != v.shape
+    }
     if reshaped and not ignore_mismatched_sizes:
         raise ConfigError(
             f"load_weights: weights of other shapes than the model's: "
@@ -157,18 +163,6 @@ def load_weights(
             stacklevel=2,
         )
     return LoadedWeights(missing, unexpected, list(reshaped))
-
-
-def _target(model: Any) -> nn.Module:
-    if isinstance(model, TrainState):
-        model.fence.wait()  # an async save may still be copying the parameters we overwrite
-        model = model.model
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"load_weights received model={describe(model)}, which is neither an nn.Module "
-            "nor a TrainState. Pass the model to load into: load_weights(model, url)."
-        )
-    return inner_module(model)  # DDP(compile(m)), compile(DDP(m)), ...
 
 
 def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dict[str, Any]]:
@@ -265,17 +259,6 @@ def _without_wrapper_prefixes(
             break
         weights = {k[len(prefix) :]: v for k, v in weights.items()}
     return weights
-
-
-def _reshaped(weights: Mapping[str, Any], expected: Mapping[str, Any], url: str) -> dict[str, str]:
-    return {
-        k: f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
-        for k, v in expected.items()
-        if k in weights
-        and isinstance(v, torch.Tensor)
-        and isinstance(weights[k], torch.Tensor)
-        and weights[k].shape != v.shape
-    }
 
 
 def _differences(missing: list[str], unexpected: list[str]) -> str:
