@@ -208,17 +208,11 @@ class AsyncSaver:
         return self.submit(given, state, metrics=metrics, after=after)
 
     def submit(
-        self,
-        given: Checkpoints,
-        state: TrainState,
-        *,
-        metrics: Any,
-        after: Callable[[str], Any] | None = None,
-        caller: str = "AsyncSaver.save",
+        self, given: Checkpoints, state: TrainState, *, metrics: Any, after: Any = None
     ) -> str:
         """:meth:`save` with its inputs given once (``checkpoint_every``'s)."""
         self.wait()
-        plan = given.plan(state, metrics=metrics, caller=caller)
+        plan = given.plan(state, metrics=metrics, caller="AsyncSaver.save")
         tree = plan.files if plan.tensors is None else {**plan.files, DCP_DIR: plan.tensors}
         trees, waits = snapshot(tree, self._buffers, deferred=update_only_storages(state))
         tensors = None if plan.tensors is None else trees.pop(DCP_DIR)

@@ -234,11 +234,7 @@ def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]
 
 
 def load(
-    location: Location,
-    manifest: Any,
-    state: TrainState,
-    given: Checkpoints,
-    extras: Mapping[str, Any],
+    location: Location, manifest: Any, state: TrainState, given: Checkpoints, extras: Any
 ) -> TrainState:
     """Load a sharded checkpoint into ``state``, verified and checked first (see ``load``); a
     collective for a sharded state, alone into a plain module."""
@@ -300,7 +296,7 @@ def load(
             optimizer.load_state_dict({"state": {}, "param_groups": groups})
     grads = rank_tree["window_grads"] or {}
     return restore.restore_train_state(
-        train_state, state, data=data, extras=extras, grads=grads, restore_rng_states=same_world
+        train_state, state, data=data, extras=extras, grads=grads, rng=same_world
     )
 
 

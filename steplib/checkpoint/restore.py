@@ -74,13 +74,7 @@ def check_fingerprint(
 
 
 def apply(
-    trees: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    checkpoint: str,
-    restore_rng_states: bool = True,
+    trees: Mapping[str, Any], state: TrainState, *, data: Any, extras: Any, checkpoint: str
 ) -> TrainState:
     """Load ``trees`` into ``state``'s objects; return it with the saved counters
     (``ConfigError``, nothing changed, when the checkpoint does not fit)."""
@@ -118,30 +112,17 @@ def apply(
             checkpoint=checkpoint,
         )
     check_train_state(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
-
     state.model.load_state_dict(trees[MODEL], strict=base is None)  # the base: checked above
     for name, saved in optimizers.items():
         _lane(state, name).optimizer.load_state_dict(saved)
-    return restore_train_state(
-        train_state,
-        state,
-        data=data,
-        extras=extras,
-        grads=trees.get(WINDOW_GRADS, {}),
-        restore_rng_states=restore_rng_states,
-    )
+    grads = trees.get(WINDOW_GRADS, {})
+    return restore_train_state(train_state, state, data=data, extras=extras, grads=grads, rng=True)
 
 
 def restore_train_state(
-    train_state: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    grads: Mapping[str, torch.Tensor],
-    restore_rng_states: bool,
+    train_state: Any, state: TrainState, *, data: Any, extras: Any, grads: Any, rng: bool
 ) -> TrainState:
-    """Load a checked ``train_state`` (and window ``grads``) into ``state``; both back-ends."""
+    """Load a checked ``train_state`` (window ``grads``, RNG states with ``rng``) into ``state``."""
     trees = lane_trees(train_state, state)
     for name in state.names[1:]:
         state = state.with_lane(_restore_lane(trees[name], state[name]))
@@ -160,7 +141,7 @@ def restore_train_state(
     epoch_done = False
     if data is not None:
         epoch_done = restore_position(data, train_state["data"])
-    if restore_rng_states and train_state["rng"] is not None:
+    if rng and train_state["rng"] is not None:
         restore_rng(train_state["rng"])
 
     return state.replace(
@@ -235,12 +216,7 @@ def check_optimizer(
 
 
 def check_train_state(
-    train_state: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    checkpoint: str,
+    train_state: Any, state: TrainState, *, data: Any, extras: Any, checkpoint: str
 ) -> None:
     """``ConfigError`` unless the schedulers, scalers, extras and data fit ``state``."""
     for name, tree in lane_trees(train_state, state).items():
