@@ -152,21 +152,18 @@ class Checkpointer:
             _log.error("background checkpoint failed while the run was failing: %s", err)
         return self.report(event)
 
-    def save(self, event: Event, *, blocking: bool = False) -> str:
-        """Save ``event.state`` now (unless saved) and prune; return the URL. ``blocking``:
-        committed on return (a preemption's)."""
-        return self._save(event, blocking=blocking, strict=False)
-
     def _save_and_report(self, event: Event, *, strict: bool) -> Emitted | None:
         earlier = None
         if _position(event.state) != self._saved_at:
             # The save in flight is reported before this one's pruning may remove it.
             self.wait()
             earlier = self.report(event)
-            self._save(event, blocking=False, strict=strict)
+            self.save(event, strict=strict)
         return self.report(event, earlier=earlier)
 
-    def _save(self, event: Event, *, blocking: bool, strict: bool) -> str:
+    def save(self, event: Event, *, blocking: bool = False, strict: bool = False) -> str:
+        """Save ``event.state`` now (unless saved) and prune; return the URL. ``blocking``:
+        committed on return (a preemption's); ``strict``: a scheduled save (``metric`` checked)."""
         state: TrainState = event.state
         if self._saved_at == _position(state) and self.last_saved is not None:
             if blocking:

@@ -200,26 +200,21 @@ def _read_checkpoint(
 def _read_file(location: Location) -> dict[str, Any]:
     with location.fs.open(location.path, "rb") as file:
         head = file.read(len(_ZIP))
+    local = location.is_local
     try:
         if head != _ZIP:
             import safetensors.torch  # an export of format="safetensors"
 
-            return _state_dict(safetensors.torch.load(storage.read_bytes(location)), location.url)
-        source: Any = (
-            location.path if location.is_local else io.BytesIO(storage.read_bytes(location))
-        )
-        return _state_dict(
-            torch.load(source, map_location="cpu", weights_only=True, mmap=location.is_local),
-            location.url,
-        )
+            tree = safetensors.torch.load(storage.read_bytes(location))
+        else:
+            source = location.path if local else io.BytesIO(storage.read_bytes(location))
+            tree = torch.load(source, map_location="cpu", weights_only=True, mmap=local)
     except ImportError as err:
         raise ConfigError(
             f"load_weights: {location.url} is not a torch.save file, so it would be a "
             f"safetensors file, but the safetensors package is not installed ({err}). "
             "Install it: pip install 'steplib[safetensors]'."
         ) from None
-    except ConfigError:
-        raise
     except Exception as err:  # UnpicklingError, RuntimeError, SafetensorError...
         raise ConfigError(
             f"load_weights: {location.url} cannot be read as a torch.save file "
@@ -227,16 +222,15 @@ def _read_file(location: Location) -> dict[str, Any]:
             f"({type(err).__name__}: {err}). Pass a file written by export_model, a "
             "checkpoint, or a directory of checkpoints."
         ) from None
+    return _state_dict(tree, location.url)
 
 
 def _state_dict(tree: Any, url: str) -> dict[str, Any]:
+    named = isinstance(tree, Mapping) and all(isinstance(k, str) for k in tree)
     if (
-        not isinstance(tree, Mapping)
+        not named
         or not tree
-        or not all(isinstance(k, str) for k in tree)
-        or not all(
-            isinstance(v, torch.Tensor) or k.endswith("_extra_state") for k, v in tree.items()
-        )
+        or not all(torch.is_tensor(v) or k.endswith("_extra_state") for k, v in tree.items())
     ):
         keys = sorted(map(str, tree))[:20] if isinstance(tree, Mapping) else None
         raise ConfigError(
