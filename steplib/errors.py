@@ -71,6 +71,17 @@ def describe(value: object) -> str:
     return f"{text} (type {type(value).__name__})"
 
 
+def boolean(owner: str, label: str, value: Any, choices: str) -> bool:
+    """``value`` when it is a bool (``"no"`` or ``0`` would read as intended), else a
+    ConfigError; ``choices`` says what True and False mean."""
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{owner}({label}=...) received {describe(value)}; it must be True or False: pass "
+            f"{choices}."
+        )
+    return value
+
+
 def optional_positive_int(owner: str, label: str, value: Any) -> int | None:
     """``None``, or :func:`positive_int` of ``value``."""
     return None if value is None else positive_int(owner, label, value)

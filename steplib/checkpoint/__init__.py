@@ -1,15 +1,6 @@
-"""Checkpoints and exact resume through fsspec: atomic, verified, asynchronous, preemption-safe.
-
-* :func:`save`, :func:`load`, :func:`latest`, :func:`list_checkpoints`, :func:`best_checkpoint`,
-  :func:`prune`.
-* :func:`load_weights`: the model's weights only (fine-tuning).
-* :class:`AsyncSaver`: snapshot now, write in a background thread; :func:`wait_snapshot`.
-* Handlers: :func:`checkpoint_every`, :func:`resume_from`, :func:`preemption`.
-
-The same functions write and read sharded checkpoints (torch.distributed.checkpoint) when a
-process group is initialised and the state's model is, or holds, a DDP or FSDP2 module, or
-holds DTensor parameters (tensor parallel). The layout of this package and where a change
-belongs: ``docs/architecture.md``.
+"""Checkpoints and exact resume through fsspec: atomic, verified, asynchronous, preemption-safe,
+sharded through torch.distributed.checkpoint for a DDP, FSDP2 or tensor-parallel state. The
+layout of this package and where a change belongs: ``docs/architecture.md``.
 """
 
 from steplib.checkpoint.background import AsyncSaver, wait_snapshot

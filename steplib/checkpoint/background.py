@@ -1,12 +1,6 @@
-"""Asynchronous saves: the snapshot is taken now, written in a background thread.
-
-The snapshot copies every tensor into CPU buffers kept for the next save (pinned for GPU
-tensors, copied on the training stream ahead of the kernels that change them). The parameters
-and the optimizer state, which only the next update changes, are copied by a thread while the
-next forward and backward run; that update waits for the copy (``TrainState.fence``). The rest
-(buffers, window gradients, extras, RNG and data states) is copied before ``save`` returns. The
-write is ``pipeline.write``, the same as a synchronous save's; for a sharded state DCP writes
-the snapshot (its DTensors kept) on a gloo group of the saver's own.
+"""Asynchronous saves: a snapshot into reused CPU buffers now (pinned for GPU tensors), written
+by ``pipeline.write`` in a background thread. Parameters and optimizer state, which only the
+next update changes, are copied by a thread meanwhile; that update waits (``TrainState.fence``).
 """
 
 from __future__ import annotations
@@ -16,15 +10,13 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from copy import copy as shallow_copy
-from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from steplib.checkpoint import pipeline
 from steplib.checkpoint.contents import DCP_DIR, lanes
-from steplib.checkpoint.pipeline import Checkpoints, check_options
+from steplib.checkpoint.pipeline import Checkpoints
 from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError
 from steplib.state import TrainState
@@ -35,10 +27,9 @@ Path = tuple[Any, ...]  # where a tensor sits in a tree: the key of its reused b
 def snapshot(
     tree: Any, buffers: dict[Path, torch.Tensor], *, deferred: set[int]
 ) -> tuple[Any, list[Any]]:
-    """A deep copy of ``tree`` with every tensor in a CPU buffer (reused from ``buffers`` by
-    path, pinned for GPU tensors copied on their stream); tensors whose storage is in
-    ``deferred`` are copied by a :class:`BackgroundCopy`. A tensor seen twice is copied once;
-    a DTensor stays a DTensor. Returns the copy and what the writer must ``synchronize()``."""
+    """A deep copy of ``tree`` with every tensor in a CPU buffer (reused by path; tensors whose
+    storage is in ``deferred`` copied by a :class:`BackgroundCopy`), and what the writer must
+    ``synchronize()``. A tensor seen twice is copied once; a DTensor stays a DTensor."""
     dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     copies: dict[int, torch.Tensor] = {}
     used: dict[Path, torch.Tensor] = {}
@@ -107,14 +98,9 @@ def update_only_storages(state: TrainState) -> set[int]:
     """The CPU storages only an optimizer update changes: parameters and optimizer state."""
     dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     tensors: list[torch.Tensor] = []
-    for lane in lanes(state):
-        tensors += [p for group in lane.optimizer.param_groups for p in group["params"]]
-        tensors += [
-            v
-            for s in lane.optimizer.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
-        ]
+    for optimizer in (lane.optimizer for lane in lanes(state)):
+        tensors += [p for group in optimizer.param_groups for p in group["params"]]
+        tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     storages = set()
     for tensor in tensors:
         local = tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
@@ -125,9 +111,8 @@ def update_only_storages(state: TrainState) -> set[int]:
 
 
 class BackgroundCopy:
-    """Copies CPU tensors into their buffers in a thread while training runs forward and
-    backward; the next update waits for it (``TrainState.fence``). A tensor changed in place
-    meanwhile (``Tensor._version`` tells) fails the checkpoint instead of tearing it."""
+    """Copies CPU tensors into their buffers in a thread; a tensor changed in place meanwhile
+    (``Tensor._version`` tells) fails the checkpoint instead of tearing it."""
 
     def __init__(self, copies: list[tuple[Path, torch.Tensor, torch.Tensor]]) -> None:
         self._copies: list[tuple[Path, torch.Tensor, torch.Tensor, int]] | None = [
@@ -154,7 +139,6 @@ class BackgroundCopy:
             self._copies = None  # keep no live tensor (a parameter) alive past the copy
 
     def join(self) -> None:
-        """Wait until every tensor is copied."""
         self._thread.join()
 
     def synchronize(self) -> None:
@@ -176,9 +160,9 @@ class BackgroundCopy:
 
 
 class AsyncSaver:
-    """Saves checkpoints in a background thread, one at a time: the snapshot is taken now,
-    the write (``pipeline.write``) runs while training goes on. An error in the background is
-    raised by the next ``save``, by ``wait`` or by ``close``: it is never lost.
+    """Saves checkpoints in a background thread, one at a time: the snapshot is taken now, the
+    write runs while training goes on. An error there is raised by the next ``save``, ``wait``
+    or ``close``: never lost.
 
     Example:
         >>> import torch
@@ -195,8 +179,8 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict[Path, torch.Tensor] = {}
-        self._group: Any = None
-        self._group_of: Any = None
+        # Two threads' collectives on one gloo group mix up: the writes get a group of their own.
+        self._group = pipeline.GlooGroup()
 
     def save(
         self,
@@ -211,26 +195,24 @@ class AsyncSaver:
         durable: bool = True,
         after: Callable[[str], Any] | None = None,
     ) -> str:
-        """Snapshot ``state`` and write it in the background; the arguments are ``save``'s, and
-        ``after``, called with the URL in the writer thread once committed. Returns the URL the
-        checkpoint will have. Raises the previous save's ``CheckpointError`` first."""
+        """Snapshot ``state`` and write it in the background; return its URL to be.
+
+        Args:
+            state, directory, data, extras, step, metrics, storage_options, durable: as for
+                ``save``. after: ``after(url)`` is called in the writer once committed.
+
+        Returns:
+            The URL the checkpoint will have (the previous save's error is raised first).
+        """
         given = Checkpoints(directory, data, extras, step, storage_options, durable)
         return self.submit(given, state, metrics=metrics, after=after)
 
     def submit(
-        self,
-        given: Checkpoints,
-        state: TrainState,
-        *,
-        metrics: Any,
-        after: Callable[[str], Any] | None = None,
-        caller: str = "AsyncSaver.save",
+        self, given: Checkpoints, state: TrainState, *, metrics: Any, after: Any = None
     ) -> str:
         """:meth:`save` with its inputs given once (``checkpoint_every``'s)."""
-        check_options(given, caller)
         self.wait()
-        plan = given.plan(state, metrics=metrics, caller=caller)
-        # Keyed by file name (the DCP tensors under "dcp"): the paths of the reused buffers.
+        plan = given.plan(state, metrics=metrics, caller="AsyncSaver.save")
         tree = plan.files if plan.tensors is None else {**plan.files, DCP_DIR: plan.tensors}
         trees, waits = snapshot(tree, self._buffers, deferred=update_only_storages(state))
         tensors = None if plan.tensors is None else trees.pop(DCP_DIR)
@@ -238,7 +220,7 @@ class AsyncSaver:
         for pending in waits:
             if isinstance(pending, BackgroundCopy):
                 state.fence.hold(pending)
-        group = self._checkpoint_group() if plan.tensors is not None else None
+        group = self._group.get() if plan.tensors is not None else None
 
         def work() -> None:
             try:
@@ -256,7 +238,6 @@ class AsyncSaver:
 
     @property
     def pending(self) -> bool:
-        """Whether a background save is still being written."""
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
@@ -284,24 +265,13 @@ class AsyncSaver:
     def __enter__(self) -> AsyncSaver:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _checkpoint_group(self) -> Any:
-        # Two threads issuing collectives on one gloo group mix their messages up: the
-        # background writes get a group of their own, made once by every rank (a collective).
-        if self._group is None or self._group_of is not dist.group.WORLD:
-            self._group = dist.new_group(backend="gloo")
-            self._group_of = dist.group.WORLD
-        return self._group
 
 
 def wait_snapshot(state: TrainState) -> None:
-    """Wait until a pending async save has copied the parameters and optimizer state: after
-    this they may change in place without tearing that checkpoint (steps and ``load`` wait
-    themselves; a change outside the optimizer should call this first).
+    """Wait until a pending async save has copied the parameters and optimizer state, before
+    changing them outside the optimizer (steps and ``load`` wait themselves).
 
     Args:
         state: the state given to ``AsyncSaver.save``.

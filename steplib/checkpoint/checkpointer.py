@@ -1,8 +1,5 @@
-"""``checkpoint_every``: the checkpoint handler. It saves every N updates and/or epochs with
-the loader's position and the attached handlers' state, prunes, and reports each committed
-checkpoint as ``checkpoint_end`` on the training thread. Its inputs are given once (a
-``pipeline.Checkpoints``), which ``resume_from(ckpt)`` and ``preemption(ckpt)`` reuse.
-"""
+"""``checkpoint_every``: saves every N updates and/or epochs with the loader's position and the
+attached handlers' state, prunes, and reports each commit as ``checkpoint_end``."""
 
 from __future__ import annotations
 
@@ -34,15 +31,8 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 
 
 def default_metrics(event: Event) -> dict[str, float]:
-    """What a checkpoint records without a ``metrics`` function: the update's ``loss`` and
-    each number in ``state.extras`` that belongs to this state (a value an evaluation of
-    another update left there, per ``extras["evaluated_at"]``, is not this model's score).
-
-    Args:
-        event: the event whose state is saved (its ``output`` gives ``loss``).
-
-    Returns:
-        ``{name: float}`` (a host read of tensors, at save time only).
+    """What a checkpoint records without a ``metrics`` function: ``{name: float}`` of the
+    update's ``loss`` and each number in ``state.extras`` evaluated at this update.
 
     Example:
         >>> import types
@@ -52,19 +42,14 @@ def default_metrics(event: Event) -> dict[str, float]:
         >>> default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=5))
         {}
     """
-    numbers: dict[str, float] = {}
-    output = getattr(event, "output", None)
-    loss = getattr(output, "loss", None)
-    # A sweep's loss is one per copy: no single number to rank the checkpoint by.
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        numbers["loss"] = float(loss)  # a host sync, at save time only
+    loss = getattr(getattr(event, "output", None), "loss", None)
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
-    for name, value in extras.items():
-        if name in stale:
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
+    values = {"loss": loss if isinstance(loss, torch.Tensor) else None}
+    numbers = {}
+    for name, value in {**values, **{k: v for k, v in extras.items() if k not in stale}}.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # a sweep's loss is not
+            value = value.item()  # a host sync, at save time only
         if isinstance(value, int | float) and not isinstance(value, bool):
             numbers[name] = float(value)
     return numbers
@@ -76,43 +61,33 @@ def stale_values(extras: Mapping[str, Any], step: int) -> set[str]:
     return {name for name, at in evaluated.items() if at != step}
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Checkpointer(Handler):
-    """The handler :func:`checkpoint_every` builds (with its checked arguments); register it
-    with :meth:`attach`. It reports ``checkpoint_end`` to, and saves the attached handlers'
-    state of, the ``Events`` that emitted the event it saves at (``event.events``).
-
-    Attributes:
-        given: the directory and what each save is given (``pipeline.Checkpoints``).
-        last_saved: the URL of the last checkpoint this handler saved, or ``None``.
-    """
+    """The handler :func:`checkpoint_every` builds (with its checked arguments); ``last_saved``:
+    the URL of its last checkpoint. It reports ``checkpoint_end`` to, and saves the attached
+    handlers' state of, the ``Events`` that emitted the event it saves at (``event.events``)."""
 
     # Last at each event: a save holds what every other handler did there (an evaluation, a
     # scheduler's step), in whatever order they were attached.
     last = True
 
-    def __init__(
-        self,
-        given: Checkpoints,
-        *,
-        every: int | Batches | None,
-        epochs: int | None = None,
-        keep_last: int | None,
-        keep_best: int | None,
-        metric: str | None,
-        mode: str,
-        metrics: Metrics | None,
-        background: bool,
-        at_end: bool,
-        check_metric: bool = True,
-    ) -> None:
-        self.given = given
-        self.every, self.epochs, self.at_end = every, epochs, at_end
-        self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
-        self.metrics, self.check_metric = metrics or default_metrics, check_metric
+    given: Checkpoints
+    every: int | Batches | None
+    epochs: int | None
+    keep_last: int | None
+    keep_best: int | None
+    metric: str | None
+    mode: str
+    metrics: Metrics
+    background: dataclasses.InitVar[bool]
+    at_end: bool
+    check_metric: bool  # a typed name, which may be misspelt (an evaluator's is not)
+    last_saved: str | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self, background: bool) -> None:
         self._run_data: Any = None  # the stateful loader run() draws from (its fit_start's)
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
-        self.last_saved: str | None = None
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
 
     @property
@@ -123,8 +98,8 @@ class Checkpointer(Handler):
         return self.on_step_end(event)
 
     def on_fit_start(self, event: Event) -> None:
-        """Check that the directory can be written (``CheckpointError`` if not), remove what a
-        killed save left there, remember where the run starts and the loader it draws from."""
+        """Check the directory can be written (``CheckpointError``); remove what a killed save
+        left; remember where the run starts and the loader it draws from."""
         self._saved_at = _position(event.state)
         self._run_data = run_data(self.given.data, event)
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
@@ -133,8 +108,7 @@ class Checkpointer(Handler):
             self._prune(keep=False)
 
     def on_step_end(self, event: Event) -> Emitted | None:
-        """Save when ``event.step`` is a multiple of ``every``; report what was committed.
-        ``ConfigError`` when ``keep_best``'s ``metric`` is not among this save's metrics."""
+        """Save when due by ``every``; report what was committed."""
         if self.every is not None and due(self.every, event):
             return self._save_and_report(event, strict=True)
         return self.report(event)
@@ -146,25 +120,21 @@ class Checkpointer(Handler):
         return self._save_and_report(event, strict=True)
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted | None:
-        """Emit ``checkpoint_end`` for each checkpoint committed and not yet reported, oldest
-        first, each seeing the state the previous one left (from ``earlier``'s, if given);
-        return the outcome, to return from the handler."""
+        """Emit ``checkpoint_end`` for each commit not yet reported, oldest first, each seeing
+        the state the previous left (from ``earlier``'s); return the outcome."""
         events = event.events
-        if events is None:  # not emitted by an Events: nobody to tell
+        if events is None or not self._committed:  # not emitted by an Events: nobody to tell
             self._committed.clear()
-        if not self._committed:
             return earlier
         state, stop = (event.state, None) if earlier is None else (earlier.state, earlier.stop)
         while self._committed:
             info = self._committed.popleft()
-            assert events is not None
             emitted = events.emit(Event.at("checkpoint_end", state, checkpoint=info))
             state, stop = emitted.state, stop or emitted.stop
         return Emitted(state, stop)
 
     def on_fit_end(self, event: Event) -> Emitted | None:
-        """Save the final state (``at_end``, if it moved), wait for background writes
-        (``CheckpointError`` if one failed), and report."""
+        """Save the final state (``at_end``, if it moved), wait for background writes, report."""
         earlier = self._save_and_report(event, strict=False) if self.at_end else None
         self.wait()
         return self.report(event, earlier=earlier)
@@ -177,40 +147,33 @@ class Checkpointer(Handler):
             _log.error("background checkpoint failed while the run was failing: %s", err)
         return self.report(event)
 
-    def save(self, event: Event, *, blocking: bool = False) -> str:
-        """Save ``event.state`` now (unless already saved) and prune; return the URL.
-        ``blocking``: in this thread, committed on return (a preemption's). Off the schedule,
-        a save whose metrics lack ``metric`` is written but prunes nothing."""
-        return self._save(event, blocking=blocking, strict=False)
-
     def _save_and_report(self, event: Event, *, strict: bool) -> Emitted | None:
         earlier = None
         if _position(event.state) != self._saved_at:
-            # The save in flight lands and is reported before this one starts, so that its
-            # checkpoint_end handlers find it in place (this save's pruning may remove it).
+            # The save in flight is reported before this one's pruning may remove it.
             self.wait()
             earlier = self.report(event)
-            self._save(event, blocking=False, strict=strict)
+            self.save(event, strict=strict)
         return self.report(event, earlier=earlier)
 
-    def _save(self, event: Event, *, blocking: bool, strict: bool) -> str:
+    def save(self, event: Event, *, blocking: bool = False, strict: bool = False) -> str:
+        """Save ``event.state`` now (unless saved) and prune; return the URL. ``blocking``:
+        committed on return (a preemption's); ``strict``: a scheduled save (``metric`` checked)."""
         state: TrainState = event.state
         if self._saved_at == _position(state) and self.last_saved is not None:
             if blocking:
                 self.wait()
             return self.last_saved
         metrics = self.metrics(event)
-        # Not evaluated at this update (an earlier evaluation scored another model, or none
-        # yet): this save records no score and does not compete for best, but may prune.
+        # Not evaluated at this update: no score, not a candidate for best, but may prune.
         known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
         ranked = self.keep_best is None or self.metric in metrics or known
-        caller = "checkpoint_every"
+        caller, recorded = "checkpoint_every", ", ".join(sorted(metrics)) or "none"
         if strict and not known:
             check_ranked_metric(
                 caller, keep_best=self.keep_best, metric=self.metric, recorded=metrics
             )
         elif not ranked:
-            recorded = ", ".join(sorted(metrics)) or "none"
             why = "saved without pruning, so that no best checkpoint is lost"
             _log.warning(
                 "%s(metric=%r): not among its metrics (%s); %s", caller, self.metric, recorded, why
@@ -220,7 +183,7 @@ class Checkpointer(Handler):
             data=self.given.data if self.given.data is not None else self._run_data,
             extras=with_handlers(caller, self.given.extras, event.events),
         )
-        here = prunes_here(state)  # sharded: rank 0 alone (the ranks share one directory)
+        here = prunes_here(state)
         taken, numbers = time.time(), check_metrics(metrics, caller)
 
         def committed(url: str) -> None:  # in the writer's thread for a background save
@@ -246,16 +209,18 @@ class Checkpointer(Handler):
             self._saver.wait()
 
     def _prune(self, keep: bool = True) -> None:
-        # Called with no save of this handler in flight, so no leftover is its own; only rank 0
-        # removes the newest leftovers (another rank may be writing one).
+        # No save of this handler in flight; only rank 0 removes the newest leftovers.
+        last, best = (self.keep_last, self.keep_best) if keep else (None, None)
+        leftovers = "all" if is_main() else "older"
+        options = self.given.storage_options
         prune(
             self.directory,
-            keep_last=self.keep_last if keep else None,
-            keep_best=self.keep_best if keep else None,
+            keep_last=last,
+            keep_best=best,
             metric=self.metric,
             mode=self.mode,
-            storage_options=self.given.storage_options,
-            leftovers="all" if is_main() else "older",
+            storage_options=options,
+            leftovers=leftovers,
         )
 
     def __repr__(self) -> str:
@@ -287,10 +252,8 @@ def checkpoint_every(
     durable: bool = True,
     trainable_only: bool = False,
 ) -> Checkpointer:
-    """A handler that saves a checkpoint every ``every`` optimizer updates and/or at the end of
-    every ``epochs``-th epoch, and reports each one committed as ``checkpoint_end`` (its
-    ``CheckpointInfo`` in ``event.checkpoint``). At ``fit_start`` it checks that ``directory``
-    can be written and removes what a killed save left there (rank 0 alone on several ranks).
+    """A handler that saves every ``every`` updates and/or ``epochs`` epochs and reports each
+    commit as ``checkpoint_end`` (its ``CheckpointInfo`` in ``event.checkpoint``).
 
     Args:
         directory: a local path or fsspec URL of the directory of checkpoints.
@@ -302,15 +265,11 @@ def checkpoint_every(
         keep_best: also keep the best this many by ``metric``.
         metric: the metric ``keep_best`` ranks by, or the ``Evaluator`` that monitors it.
         mode: ``"min"`` (default) or ``"max"``: whether lower or higher ``metric`` is better.
-        data: the loader whose position to save (see ``steplib.data.resumable_loader``).
-        extras: more objects with ``state_dict()`` to save by name.
-        step: the Step; its composition is saved and checked on resume.
+        data, extras, step, storage_options, durable, trainable_only: as for ``save`` (by
+            default the stateful loader ``run`` draws from and the attached handlers are saved).
         metrics: ``event -> {name: number}`` recorded with each save (:func:`default_metrics`).
         background: write in a background thread (:class:`AsyncSaver`); errors surface later.
         at_end: also save at ``fit_end`` if the state changed since the last save.
-        storage_options: passed to fsspec.
-        durable: fsync each checkpoint before it counts as saved (see ``save``).
-        trainable_only: the trainable parameters and buffers alone (see ``save``).
 
     Returns:
         A :class:`Checkpointer`; call ``.attach(events)``.
@@ -333,8 +292,6 @@ def checkpoint_every(
         [4, 5]
     """
     epochs = check_cadence(every, epochs, at_epoch_end)
-    # A name typed by hand may be misspelt: a scheduled save refuses it when it is missing. An
-    # evaluator's own name is not, and is missing only before its first evaluation.
     typed = isinstance(metric, str)
     if metric is not None:
         metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
@@ -344,28 +301,14 @@ def checkpoint_every(
     )
     given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
     check_options(given, "checkpoint_every")
-    return Checkpointer(
-        given,
-        every=every,
-        epochs=epochs,
-        keep_last=keep_last,
-        keep_best=keep_best,
-        metric=metric,
-        mode=mode,
-        metrics=metrics,
-        background=background,
-        at_end=at_end,
-        check_metric=typed,
-    )
+    settings = (every, epochs, keep_last, keep_best, metric, mode, metrics or default_metrics)
+    return Checkpointer(given, *settings, background, at_end, typed)
 
 
 def check_cadence(every: Any, epochs: Any, at_epoch_end: Any) -> int | None:
     """The epoch cadence of ``checkpoint_every`` (1 for ``at_epoch_end=True``), checked."""
-    if at_epoch_end is not False and at_epoch_end is not True:
-        raise ConfigError(
-            f"checkpoint_every(at_epoch_end=...) received {describe(at_epoch_end)}; pass True "
-            "(save at every epoch end) or False, or epochs=N for every N epochs."
-        )
+    choices = "True (save at every epoch end) or False, or epochs=N for every N epochs"
+    errors.boolean("checkpoint_every", "at_epoch_end", at_epoch_end, choices)
     if at_epoch_end and epochs is not None:
         raise ConfigError(
             f"checkpoint_every received at_epoch_end=True (every epoch) and epochs={epochs!r} "

@@ -1,13 +1,7 @@
-"""What a checkpoint holds, gathered from a TrainState and checked on the way out (each file a
-``torch.save`` of plain containers and tensors, read back with ``weights_only=True``):
-``model.pt``, ``optimizer.pt`` (several optimizers by name), ``train_state.pt`` (counters,
-window, schedulers, scalers, ``state.extras``, extra objects' and attached handlers' states,
-RNG states, the data position, frozen parameters) and, inside an open accumulation window,
-``window_grads.pt``. A sharded checkpoint holds the same train state per rank (``dcp``).
-
-The handlers attached to a run's ``Events`` that have ``state_dict()`` / ``load_state_dict()``
-are found without being named, keyed by class name and index among those of that class
-(``Evaluator[0]``): the same handlers attached in the same order get the same keys."""
+"""What a checkpoint holds, gathered from a TrainState and checked to be plain data that
+``torch.load(weights_only=True)`` reads back: ``model.pt``, ``optimizer.pt``,
+``train_state.pt`` and, inside an open accumulation window, ``window_grads.pt``. The handlers
+with state attached to the run are found without being named (see ``docs/checkpoints.md``)."""
 
 from __future__ import annotations
 
@@ -35,22 +29,19 @@ TRAIN_STATE = "train_state.pt"
 WINDOW_GRADS = "window_grads.pt"
 
 _LEAVES = (type(None), bool, int, float, str, torch.Tensor)  # isinstance: Parameter too
-
-
 DCP_DIR = "dcp"
+HANDLERS = "handlers"  # the attached handlers' states among a checkpoint's objects
 # The distribution may change between the saving and the resuming run (that is resharding).
 DISTRIBUTION_WRAPPERS = frozenset({"ddp_wrap", "fsdp_wrap"})
 
 
 def rank_file(rank: int) -> str:
-    """The name of rank ``rank``'s train-state file inside a sharded checkpoint."""
     return f"rank-{rank:05d}.pt"
 
 
 def is_sharded(state: Any) -> bool:
-    """Whether ``state`` is saved sharded: a process group is initialised and its model holds
-    a DDP or FSDP2 module (a GAN's ``{"G": apply_ddp(g), "D": apply_ddp(d)}`` too) or DTensor
-    parameters (one rank's shard each: ``ConfigError`` without a process group)."""
+    """Whether ``state`` is saved sharded: with a process group, its model holds a DDP or FSDP2
+    module (a GAN's models each under DDP too) or DTensor parameters."""
     model = getattr(state, "model", None)
     if not isinstance(model, torch.nn.Module):
         return False
@@ -71,22 +62,19 @@ def is_sharded(state: Any) -> bool:
 
 
 def holds_only_ddp(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds DDP modules and no FSDP2 one: an open accumulation window's
-    gradients are then plain per-rank tensors, which a checkpoint can hold."""
+    """Whether ``model`` holds DDP modules and no FSDP2 one (its window gradients are plain)."""
     parallel = [m for m in model.modules() if is_parallel_model(m)]
     return bool(parallel) and all(isinstance(m, DistributedDataParallel) for m in parallel)
 
 
 def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor (a shard or a replica on a mesh)."""
     # No DTensor exists before its module is imported: a single-process save need not import it.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
 
 
 def prunes_here(state: Any) -> bool:
-    """Whether this process prunes after saving ``state``: rank 0 alone for a sharded
-    checkpoint (the ranks share one directory), every process otherwise."""
+    """Whether this process prunes after saving ``state`` (sharded: rank 0 alone)."""
     return not is_sharded(state) or dist.get_rank() == 0
 
 
@@ -127,13 +115,15 @@ def gather(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], trainable_only: bool = False
 ) -> dict[str, Any]:
     """The trees to write, by file name (live tensors); ``ConfigError`` for a value a
-    weights-only load could not read back; ``trainable_only``: see :func:`trainable_part`."""
-    model = state.model
-    weights, base = model.state_dict(), None
+    weights-only load could not read back."""
+    model, base = state.model, None
+    weights = model.state_dict()
     if trainable_only:
         weights, base = trainable_part(model, weights)
     train_state = {**train_state_tree(state, data=data, extras=extras), "base": base}
-    trees = {MODEL: weights, OPTIMIZER: optimizer_tree(state), TRAIN_STATE: train_state}
+    named = {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
+    optimizers = named if state.names else state.optimizer.state_dict()
+    trees = {MODEL: weights, OPTIMIZER: optimizers, TRAIN_STATE: train_state}
     if any(lane.window.size > 0 for lane in lanes(state)):
         trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
@@ -141,11 +131,8 @@ def gather(
     return trees
 
 
-# Split out of ``gather`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.dcp``,
-# which write the model and optimizer through DCP and this tree, per rank, with ``torch.save``.
 def train_state_tree(state: TrainState, *, data: Any, extras: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything of ``state`` but the model and optimizer tensors, as plain data (frozen
-    parameters too: a run resumed past an unfreeze trains what the saved run did)."""
+    """Everything of ``state`` but the model and optimizer (both back-ends write it)."""
     tree = lane_tree(state)
     tree["counters"]["epoch"] = state.epoch
     tree.update(
@@ -161,7 +148,7 @@ def train_state_tree(state: TrainState, *, data: Any, extras: Mapping[str, Any])
 
 
 def lane_tree(state: TrainState) -> dict[str, Any]:
-    """What belongs to one optimizer of ``state``: its counters, window, scheduler and scaler."""
+    """One optimizer's counters, window, scheduler and scaler."""
     return {
         "counters": {
             "step": state.step,
@@ -180,20 +167,11 @@ def lane_tree(state: TrainState) -> dict[str, Any]:
 
 
 def lanes(state: TrainState) -> list[TrainState]:
-    """The state of each optimizer of ``state``: ``[state]`` when it has one."""
     return [state[name] for name in state.names] or [state]
 
 
-def optimizer_tree(state: TrainState) -> dict[str, Any]:
-    """``optimizer.pt``: the optimizer's state_dict, or every named optimizer's by name."""
-    if not state.names:
-        return state.optimizer.state_dict()
-    return {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
-
-
 def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = False) -> Any:
-    """``torch.load(source, weights_only=True)`` on the CPU; what it cannot read is a
-    ``CorruptCheckpointError`` naming ``file_name`` of ``checkpoint``."""
+    """``torch.load(source, weights_only=True)`` on the CPU, or ``CorruptCheckpointError``."""
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
@@ -213,10 +191,8 @@ def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = Fals
 def trainable_part(
     model: torch.nn.Module, weights: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What training changes in ``weights`` (``model.state_dict()``): the trainable parameters
-    and the buffers (a frozen BatchNorm's statistics move too); and the record of the frozen
-    parameters a load must find in place: their count and ``xxh3_64`` digest (of names, dtypes,
-    shapes and bytes: a base of a billion parameters is read once per save, not written)."""
+    """``weights`` but the frozen parameters (buffers kept: a frozen BatchNorm's move), and the
+    count and digest of those a load must find in place (read per save, never written)."""
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     if len(frozen) == len(list(model.parameters())):
         raise ConfigError(
@@ -234,12 +210,11 @@ def trainable_part(
 
 
 def window_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The gradients accumulated so far in an open window, by parameter name."""
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
 def check_metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, float]:
-    """The metrics to record in a manifest, as floats (``ConfigError`` if not numbers by name)."""
+    """The metrics as floats (``ConfigError`` if not numbers by name)."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
@@ -268,8 +243,7 @@ def check_plain(tree: Any, where: str) -> None:
     """Refuse what ``torch.load(weights_only=True)`` would refuse, before writing anything."""
     if isinstance(tree, _LEAVES):
         return
-    # Exact types: a subclass (a namedtuple, a defaultdict) is pickled by its class name, which
-    # a weights-only load refuses.
+    # Exact types: a subclass (a namedtuple) is pickled by class name: weights_only refuses it.
     if type(tree) in (dict, collections.OrderedDict):
         for key, value in tree.items():
             if type(key) not in (str, int):
@@ -293,20 +267,11 @@ def _not_plain(where: str, value: Any) -> str:
 
 
 def is_stateful(obj: Any) -> bool:
-    """Whether ``obj`` has ``state_dict()`` and ``load_state_dict()`` (a loader, a handler)."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
-
-HANDLERS = "handlers"  # the name of the attached handlers' states among a checkpoint's objects
+    return all(callable(getattr(obj, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
 class HandlerStates:
     """The handlers with state attached to a run, by key; saved as one extra object.
-
-    Args:
-        handlers: ``{key: handler}``, each with ``state_dict()`` and ``load_state_dict()``.
 
     Example:
         >>> from steplib.handlers.stopping import EarlyStopping
@@ -318,17 +283,15 @@ class HandlerStates:
         self.handlers = dict(handlers)
 
     def state_dict(self) -> dict[str, Any]:
-        """Each handler's ``state_dict()`` by key."""
         return {key: handler.state_dict() for key, handler in self.handlers.items()}
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Load each handler's saved state (checked first by :meth:`check`)."""
         for key, handler in self.handlers.items():
             handler.load_state_dict(saved[key])
 
     def check(self, saved: Mapping[str, Any] | None, *, checkpoint: str) -> None:
-        """Refuse (``ConfigError``, nothing loaded) a checkpoint whose saved handlers are not these;
-        ``saved`` is ``None`` for one written before handler states were saved (a warning)."""
+        """``ConfigError`` (nothing loaded) unless ``saved`` holds these handlers' states;
+        ``None``: a checkpoint from before they were saved (a warning)."""
         if saved is None:
             if self.handlers:
                 warnings.warn(
@@ -357,8 +320,9 @@ class HandlerStates:
 def with_handlers(
     caller: str, extras: Mapping[str, Any] | None, events: Events | None
 ) -> dict[str, Any]:
-    """``extras`` and, under :data:`HANDLERS`, the handlers with state attached to ``events``
-    (but those ``extras`` names); ``ConfigError`` when ``extras`` uses the name ``"handlers"``.
+    """``extras`` and, under :data:`HANDLERS`, the other handlers with state attached to
+    ``events``, keyed by class and index (``Evaluator[0]``): the same handlers attached in the
+    same order get the same keys.
 
     Example:
         >>> from steplib.handlers.stopping import EarlyStopping
@@ -376,20 +340,16 @@ def with_handlers(
     if events is None:
         return named
     skip = {id(obj) for obj in named.values()}
-    counts: dict[str, int] = {}
+    counts: collections.Counter[str] = collections.Counter()
     found = {}
     for handler in events.attached():
-        if id(handler) in skip or not is_stateful(handler):
-            continue
-        kind = type(handler).__name__
-        counts[kind] = counts.get(kind, -1) + 1
-        found[f"{kind}[{counts[kind]}]"] = handler
+        if id(handler) not in skip and is_stateful(handler):
+            kind = type(handler).__name__
+            found[f"{kind}[{counts[kind]}]"] = handler
+            counts[kind] += 1
     return {**named, HANDLERS: HandlerStates(found)}
 
 
 def run_data(data: Any, event: Event) -> Any:
-    """The loader whose position to save or load: ``data``, else the ``fit_start`` event's
-    if it is stateful, else ``None``."""
-    if data is not None:
-        return data
-    return event.data if is_stateful(event.data) else None
+    """``data``, else the ``fit_start`` event's loader if it is stateful, else ``None``."""
+    return data if data is not None else event.data if is_stateful(event.data) else None

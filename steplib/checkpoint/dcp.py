@@ -1,11 +1,7 @@
-"""The DCP back-end: the model and optimizer tensors of a DDP, FSDP2 or tensor-parallel state
-through torch.distributed.checkpoint and fsspec (imported on use: DCP costs ~0.8 s). A sharded
-checkpoint holds ``dcp/`` (each rank writes its shard, replicated tensors once), one
-``rank-0000N.pt`` per rank (its train state, and the non-tensor part of the state dicts) and
-the manifest. Only tensors go through DCP, which stores other values as pickles; its
-``.metadata`` is read by an unpickler that builds DCP's records only. DCP reshards on load:
-into 1, 4 ranks or a plain module; on another world size the RNG states are not restored, and
-an open window or a per-rank data position (not ``shard=True``) is refused.
+"""The DCP back-end for a sharded state: ``dcp/`` holds the model and optimizer tensors (DCP
+reshards them on load), ``rank-0000N.pt`` each rank's train state and the non-tensor rest.
+Only tensors go through DCP (it pickles other values); its ``.metadata`` is read by an
+unpickler that builds DCP's records only. See ``docs/checkpoints.md`` for world-size changes.
 """
 
 from __future__ import annotations
@@ -57,7 +53,6 @@ class _ChecksumFileSystem:
                 return
             stream = storage.ChecksumFile(raw)
             yield stream
-        # Recorded only once the file is complete and closed (not when the write failed).
         self.records[os.path.basename(os.fspath(path))] = stream.record()
 
     def rename(self, path: Any, new_path: Any) -> None:
@@ -73,15 +68,13 @@ class ChecksumWriter(FsspecWriter):
     """DCP's ``FsspecWriter`` recording every file this rank writes in ``records``."""
 
     def __init__(self, path: str, *, records: MutableMapping[str, FileRecord], **kwargs: Any):
-        # overwrite=False: an old .metadata in a fresh staging directory means two saves.
-        super().__init__(path, overwrite=False, **kwargs)
+        super().__init__(path, overwrite=False, **kwargs)  # an old .metadata means two saves
         this: Any = self  # FsspecWriter's attributes are untyped (torch's mypy: ignore-errors)
         this.fs = _ChecksumFileSystem(this.fs, records)
 
 
 class MetadataReader(FsspecReader):
-    """DCP's ``FsspecReader`` whose ``.metadata`` unpickler builds DCP's records, sizes and
-    dtypes only: a file that names anything else (code to run) is refused, not executed."""
+    """DCP's ``FsspecReader`` whose ``.metadata`` unpickler refuses anything but DCP's records."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # The body of FileSystemReader.read_metadata, with pickle.load replaced.
@@ -123,8 +116,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def split(tree: Any) -> tuple[Tree, Tree]:
-    """``(tensors, plain)``: the tensor leaves of nested dicts for DCP, the rest for
-    ``torch.save``. Lists (e.g. the optimizer's ``param_groups``) go whole to ``plain``."""
+    """``(tensors, plain)``: the tensor leaves of nested dicts for DCP, the rest (lists whole)."""
     tensors: Tree = {}
     plain: Tree = {}
     for key, value in tree.items():
@@ -142,7 +134,7 @@ def split(tree: Any) -> tuple[Tree, Tree]:
 
 
 def merge(tensors: Tree, plain: Tree) -> Tree:
-    """The inverse of :func:`split`: one nested dict (plain dicts, new at every level)."""
+    """The inverse of :func:`split`."""
     out: Tree = {}
     for key in [*plain, *(k for k in tensors if k not in plain)]:
         a, b = tensors.get(key), plain.get(key)
@@ -156,7 +148,7 @@ def merge(tensors: Tree, plain: Tree) -> Tree:
 @contextlib.contextmanager
 def dcp_errors(action: str, url: str) -> Iterator[None]:
     """DCP's ``CheckpointException`` (the same on every rank) as a ``CheckpointError``; its
-    warning on a load meant to run without a process group (``no_dist=True``) silenced."""
+    warning on a ``no_dist=True`` load silenced."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings(
@@ -179,15 +171,13 @@ def dcp_errors(action: str, url: str) -> Iterator[None]:
 def gather(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], caller: str
 ) -> tuple[Tree, Tree]:
-    """``(files, tensors)``: this rank's file and DCP's tensors, live. ``ConfigError`` for
-    an FSDP2 or tensor-parallel state inside an open accumulation window."""
+    """``(files, tensors)``: this rank's file and DCP's tensors, live."""
     model, every = state.model, lanes(state)
     grads = None
     open_window = max(lane.window.size for lane in every)
     if open_window > 0:
         if not holds_only_ddp(model):
-            # FSDP2 keeps them inside its parameter groups, with no public way to read them
-            # back; a tensor-parallel model's are bound to this run's mesh.
+            # FSDP2 keeps them in its parameter groups; tensor parallel's are bound to the mesh.
             fsdp = any(is_parallel_model(m) for m in model.modules())
             kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
             raise ConfigError(
@@ -197,14 +187,12 @@ def gather(
                 "checkpoint_every and preemption() do; or save when out.did_update is True."
             )
         grads = contents.window_grads(model)
-    # get_optimizer_state_dict initialises an empty optimizer state by stepping it once with
-    # lr=0, which changes what the next real step computes (Adam's step count). Before an
-    # optimizer's first update there is no state to save anyway: only its hyperparameters.
-    # One DCP state holds every optimizer that has state (their parameters are disjoint).
+    # get_optimizer_state_dict steps an empty optimizer once with lr=0 (Adam's step count
+    # changes): before its first update only its settings are saved. One DCP state holds every
+    # optimizer that has state (their parameters are disjoint).
     stateful = [lane.optimizer for lane in every if lane.optimizer.state]
     optim_sd = sd.get_optimizer_state_dict(model, stateful) if stateful else {}
     tensors, plain = split({"model": sd.get_model_state_dict(model), "optimizer": optim_sd})
-    # Each optimizer: whether it had state, and its groups' settings and sizes.
     infos = [
         {
             "has_state": bool(o.state),
@@ -227,8 +215,8 @@ def gather(
 
 
 def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]:
-    """DCP writes this rank's shard of ``plan.tensors`` into ``staging``; return its files'
-    records. DCP agrees on failures: the same ``CheckpointError`` on every rank."""
+    """DCP writes this rank's shard of ``plan.tensors``; its files' records (DCP agrees on
+    failures: the same ``CheckpointError`` on every rank)."""
     if dist.get_rank(group) == 0 and not staging.is_local:  # an older save's, in place
         with contextlib.suppress(FileNotFoundError):
             staging.fs.rm(staging.child(DCP_DIR).path, recursive=True)
@@ -246,26 +234,20 @@ def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]
 
 
 def load(
-    location: Location,
-    manifest: Any,
-    state: TrainState,
-    given: Checkpoints,
-    extras: Mapping[str, Any],
+    location: Location, manifest: Any, state: TrainState, given: Checkpoints, extras: Any
 ) -> TrainState:
-    """Load a sharded checkpoint into ``state``, verified and checked first (see ``load``)."""
+    """Load a sharded checkpoint into ``state``, verified and checked first (see ``load``); a
+    collective for a sharded state, alone into a plain module."""
     url, data, options = location.url, given.data, dict(given.storage_options or {})
-    # A collective for a sharded state; a plain module loads alone (rank 0 only, to evaluate).
     distributed = is_sharded(state)
     me = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     storage.verify_all(location, manifest.files, me=me, world=world)
-
     same_world = world == manifest.world_size
     rank_tree = read_rank_file(location, manifest, me if same_world else 0)
     train_state = rank_tree["train_state"]
     restore.check_optimizer_names(rank_tree.get("optimizer_names", []), state, checkpoint=url)
     restore.check_train_state(train_state, state, data=data, extras=extras, checkpoint=url)
-    # Each optimizer's record, the first's under "optimizer" (as before several were saved).
     infos = [rank_tree["optimizer"], *rank_tree.get("lane_optimizers", {}).values()]
     trees = restore.lane_trees(train_state, state)
     for lane, info, tree in zip(lanes(state), infos, trees.values(), strict=True):
@@ -273,8 +255,7 @@ def load(
             tree["optimizer_type"], info["group_sizes"], lane.optimizer, checkpoint=url
         )
     saved = manifest.world_size
-    if not same_world and data is not None:
-        # Only a sharded loader's position (all ranks' samples) moves to another world size.
+    if not same_world and data is not None:  # only a shard=True loader's position moves
         check_new_world(
             data, train_state["data"], saved_world_size=saved, world_size=world, checkpoint=url
         )
@@ -292,7 +273,6 @@ def load(
             "an EMA of an FSDP2 model), saved per rank, which steplib cannot reshard. Resume "
             f"on {manifest.world_size} ranks."
         )
-
     model = state.model
     pairs = list(zip(lanes(state), infos, strict=True))
     stateful = [lane.optimizer for lane, info in pairs if info["has_state"]]
@@ -308,14 +288,16 @@ def load(
     sd.set_model_state_dict(model, loaded["model"])
     if stateful:
         sd.set_optimizer_state_dict(model, stateful, loaded["optimizer"])
-    for lane, info in pairs:
-        if not info["has_state"]:
-            _load_hyperparameters(lane.optimizer, info["groups"])
+    for optimizer, info in ((lane.optimizer, info) for lane, info in pairs):
+        if not info["has_state"]:  # saved before its first update: the groups' settings alone
+            index = iter(range(sum(len(g["params"]) for g in optimizer.param_groups)))
+            params = [[next(index) for _ in g["params"]] for g in optimizer.param_groups]
+            groups = [dict(g, params=p) for g, p in zip(info["groups"], params, strict=True)]
+            optimizer.load_state_dict({"state": {}, "param_groups": groups})
     grads = rank_tree["window_grads"] or {}
-    restored = restore.restore_train_state(
-        train_state, state, data=data, extras=extras, grads=grads, restore_rng_states=same_world
+    return restore.restore_train_state(
+        train_state, state, data=data, extras=extras, grads=grads, rng=same_world
     )
-    return restored
 
 
 def _holds_dtensor(tree: Any) -> bool:
@@ -326,8 +308,7 @@ def _holds_dtensor(tree: Any) -> bool:
 
 
 def read_rank_file(location: Location, manifest: Any, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s file of a verified sharded checkpoint (``CorruptCheckpointError`` if
-    the manifest lists none)."""
+    """Rank ``rank``'s file of a verified sharded checkpoint."""
     name, url = rank_file(rank), location.url
     if name not in manifest.files:
         raise CorruptCheckpointError(
@@ -343,7 +324,7 @@ def read_rank_file(location: Location, manifest: Any, rank: int) -> dict[str, An
 def _check_keys(
     metadata: Any, tensors: Mapping[str, Any], state: TrainState, checkpoint: str
 ) -> None:
-    """Compare the tensors the state needs with DCP's metadata first (DCP would fail half-way)."""
+    """Compare the tensors needed with DCP's metadata first (DCP would fail half-way)."""
     saved = {
         key: tuple(entry.size) if isinstance(entry, dcp_metadata.TensorStorageMetadata) else None
         for key, entry in metadata.state_dict_metadata.items()
@@ -376,21 +357,11 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, 
     return out
 
 
-def _load_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    # Saved before the first update: no per-parameter state, only the groups' settings. The
-    # optimizer's own load_state_dict takes them (and empties its state, as it was).
-    index = iter(range(sum(len(g["params"]) for g in optimizer.param_groups)))
-    params = [[next(index) for _ in g["params"]] for g in optimizer.param_groups]
-    saved = [dict(g, params=p) for g, p in zip(groups, params, strict=True)]
-    optimizer.load_state_dict({"state": {}, "param_groups": saved})
-
-
 def reader(location: Location, storage_options: Any) -> MetadataReader:
     return MetadataReader(location.child(DCP_DIR).url, **dict(storage_options or {}))
 
 
 def read_metadata(location: Location, storage_options: Any) -> Any:
-    """DCP's ``.metadata`` (``CorruptCheckpointError`` when it cannot be read)."""
     try:
         return reader(location, storage_options).read_metadata()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, RuntimeError) as err:

@@ -1,11 +1,6 @@
-"""The manifest, the last file of a checkpoint (what makes it exist, and its table of
-contents), and which checkpoints a directory holds: ``latest`` and ``list_checkpoints``.
-
-``manifest.json`` (orjson) holds the counters, time, metrics, versions, the step's fingerprint,
-the layout (torch files or DCP) and world size, and the size and checksum of every other file.
-It carries its own CRC32 (of its body, keys sorted), so that an altered manifest is detected
-like any other file. Checkpoint names sort in training order: ``step-00000120`` between
-windows, ``step-00000120-micro-00000483`` inside an open accumulation window.
+"""``manifest.json``, the last file of a checkpoint (its commit and table of contents, with a
+CRC32 of its own), and which checkpoints a directory holds: ``latest``, ``list_checkpoints``.
+Names sort in training order: ``step-00000120``, ``step-00000120-micro-00000483`` mid-window.
 """
 
 from __future__ import annotations
@@ -36,35 +31,25 @@ from steplib.errors import (
 
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
-# Format versions: 1 single-process, 2 sharded (DCP), both with CRC32 file checksums; 3 either
-# layout with XXH3 file checksums (what this steplib writes). An older steplib reading a format
-# 3 checkpoint says "upgrade steplib" instead of taking its files for corrupt.
-VERSION = 3  # the newest format this steplib reads, and the one it writes
+# Format versions: 1 single-process and 2 sharded, with CRC32 file checksums; 3 either layout
+# with XXH3 (written now). An older steplib reading 3 says "upgrade", not "corrupt".
+VERSION = 3
 MANIFEST = "manifest.json"
-SINGLE = "single"  # layouts (``steplib.checkpoint.dcp`` writes the second)
-SHARDED = "sharded"
-LAYOUTS = (SINGLE, SHARDED)
-
+SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
 
 
 def checkpoint_name(step: int, micro_step: int, window_size: int) -> str:
-    """The directory name of a checkpoint taken at these counters."""
-    if window_size == 0:
-        return f"step-{step:08d}"
-    return f"step-{step:08d}-micro-{micro_step:08d}"
+    return f"step-{step:08d}" + (f"-micro-{micro_step:08d}" if window_size else "")
 
 
 def sort_key(name: str) -> tuple[int, int] | None:
     """``(step, micro_step or -1)`` of a checkpoint name, or ``None`` if it is not one."""
     match = _NAME.match(name)
-    if match is None:
-        return None
-    return int(match.group(1)), int(match.group(2)) if match.group(2) else -1
+    return None if match is None else (int(match[1]), int(match[2]) if match[2] else -1)
 
 
 def library_versions() -> dict[str, str]:
-    """The versions a checkpoint was written with (for the reader of a manifest)."""
     try:
         steplib_version = metadata.version("steplib")
     except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -77,14 +62,8 @@ def library_versions() -> dict[str, str]:
 
 
 def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | None:
-    """The composition of ``step`` as JSON values (as ``load`` compares it), or ``None``.
-
-    ``step`` is a Step (its ``describe()``), or several steps by name as ``run`` takes them
-    (``{"D": d_step, "G": g_step}``): then a ``{"wrapper": "steps", "names": [...]}`` entry,
-    and each step's wrappers named ``"D:clip"``, ``"G:clip"``, ...
-
-    Raises:
-        ConfigError: ``step`` is neither (says what was received).
+    """The composition of ``step`` (a Step, or steps by name: their wrappers named ``"D:clip"``)
+    as JSON values, as ``load`` compares it, or ``None``; ``ConfigError`` for anything else.
 
     Example:
         >>> from steplib import clip, make_train_step
@@ -115,10 +94,7 @@ def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | No
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Manifest:
-    """The contents of ``manifest.json``: the name, the counters, the time (unix seconds),
-    the metrics, ``step.describe()`` (or ``None``), the writer's versions, each file's record
-    (by path inside the checkpoint), the layout (``"single"`` or ``"sharded"``, DCP) and the
-    number of processes that wrote it."""
+    """The contents of ``manifest.json`` (``files``: each file's record by path inside)."""
 
     name: str
     step: int
@@ -134,42 +110,25 @@ class Manifest:
     world_size: int = 1
 
     @classmethod
-    def of(
-        cls,
-        state: Any,
-        *,
-        metrics: Mapping[str, float],
-        step: Any,
-        layout: str = SINGLE,
-        world_size: int = 1,
-    ) -> Manifest:
-        """The manifest of a checkpoint of ``state`` now (``versions`` and ``files`` are
-        filled in by the write, off an async save's critical path)."""
-        # As JSON values (tuples become lists, odd settings strings), as load will compare them.
+    def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world_size: int) -> Manifest:
+        """A checkpoint of ``state`` now (``versions`` and ``files``: filled in by the write)."""
         name = checkpoint_name(state.step, state.micro_step, state.window.size)
         counters = (state.step, state.micro_step, state.epoch, state.window.size)
         described = fingerprint(step)
         return cls(name, *counters, time.time(), metrics, described, {}, {}, layout, world_size)
 
     def to_json(self) -> bytes:
-        body = {
-            "format": FORMAT,
-            "version": VERSION,
-            "name": self.name,
-            "step": self.step,
-            "micro_step": self.micro_step,
-            "epoch": self.epoch,
-            "window_size": self.window_size,
-            "time": self.time,
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body.update(
+            format=FORMAT,
+            version=VERSION,
             # NaN/inf are not JSON; a metric that diverged ranks last anyway.
-            "metrics": {k: (v if math.isfinite(v) else None) for k, v in self.metrics.items()},
-            "fingerprint": self.fingerprint,
-            "versions": dict(self.versions),
-            "files": {k: {"bytes": r.size, r.algorithm: r.checksum} for k, r in self.files.items()},
-        }
-        if self.layout != SINGLE:  # absent: single, one process (as format 1 wrote it)
-            body["layout"] = self.layout
-            body["world_size"] = self.world_size
+            metrics={k: (v if math.isfinite(v) else None) for k, v in self.metrics.items()},
+            versions=dict(self.versions),
+            files={k: {"bytes": r.size, r.algorithm: r.checksum} for k, r in self.files.items()},
+        )
+        if self.layout == SINGLE:  # absent: single, one process (as format 1 wrote it)
+            del body["layout"], body["world_size"]
         body["manifest_crc32"] = _body_crc(body)
         return orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
 
@@ -180,12 +139,10 @@ class Manifest:
             body = orjson.loads(data)
             if not isinstance(body, dict) or body.get("format") != FORMAT:
                 raise ValueError("not a steplib checkpoint manifest")
-            stored = body.pop("manifest_crc32", None)
-            if stored != _body_crc(body):
-                raise ValueError(
-                    f"its CRC32 is {_body_crc(body)}, it says {stored}: it was altered"
-                )
-            if body.get("layout", SINGLE) not in LAYOUTS:
+            stored, crc = body.pop("manifest_crc32", None), _body_crc(body)
+            if stored != crc:
+                raise ValueError(f"its CRC32 is {crc}, it says {stored}: it was altered")
+            if body.get("layout", SINGLE) not in (SINGLE, SHARDED):
                 raise ValueError(f"unknown layout {body['layout']!r}; upgrade steplib")
             if body["version"] > VERSION:
                 raise ValueError(
@@ -195,13 +152,12 @@ class Manifest:
             step, micro, epoch, window = (
                 int(body[k]) for k in ("step", "micro_step", "epoch", "window_size")
             )
-            metrics = {k: math.nan if v is None else float(v) for k, v in body["metrics"].items()}
-            files = {k: _record(k, v) for k, v in body["files"].items()}
-            layout, world = str(body.get("layout", SINGLE)), int(body.get("world_size", 1))
             return cls(
-                str(body["name"]), step, micro, epoch, window, float(body["time"]), metrics,
-                body["fingerprint"],
-                dict(body["versions"]), files, layout, world,
+                str(body["name"]), step, micro, epoch, window, float(body["time"]),
+                {k: math.nan if v is None else float(v) for k, v in body["metrics"].items()},
+                body["fingerprint"], dict(body["versions"]),
+                {k: _record(k, v) for k, v in body["files"].items()},
+                str(body.get("layout", SINGLE)), int(body.get("world_size", 1)),
             )  # fmt: skip
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(
@@ -230,9 +186,8 @@ class CheckpointInfo:
     """A committed checkpoint, as listed by :func:`list_checkpoints`.
 
     Attributes:
-        url: pass it to ``load``; name: its directory name (``step-00000120``); step,
-        micro_step, epoch: its counters; time: when it was taken (unix seconds); metrics:
-        the numbers saved with it.
+        url: for ``load``; name: its directory name; step, micro_step, epoch: its counters;
+        time: when taken (unix seconds); metrics: the numbers saved with it.
     """
 
     url: str
@@ -247,10 +202,8 @@ class CheckpointInfo:
 def latest(
     directory: str, *, verify: bool = True, storage_options: StorageOptions = None
 ) -> str | None:
-    """The newest valid checkpoint in ``directory``, or ``None`` when there is none.
-
-    Only committed checkpoints count. With ``verify`` every file of the candidate is checked;
-    a corrupt one is skipped with a ``CheckpointWarning`` naming the file.
+    """The newest valid committed checkpoint in ``directory``, or ``None`` when there is none
+    (a corrupt one is skipped with a ``CheckpointWarning`` naming the file).
 
     Args:
         directory: the directory given to ``save``.
@@ -266,19 +219,15 @@ def latest(
     """
     location = storage.resolve(directory, storage_options, caller="latest")
 
-    def check(checkpoint: Location, manifest: Manifest) -> None:
-        if verify:  # else a readable manifest is enough
-            storage.verify_all(checkpoint, manifest.files)
-
-    found = newest_valid(location, check)
+    found = newest_valid(location, lambda c, m: storage.verify_all(c, m.files) if verify else None)
     return found[0] if isinstance(found, tuple) else None
 
 
 def list_checkpoints(
     directory: str, *, storage_options: StorageOptions = None
 ) -> list[CheckpointInfo]:
-    """The committed checkpoints in ``directory``, oldest first (files are not verified; one
-    whose manifest cannot be read is left out with a ``CheckpointWarning``).
+    """The committed checkpoints in ``directory``, oldest first (not verified; one whose
+    manifest cannot be read is left out with a ``CheckpointWarning``).
 
     Args:
         directory: the directory given to ``save``.
@@ -303,9 +252,8 @@ def list_checkpoints(
 
 
 def scan(location: Location, *, warn: bool = False) -> tuple[list[CheckpointInfo], list[Location]]:
-    """Committed checkpoints (oldest first) and everything else that looks like a checkpoint
-    directory but is not a valid committed one (uncommitted, corrupt manifest, staging); with
-    ``warn``, each corrupt one is warned about."""
+    """Committed checkpoints (oldest first), and the debris: uncommitted, corrupt (warned about
+    with ``warn``) or staging directories."""
     infos: list[CheckpointInfo] = []
     prefixes = (storage.STAGING_PREFIX, storage.TRASH_PREFIX)
     other = [location.child(n) for n in storage.list_names(location) if n.startswith(prefixes)]
@@ -319,7 +267,16 @@ def scan(location: Location, *, warn: bool = False) -> tuple[list[CheckpointInfo
         if manifest is None:
             other.append(checkpoint)
         else:
-            infos.append(_info(checkpoint, manifest))
+            counters = (manifest.step, manifest.micro_step, manifest.epoch)
+            infos.append(
+                CheckpointInfo(
+                    checkpoint.url,
+                    checkpoint.name,
+                    *counters,
+                    manifest.time,
+                    dict(manifest.metrics),
+                )
+            )
     return infos, other
 
 
@@ -341,7 +298,6 @@ def read_manifest(location: Location) -> Manifest:
 
 
 def committed_manifest(location: Location) -> Manifest | None:
-    """The checkpoint's manifest, or ``None`` when it has none (never committed)."""
     try:
         data = storage.read_bytes(location.child(MANIFEST))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -358,9 +314,8 @@ def candidates(location: Location, *, newest_first: bool) -> Iterator[Location]:
 def newest_valid(
     location: Location, read: Callable[[Location, Manifest], T]
 ) -> tuple[str, T] | list[str]:
-    """``(url, read(checkpoint, manifest))`` for the newest committed checkpoint that ``read``
-    gets through without a ``CorruptCheckpointError`` (each one skipped is warned about);
-    else the names of the corrupt ones (none: no committed checkpoint)."""
+    """``(url, read(checkpoint, manifest))`` of the newest committed checkpoint ``read`` takes
+    without a ``CorruptCheckpointError`` (each skipped warned about); else the corrupt names."""
     corrupt: list[str] = []
     for checkpoint in candidates(location, newest_first=True):
         try:
@@ -378,11 +333,4 @@ def warn_skipped(err: CorruptCheckpointError, *, stacklevel: int = 3) -> None:
         f"{err} Skipped; falling back to the previous checkpoint.",
         CheckpointWarning,
         stacklevel=stacklevel,
-    )
-
-
-def _info(location: Location, manifest: Manifest) -> CheckpointInfo:
-    counters = (manifest.step, manifest.micro_step, manifest.epoch)
-    return CheckpointInfo(
-        location.url, location.name, *counters, manifest.time, dict(manifest.metrics)
     )

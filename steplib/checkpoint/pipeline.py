@@ -1,15 +1,9 @@
-"""The one pipeline every checkpoint goes through, given its inputs once.
+"""The one pipeline every checkpoint goes through, given its inputs once (:class:`Checkpoints`).
 
-:class:`Checkpoints` holds what a run's saves and loads share (the directory, the data, the
-extra objects, the step, the storage options, durability); ``save``, ``load``,
-``AsyncSaver``, ``checkpoint_every`` and ``resume_from`` build one and call it. A save is
-``plan`` (check, gather) -> ``snapshot`` (async saves only) -> :func:`write` (files, manifest
-last, commit); a load is manifest -> verify -> check against the state -> apply. Two storage
-back-ends: ``torch.save`` files (``contents``), and DCP for a sharded state (``dcp``, imported
-on use: it costs ~0.8 s). Which ranks write what is decided once, by :func:`is_sharded`: a
-sharded checkpoint is written by every rank (each its RNG and data position) and committed
-once, by rank 0; any other by the process alone. The commit is the same code for both: the
-steps that rank 0 does alone are agreed on by every rank (:func:`_on_rank0`).
+A save is ``plan`` (check, gather) -> snapshot (async only) -> :func:`write` (files, manifest
+last, commit); a load is manifest -> verify -> check against the state -> apply. Back-ends:
+``torch.save`` files, or DCP for a sharded state (``dcp``, imported on use: ~0.8 s). Who writes
+what is decided once, by ``is_sharded``: sharded, every rank writes and rank 0 commits.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from steplib import errors
 from steplib.checkpoint import storage
 from steplib.checkpoint.contents import (
     DISTRIBUTION_WRAPPERS,
@@ -37,6 +32,7 @@ from steplib.checkpoint.contents import (
 from steplib.checkpoint.manifest import (
     MANIFEST,
     SHARDED,
+    SINGLE,
     Manifest,
     library_versions,
     newest_valid,
@@ -44,29 +40,26 @@ from steplib.checkpoint.manifest import (
 )
 from steplib.checkpoint.restore import apply, check_fingerprint
 from steplib.checkpoint.storage import Location, StorageOptions
-from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError, describe
+from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from steplib.state import TrainState
 
 
 def check_options(given: Checkpoints, caller: str, *, sharded: bool = False) -> None:
-    """Refuse a ``durable`` or ``trainable_only`` that is not a bool (``"no"`` or ``0`` would
-    read as intended), and ``trainable_only`` for a sharded state (DCP writes it whole)."""
-    if not isinstance(given.durable, bool):
+    """``ConfigError`` for a non-bool ``durable`` / ``trainable_only``, or the latter sharded."""
+    durable = (
+        "durable=True (fsync'ed before the save counts as done: a power loss cannot lose it) or "
+        "durable=False (faster; a power loss soon after may lose the newest checkpoint, "
+        "resuming falls back to the previous one)"
+    )
+    errors.boolean(caller, "durable", given.durable, durable)
+    whole = "False (the whole model, the default; for a sharded state the only choice)"
+    if sharded and given.trainable_only is True:
         raise ConfigError(
-            f"{caller}(durable=...) received {describe(given.durable)}; it says whether the "
-            "checkpoint is fsync'ed to disk before the save counts as done and must be True or "
-            "False. Pass durable=True (the default: a power loss cannot lose a finished save) "
-            "or durable=False (faster; a power loss soon after may lose the newest checkpoint, "
-            "and resuming falls back to the previous one)."
+            f"{caller}(trainable_only=...) received True for a sharded state (DDP, FSDP2, "
+            f"DTensor), which DCP writes whole; pass {whole}."
         )
-    if not isinstance(given.trainable_only, bool) or (given.trainable_only and sharded):
-        where = " for a sharded state (DDP, FSDP2, DTensor), which DCP writes whole"
-        where = where if sharded else ""
-        raise ConfigError(
-            f"{caller}(trainable_only=...) received {describe(given.trainable_only)}{where}; "
-            "pass True (the trainable parameters and buffers alone: adapters over a frozen base) "
-            "or False (the whole model, the default; for a sharded state the only choice)."
-        )
+    adapters = f"True (the trainable parameters and buffers alone: adapters) or {whole}"
+    errors.boolean(caller, "trainable_only", given.trainable_only, adapters)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,18 +81,8 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Checkpoints:
-    """A directory of checkpoints and what each save and load of it is given once.
-
-    Attributes:
-        directory: a local path or fsspec URL of the directory of checkpoints.
-        data: the loader whose position is saved and restored, or ``None``.
-        extras: further objects with ``state_dict`` / ``load_state_dict``, by name.
-        step: the Step; its composition is recorded and checked on load.
-        storage_options: passed to fsspec.
-        durable: fsync files and directories before a save counts as committed.
-        trainable_only: save the model's trainable parameters alone (adapters over a frozen
-            base); a load finds the base in place and checks it is the same.
-    """
+    """A directory of checkpoints and what each save and load of it is given once (the
+    arguments of ``save`` and ``load``)."""
 
     directory: str
     data: Any = None
@@ -110,25 +93,21 @@ class Checkpoints:
     trainable_only: bool = False
 
     def plan(self, state: TrainState, *, metrics: Any, caller: str) -> Plan:
-        """Check the inputs and gather what this process writes (live tensors).
-
-        Raises:
-            ConfigError: a bad input, or a value a weights-only load could not read back.
-        """
+        """Check the inputs and gather what this process writes (``ConfigError``: a bad input,
+        or a value a weights-only load could not read back)."""
         extras = check_arguments(caller, state, data=self.data, extras=self.extras, step=self.step)
         directory = storage.resolve(self.directory, self.storage_options, caller=caller)
         numbers = check_metrics(metrics, caller)
-        tensors, world = None, 1
         sharded = is_sharded(state)
         check_options(self, caller, sharded=sharded)
+        tensors, layout, world = None, SINGLE, 1
         if sharded:
             from steplib.checkpoint import dcp
 
             files, tensors = dcp.gather(state, data=self.data, extras=extras, caller=caller)
-            world = dist.get_world_size()
+            layout, world = SHARDED, dist.get_world_size()
         else:
             files = gather(state, data=self.data, extras=extras, trainable_only=self.trainable_only)
-        layout = SHARDED if tensors is not None else "single"
         manifest = Manifest.of(
             state, metrics=numbers, step=self.step, layout=layout, world_size=world
         )
@@ -136,40 +115,34 @@ class Checkpoints:
         return Plan(directory, manifest.name, files, tensors, manifest, options, self.durable)
 
     def save(self, state: TrainState, *, metrics: Any = None, caller: str = "save") -> str:
-        """Write a checkpoint of ``state`` and commit it; return its URL (see ``save``)."""
+        """See :func:`save`."""
         return write(self.plan(state, metrics=metrics, caller=caller))
 
     def load(self, url: str, state: TrainState) -> TrainState:
-        """Load the checkpoint at ``url`` into ``state``; see ``load``."""
+        """See :func:`load`."""
         extras = check_arguments("load", state, data=self.data, extras=self.extras, step=self.step)
         state.fence.wait()  # an async save may still be copying what we overwrite
         location = storage.resolve(url, self.storage_options, caller="load")
         manifest = read_manifest(location)
         sharded = manifest.layout == SHARDED
-        # A sharded checkpoint may be resumed with another distribution (that is resharding).
         ignore = DISTRIBUTION_WRAPPERS if sharded else ()
         check_fingerprint(manifest.fingerprint, self.step, checkpoint=location.url, ignore=ignore)
         if sharded:  # written by DCP; loads into any world size
             from steplib.checkpoint import dcp
 
             return dcp.load(location, manifest, state, self, extras)
-        trees = _read_trees(location, manifest)
+        trees = read_trees(location, manifest)
         return apply(trees, state, data=self.data, extras=extras, checkpoint=location.url)
 
     def load_newest(self, state: TrainState) -> tuple[str, TrainState] | None:
-        """Load the newest valid checkpoint of :attr:`directory`, skipping corrupt ones with a
-        warning; ``(url, state)``, or ``None`` when there is none.
-
-        Raises:
-            CorruptCheckpointError: there are committed checkpoints, and every one is corrupt.
-        """
+        """``(url, state)`` from the newest valid checkpoint (corrupt ones skipped with a
+        warning), or ``None``; ``CorruptCheckpointError`` when every one is corrupt."""
         location = storage.resolve(self.directory, self.storage_options, caller="resume_from")
         found = newest_valid(location, lambda checkpoint, _: self.load(checkpoint.url, state))
         if isinstance(found, tuple):
             return found
         if found:
-            # Starting fresh would silently throw the run away (and retention would then
-            # delete the evidence): a person should decide.
+            # Starting fresh would silently throw the run away: a person should decide.
             raise CorruptCheckpointError(
                 f"every checkpoint in {location.url} is corrupt ({', '.join(found)}; the "
                 "warnings say why), so there is nothing valid to resume from. Restore them from "
@@ -178,32 +151,33 @@ class Checkpoints:
         return None
 
 
-def _read_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
-    missing = {MODEL, OPTIMIZER, TRAIN_STATE} - manifest.files.keys()
+def read_trees(
+    location: Location, manifest: Manifest, *, only: str | None = None, mmap: bool = False
+) -> dict[str, Any]:
+    """Every file of a checkpoint, or ``only`` that one, verified (``mmap``: mapped if local)."""
+    missing = {only} if only else {MODEL, OPTIMIZER, TRAIN_STATE}
+    missing -= manifest.files.keys()
     if missing:
         raise CorruptCheckpointError(
             f"checkpoint {location.url}: its manifest lists no {', '.join(sorted(missing))}; it "
             "was not written by steplib's save. Use another checkpoint."
         )
-    url, files = location.url, manifest.files
+    url, child = location.url, location.child
+    files = {only: manifest.files[only]} if only else manifest.files
     if not location.is_local:
         read = storage.read_verified
         return {
-            name: read_tree(
-                io.BytesIO(read(location.child(name), record, checkpoint=url)), url, name
-            )
-            for name, record in files.items()
+            n: read_tree(io.BytesIO(read(child(n), r, checkpoint=url)), url, n)
+            for n, r in files.items()
         }
-    # torch.load reads a path with its own reader, several times faster than from bytes; the
-    # checksums are computed meanwhile in a thread (xxhash and file reads release the GIL).
-    # Nothing is applied to the state before every checksum has passed.
+    # torch.load reads a path several times faster than bytes; the checksums are computed
+    # meanwhile in a thread (both release the GIL), and all pass before anything is applied.
     with ThreadPoolExecutor(1, thread_name_prefix="steplib-verify") as pool:
         checks = [
-            pool.submit(storage.verify, location.child(name), record, checkpoint=url)
-            for name, record in files.items()
+            pool.submit(storage.verify, child(n), r, checkpoint=url) for n, r in files.items()
         ]
         try:
-            trees = {name: read_tree(location.child(name).path, url, name) for name in files}
+            trees = {name: read_tree(child(name).path, url, name, mmap=mmap) for name in files}
         finally:  # a failed checksum is the better explanation of a failed load
             for check in checks:
                 check.result()
@@ -211,8 +185,8 @@ def _read_trees(location: Location, manifest: Manifest) -> dict[str, Any]:
 
 
 def _on_rank0(action: Callable[[], Any], group: Any, sharded: bool) -> Any:
-    """``action()`` on rank 0, whose result (or failure, as the same ``CheckpointError``) every
-    rank of a sharded save returns, so that none is left waiting in a collective."""
+    """``action()`` on rank 0, whose result (or failure, as a ``CheckpointError``) every rank
+    of a sharded save returns, so that none is left waiting in a collective."""
     if not sharded:
         return action()
     outcome: list[Any] = [None, None]
@@ -229,21 +203,31 @@ def _on_rank0(action: Callable[[], Any], group: Any, sharded: bool) -> Any:
     return outcome[0]
 
 
-def write(plan: Plan, *, group: Any = None) -> str:
-    """Write ``plan`` and commit it; return the checkpoint's URL. For a sharded plan every rank
-    of ``group`` (the default group when ``None``) calls it: each writes its files, rank 0 the
-    manifest, and every rank returns the same URL or raises the same error.
+class GlooGroup:
+    """A gloo group of its owner's own, made once per default group (``new_group`` is a
+    collective: every rank gets it at the same point)."""
 
-    Raises:
-        CheckpointError: any I/O error on any rank (nothing committed; the staging removed).
-    """
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._of: Any = None
+
+    def get(self) -> Any:
+        if self._group is None or self._of is not dist.group.WORLD:
+            self._group, self._of = dist.new_group(backend="gloo"), dist.group.WORLD
+        return self._group
+
+
+def write(plan: Plan, *, group: Any = None) -> str:
+    """Write ``plan``, commit it, return its URL; sharded, every rank of ``group`` calls it and
+    returns the same URL or raises the same ``CheckpointError`` (nothing committed)."""
     sharded, fsync = plan.tensors is not None, plan.fsync
     me = dist.get_rank(group) if sharded else 0
     staging: Location | None = None
     try:
         path = _on_rank0(lambda: storage.begin(plan.directory, plan.name).path, group, sharded)
-        fs = plan.directory.fs
-        staging = Location(plan.directory.child(path.rsplit("/", 1)[-1]).url, fs, path)
+        staging = Location(
+            plan.directory.child(path.rsplit("/", 1)[-1]).url, plan.directory.fs, path
+        )
         records: dict[str, storage.FileRecord] = {}
         if sharded:
             from steplib.checkpoint import dcp
@@ -266,20 +250,17 @@ def write(plan: Plan, *, group: Any = None) -> str:
 
         def commit() -> str:
             assert staging is not None
-            files = {k: v for written, _ in reports for k, v in written.items()}
-            manifest = dataclasses.replace(
-                plan.manifest, files=dict(sorted(files.items())), versions=library_versions()
-            )
+            files = dict(sorted((k, v) for written, _ in reports for k, v in written.items()))
+            manifest = dataclasses.replace(plan.manifest, files=files, versions=library_versions())
             storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
             return storage.commit(plan.directory, staging, plan.name, fsync=fsync).url
 
         return str(_on_rank0(commit, group, sharded))
     except Exception as err:
-        # Sharded: only failures the ranks agreed on (a barrier could wait forever otherwise).
+        # Sharded: only failures every rank agreed on, so every rank is here; the barrier makes
+        # "save raised" mean "the staging directory is gone" on every rank.
         if not isinstance(err, CheckpointError if sharded else OSError):
             raise
-        # A sharded save's failures are agreed on by every rank, so every rank is here; the
-        # barrier makes "save raised" mean "the staging directory is gone" on every rank.
         if staging is not None and staging.is_local and me == 0:
             storage.remove(staging)
         if sharded:
@@ -308,9 +289,7 @@ def save(
     """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
 
     A sharded state (DDP, FSDP2 or DTensor parameters, with a process group) is saved through
-    DCP: call it on every rank at the same update. ``durable=False`` skips the fsyncs (still
-    atomic and checksummed): a power loss within the kernel's write-back delay may lose the
-    newest checkpoint, which then fails its checksums and is skipped on resume.
+    DCP: call it on every rank at the same update.
 
     Args:
         state: the TrainState to save (see ``docs/checkpoints.md`` for what it holds).
@@ -320,10 +299,10 @@ def save(
         step: the Step that trains ``state``; its composition is saved and checked by ``load``.
         metrics: numbers to record in the manifest (what ``keep_best`` ranks checkpoints by).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
-        durable: fsync the checkpoint before returning.
-        trainable_only: write the model's trainable parameters alone (LoRA adapters over a
-            frozen base: the base is not rewritten at every save) with a digest of the frozen
-            rest; ``load`` then finds the base in the model and refuses another one.
+        durable: fsync before returning (``False``: still atomic and checksummed, but a power
+            loss soon after may lose the newest checkpoint; resuming then skips it).
+        trainable_only: the trainable parameters alone (adapters over a frozen base), with a
+            digest of the frozen rest that ``load`` checks.
 
     Returns:
         The new checkpoint's URL: ``<directory>/step-<step>`` (``...-micro-<n>`` mid-window).
@@ -357,16 +336,14 @@ def load(
 ) -> TrainState:
     """Load the checkpoint at ``url`` into the objects of ``state``; return the resumed state.
 
-    Every file is verified against its checksum and the checkpoint checked against ``state``
-    before anything changes; then the objects of ``state``, the data position and the RNG
-    states are loaded. Files are read with ``weights_only=True``: never any pickled code. A
-    sharded checkpoint loads into any number of ranks, or a plain module (DCP reshards).
+    Every file is verified and the checkpoint checked against ``state`` before anything
+    changes; files are read with ``weights_only=True``. A sharded checkpoint loads into any
+    number of ranks, or a plain module (DCP reshards).
 
     Args:
         url: a checkpoint URL, as returned by :func:`save` or ``latest``.
         state: a TrainState built like the saved one (same model, optimizer, scheduler, scaler).
-        data: the loader to continue from the saved position (the one given to ``save``).
-        extras: the objects given to ``save(extras=...)``, by the same names, to load into.
+        data, extras: what was given to ``save``, to load into (the same names).
         step: the Step you resume with: compared with the saved composition.
         storage_options: passed to fsspec.
 

@@ -1,8 +1,6 @@
-"""How a checkpoint goes back into a state: every part checked against the state first (model
-names and shapes, optimizers, schedulers, scalers, extras, handlers, data, the step's
-composition), then loaded; a check that fails raises ``ConfigError`` with nothing changed.
-Both back-ends end here (``dcp`` loads the tensors itself, then the train state here).
-"""
+"""How a checkpoint goes back into a state: every part checked against it first (a failed
+check is a ``ConfigError`` with nothing changed), then loaded. ``dcp`` loads its tensors itself,
+then the train state here."""
 
 from __future__ import annotations
 
@@ -27,51 +25,34 @@ from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
 from steplib.state import TrainState, Window
 
-_SHOWN = 8  # names listed in an error before "and N more"
 FINE_TUNE = (
     "use load_weights(state, url, strict=False) (the weights only, with a fresh optimizer, as "
     "to fine-tune)"
 )
-
-
+# Observation-only wrappers change no number: resuming with anomaly detection on, or other
+# hooks, is the usual way to debug, so they never count.
 _OBSERVERS = ("detect_anomaly", "tap")
 
 
 def check_fingerprint(
-    saved: list[dict[str, Any]] | None,
-    step: Any,
-    *,
-    checkpoint: str,
-    ignore: Collection[str] = (),
+    saved: list[dict[str, Any]] | None, step: Any, *, checkpoint: str, ignore: Collection[str] = ()
 ) -> None:
-    """Compare the saved ``step.describe()`` with this step's, wrapper by wrapper (several
-    steps: see ``manifest.fingerprint``).
-
-    Wrappers are compared by name, not position: the built-in ones commute, so
-    ``clip(amp_wrap(s))`` and ``amp_wrap(clip(s))`` are the same step. Wrappers named in
-    ``ignore`` are left out on both sides, in every step (a sharded checkpoint may be resumed
-    with another distribution: ``ddp_wrap``, ``fsdp_wrap`` or none).
-
-    Raises:
-        ConfigError: a wrapper added, removed or with other settings (says which and the fix).
-    """
+    """``ConfigError`` unless ``step``'s composition is the saved one, wrapper by wrapper, by
+    name (the built-in wrappers commute), but those in ``ignore`` (on both sides)."""
     if saved is None or step is None:
         return
-    # Observation-only wrappers change no number: resuming "with anomaly detection on, from
-    # just before the NaN" or with other hooks is the usual way to debug, so they never count.
     ignore = {*ignore, *_OBSERVERS}
     now = fingerprint(step, caller="load") or []  # compare as JSON values
-    # "D:ddp_wrap" (a step of several) is ddp_wrap too.
-    before = {
-        d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
-        for d in saved
-        if d["wrapper"].rpartition(":")[2] not in ignore
-    }
-    after = {
-        d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
-        for d in now
-        if d["wrapper"].rpartition(":")[2] not in ignore
-    }
+
+    def by_name(described: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # "D:ddp_wrap" (a step of several) is ddp_wrap too.
+        return {
+            d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
+            for d in described
+            if d["wrapper"].rpartition(":")[2] not in ignore
+        }
+
+    before, after = by_name(saved), by_name(now)
     differences = []
     for name in sorted(before.keys() | after.keys()):
         if name not in after:
@@ -93,25 +74,15 @@ def check_fingerprint(
 
 
 def apply(
-    trees: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    checkpoint: str,
-    restore_rng_states: bool = True,
+    trees: Mapping[str, Any], state: TrainState, *, data: Any, extras: Any, checkpoint: str
 ) -> TrainState:
-    """Load ``trees`` into the objects of ``state``; return the state with the saved counters.
-
-    Raises:
-        ConfigError: the checkpoint does not fit ``state`` (nothing is changed then).
-    """
+    """Load ``trees`` into ``state``'s objects; return it with the saved counters
+    (``ConfigError``, nothing changed, when the checkpoint does not fit)."""
     train_state = trees[TRAIN_STATE]
     weights = state.model.state_dict()
     base = train_state.get("base")  # a checkpoint of the trainable parameters alone
     if base is not None:
-        # What this model would save is what the checkpoint must hold (check_model says which
-        # adapter is missing or extra); the rest must be the frozen base it was trained over.
+        # What this model would save must be what it holds; the rest, the same frozen base.
         weights, here = trainable_part(state.model, weights)
         if here != base:
             raise ConfigError(
@@ -129,7 +100,9 @@ def apply(
         checkpoint=checkpoint,
         hint=FINE_TUNE,
     )
-    optimizers = _optimizers_by_name(trees[OPTIMIZER], train_state, state, checkpoint)
+    tree = trees[OPTIMIZER]  # the optimizer's state_dict, or each named one's by name
+    check_optimizer_names(list(tree.get("optimizers", [])), state, checkpoint=checkpoint)
+    optimizers = dict(tree["optimizers"]) if "optimizers" in tree else {None: tree}
     trees_by_name = lane_trees(train_state, state)
     for name, saved in optimizers.items():
         check_optimizer(
@@ -139,33 +112,17 @@ def apply(
             checkpoint=checkpoint,
         )
     check_train_state(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
-
     state.model.load_state_dict(trees[MODEL], strict=base is None)  # the base: checked above
     for name, saved in optimizers.items():
         _lane(state, name).optimizer.load_state_dict(saved)
-    return restore_train_state(
-        train_state,
-        state,
-        data=data,
-        extras=extras,
-        grads=trees.get(WINDOW_GRADS, {}),
-        restore_rng_states=restore_rng_states,
-    )
+    grads = trees.get(WINDOW_GRADS, {})
+    return restore_train_state(train_state, state, data=data, extras=extras, grads=grads, rng=True)
 
 
-# Split out of ``apply`` for the sharded (DCP) checkpoints of ``steplib.checkpoint.dcp``,
-# which load the model and the optimizer through DCP and everything else here.
 def restore_train_state(
-    train_state: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    grads: Mapping[str, torch.Tensor],
-    restore_rng_states: bool,
+    train_state: Any, state: TrainState, *, data: Any, extras: Any, grads: Any, rng: bool
 ) -> TrainState:
-    """Load a checked ``train_state`` tree (and the window's ``grads``) into ``state``'s
-    schedulers, scalers, extras objects, data and RNGs; return the state with its counters."""
+    """Load a checked ``train_state`` (window ``grads``, RNG states with ``rng``) into ``state``."""
     trees = lane_trees(train_state, state)
     for name in state.names[1:]:
         state = state.with_lane(_restore_lane(trees[name], state[name]))
@@ -184,7 +141,7 @@ def restore_train_state(
     epoch_done = False
     if data is not None:
         epoch_done = restore_position(data, train_state["data"])
-    if restore_rng_states and train_state["rng"] is not None:
+    if rng and train_state["rng"] is not None:
         restore_rng(train_state["rng"])
 
     return state.replace(
@@ -196,7 +153,6 @@ def restore_train_state(
 
 
 def _restore_lane(tree: Mapping[str, Any], state: TrainState) -> TrainState:
-    """One optimizer's scheduler, scaler, counters and window, from its part of the tree."""
     if state.scheduler is not None:
         state.scheduler.load_state_dict(tree["scheduler"])
     if state.scaler is not None:
@@ -216,8 +172,7 @@ def _restore_lane(tree: Mapping[str, Any], state: TrainState) -> TrainState:
 
 
 def lane_trees(train_state: Mapping[str, Any], state: TrainState) -> dict[Any, Mapping[str, Any]]:
-    """Each optimizer's part of a ``train_state`` tree by name (``None`` for a single
-    optimizer): the first one's entries are the tree's own, the others' under ``"lanes"``."""
+    """Each optimizer's part of ``train_state`` by name (``None``: a single optimizer)."""
     first = state.names[0] if state.names else None
     return {first: train_state, **train_state.get("lanes", {})}
 
@@ -226,25 +181,8 @@ def _lane(state: TrainState, name: str | None) -> TrainState:
     return state if name is None else state[name]
 
 
-def _optimizers_by_name(
-    tree: Mapping[str, Any], train_state: Mapping[str, Any], state: TrainState, checkpoint: str
-) -> dict[str | None, Any]:
-    """``optimizer.pt`` by optimizer name (``None`` for a single optimizer), checked against
-    the state's optimizers.
-
-    Raises:
-        ConfigError: the checkpoint holds other optimizers than the state.
-    """
-    saved = list(tree["optimizers"]) if "optimizers" in tree else []
-    check_optimizer_names(saved, state, checkpoint=checkpoint)
-    if not saved:
-        return {None: tree}
-    return dict(tree["optimizers"])
-
-
 def check_optimizer_names(saved: list[str], state: TrainState, *, checkpoint: str) -> None:
-    """Raise ``ConfigError`` unless the checkpoint's optimizers (``saved``, by name; empty for
-    one unnamed optimizer) are the state's, in the same order."""
+    """``ConfigError`` unless the saved optimizer names (none: one) are the state's, in order."""
     if saved == list(state.names):
         return
 
@@ -267,7 +205,7 @@ def _on_device(value: Any, device: torch.device) -> Any:
 def check_optimizer(
     saved_type: str, saved_sizes: list[int], optimizer: Any, *, checkpoint: str
 ) -> None:
-    """Raise ``ConfigError`` unless ``optimizer`` has the saved class and group sizes."""
+    """``ConfigError`` unless ``optimizer`` has the saved class and group sizes."""
     sizes = [len(g["params"]) for g in optimizer.param_groups]
     if saved_type != type(optimizer).__name__ or saved_sizes != sizes:
         raise ConfigError(
@@ -278,14 +216,9 @@ def check_optimizer(
 
 
 def check_train_state(
-    train_state: Mapping[str, Any],
-    state: TrainState,
-    *,
-    data: Any,
-    extras: Mapping[str, Any],
-    checkpoint: str,
+    train_state: Any, state: TrainState, *, data: Any, extras: Any, checkpoint: str
 ) -> None:
-    """Raise ``ConfigError`` unless the schedulers, scalers, extras and data fit ``state``."""
+    """``ConfigError`` unless the schedulers, scalers, extras and data fit ``state``."""
     for name, tree in lane_trees(train_state, state).items():
         lane, whose = _lane(state, name), "" if name is None else f" of optimizer {name!r}"
         for label in ("scheduler", "scaler"):
@@ -305,8 +238,7 @@ def check_train_state(
                 f"this state a {type(lane.scheduler).__name__}. Build the same scheduler as "
                 "the saving run."
             )
-    # The attached handlers' states are compared by their own check; a load that is not given
-    # them (by hand, or to fine-tune) leaves them out.
+    # The attached handlers' states have their own check; a load not given them leaves them out.
     objects = train_state["objects"]
     handlers = extras.get(HANDLERS)
     if isinstance(handlers, HandlerStates):
@@ -332,10 +264,8 @@ Shapes = Mapping[str, tuple[int, ...] | None]  # name -> tensor shape (None: not
 def check_model(
     saved: Shapes, expected: Shapes, *, model_type: str, checkpoint: str, hint: str
 ) -> None:
-    """Raise ``ConfigError`` unless the saved entries have the model's names and shapes.
-
-    ``hint`` ends the message: how to reuse part of the weights with this kind of checkpoint.
-    """
+    """``ConfigError`` unless the saved entries have the model's names and shapes; ``hint``:
+    how to reuse some of the weights."""
     missing = sorted(expected.keys() - saved.keys())
     unexpected = sorted(saved.keys() - expected.keys())
     reshaped = [
@@ -345,13 +275,9 @@ def check_model(
     ]
     if not (missing or unexpected or reshaped):
         return
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint: {_names(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not in this model: {_names(unexpected)}")
-    if reshaped:
-        parts.append(f"other shapes: {_names(reshaped)}")
+    labels = ("missing from the checkpoint", "in the checkpoint but not in this model")
+    found = zip((*labels, "other shapes"), (missing, unexpected, reshaped), strict=True)
+    parts = [f"{label}: {listed(names)}" for label, names in found if names]
     raise ConfigError(
         f"load: checkpoint {checkpoint} was saved from another model "
         f"({model_type} here): {'; '.join(parts)}. Build the model exactly as the "
@@ -363,9 +289,10 @@ def _shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tree.items()}
 
 
-def _names(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+def listed(items: list[str], *, shown: int = 8) -> str:
+    """``items`` joined, the first ``shown`` of them, and how many more."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def _call(name: str, settings: Mapping[str, Any]) -> str:

@@ -1,13 +1,7 @@
-"""How a run continues: ``resume_from``, a ``fit_start`` handler that loads the newest valid
-checkpoint with what the run holds beyond its state (the data position, the attached
-handlers' state); and ``preemption``, which turns SIGTERM / SIGUSR1 into a checkpoint at the
-next update boundary and a clean stop.
-
-With a sharded state (DDP / FSDP2 / TP, one model or several: what ``is_sharded`` decides for
-every save) the ranks decide a preemption from the all-reduced flag alone, at every update
-boundary (one tiny all-reduce on a gloo group of their own), so every rank saves the same
-update and stops, instead of one entering the save's collectives while another trains on.
-"""
+"""How a run continues: ``resume_from`` loads the newest valid checkpoint at ``fit_start``, with
+the data position and the attached handlers' state; ``preemption`` turns SIGTERM / SIGUSR1 into
+a checkpoint at the next update boundary and a clean stop (sharded: every rank decides from
+one all-reduced flag, so all save the same update)."""
 
 from __future__ import annotations
 
@@ -19,11 +13,9 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-import torch.distributed as dist
-
 from steplib.checkpoint.checkpointer import Checkpointer
 from steplib.checkpoint.contents import is_sharded, run_data, with_handlers
-from steplib.checkpoint.pipeline import Checkpoints
+from steplib.checkpoint.pipeline import Checkpoints, GlooGroup
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
@@ -33,12 +25,7 @@ _log = logging.getLogger("steplib.checkpoint")
 
 
 class Resume(Handler):
-    """The ``fit_start`` handler :func:`resume_from` builds.
-
-    Attributes:
-        given: the directory and what the load is given (``pipeline.Checkpoints``).
-        loaded: the URL of the checkpoint it loaded, or ``None`` (none yet, or started fresh).
-    """
+    """The ``fit_start`` handler :func:`resume_from` builds; ``loaded``: the URL it loaded."""
 
     def __init__(self, given: Checkpoints) -> None:
         self.given = given
@@ -81,26 +68,22 @@ def resume_from(
 ) -> Resume:
     """A ``fit_start`` handler: continue from the newest valid checkpoint in ``directory``.
 
-    Given the checkpoint handler (``resume_from(ckpt)``) it takes its directory, ``data``,
-    ``extras``, ``step`` and ``storage_options``: nothing is named twice. The state comes back
-    with the position of the stateful loader ``run`` draws from and the state of every handler
-    with ``state_dict`` attached to the run (a saved handler not attached now, or the reverse,
-    is a ``ConfigError``). Corrupt checkpoints are skipped with a ``CheckpointWarning``; with
-    none the run starts fresh. At ``fit_start`` it raises ``CorruptCheckpointError`` when every
-    checkpoint is corrupt and ``ConfigError`` when the newest does not fit: never a silent
-    restart. On another number of ranks pass ``resumable_loader(..., shard=True)`` (see
-    ``docs/resume_on_another_world_size.md``).
+    Given the checkpoint handler (``resume_from(ckpt)``) it takes its settings: nothing is
+    named twice. The loader ``run`` draws from and every attached handler with ``state_dict``
+    come back too. Corrupt checkpoints are skipped with a ``CheckpointWarning``; with none the
+    run starts fresh. On another number of ranks pass ``resumable_loader(..., shard=True)``.
 
     Args:
-        directory: the directory ``checkpoint_every`` / ``save`` write into, or the
-            ``checkpoint_every`` handler that writes it.
-        data: the loader to continue (by default the stateful loader ``run`` draws from).
-        extras: the objects saved with ``extras=``, to load into.
-        step: the Step; a checkpoint of another composition raises ``ConfigError``.
-        storage_options: passed to fsspec.
+        directory: the directory of checkpoints, or the ``checkpoint_every`` handler.
+        data, extras, step, storage_options: as for ``load`` (by default the handler's, and
+            the stateful loader ``run`` draws from).
 
     Returns:
         A :class:`Resume` handler: ``Events(resume_from(ckpt), ..., ckpt)``.
+
+    Raises:
+        CorruptCheckpointError: at ``fit_start``, when every checkpoint is corrupt.
+        ConfigError: at ``fit_start``, when the newest does not fit (other handlers, model...).
 
     Example:
         >>> import torch
@@ -116,18 +99,18 @@ def resume_from(
         >>> run(step, state, [torch.ones(4, 2)] * 3, events=events).step  # resumed at 3
         6
     """
-    if isinstance(directory, Checkpointer):
-        ckpt = directory.given
-        return Resume(
-            Checkpoints(
-                ckpt.directory,
-                data if data is not None else ckpt.data,
-                extras if extras is not None else ckpt.extras,
-                step if step is not None else ckpt.step,
-                storage_options or ckpt.storage_options,
-            )
+    if not isinstance(directory, Checkpointer):
+        return Resume(Checkpoints(directory, data, extras, step, storage_options))
+    ckpt = directory.given
+    return Resume(
+        Checkpoints(
+            ckpt.directory,
+            data if data is not None else ckpt.data,
+            extras if extras is not None else ckpt.extras,
+            step if step is not None else ckpt.step,
+            storage_options or ckpt.storage_options,
         )
-    return Resume(Checkpoints(directory, data, extras, step, storage_options))
+    )
 
 
 class Preemption(Handler):
@@ -145,18 +128,14 @@ class Preemption(Handler):
         self.signals = tuple(signals)
         self.received: int | None = None
         self.saved: str | None = None
-        # Set by the signal handler alone, and read once per boundary: what this process was
-        # sent (``received`` is what the run decided, which may be another rank's signal).
-        self._signalled: int | None = None
+        self._signalled: int | None = None  # set by the signal handler alone
         self._previous: dict[int, Any] = {}
         self._agree = False  # this run's ranks decide together (a sharded state)
-        self._group: Any = None  # the gloo group sharded ranks agree on, and its default group
-        self._group_of: Any = None
+        self._group = GlooGroup()
 
     @property
     def exit_code(self) -> int:
-        """0 without a signal, else ``128 + signal`` (the shell's code for "ended by signal",
-        which schedulers such as SLURM read to requeue the job)."""
+        """0 without a signal, else ``128 + signal`` (what SLURM and others read to requeue)."""
         return 0 if self.received is None else 128 + self.received
 
     def on_fit_start(self, event: Event) -> None:
@@ -167,13 +146,9 @@ class Preemption(Handler):
                 "there. Call run() from the main thread, or leave preemption out."
             )
         self.received, self.saved, self._signalled = None, None, None
-        # Decided once per run, from the state, as a save decides who writes what: a save
-        # that every rank makes together needs every rank to decide it at the same update.
-        self._agree = is_sharded(event.state)
-        if self._agree and (self._group is None or self._group_of is not dist.group.WORLD):
-            # Created here, where every rank is (new_group is a collective), and reused.
-            self._group = dist.new_group(backend="gloo")
-            self._group_of = dist.group.WORLD
+        self._agree = is_sharded(event.state)  # as a save decides who writes what
+        if self._agree:
+            self._group.get()  # made here, where every rank is (a collective)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
@@ -183,8 +158,8 @@ class Preemption(Handler):
         if decided is None:
             return None
         self.saved = self.checkpointer.save(event, blocking=True)
-        name = signal.Signals(decided).name
         self._uninstall()
+        name = signal.Signals(decided).name
         return Stop(f"preempted by {name} at step {event.step}; saved {self.saved}")
 
     def on_fit_end(self, event: Event) -> Emitted | None:
@@ -200,24 +175,19 @@ class Preemption(Handler):
         self._uninstall()
 
     def _decide(self, event: Event) -> int | None:
-        """The signal to save and stop for at this boundary, or ``None``. Sharded: the largest
-        number any rank had received when it entered the all-reduce, and that alone. A signal
-        that arrives during the all-reduce is acted on at the next boundary, by every rank: a
-        rank that read its own flag again afterwards would save while the others train on."""
+        # Sharded: the all-reduced flag alone. A rank that read its own flag again after the
+        # all-reduce (a signal arriving meanwhile) would save while the others train on.
         local = self._signalled  # read once: the handler may set it at any moment
-        decided = int(max_over_ranks(local or 0, group=self._group)) if self._agree else local
+        decided = int(max_over_ranks(local or 0, group=self._group.get())) if self._agree else local
         if not decided:
             return None
         self.received = decided
         return decided
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag: saving here would run in the middle of whatever Python was doing
-        # (a half-applied optimizer step, a torch.save) and could corrupt or deadlock it.
+        # Only a flag: saving here could corrupt or deadlock whatever Python was doing.
         if self._signalled is not None:
-            # Asked twice: give the signal its previous meaning (usually: end the process now).
-            # Only this process's own signals count: a rank saving for another rank's signal
-            # still takes the scheduler's own SIGTERM as the first (else it would die mid-save).
+            # This process asked twice: the signal's previous meaning (usually: end now).
             self._uninstall()
             signal.raise_signal(signum)
             return
@@ -230,16 +200,13 @@ class Preemption(Handler):
 
 
 def preemption(
-    checkpointer: Checkpointer,
-    *,
-    signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+    checkpointer: Checkpointer, *, signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1)
 ) -> Preemption:
     """A handler that turns a preemption signal into a checkpoint and a clean stop.
 
-    The signal handler only sets a flag. At the next update boundary the state is saved with
-    ``checkpointer``'s settings, synchronously, and the handler returns ``Stop(...)``; the
-    loop ends normally. A second signal ends the process as it normally would.
-    ``handler.received`` and ``handler.exit_code`` (128 + signal) say how the run ended.
+    The signal handler only sets a flag; at the next update boundary the state is saved with
+    ``checkpointer``'s settings, synchronously, and the loop stops. A second signal ends the
+    process as it normally would. ``handler.exit_code`` is 128 + signal.
 
     Args:
         checkpointer: the :class:`Checkpointer` whose directory and settings to save with.
@@ -248,6 +215,8 @@ def preemption(
     Returns:
         A :class:`Preemption`; call ``.attach(events)`` after the checkpointer's.
 
+    Raises:
+        ConfigError: ``checkpointer`` is not a ``checkpoint_every`` handler, or no signals.
 
     Example:
         >>> import os, signal, torch
@@ -270,8 +239,7 @@ def preemption(
     if not isinstance(checkpointer, Checkpointer):
         raise ConfigError(
             f"preemption(checkpointer) received {describe(checkpointer)}; pass the handler "
-            "checkpoint_every(...) returned, so that the preemption save uses its directory "
-            "and settings."
+            "checkpoint_every(...) returned, so that the preemption save uses its settings."
         )
     if not signals:
         raise ConfigError(

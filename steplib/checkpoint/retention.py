@@ -1,8 +1,5 @@
-"""Which checkpoints to keep: the newest ``keep_last`` and the best ``keep_best`` by a metric.
-
-The two sets are united: a best checkpoint survives however old it is, and the newest one is
-always kept (a resume needs it), whatever the settings.
-"""
+"""Which checkpoints to keep: the newest ``keep_last`` and the best ``keep_best`` by a metric,
+united (a best one survives however old; the newest is always kept: a resume needs it)."""
 
 from __future__ import annotations
 
@@ -15,8 +12,6 @@ from steplib.checkpoint import storage
 from steplib.checkpoint.manifest import CheckpointInfo, list_checkpoints, scan, sort_key
 from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError, ConfigError, describe
-
-MODES = ("min", "max")
 
 
 def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any, mode: Any) -> None:
@@ -35,7 +30,7 @@ def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any,
             f"metric={describe(metric)}. Name one that is saved with the checkpoints, e.g. "
             "metric='val_loss', mode='min'."
         )
-    if mode not in MODES:
+    if mode not in ("min", "max"):
         raise ConfigError(
             f"{caller}(mode=...) received {describe(mode)}; it must be 'min' (lower is better, "
             "a loss) or 'max' (higher is better, an accuracy)."
@@ -45,17 +40,24 @@ def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any,
 def check_ranked_metric(
     caller: str, *, keep_best: int | None, metric: str | None, recorded: Mapping[str, Any]
 ) -> None:
-    """Raise ``ConfigError`` (before anything is written or pruned) when ``keep_best`` ranks
-    by a ``metric`` this save does not record: pruning would delete the best checkpoints."""
+    """``ConfigError`` (before anything is written or pruned) when ``keep_best`` ranks by a
+    ``metric`` this save does not record: pruning would delete the best checkpoints."""
     if keep_best is None or metric in recorded:
         return
-    numbers = ", ".join(sorted(recorded)) or "(none)"
     raise ConfigError(
         f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among the "
-        f"metrics of this checkpoint; they are: {numbers}. Nothing was saved or pruned. Name "
-        "one of them (an evaluator's names carry its prefix: 'val_accuracy'), pass "
-        "metric=evaluator, or pass metrics= a function that returns it."
+        f"metrics of this checkpoint; they are: {', '.join(sorted(recorded)) or '(none)'}. "
+        "Nothing was saved or pruned. Name one of them (an evaluator's names carry its prefix: "
+        "'val_accuracy'), pass metric=evaluator, or pass metrics= a function that returns it."
     )
+
+
+def _ranked(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str) -> list[CheckpointInfo]:
+    # Best first; without the metric (or NaN) never ranked; of equal values the older first (a
+    # tie is not an improvement, as BestValue decides everywhere).
+    sign = 1.0 if mode == "min" else -1.0
+    ranked = [c for c in checkpoints if not math.isnan(c.metrics.get(metric, math.nan))]
+    return sorted(ranked, key=lambda c: sign * c.metrics[metric])  # stable: oldest first
 
 
 def select_retained(
@@ -66,17 +68,13 @@ def select_retained(
     metric: str | None = None,
     mode: str = "min",
 ) -> list[CheckpointInfo]:
-    """The checkpoints to keep, in the order given (oldest first).
-
-    The newest is always kept; with ``keep_last`` and ``keep_best`` both ``None``, all. A
-    checkpoint without ``metric`` (or NaN) is never among the best; of equal values the older
-    ranks first (a tie is not an improvement, as ``BestValue`` decides everywhere).
+    """The checkpoints to keep, oldest first: the newest always; all when both are ``None``.
 
     Args:
         checkpoints: committed checkpoints, oldest first (``list_checkpoints``).
         keep_last: keep the newest this many.
-        keep_best: keep the best this many by ``metric``.
-        metric: the metric name ``keep_best`` ranks by.
+        keep_best: keep the best this many by ``metric`` (never one without it, or NaN).
+        metric: the metric name ``keep_best`` ranks by (of equal values, the older wins).
         mode: ``"min"`` or ``"max"``: whether a lower or a higher value is better.
 
     Returns:
@@ -95,14 +93,7 @@ def select_retained(
         return list(checkpoints)
     keep = {id(c) for c in checkpoints[-(keep_last or 1) :]}
     if keep_best is not None:
-        sign = 1.0 if mode == "min" else -1.0
-        ranked = [
-            (sign * c.metrics[metric], index, c)  # type: ignore[index]
-            for index, c in enumerate(checkpoints)
-            if metric in c.metrics and not math.isnan(c.metrics[metric])  # type: ignore[index]
-        ]
-        ranked.sort(key=lambda item: (item[0], item[1]))
-        keep.update(id(c) for _, _, c in ranked[:keep_best])
+        keep.update(id(c) for c in _ranked(checkpoints, str(metric), mode)[:keep_best])
     return [c for c in checkpoints if id(c) in keep]
 
 
@@ -116,21 +107,15 @@ def prune(
     storage_options: StorageOptions = None,
     leftovers: str = "older",
 ) -> list[str]:
-    """Delete the checkpoints of ``directory`` that :func:`select_retained` does not keep.
-
-    Also removes what crashed saves left (uncommitted, corrupt or ``.tmp-*`` directories)
-    older than the newest checkpoint (``leftovers="all"``: all of them, when no save into
-    ``directory`` is in flight). A checkpoint is uncommitted before its files go, so a crash
-    while pruning never leaves a half-deleted one that looks valid.
+    """Delete the checkpoints of ``directory`` that :func:`select_retained` does not keep, and
+    what crashed saves left (uncommitted, corrupt, ``.tmp-*``) older than the newest checkpoint.
+    A checkpoint is uncommitted before its files go: a crash never leaves a half-deleted one.
 
     Args:
         directory: the directory given to ``save``.
-        keep_last: how many of the newest to keep (see ``select_retained``).
-        keep_best: how many of the best by ``metric`` to keep.
-        metric: the manifest's metric that ranks them.
-        mode: ``"min"`` or ``"max"``: which end of ``metric`` is best.
+        keep_last, keep_best, metric, mode: see :func:`select_retained`.
         storage_options: passed to fsspec.
-        leftovers: ``"older"`` or ``"all"``.
+        leftovers: ``"older"``, or ``"all"`` when no save into ``directory`` is in flight.
 
     Returns:
         The URLs of the deleted checkpoints (not of the debris).
@@ -155,31 +140,23 @@ def prune(
         )
     location = storage.resolve(directory, storage_options, caller="prune")
     checkpoints, debris = scan(location)
-    kept = {
-        c.url
-        for c in select_retained(
-            checkpoints, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
-        )
-    }
-    deleted = []
+    retained = select_retained(
+        checkpoints, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
+    )
+    kept = {c.url for c in retained}
+    deleted = [c.url for c in checkpoints if c.url not in kept]
     for checkpoint in checkpoints:
         if checkpoint.url not in kept:
             storage.remove(location.child(checkpoint.name))
-            deleted.append(checkpoint.url)
-    newest = max((c.name for c in checkpoints), default=None, key=_key)
+    newest = max((_key(c.name) for c in checkpoints), default=None)
     for leftover in debris:
-        older = newest is not None and _key(_base_name(leftover.name)) < _key(newest)
-        if older or leftovers == "all":
+        # ".tmp-step-00000120-1a2b3c4d" -> "step-00000120"
+        name = leftover.name
+        if name.startswith((storage.STAGING_PREFIX, storage.TRASH_PREFIX)):
+            name = name.split("-", 1)[1].rsplit("-", 1)[0]
+        if leftovers == "all" or (newest is not None and _key(name) < newest):
             storage.remove(leftover)
     return deleted
-
-
-def _base_name(name: str) -> str:
-    # ".tmp-step-00000120-1a2b3c4d" -> "step-00000120"
-    for prefix in (storage.STAGING_PREFIX, storage.TRASH_PREFIX):
-        if name.startswith(prefix):
-            return name[len(prefix) :].rsplit("-", 1)[0]
-    return name
 
 
 def _key(name: str) -> tuple[int, int]:
@@ -187,13 +164,9 @@ def _key(name: str) -> tuple[int, int]:
 
 
 def best_checkpoint(
-    directory: str,
-    metric: Any,
-    *,
-    mode: str | None = None,
-    storage_options: StorageOptions = None,
+    directory: str, metric: Any, *, mode: str | None = None, storage_options: StorageOptions = None
 ) -> str:
-    """The URL of the best checkpoint in ``directory`` by ``metric``: load it with
+    """The URL of the best checkpoint in ``directory`` by ``metric`` (the oldest of equal ones):
     ``load(best_checkpoint(directory, evaluator), state)``.
 
     Args:
@@ -203,8 +176,10 @@ def best_checkpoint(
         storage_options: passed to fsspec.
 
     Returns:
-        The URL of the best checkpoint (the oldest of equal ones). ``CheckpointError`` when
-        none records ``metric``.
+        The URL of the best checkpoint.
+
+    Raises:
+        CheckpointError: no checkpoint records ``metric``.
 
     Example:
         >>> import torch
@@ -220,7 +195,7 @@ def best_checkpoint(
     name, mode = errors.monitor_and_mode("best_checkpoint", metric, mode)
     check_retention("best_checkpoint", keep_last=None, keep_best=1, metric=name, mode=mode)
     infos = list_checkpoints(directory, storage_options=storage_options)
-    ranked = [c for c in infos if not math.isnan(c.metrics.get(name, math.nan))]
+    ranked = _ranked(infos, name, mode)
     if not ranked:
         recorded = sorted({key for info in infos for key in info.metrics})
         raise CheckpointError(
@@ -228,5 +203,4 @@ def best_checkpoint(
             f"({len(infos)} checkpoint(s); the metrics they record: {recorded or 'none'}). Name "
             "one of those, or save with checkpoint_every(..., metric=...)."
         )
-    sign = 1.0 if mode == "min" else -1.0
-    return min(ranked, key=lambda c: sign * c.metrics[name]).url  # oldest first: it wins a tie
+    return ranked[0].url

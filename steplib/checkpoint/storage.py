@@ -1,13 +1,9 @@
 """Where checkpoints live (fsspec URLs), how a directory of files is committed atomically, and
-how each file is written and read back checksummed.
+how each file is written and read back checksummed (``xxh3_64``; ``crc32`` before 0.2.0).
 
-On a local disk the files go into a hidden staging directory (``.tmp-<name>-<random>``), each
-fsync'ed, which is renamed to its final name (atomic) and its parent fsync'ed (``fsync=False``,
-``durable=False``: no fsyncs, still atomic and checksummed). On object stores and others,
-where a rename is a copy, the files are written in place and ``manifest.json`` last: a
-directory without one is not a checkpoint. Checksums are ``xxh3_64`` of the bytes as written
-(``crc32`` in checkpoints before steplib 0.2.0, still verified): they catch truncated and
-altered files, not deliberate forgery."""
+Local disks: a hidden staging directory (``.tmp-<name>-<random>``), fsync'ed, renamed into
+place, its parent fsync'ed. Object stores (a rename is a copy): the files in place and
+``manifest.json`` last: a directory without one is not a checkpoint."""
 
 from __future__ import annotations
 
@@ -34,17 +30,15 @@ StorageOptions = Mapping[str, Any] | None
 _PACKAGES = types.MappingProxyType(
     {
         **dict.fromkeys(("s3", "s3a"), ("s3fs", "steplib[s3]")),
-        **dict.fromkeys(("gs", "gcs"), ("gcsfs", "gcsfs")),
-        **dict.fromkeys(("az", "abfs", "abfss", "adl"), ("adlfs", "adlfs")),
-        "hf": ("huggingface_hub", "huggingface_hub"),
-        **dict.fromkeys(("sftp", "ssh"), ("paramiko", "paramiko")),
-        **dict.fromkeys(("http", "https"), ("aiohttp", "aiohttp")),
+        **{p: ("gcsfs",) * 2 for p in ("gs", "gcs")},
+        **{p: ("adlfs",) * 2 for p in ("az", "abfs", "abfss", "adl")},
+        **{p: ("huggingface_hub",) * 2 for p in ("hf",)},
+        **{p: ("paramiko",) * 2 for p in ("sftp", "ssh")},
+        **{p: ("aiohttp",) * 2 for p in ("http", "https")},
     }
 )
-STAGING_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
-XXH3_64 = "xxh3_64"  # what new checkpoints record
-CRC32 = "crc32"  # what checkpoints written before steplib 0.2.0 record
+STAGING_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
+XXH3_64, CRC32 = "xxh3_64", "crc32"  # what new checkpoints record; before steplib 0.2.0
 ALGORITHMS = (XXH3_64, CRC32)
 CHUNK_BYTES = 8 << 20  # read and checksummed at a time
 
@@ -79,8 +73,8 @@ class FileRecord:
 
 
 def resolve(url: Any, storage_options: StorageOptions, *, caller: str) -> Location:
-    """Turn a local path or URL into a :class:`Location`: ``ConfigError`` for a bad one,
-    ``CheckpointError`` (naming the package to install) for a filesystem not installed."""
+    """A local path or URL as a :class:`Location`: ``ConfigError`` for a bad one,
+    ``CheckpointError`` (naming what to install) for a filesystem not installed."""
     if not isinstance(url, str | os.PathLike) or not os.fspath(url):
         raise ConfigError(
             f"{caller} received the location {describe(url)}; pass a local path or an fsspec "
@@ -111,13 +105,11 @@ def resolve(url: Any, storage_options: StorageOptions, *, caller: str) -> Locati
 
 
 def read_bytes(location: Location) -> bytes:
-    """All bytes of a file (``FileNotFoundError`` when there is none)."""
     data: bytes = location.fs.cat_file(location.path)
     return data
 
 
 def list_names(directory: Location) -> list[str]:
-    """Names of the entries of ``directory`` (none when it does not exist)."""
     directory.fs.invalidate_cache(directory.path)  # another process may have written since
     try:
         entries = directory.fs.ls(directory.path, detail=False)
@@ -126,13 +118,9 @@ def list_names(directory: Location) -> list[str]:
     return [name for entry in entries if (name := str(entry).rstrip("/").rsplit("/", 1)[-1])]
 
 
-def exists(location: Location) -> bool:
-    return bool(location.fs.exists(location.path))
-
-
 def check_writable(directory: Location, *, caller: str) -> None:
-    """Create ``directory`` and write and remove a probe file, so that a directory that cannot
-    be written fails when a run starts (``CheckpointError``), not at its first checkpoint."""
+    """Create ``directory``, write and remove a probe file: a directory that cannot be written
+    fails when a run starts (``CheckpointError``), not at its first checkpoint."""
     probe = directory.child(f".steplib-write-test-{uuid.uuid4().hex[:8]}")
     try:
         directory.fs.makedirs(directory.path, exist_ok=True)
@@ -149,23 +137,21 @@ def check_writable(directory: Location, *, caller: str) -> None:
 
 
 def begin(directory: Location, name: str) -> Location:
-    """Create the directory the files of checkpoint ``name`` are written into, and return it:
-    a hidden staging directory on a local disk (renamed by :func:`commit`); elsewhere the final
-    directory, uncommitted first (its old manifest removed) before its files are overwritten."""
+    """Create the directory checkpoint ``name``'s files are written into: a staging directory
+    on a local disk (see :func:`commit`), elsewhere the final one, uncommitted first."""
     if directory.is_local:
         staging = directory.child(f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
         os.makedirs(staging.path)
         return staging
     final = directory.child(name)
-    if exists(final.child("manifest.json")):
+    with contextlib.suppress(FileNotFoundError):
         directory.fs.rm(final.child("manifest.json").path)
     directory.fs.makedirs(final.path, exist_ok=True)
     return final
 
 
 def commit(directory: Location, staging: Location, name: str, *, fsync: bool = True) -> Location:
-    """Make the checkpoint written into ``staging`` visible under ``name``; return it. With
-    ``fsync`` the staging directory and, after the rename, its parent are fsync'ed."""
+    """Make the checkpoint written into ``staging`` visible under ``name``; return it."""
     final = directory.child(name)
     if not directory.is_local:
         return final  # the manifest, written last, was the commit
@@ -173,8 +159,7 @@ def commit(directory: Location, staging: Location, name: str, *, fsync: bool = T
         _fsync_dir(staging.path)
     trash = None
     if os.path.exists(final.path):
-        # The same name saved again (at an epoch end after the same update): moved aside, not
-        # deleted first, so that the rename stays the only gap.
+        # The same name saved again: moved aside, not deleted, so the rename is the only gap.
         trash = directory.child(f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
         os.rename(final.path, trash.path)
     os.rename(staging.path, final.path)
@@ -186,7 +171,7 @@ def commit(directory: Location, staging: Location, name: str, *, fsync: bool = T
 
 
 def remove(location: Location) -> None:
-    """Delete a checkpoint directory so that it is uncommitted before any file goes."""
+    """Delete a checkpoint directory, uncommitted before any file goes."""
     if location.is_local:
         if not os.path.exists(location.path):
             return
@@ -242,7 +227,6 @@ def hasher(algorithm: str = XXH3_64) -> Any:
 
 
 def digest(data: Any, algorithm: str = XXH3_64) -> str:
-    """The checksum of ``data`` (bytes-like) as hex digits."""
     h = hasher(algorithm)
     h.update(data)
     return str(h.hexdigest())
@@ -260,9 +244,7 @@ def file_digest(path: str, size: int, algorithm: str = XXH3_64) -> tuple[str, in
 
 
 class ChecksumFile:
-    """A write-only file object that checksums and counts the bytes on their way to ``raw``
-    (xxhash releases the GIL: a background writer does not hold up training).
-    """
+    """A write-only file that checksums and counts the bytes on their way to ``raw``."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self.raw, self.hasher, self.size = raw, hasher(), 0
@@ -283,7 +265,7 @@ class ChecksumFile:
 
 @contextlib.contextmanager
 def open_write(location: Location, *, fsync: bool) -> Iterator[ChecksumFile]:
-    """A :class:`ChecksumFile` writing ``location``; fsync'ed on close with ``fsync`` (local)."""
+    """A :class:`ChecksumFile` writing ``location``, fsync'ed on close with ``fsync`` (local)."""
     local = location.is_local
     with open(location.path, "wb") if local else location.fs.open(location.path, "wb") as raw:
         file = ChecksumFile(raw)
@@ -294,14 +276,12 @@ def open_write(location: Location, *, fsync: bool) -> Iterator[ChecksumFile]:
 
 
 def write_tensors(location: Location, tree: Any, *, fsync: bool) -> FileRecord:
-    """``torch.save`` ``tree`` to ``location``, checksummed on the way."""
     with open_write(location, fsync=fsync) as file:
         torch.save(tree, file)
     return file.record()
 
 
 def write_bytes(location: Location, data: bytes, *, fsync: bool) -> FileRecord:
-    """Write ``data`` to ``location``, checksummed."""
     with open_write(location, fsync=fsync) as file:
         file.write(data)
     return file.record()
@@ -312,32 +292,30 @@ def read_verified(location: Location, record: FileRecord, *, checkpoint: str) ->
     try:
         data = read_bytes(location)
     except FileNotFoundError:
-        raise _missing(location, checkpoint) from None
+        _check(location, record, None, "", checkpoint=checkpoint)
     _check(location, record, len(data), digest(data, record.algorithm), checkpoint=checkpoint)
     return data
 
 
 def verify(location: Location, record: FileRecord, *, checkpoint: str) -> None:
-    """Check one file against its record, streamed from a local disk, read whole from
-    elsewhere (``CorruptCheckpointError``: missing, another size or checksum)."""
+    """:func:`read_verified` without keeping the bytes: streamed from a local disk."""
     if not location.is_local:
         read_verified(location, record, checkpoint=checkpoint)
         return
     try:
         size = os.path.getsize(location.path)
-        if size != record.size:
-            _check(location, record, size, "", checkpoint=checkpoint)
+        _check(location, record, size, record.checksum, checkpoint=checkpoint)  # the size first
         found, size = file_digest(location.path, size, record.algorithm)
     except FileNotFoundError:
-        raise _missing(location, checkpoint) from None
+        _check(location, record, None, "", checkpoint=checkpoint)
     _check(location, record, size, found, checkpoint=checkpoint)
 
 
 def verify_all(
     location: Location, files: Mapping[str, FileRecord], *, me: int = 0, world: int = 1
 ) -> None:
-    """Verify every file of a checkpoint, each of ``world`` ranks a share (a collective when
-    ``world > 1``); every rank raises the same ``CorruptCheckpointError``."""
+    """Verify every file, each of ``world`` ranks a share (a collective when ``world > 1``);
+    every rank raises the same ``CorruptCheckpointError``."""
     error = None
     for name in sorted(files)[me::world]:
         try:
@@ -352,34 +330,24 @@ def verify_all(
         raise CorruptCheckpointError(found[0])
 
 
-def _label(location: Location, checkpoint: str) -> str:
-    # The file's path inside the checkpoint: sharded checkpoints have a subdirectory (dcp/).
-    prefix = checkpoint.rstrip("/") + "/"
-    return location.url[len(prefix) :] if location.url.startswith(prefix) else location.name
-
-
-_OLDER = "Use an older checkpoint (latest() and resume_from() skip this one)."
-
-
-def _missing(location: Location, checkpoint: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"checkpoint {checkpoint}: its file {_label(location, checkpoint)} is missing although the "
-        f"manifest lists it; the checkpoint was damaged after it was written. {_OLDER}"
-    )
-
-
 def _check(
-    location: Location, record: FileRecord, size: int, found: str, *, checkpoint: str
+    location: Location, record: FileRecord, size: int | None, found: str, *, checkpoint: str
 ) -> None:
-    if size != record.size:
-        raise CorruptCheckpointError(
-            f"checkpoint {checkpoint}: its file {_label(location, checkpoint)} has {size} "
-            f"bytes, the manifest says {record.size}: it was truncated or overwritten after "
-            f"the commit. {_OLDER}"
-        )
-    if found != record.checksum:
-        raise CorruptCheckpointError(
-            f"checkpoint {checkpoint}: its file {_label(location, checkpoint)} has checksum "
-            f"{record.algorithm} {found}, the manifest says {record.checksum}: its bytes were "
-            f"altered after the commit (disk or transfer corruption). {_OLDER}"
-        )
+    """``CorruptCheckpointError`` unless the file (``size`` ``None``: missing) is as recorded."""
+    prefix = checkpoint.rstrip("/") + "/"  # a sharded checkpoint's files are under dcp/ too
+    name = location.url[len(prefix) :] if location.url.startswith(prefix) else location.name
+    if size is None:
+        problem = "is missing although the manifest lists it; the checkpoint was damaged after it"
+        problem += " was written"
+    elif size != record.size:
+        problem = f"has {size} bytes, the manifest says {record.size}: it was truncated or "
+        problem += "overwritten after the commit"
+    elif found != record.checksum:
+        problem = f"has checksum {record.algorithm} {found}, the manifest says {record.checksum}: "
+        problem += "its bytes were altered after the commit (disk or transfer corruption)"
+    else:
+        return
+    raise CorruptCheckpointError(
+        f"checkpoint {checkpoint}: its file {name} {problem}. Use an older checkpoint (latest() "
+        "and resume_from() skip this one)."
+    )

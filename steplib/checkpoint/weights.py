@@ -1,9 +1,5 @@
-"""``load_weights``: a model's weights only, from a checkpoint or an exported file (fine-tuning).
-
-``load`` resumes a run: everything of the state, checked to fit. Fine-tuning starts a new run
-from another run's weights: the optimizer, scheduler and counters stay fresh, and the model
-may differ where it is new (a head): names missing on one side are skipped and reported.
-"""
+"""``load_weights``: a model's weights only, from a checkpoint or an exported file, to start a
+new run from them (fine-tuning); ``load`` resumes a run."""
 
 from __future__ import annotations
 
@@ -16,29 +12,25 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from steplib import errors
 from steplib.checkpoint import storage
-from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters, read_tree
+from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters
 from steplib.checkpoint.manifest import SHARDED, Manifest, committed_manifest, newest_valid
+from steplib.checkpoint.pipeline import read_trees
+from steplib.checkpoint.restore import listed
 from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.distributed.parallelize import inner_module
-from steplib.errors import (
-    CheckpointError,
-    CheckpointWarning,
-    ConfigError,
-    CorruptCheckpointError,
-    describe,
-)
+from steplib.errors import CheckpointError, CheckpointWarning, ConfigError, describe
+from steplib.errors import CorruptCheckpointError as Corrupt
 from steplib.state import TrainState
 
-_SHOWN = 20  # names listed in an error or a warning before "and N more"
 # What DDP and torch.compile put before the names of the module they wrap.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _ZIP = b"PK\x03\x04"  # torch.save's format is a zip archive
 
 
 class LoadedWeights(_IncompatibleKeys):
-    """torch's ``(missing_keys, unexpected_keys)`` named tuple, with ``mismatched_keys``: the
-    names skipped by ``ignore_mismatched_sizes=True`` because their shapes differ."""
+    """torch's ``(missing_keys, unexpected_keys)``, with ``mismatched_keys`` (skipped shapes)."""
 
     mismatched_keys: list[str]
 
@@ -59,31 +51,29 @@ def load_weights(
     storage_options: StorageOptions = None,
 ) -> LoadedWeights:
     """Load the weights saved at ``source`` into ``model``; nothing else changes (the
-    optimizer, counters, RNG and data stay fresh: fine-tuning; ``load`` resumes a run).
+    optimizer, counters, RNG and data stay fresh).
 
-    ``source`` is a steplib checkpoint (verified first; a sharded one of any number of
-    ranks too), a directory of them (the newest valid one), or a file of ``export_model`` or
-    any ``torch.save`` / safetensors ``state_dict``. A model wrapped by DDP or
-    ``torch.compile`` takes the weights into the module inside, and weights saved from a
-    wrapped one (``module.`` / ``_orig_mod.``) load into a plain one. An FSDP2 or
-    tensor-parallel model loads on every rank together (each keeps its shard).
+    A model wrapped by DDP or ``torch.compile`` takes them into the module inside, and weights
+    saved from a wrapped one load into a plain one. FSDP2 / tensor parallel: every rank calls it.
 
     Args:
         model: the module, or a TrainState (its model).
-        source: a local path or fsspec URL: a checkpoint, a directory of them, or a file.
-        strict: ``True`` refuses weights whose names differ from the model's; ``False``
-            loads the names both have and warns with the rest (``CheckpointWarning``).
-        ignore_mismatched_sizes: ``True`` skips a weight of another shape (the model keeps
-            its own, a new head) and warns; ``False`` refuses it, as torch does.
+        source: a checkpoint (verified first; sharded ones of any world size too), a directory
+            of them (the newest valid), or a file of ``export_model``, ``torch.save`` or
+            safetensors: a local path or fsspec URL.
+        strict: ``False`` loads the names both have and warns with the rest.
+        ignore_mismatched_sizes: ``True`` skips a weight of another shape (a new head), warns.
         storage_options: passed to fsspec.
 
     Returns:
-        torch's ``(missing_keys, unexpected_keys)``, with ``mismatched_keys``: the names
-        skipped for their shapes. ``ConfigError`` (nothing changed) for names or shapes that
-        differ as above, or a ``source`` without a ``state_dict``; ``CorruptCheckpointError``
-        for a damaged file; ``CheckpointError`` for nothing at ``source``.
+        torch's ``(missing_keys, unexpected_keys)``, with ``mismatched_keys``.
+
+    Raises:
+        ConfigError: names or shapes that differ as above, or no ``state_dict`` (nothing
+            changed). CorruptCheckpointError: a damaged file. CheckpointError: nothing there.
 
     Example:
+        >>> import warnings
         >>> from steplib import TrainState
         >>> from steplib.checkpoint import save
         >>> pretrained = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
@@ -91,7 +81,6 @@ def load_weights(
         ...     model=pretrained, optimizer=torch.optim.SGD(pretrained.parameters()))
         >>> url = save(state, "memory://doctest-weights/ckpt")
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))  # a new head comes next
-        >>> import warnings
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")  # it warns with the lists below
         ...     report = load_weights(model, url, strict=False)
@@ -99,32 +88,31 @@ def load_weights(
         ([], ['1.weight', '1.bias'])
         >>> torch.equal(model[0].weight, pretrained[0].weight)
         True
-        >>> other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore")  # it warns: 1.weight (10, 4) there, (3, 4) here
-        ...     report = load_weights(other, url, ignore_mismatched_sizes=True)
-        >>> report.mismatched_keys
-        ['1.weight', '1.bias']
     """
-    module = _target(model)
-    if not isinstance(strict, bool):
+    if isinstance(model, TrainState):
+        model.fence.wait()  # an async save may still be copying the parameters we overwrite
+        model = model.model
+    if not isinstance(model, nn.Module):
         raise ConfigError(
-            f"load_weights(strict=...) received {describe(strict)}; pass True (the names must "
-            "match) or False (load the names both have, report the rest)."
+            f"load_weights received model={describe(model)}, which is neither an nn.Module "
+            "nor a TrainState. Pass the model to load into: load_weights(model, url)."
         )
-    if not isinstance(ignore_mismatched_sizes, bool):
-        raise ConfigError(
-            "load_weights(ignore_mismatched_sizes=...) received "
-            f"{describe(ignore_mismatched_sizes)}; pass False (other shapes are refused) or "
-            "True (they are skipped, kept as the model has them, and reported)."
-        )
+    module = inner_module(model)  # DDP(compile(m)), compile(DDP(m)), ...
+    choices = "True (the names must match) or False (load the names both have, report the rest)"
+    errors.boolean("load_weights", "strict", strict, choices)
+    choices = "False (other shapes are refused) or True (skipped, kept as the model has them)"
+    errors.boolean("load_weights", "ignore_mismatched_sizes", ignore_mismatched_sizes, choices)
     location = storage.resolve(source, storage_options, caller="load_weights")
     url, weights = _read(location, storage_options)
     expected = module.state_dict()
     weights = _without_wrapper_prefixes(weights, expected)
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
-    reshaped = _reshaped(weights, expected, url)
+    reshaped = {
+        k: f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
+        for k, v in expected.items()
+        if torch.is_tensor(v) and torch.is_tensor(weights.get(k)) and weights[k].shape != v.shape
+    }
     if reshaped and not ignore_mismatched_sizes:
         raise ConfigError(
             f"load_weights: weights of other shapes than the model's: "
@@ -135,8 +123,7 @@ def load_weights(
             "nn.Linear(..., num_classes)."
         )
     if len(unexpected) == len(weights) and expected:
-        # strict=False would load nothing: another model, or names under a prefix (a
-        # LightningModule's "model.") that only the user can map.
+        # strict=False would load nothing: another model, or a prefix only the user can map.
         raise ConfigError(
             f"load_weights: {url} has no weight whose name this {type(module).__name__} has "
             f"({_differences(missing[:3], unexpected[:3])}, ...). If the names differ by a "
@@ -178,20 +165,7 @@ def load_weights(
     return LoadedWeights(missing, unexpected, list(reshaped))
 
 
-def _target(model: Any) -> nn.Module:
-    if isinstance(model, TrainState):
-        model.fence.wait()  # an async save may still be copying the parameters we overwrite
-        model = model.model
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"load_weights received model={describe(model)}, which is neither an nn.Module "
-            "nor a TrainState. Pass the model to load into: load_weights(model, url)."
-        )
-    return inner_module(model)  # DDP(compile(m)), compile(DDP(m)), ...
-
-
 def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dict[str, Any]]:
-    """``(url, weights)``: the URL actually read (the newest checkpoint of a directory)."""
     if location.fs.isfile(location.path):
         return location.url, _read_file(location)
     manifest = committed_manifest(location)
@@ -201,7 +175,7 @@ def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dic
     if isinstance(found, tuple):
         return found
     if found:
-        raise CorruptCheckpointError(
+        raise Corrupt(
             f"load_weights: every checkpoint in {location.url} is corrupt "
             f"({', '.join(found)}; the warnings say why). Restore one from a copy, or pass "
             "another checkpoint or file."
@@ -219,45 +193,28 @@ def _read_checkpoint(
 ) -> dict[str, Any]:
     if manifest.layout == SHARDED:
         return _read_sharded(location, manifest, storage_options)
-    record = manifest.files.get(MODEL)
-    if record is None:
-        raise CorruptCheckpointError(
-            f"checkpoint {location.url}: its manifest lists no {MODEL}; it was not written by "
-            "steplib's save. Use another checkpoint."
-        )
-    file = location.child(MODEL)
-    source: Any
-    if file.is_local:  # verified streaming, then mapped: the file is never held twice in memory
-        storage.verify(file, record, checkpoint=location.url)
-        source = file.path
-    else:
-        source = io.BytesIO(storage.read_verified(file, record, checkpoint=location.url))
-    return _state_dict(read_tree(source, location.url, MODEL, mmap=file.is_local), location.url)
+    # Mapped from a local disk: the file is never held twice in memory.
+    return _state_dict(read_trees(location, manifest, only=MODEL, mmap=True)[MODEL], location.url)
 
 
 def _read_file(location: Location) -> dict[str, Any]:
     with location.fs.open(location.path, "rb") as file:
         head = file.read(len(_ZIP))
+    local = location.is_local
     try:
         if head != _ZIP:
             import safetensors.torch  # an export of format="safetensors"
 
-            return _state_dict(safetensors.torch.load(storage.read_bytes(location)), location.url)
-        source: Any = (
-            location.path if location.is_local else io.BytesIO(storage.read_bytes(location))
-        )
-        return _state_dict(
-            torch.load(source, map_location="cpu", weights_only=True, mmap=location.is_local),
-            location.url,
-        )
+            tree = safetensors.torch.load(storage.read_bytes(location))
+        else:
+            source = location.path if local else io.BytesIO(storage.read_bytes(location))
+            tree = torch.load(source, map_location="cpu", weights_only=True, mmap=local)
     except ImportError as err:
         raise ConfigError(
             f"load_weights: {location.url} is not a torch.save file, so it would be a "
             f"safetensors file, but the safetensors package is not installed ({err}). "
             "Install it: pip install 'steplib[safetensors]'."
         ) from None
-    except ConfigError:
-        raise
     except Exception as err:  # UnpicklingError, RuntimeError, SafetensorError...
         raise ConfigError(
             f"load_weights: {location.url} cannot be read as a torch.save file "
@@ -265,18 +222,17 @@ def _read_file(location: Location) -> dict[str, Any]:
             f"({type(err).__name__}: {err}). Pass a file written by export_model, a "
             "checkpoint, or a directory of checkpoints."
         ) from None
+    return _state_dict(tree, location.url)
 
 
 def _state_dict(tree: Any, url: str) -> dict[str, Any]:
+    named = isinstance(tree, Mapping) and all(isinstance(k, str) for k in tree)
     if (
-        not isinstance(tree, Mapping)
+        not named
         or not tree
-        or not all(isinstance(k, str) for k in tree)
-        or not all(
-            isinstance(v, torch.Tensor) or k.endswith("_extra_state") for k, v in tree.items()
-        )
+        or not all(torch.is_tensor(v) or k.endswith("_extra_state") for k, v in tree.items())
     ):
-        keys = sorted(map(str, tree))[:_SHOWN] if isinstance(tree, Mapping) else None
+        keys = sorted(map(str, tree))[:20] if isinstance(tree, Mapping) else None
         raise ConfigError(
             f"load_weights: {url} holds {describe(tree)}"
             f"{f' with the keys {keys}' if keys is not None else ''}, not a state_dict (names "
@@ -290,7 +246,6 @@ def _state_dict(tree: Any, url: str) -> dict[str, Any]:
 def _without_wrapper_prefixes(
     weights: dict[str, Any], expected: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The names of weights saved from a DDP or compiled model, as the plain module's."""
     while weights:
         prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None)
         # A model whose own first submodule is named "module" keeps its names.
@@ -298,18 +253,6 @@ def _without_wrapper_prefixes(
             break
         weights = {k[len(prefix) :]: v for k, v in weights.items()}
     return weights
-
-
-def _reshaped(weights: Mapping[str, Any], expected: Mapping[str, Any], url: str) -> dict[str, str]:
-    """``{name: "name (shape) in url, (shape) here"}`` for the names whose shapes differ."""
-    return {
-        k: f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
-        for k, v in expected.items()
-        if k in weights
-        and isinstance(v, torch.Tensor)
-        and isinstance(weights[k], torch.Tensor)
-        and weights[k].shape != v.shape
-    }
 
 
 def _differences(missing: list[str], unexpected: list[str]) -> str:
@@ -322,13 +265,11 @@ def _differences(missing: list[str], unexpected: list[str]) -> str:
 
 
 def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+    return listed(items, shown=20)
 
 
 def _read_sharded(location: Location, manifest: Manifest, storage_options: Any) -> dict[str, Any]:
-    """``model.state_dict()`` as saved, whole, on the CPU, every file verified first. No
-    collective: every rank of a job may call it alone. ``CorruptCheckpointError`` if damaged."""
+    """``model.state_dict()`` as saved, whole, on the CPU, verified; no collective."""
     import torch.distributed.checkpoint as torch_dcp  # imported on use, with steplib's side
     import torch.distributed.checkpoint.metadata as dcp_metadata
 
