@@ -24,12 +24,14 @@ from typing import Any
 import torch
 
 from steplib.errors import ConfigError, describe
+from steplib.sweep.flat_state import FlatState
 
 
 class PerCopyOptimizer(torch.optim.Optimizer):
     """What the sweep optimizers share: the per-copy values, the active copies, and an update
     that leaves a copy alone where ``mask`` is False. Subclasses name their per-copy values in
-    ``per_copy``, their buffers in ``state_keys``, and write ``update_one`` (out of place).
+    ``per_copy``, their buffers in ``state_keys``, and write ``update`` (element-wise, out of
+    place), with ``derived`` and ``per_param`` for what is computed once per update.
 
     Args:
         params: ``copies.parameters()``: every tensor with the copies' leading dimension.
@@ -75,6 +77,13 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.n = n
+        self._flat: dict[tuple[int, torch.dtype, torch.device], FlatState] = {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (deepcopy, pickle) keeps what torch.optim keeps; the rest is derived again.
+        super().__setstate__(state)
+        self.n = len(self.param_groups[0]["active"])
+        self._flat = {}
 
     @torch.no_grad()
     def step(
@@ -89,46 +98,64 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             keep = group["active"] if mask is None else group["active"] & mask
             rates = dict(group["copies"])
             rates["lr"] = group["lr"] * rates["lr"]
-            views: dict[tuple[torch.dtype, int], dict[str, torch.Tensor]] = {}
+            kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                shape = (self.n,) + (1,) * (p.ndim - 1)
-                kind = (p.dtype, p.ndim)  # made once per dtype and rank, not per parameter
-                if kind not in views:
-                    view = {k: v.to(p.dtype).view(shape) for k, v in rates.items()}
-                    views[kind] = {**view, **self.derived(view), "keep": keep.to(p.dtype)}
-                view = views[kind]
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros(self.n, dtype=p.dtype, device=p.device)
-                    state.update({key: torch.zeros_like(p) for key in self.state_keys})
-                here = keep.view(shape)
-                new_p, new_state = self.update_one(p, p.grad, state, view, group)
-                p.copy_(torch.where(here, new_p, p))
-                for key, value in new_state.items():
-                    state[key].copy_(torch.where(here, value, state[key]))
-                state["step"].add_(view["keep"])
+                if p.grad is not None:
+                    kinds.setdefault((p.dtype, p.device), []).append(p)
+            for (dtype, device), params in kinds.items():
+                flat = self._flat_state(index, dtype, device, params)
+                h = {k: v.to(dtype).view(-1, 1) for k, v in rates.items()}
+                h.update(self.derived(h))
+                for name, value in self.per_param(flat.steps.T, h).items():
+                    h[name] = flat.spread(value)
+                old = torch.cat([p.reshape(self.n, -1) for p in params], dim=1)
+                grad = torch.cat([p.grad.reshape(self.n, -1) for p in params], dim=1)  # type: ignore[union-attr]
+                new, buffers = self.update(old, grad, flat.buffers, h, group)
+                here = keep.view(-1, 1)
+                torch._foreach_copy_(params, flat.split(torch.where(here, new, old)))
+                for key, value in buffers.items():
+                    flat.buffers[key].copy_(torch.where(here, value, flat.buffers[key]))
+                flat.steps.add_(keep.to(dtype))
         return loss
 
+    def _flat_state(
+        self, index: int, dtype: torch.dtype, device: torch.device, params: list[torch.Tensor]
+    ) -> FlatState:
+        """The layout of these parameters' state, made again when it no longer fits (other
+        parameters had a gradient, or a load replaced the state's tensors)."""
+        key = (index, dtype, device)
+        flat = self._flat.get(key)
+        if flat is None or not flat.fits(self.state, params):
+            flat = self._flat[key] = FlatState(self.state, params, self.state_keys, self.n)
+        return flat
+
     def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Values computed from the hyper-parameters alone (``1 - beta1``, ...): once per
-        update and dtype, not once per parameter."""
+        """Values computed from the hyper-parameters alone (``1 - beta1``, ...), each ``[N,
+        1]``: once per update and dtype."""
         return {}
 
-    def update_one(
+    def per_param(self, step: torch.Tensor, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Values computed from the step counts (bias corrections, ...): ``step`` is ``[N, P]``
+        (each copy's count for each parameter, before this update) and so is each value;
+        :meth:`update` receives them spread over each parameter's elements (``[N, D]``)."""
+        return {}
+
+    def update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
-        state: dict[str, Any],
+        state: dict[str, torch.Tensor],
         h: dict[str, torch.Tensor],
         group: dict[str, Any],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(new parameter, {state key: new value})`` out of place, for every copy."""
+        """``(new parameters, {buffer: new value})`` out of place, for every copy. ``p``,
+        ``grad`` and the buffers are ``[N, D]``: every parameter of one dtype, flattened and
+        laid end to end (the update is element-wise); ``h`` holds the hyper-parameters and
+        :meth:`derived` values (``[N, 1]``) and the :meth:`per_param` values (``[N, D]``)."""
         raise NotImplementedError
 
 
@@ -166,6 +193,15 @@ class SweepAdamW(PerCopyOptimizer):
             "one_minus_beta2": torch.rsub(h["beta2"], 1),
         }
 
+    def per_param(self, step: torch.Tensor, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The bias corrections: the step size ``lr / (1 - beta1^t)`` and
+        ``sqrt(1 - beta2^t)``, at this update's count ``t``."""
+        step = step + 1
+        return {
+            "step_size": h["lr"] / torch.rsub(h["beta1"] ** step, 1),
+            "bias2_sqrt": torch.rsub(h["beta2"] ** step, 1).sqrt(),
+        }
+
     def __init__(
         self,
         params: Iterable[torch.Tensor],
@@ -189,26 +225,23 @@ class SweepAdamW(PerCopyOptimizer):
             decoupled=bool(decoupled),
         )
 
-    def update_one(
+    def update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
-        state: dict[str, Any],
+        state: dict[str, torch.Tensor],
         h: dict[str, torch.Tensor],
         group: dict[str, Any],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # torch.optim.Adam(W)'s single-tensor formulas, per copy.
-        lr, b1, b2, wd = h["lr"], h["beta1"], h["beta2"], h["weight_decay"]
-        step = state["step"].view(lr.shape) + 1
         if group["decoupled"]:
             p = p * h["decay"]
         else:
-            grad = grad + wd * p
+            grad = grad + h["weight_decay"] * p
         exp_avg = state["exp_avg"].lerp(grad, h["one_minus_beta1"])
-        exp_avg_sq = state["exp_avg_sq"] * b2 + h["one_minus_beta2"] * (grad * grad)
-        step_size = lr / torch.rsub(b1**step, 1)
-        denom = exp_avg_sq.sqrt() / torch.rsub(b2**step, 1).sqrt() + h["eps"]
-        new = p - step_size * exp_avg / denom
+        exp_avg_sq = state["exp_avg_sq"] * h["beta2"] + h["one_minus_beta2"] * (grad * grad)
+        denom = exp_avg_sq.sqrt() / h["bias2_sqrt"] + h["eps"]
+        new = p - h["step_size"] * exp_avg / denom
         return new, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -258,11 +291,15 @@ class SweepSGD(PerCopyOptimizer):
             nesterov=bool(nesterov),
         )
 
-    def update_one(
+    def per_param(self, step: torch.Tensor, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whether this is the parameter's first update (its momentum buffer starts there)."""
+        return {"first": step == 0}
+
+    def update(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
-        state: dict[str, Any],
+        state: dict[str, torch.Tensor],
         h: dict[str, torch.Tensor],
         group: dict[str, Any],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -270,9 +307,8 @@ class SweepSGD(PerCopyOptimizer):
         # gradient itself, and a copy without momentum uses the gradient as it is.
         momentum = h["momentum"]
         grad = grad + h["weight_decay"] * p
-        first = state["step"].view(momentum.shape) == 0
         old = state["momentum_buffer"]
-        buf = torch.where(first, grad, old * momentum + (1 - h["dampening"]) * grad)
+        buf = torch.where(h["first"], grad, old * momentum + (1 - h["dampening"]) * grad)
         moved = grad + momentum * buf if group["nesterov"] else buf
         direction = torch.where(momentum != 0, moved, grad)
         return p - h["lr"] * direction, {"momentum_buffer": buf}
