@@ -44,8 +44,10 @@ class FlatState:
         self.keys = tuple(keys)
         self.sizes = [p.numel() // n for p in params]
         first = params[0]
-        self.repeats = torch.tensor(self.sizes, device=first.device)
-        self.total = sum(self.sizes)
+        # Column j of the flat buffers belongs to parameter columns[j].
+        self.columns = torch.arange(len(params), device=first.device).repeat_interleave(
+            torch.tensor(self.sizes, device=first.device)
+        )
         entries = [state[p] for p in params]
         self.buffers: dict[str, torch.Tensor] = {}
         for key in self.keys:
@@ -77,7 +79,7 @@ class FlatState:
 
     def spread(self, per_param: torch.Tensor) -> torch.Tensor:
         """``[N, P]`` (a value per copy and parameter) to ``[N, D]`` (per element)."""
-        return per_param.repeat_interleave(self.repeats, dim=1, output_size=self.total)
+        return per_param.index_select(1, self.columns)
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``[N, D]`` to one view per parameter, shaped as the parameter."""

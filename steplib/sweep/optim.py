@@ -100,25 +100,29 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             keep = group["active"] if mask is None else group["active"] & mask
-            rates = dict(group["copies"])
-            rates["lr"] = group["lr"] * rates["lr"]
+            here = keep.view(-1, 1)
+            # The hyper-parameters' arithmetic in float64, as torch.optim's on Python floats,
+            # cast to the parameters' dtype once it is done (as a kernel casts a Python float).
+            exact = {k: v.view(-1, 1) for k, v in group["copies"].items()}
+            exact["lr"] = group["lr"] * exact["lr"]
+            exact.update(self.derived(exact))
             kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is not None:
                     kinds.setdefault((p.dtype, p.device), []).append(p)
             for (dtype, device), params in kinds.items():
                 flat = self._flat_state(index, dtype, device, params)
-                h = {k: v.to(dtype).view(-1, 1) for k, v in rates.items()}
-                h.update(self.derived(h))
-                for name, value in self.per_param(flat.steps.T, h).items():
-                    h[name] = flat.spread(value)
+                cast = torch.stack(list(exact.values())).to(dtype).unbind(0)
+                h = dict(zip(exact, cast, strict=True))
+                steps = flat.steps.T.to(torch.float64)
+                for name, value in self.per_param(steps, exact).items():
+                    h[name] = flat.spread(value.to(dtype) if value.is_floating_point() else value)
                 old = torch.cat([p.reshape(self.n, -1) for p in params], dim=1)
                 grad = torch.cat([p.grad.reshape(self.n, -1) for p in params], dim=1)  # type: ignore[union-attr]
                 new, buffers = self.update(old, grad, flat.buffers, h, group)
-                here = keep.view(-1, 1)
                 torch._foreach_copy_(params, flat.split(torch.where(here, new, old)))
                 for key, value in buffers.items():
-                    flat.buffers[key].copy_(torch.where(here, value, flat.buffers[key]))
+                    torch.where(here, value, flat.buffers[key], out=flat.buffers[key])
                 flat.steps.add_(keep.to(dtype))
         return loss
 
@@ -134,14 +138,15 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         return flat
 
     def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Values computed from the hyper-parameters alone (``1 - beta1``, ...), each ``[N,
-        1]``: once per update and dtype."""
+        """Values computed from the hyper-parameters alone (``1 - beta1``, ...): once per
+        update, in float64 (each ``[N, 1]``), cast to the parameters' dtype afterwards."""
         return {}
 
     def per_param(self, step: torch.Tensor, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Values computed from the step counts (bias corrections, ...): ``step`` is ``[N, P]``
-        (each copy's count for each parameter, before this update) and so is each value;
-        :meth:`update` receives them spread over each parameter's elements (``[N, D]``)."""
+        """Values computed from the step counts (bias corrections, ...), in float64: ``step``
+        is ``[N, P]`` (each copy's count for each parameter, before this update) and so is each
+        value; :meth:`update` receives them cast and spread over each parameter's elements
+        (``[N, D]``)."""
         return {}
 
     def update(
@@ -194,11 +199,11 @@ class SweepAdamW(PerCopyOptimizer):
         }
 
     def per_param(self, step: torch.Tensor, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The bias corrections: the step size ``lr / (1 - beta1^t)`` and
+        """The bias corrections: the step size ``lr / (1 - beta1^t)`` (negated) and
         ``sqrt(1 - beta2^t)``, at this update's count ``t``."""
         step = step + 1
         return {
-            "step_size": h["lr"] / torch.rsub(h["beta1"] ** step, 1),
+            "neg_step_size": -h["lr"] / torch.rsub(h["beta1"] ** step, 1),
             "bias2_sqrt": torch.rsub(h["beta2"] ** step, 1).sqrt(),
         }
 
@@ -233,15 +238,18 @@ class SweepAdamW(PerCopyOptimizer):
         h: dict[str, torch.Tensor],
         group: dict[str, Any],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # torch.optim.Adam(W)'s single-tensor formulas, per copy.
+        # torch.optim.Adam(W)'s single-tensor formulas, per copy, in its order of operations:
+        # addcmul and addcdiv compute (value * t1) * t2 and (value * t1) / t2 as its do.
         if group["decoupled"]:
             p = p * h["decay"]
         else:
             grad = grad + h["weight_decay"] * p
         exp_avg = state["exp_avg"].lerp(grad, h["one_minus_beta1"])
-        exp_avg_sq = state["exp_avg_sq"] * h["beta2"] + h["one_minus_beta2"] * (grad * grad)
+        exp_avg_sq = torch.addcmul(
+            state["exp_avg_sq"] * h["beta2"], grad * h["one_minus_beta2"], grad
+        )
         denom = exp_avg_sq.sqrt() / h["bias2_sqrt"] + h["eps"]
-        new = p - h["step_size"] * exp_avg / denom
+        new = torch.addcdiv(p, exp_avg * h["neg_step_size"], denom)
         return new, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -291,6 +299,10 @@ class SweepSGD(PerCopyOptimizer):
             nesterov=bool(nesterov),
         )
 
+    def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``1 - dampening``."""
+        return {"one_minus_dampening": torch.rsub(h["dampening"], 1)}
+
     def per_param(self, step: torch.Tensor, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whether this is the parameter's first update (its momentum buffer starts there)."""
         return {"first": step == 0}
@@ -308,7 +320,7 @@ class SweepSGD(PerCopyOptimizer):
         momentum = h["momentum"]
         grad = grad + h["weight_decay"] * p
         old = state["momentum_buffer"]
-        buf = torch.where(h["first"], grad, old * momentum + (1 - h["dampening"]) * grad)
+        buf = torch.where(h["first"], grad, old * momentum + h["one_minus_dampening"] * grad)
         moved = grad + momentum * buf if group["nesterov"] else buf
         direction = torch.where(momentum != 0, moved, grad)
         return p - h["lr"] * direction, {"momentum_buffer": buf}
