@@ -44,9 +44,10 @@ class FlatState:
         self.keys = tuple(keys)
         self.sizes = [p.numel() // n for p in params]
         first = params[0]
-        # Column j of the flat buffers belongs to parameter columns[j].
-        self.columns = torch.arange(len(params), device=first.device).repeat_interleave(
-            torch.tensor(self.sizes, device=first.device)
+        # Column j of the flat buffers belongs to parameter columns[j]; filled on the device
+        # (no host-to-device copy, no sync on CUDA).
+        self.columns = torch.cat(
+            [torch.full((size,), i, device=first.device) for i, size in enumerate(self.sizes)]
         )
         entries = [state[p] for p in params]
         self.buffers: dict[str, torch.Tensor] = {}
