@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from steplib.sweep import Copies, SweepAdamW, SweepSGD
+from steplib.sweep.optim import PACK_LIMIT
 
 N = 3
 LRS = [1e-2, 3e-2, 1e-1]
@@ -33,11 +34,16 @@ MAKERS = {
 }
 
 
-def models() -> list[nn.Module]:
+def models(wide: int = 0) -> list[nn.Module]:
+    """Two small layers; with ``wide``, a third whose weight is over PACK_LIMIT across the
+    copies (updated alone, through a view, rather than packed with the others)."""
     out: list[nn.Module] = []
     for i in range(N):
         torch.manual_seed(i)
-        out.append(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).double())
+        layers = [nn.Linear(4, 3), nn.Linear(3, 2)]
+        if wide:
+            layers.append(nn.Linear(2, wide))
+        out.append(nn.Sequential(*layers).double())
     return out
 
 
@@ -60,17 +66,21 @@ def sweep_update(opt: torch.optim.Optimizer, copies: Copies, update: int) -> Non
     opt.step()
 
 
-def test_sweep_adamw_float32_equals_torch_adamw_bit_for_bit_given_the_same_gradients() -> None:
+@pytest.mark.parametrize("wide", [0, PACK_LIMIT // N // 2 + 1])
+def test_sweep_adamw_float32_equals_torch_adamw_bit_for_bit_given_the_same_gradients(
+    wide: int,
+) -> None:
     """AdamW only: torch's Adam with L2 decay and its SGD add with ``alpha=``, a fused
     multiply-add in their vector kernels that no operation with a per-copy tensor reproduces
     (their law is float64 within 1e-12, tests/test_sweep_exactness.py)."""
     betas = [(0.9, 0.999), (0.8, 0.99), (0.5, 0.9)]
-    plain = [m.float() for m in models()]
+    plain = [m.float() for m in models(wide)]
     opts = [
         torch.optim.AdamW(m.parameters(), lr=LRS[i], betas=betas[i], weight_decay=WDS[i])
         for i, m in enumerate(plain)
     ]
-    copies = Copies.stack([m.float() for m in models()])
+    copies = Copies.stack([m.float() for m in models(wide)])
+    assert wide == 0 or list(copies.parameters())[-2].numel() > PACK_LIMIT
     opt = SweepAdamW(
         copies.parameters(),
         lr=LRS,

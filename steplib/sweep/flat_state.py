@@ -41,6 +41,9 @@ class FlatState:
         n: int,
     ) -> None:
         self.params = tuple(params)
+        self.n = n
+        # One contiguous parameter is updated through a view of it: no copy in or out.
+        self.alone = len(params) == 1 and params[0].is_contiguous()
         self.keys = tuple(keys)
         self.sizes = [p.numel() // n for p in params]
         first = params[0]
@@ -79,8 +82,23 @@ class FlatState:
         )
 
     def spread(self, per_param: torch.Tensor) -> torch.Tensor:
-        """``[N, P]`` (a value per copy and parameter) to ``[N, D]`` (per element)."""
-        return per_param.index_select(1, self.columns)
+        """``[N, P]`` (a value per copy and parameter) to ``[N, D]`` (per element); one
+        parameter's ``[N, 1]`` broadcasts as it is."""
+        return per_param if self.alone else per_param.index_select(1, self.columns)
+
+    def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The parameters (or their gradients) as one ``[N, D]`` tensor: a copy, or a view of
+        a parameter that is alone."""
+        flat = [t.reshape(self.n, -1) for t in tensors]
+        return flat[0] if self.alone else torch.cat(flat, dim=1)
+
+    def write(self, here: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+        """The parameters become ``new`` where ``here`` (``[N, 1]``) is True; ``old`` is what
+        :meth:`gather` gave (written in place when it is a view of the one parameter)."""
+        if self.alone:
+            torch.where(here, new, old, out=old)
+        else:
+            torch._foreach_copy_(list(self.params), self.split(torch.where(here, new, old)))
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``[N, D]`` to one view per parameter, shaped as the parameter."""

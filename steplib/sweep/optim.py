@@ -77,7 +77,7 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.n = n
-        self._flat: dict[tuple[int, torch.dtype, torch.device], FlatState] = {}
+        self._flat: dict[tuple[Any, ...], FlatState] = {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy (deepcopy, pickle) keeps what torch.optim keeps; the rest is derived again.
@@ -111,27 +111,26 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                 if p.grad is not None:
                     kinds.setdefault((p.dtype, p.device), []).append(p)
             for (dtype, device), params in kinds.items():
-                flat = self._flat_state(index, dtype, device, params)
                 cast = torch.stack(list(exact.values())).to(dtype).unbind(0)
-                h = dict(zip(exact, cast, strict=True))
-                steps = flat.steps.T.to(torch.float64)
-                for name, value in self.per_param(steps, exact).items():
-                    h[name] = flat.spread(value.to(dtype) if value.is_floating_point() else value)
-                old = torch.cat([p.reshape(self.n, -1) for p in params], dim=1)
-                grad = torch.cat([p.grad.reshape(self.n, -1) for p in params], dim=1)  # type: ignore[union-attr]
-                new, buffers = self.update(old, grad, flat.buffers, h, group)
-                torch._foreach_copy_(params, flat.split(torch.where(here, new, old)))
-                for key, value in buffers.items():
-                    torch.where(here, value, flat.buffers[key], out=flat.buffers[key])
-                flat.steps.add_(keep.to(dtype))
+                for i, packed in enumerate(_packs(params)):
+                    flat = self._flat_state((index, dtype, device, i), packed)
+                    h = dict(zip(exact, cast, strict=True))
+                    steps = flat.steps.T.to(torch.float64)
+                    for name, value in self.per_param(steps, exact).items():
+                        value = value.to(dtype) if value.is_floating_point() else value
+                        h[name] = flat.spread(value)
+                    grads = [p.grad for p in packed if p.grad is not None]
+                    old, grad = flat.gather(packed), flat.gather(grads)
+                    new, buffers = self.update(old, grad, flat.buffers, h, group)
+                    flat.write(here, new, old)
+                    for key, value in buffers.items():
+                        torch.where(here, value, flat.buffers[key], out=flat.buffers[key])
+                    flat.steps.add_(keep.to(dtype))
         return loss
 
-    def _flat_state(
-        self, index: int, dtype: torch.dtype, device: torch.device, params: list[torch.Tensor]
-    ) -> FlatState:
+    def _flat_state(self, key: tuple[Any, ...], params: list[torch.Tensor]) -> FlatState:
         """The layout of these parameters' state, made again when it no longer fits (other
         parameters had a gradient, or a load replaced the state's tensors)."""
-        key = (index, dtype, device)
         flat = self._flat.get(key)
         if flat is None or not flat.fits(self.state, params):
             flat = self._flat[key] = FlatState(self.state, params, self.state_keys, self.n)
@@ -324,6 +323,19 @@ class SweepSGD(PerCopyOptimizer):
         moved = grad + momentum * buf if group["nesterov"] else buf
         direction = torch.where(momentum != 0, moved, grad)
         return p - h["lr"] * direction, {"momentum_buffer": buf}
+
+
+# Packing a parameter with others saves about 20 operations per update but copies its elements
+# a few times (gathered, spread, written back): above about 32K elements (all copies) the
+# copies cost more than the operations saved (a 16-128-128-10 MLP, 8 copies: 3.4 ms packed
+# against 2.5 ms one by one; 16-32-32-10: 0.33 ms packed against 0.53 ms).
+PACK_LIMIT = 2**15
+
+
+def _packs(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The small parameters together, each large one alone."""
+    small = [p for p in params if p.numel() <= PACK_LIMIT]
+    return ([small] if small else []) + [[p] for p in params if p.numel() > PACK_LIMIT]
 
 
 def _is_sequence(value: Any) -> bool:
