@@ -1,11 +1,14 @@
-"""``FlatState``: a sweep optimizer's buffers for the parameters of one dtype, laid end to end.
+"""``FlatState``: a sweep optimizer's buffers for some parameters of one dtype, laid end to end.
 
 Why: a sweep of a small model has few elements and many tensors, so its update is bound by the
-number of operations, not by the arithmetic. Holding each buffer (``exp_avg``, ...) as one
-``[N, D]`` tensor (``D``: the elements of one copy's parameters) makes the update about 20
-operations in all instead of 20 per parameter. The optimizer's state keeps the usual shape
-(per parameter: ``step`` ``[N]`` and each buffer shaped as the parameter), as views of these
-tensors, so ``state_dict``, checkpoints and ``load_state_dict`` see what they always saw.
+number of operations, not by the arithmetic. Holding each buffer (``exp_avg``, ...) of the
+small parameters as one ``[N, D]`` tensor (``D``: the elements of one copy's parameters) makes
+the update about 20 operations in all instead of 20 per parameter. A large parameter gets a
+``FlatState`` of its own and is updated through a view of it (packing would copy its elements
+more than the operations saved are worth: ``PACK_LIMIT`` in ``optim``). The optimizer's state
+keeps the usual shape (per parameter: ``step`` ``[N]`` and each buffer shaped as the
+parameter), as views of these tensors, so ``state_dict``, checkpoints and ``load_state_dict``
+see what they always saw.
 
 A ``load_state_dict`` (or any code) that replaces a state tensor leaves the views stale:
 :meth:`FlatState.fits` notices it (identity of the tensors, no device read) and the optimizer
