@@ -297,6 +297,50 @@ def test_sweep_batchnorm_buffers_are_per_copy_and_equal_separate_runs() -> None:
             assert torch.allclose(mine.double(), theirs.double(), rtol=0, atol=1e-12), name
 
 
+def test_sweep_tied_weights_stay_tied_and_equal_separate_runs() -> None:
+    """One parameter under two names (an encoder and a decoder sharing a weight): each copy's
+    gradient is the sum of both uses, as in its own run."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encode = nn.Linear(8, 4)
+            self.decode = nn.Linear(4, 8, bias=False)
+            self.decode.weight = nn.Parameter(self.encode.weight.T.contiguous())
+            self.encode.weight = self.decode.weight  # tied: forward uses it as x @ W
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(x @ self.encode.weight + self.encode.bias)
+            return self.decode(h)
+
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return Tied().double()
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        return F.mse_loss(m(b[0]), b[0])
+
+    batches = [x for x, _, _ in f64_batches(30)]
+    models = []
+    for i in range(N):
+        model = make(i)
+        plain = torch.optim.AdamW(model.parameters(), lr=LRS[i], weight_decay=WDS[i])
+        for x in batches:
+            loss_fn(model, (x,)).backward()
+            plain.step()
+            plain.zero_grad()
+        models.append(model)
+    copies = Copies.stack([make(i) for i in range(N)])
+    stacked = copies.stacked
+    assert stacked.get_parameter("encode.weight") is stacked.get_parameter("decode.weight")
+    opt = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=WDS)
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    step = sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=(batches[0],))
+    for x in batches:
+        state, _ = step(state, (x,))
+    assert_params_equal(copies, models, 1e-12)
+
+
 def test_sweep_dropout_draws_a_different_mask_per_copy() -> None:
     same = Copies.stack([tiny_model(0, dropout=0.5) for _ in range(N)])  # identical copies
     state = sl.TrainState.create(model=same, optimizer=SweepSGD(same.parameters(), lr=0.1))

@@ -153,16 +153,21 @@ def per_copy(loss_fn: Callable[[Any, Any], Any], copies: Copies) -> Callable[[An
     different values per copy (``randomness="different"``)."""
     holder = _LossOf(loss_fn, copies.stacked)
 
-    def one(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], batch: Any) -> Any:
-        named = {f"model.{k}": v for k, v in params.items()}
-        named.update({f"model.{k}": v for k, v in buffers.items()})
-        return functional_call(holder, named, (batch,))
-
-    batched = vmap(one, in_dims=(0, 0, None), randomness="different")
-
     def run(batch: Any) -> Any:
-        params, buffers = copies.tensors()
-        return batched(params, buffers, batch)
+        # Every name of every tensor, a tied one under each of its names: functional_call
+        # then has no ties to find (tie_weights=False), and vmap maps a flat tuple. The batch
+        # is closed over, not mapped: vmap leaves it whole without flattening it each call.
+        named: list[tuple[str, torch.Tensor]] = [
+            *copies.stacked.named_parameters(remove_duplicate=False),
+            *copies.stacked.named_buffers(remove_duplicate=False),
+        ]
+        names = [f"model.{name}" for name, _ in named]
+
+        def one(*tensors: torch.Tensor) -> Any:
+            swapped = dict(zip(names, tensors, strict=True))
+            return functional_call(holder, swapped, (batch,), tie_weights=False)
+
+        return vmap(one, randomness="different")(*(tensor for _, tensor in named))
 
     return run
 
