@@ -74,13 +74,12 @@ def test_checkpoints_survive_random_sigkills_mid_step_and_mid_save(
     logs = []
     where: Counter[str] = Counter()
     committed = False
-    trial = -1
     # KILLS kills, and more (at most 2x KILLS: each lets ~3 of the 200 updates run, and the
     # run must not end) while too few landed where they were aimed: on a loaded machine a
     # kill aimed at a micro-batch lands late.
-    while (trial := trial + 1) < KILLS or (
-        trial < 2 * KILLS and (where["mid-save"] < KILLS // 4 or where["mid-step"] < KILLS // 8)
-    ):
+    for trial in range(2 * KILLS):
+        if trial >= KILLS and where["mid-save"] >= KILLS // 4 and where["mid-step"] >= KILLS // 8:
+            break
         log = tmp_path / f"run{trial}.log"
         logs.append(log)
         child = context.Process(

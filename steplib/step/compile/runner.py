@@ -255,13 +255,18 @@ class CompiledRunner(Runner):
         return process_grads(step, state, window=window)
 
     def optimizer_step(self, step: Step, optimizer: torch.optim.Optimizer) -> None:
-        """Phase 3's optimizer update: eager the first time for this optimizer, then compiled."""
-        if optimizer not in self.prepared or self.cuda_graphs:
-            has_grads = all(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+        """Phase 3's optimizer update: eager the first time for this optimizer (and always
+        under CUDA graphs), then compiled."""
+        first = optimizer not in self.prepared
+        if first or self.cuda_graphs:
+            has_grads = first and all(
+                p.grad is not None for g in optimizer.param_groups for p in g["params"]
+            )
             optimizer.step()  # creates the optimizer's state lazily: not worth a graph
-            if not self.cuda_graphs:
-                prepare(optimizer)
-            self.prepared.setdefault(optimizer, has_grads)
+            if first:
+                if not self.cuda_graphs:
+                    prepare(optimizer)
+                self.prepared[optimizer] = has_grads
         else:
             if needs_prepare(optimizer):  # e.g. a state loaded from a checkpoint since
                 prepare(optimizer)
