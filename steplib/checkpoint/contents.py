@@ -1,7 +1,6 @@
 """What a checkpoint holds, gathered from a TrainState and checked to be plain data that
-``torch.load(weights_only=True)`` reads back: ``model.pt``, ``optimizer.pt``,
-``train_state.pt`` and, inside an open accumulation window, ``window_grads.pt``. The handlers
-with state attached to the run are found without being named (see ``docs/checkpoints.md``)."""
+``torch.load(weights_only=True)`` reads back: ``model.pt``, ``optimizer.pt`` and
+``train_state.pt``; the handlers with state attached to the run are found without being named."""
 
 from __future__ import annotations
 
@@ -13,10 +12,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
 from steplib.checkpoint.manifest import fingerprint
-from steplib.checkpoint.storage import hasher
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
 from steplib.events import Event, Events
@@ -26,7 +25,6 @@ from steplib.state import TrainState
 MODEL = "model.pt"
 OPTIMIZER = "optimizer.pt"
 TRAIN_STATE = "train_state.pt"
-WINDOW_GRADS = "window_grads.pt"
 
 _LEAVES = (type(None), bool, int, float, str, torch.Tensor)  # isinstance: Parameter too
 DCP_DIR = "dcp"
@@ -114,8 +112,8 @@ def check_arguments(
 def gather(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], trainable_only: bool = False
 ) -> dict[str, Any]:
-    """The trees to write, by file name (live tensors); ``ConfigError`` for a value a
-    weights-only load could not read back."""
+    """The files of a single-process checkpoint by name (live tensors); ``ConfigError`` for a
+    value a weights-only load could not read back."""
     model, base = state.model, None
     weights = model.state_dict()
     if trainable_only:
@@ -124,23 +122,27 @@ def gather(
     named = {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
     optimizers = named if state.names else state.optimizer.state_dict()
     trees = {MODEL: weights, OPTIMIZER: optimizers, TRAIN_STATE: train_state}
-    if any(lane.window.size > 0 for lane in lanes(state)):
-        trees[WINDOW_GRADS] = window_grads(model)
     for file_name, tree in trees.items():
         check_plain(tree, file_name)
     return trees
 
 
 def train_state_tree(state: TrainState, *, data: Any, extras: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything of ``state`` but the model and optimizer (both back-ends write it)."""
+    """Everything of ``state`` but the model and optimizer tensors (both back-ends write it)."""
     tree = lane_tree(state)
     tree["counters"]["epoch"] = state.epoch
+    open_window = any(lane.window.size > 0 for lane in lanes(state))
+    params = dict(state.model.named_parameters())
+    grads = {n: p.grad for n, p in params.items() if p.grad is not None}
     tree.update(
         extras=dict(state.extras),
         objects={name: obj.state_dict() for name, obj in extras.items()},
         rng=capture_rng(),
         data=None if data is None else data.state_dict(),
-        frozen=[name for name, p in state.model.named_parameters() if not p.requires_grad],
+        frozen=[name for name, p in params.items() if not p.requires_grad],
+        optimizer_names=list(state.names),
+        window_grads=grads if open_window else {},
+        base=None,
     )
     if state.names:
         tree["lanes"] = {name: lane_tree(state[name]) for name in state.names[1:]}
@@ -148,7 +150,7 @@ def train_state_tree(state: TrainState, *, data: Any, extras: Mapping[str, Any])
 
 
 def lane_tree(state: TrainState) -> dict[str, Any]:
-    """One optimizer's counters, window, scheduler and scaler."""
+    """One optimizer's counters, window, scheduler and scaler, and what the optimizer is."""
     return {
         "counters": {
             "step": state.step,
@@ -160,6 +162,7 @@ def lane_tree(state: TrainState) -> dict[str, Any]:
         },
         "window": {"loss": state.window.loss, "targets": state.window.targets},
         "optimizer_type": type(state.optimizer).__name__,
+        "group_sizes": [len(g["params"]) for g in state.optimizer.param_groups],
         "scheduler_type": None if state.scheduler is None else type(state.scheduler).__name__,
         "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
         "scaler": None if state.scaler is None else state.scaler.state_dict(),
@@ -200,17 +203,13 @@ def trainable_part(
             "a gradient, so the checkpoint would hold no weights. Save the whole model "
             "(trainable_only=False), or unfreeze what is trained first."
         )
-    base, digest = sorted(weights.keys() & frozen), hasher()
+    base, digest = sorted(weights.keys() & frozen), xxhash.xxh3_64()
     for name in base:
         value = weights[name].detach()
         digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
         digest.update(value.reshape(-1).cpu().contiguous().view(torch.uint8).numpy())
     kept = {name: value for name, value in weights.items() if name not in frozen}
-    return kept, {"entries": len(base), "digest": str(digest.hexdigest())}
-
-
-def window_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return kept, {"entries": len(base), "digest": digest.hexdigest()}
 
 
 def check_metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, float]:

@@ -173,42 +173,33 @@ def gather(
 ) -> tuple[Tree, Tree]:
     """``(files, tensors)``: this rank's file and DCP's tensors, live."""
     model, every = state.model, lanes(state)
-    grads = None
     open_window = max(lane.window.size for lane in every)
-    if open_window > 0:
-        if not holds_only_ddp(model):
-            # FSDP2 keeps them in its parameter groups; tensor parallel's are bound to the mesh.
-            fsdp = any(is_parallel_model(m) for m in model.modules())
-            kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
-            raise ConfigError(
-                f"{caller}: the state is inside an open accumulation window "
-                f"({open_window} micro-batches done) of {kind} model, whose "
-                "unsynchronised gradients cannot be saved. Save between windows: "
-                "checkpoint_every and preemption() do; or save when out.did_update is True."
-            )
-        grads = contents.window_grads(model)
+    if open_window > 0 and not holds_only_ddp(model):
+        # FSDP2 keeps them in its parameter groups; tensor parallel's are bound to the mesh.
+        fsdp = any(is_parallel_model(m) for m in model.modules())
+        kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
+        raise ConfigError(
+            f"{caller}: the state is inside an open accumulation window "
+            f"({open_window} micro-batches done) of {kind} model, whose "
+            "unsynchronised gradients cannot be saved. Save between windows: "
+            "checkpoint_every and preemption() do; or save when out.did_update is True."
+        )
     # get_optimizer_state_dict steps an empty optimizer once with lr=0 (Adam's step count
     # changes): before its first update only its settings are saved. One DCP state holds every
     # optimizer that has state (their parameters are disjoint).
     stateful = [lane.optimizer for lane in every if lane.optimizer.state]
     optim_sd = sd.get_optimizer_state_dict(model, stateful) if stateful else {}
     tensors, plain = split({"model": sd.get_model_state_dict(model), "optimizer": optim_sd})
-    infos = [
-        {
-            "has_state": bool(o.state),
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
-            "group_sizes": [len(g["params"]) for g in o.param_groups],
-        }
-        for o in (lane.optimizer for lane in every)
-    ]
-    rank_tree = {
-        "plain": plain,
-        "optimizer": infos[0],
-        "optimizer_names": list(state.names),
-        "lane_optimizers": dict(zip(state.names[1:], infos[1:], strict=True)),
-        "train_state": contents.train_state_tree(state, data=data, extras=extras),
-        "window_grads": grads,
-    }
+    rank_tree = contents.train_state_tree(state, data=data, extras=extras)
+    rank_tree.update(
+        plain=plain,  # DCP's non-tensor values
+        fresh_groups=[  # the settings of an optimizer without state
+            None
+            if o.state
+            else [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+            for o in (lane.optimizer for lane in every)
+        ],
+    )
     name = rank_file(dist.get_rank())
     contents.check_plain(rank_tree, name)
     return {name: rank_tree}, tensors
@@ -244,16 +235,8 @@ def load(
     world = dist.get_world_size() if distributed else 1
     storage.verify_all(location, manifest.files, me=me, world=world)
     same_world = world == manifest.world_size
-    rank_tree = read_rank_file(location, manifest, me if same_world else 0)
-    train_state = rank_tree["train_state"]
-    restore.check_optimizer_names(rank_tree.get("optimizer_names", []), state, checkpoint=url)
-    restore.check_train_state(train_state, state, data=data, extras=extras, checkpoint=url)
-    infos = [rank_tree["optimizer"], *rank_tree.get("lane_optimizers", {}).values()]
-    trees = restore.lane_trees(train_state, state)
-    for lane, info, tree in zip(lanes(state), infos, trees.values(), strict=True):
-        restore.check_optimizer(
-            tree["optimizer_type"], info["group_sizes"], lane.optimizer, checkpoint=url
-        )
+    train_state = read_rank_file(location, manifest, me if same_world else 0)
+    restore.check_fits(train_state, state, data=data, extras=extras, checkpoint=url)
     saved = manifest.world_size
     if not same_world and data is not None:  # only a shard=True loader's position moves
         check_new_world(
@@ -273,9 +256,8 @@ def load(
             "an EMA of an FSDP2 model), saved per rank, which steplib cannot reshard. Resume "
             f"on {manifest.world_size} ranks."
         )
-    model = state.model
-    pairs = list(zip(lanes(state), infos, strict=True))
-    stateful = [lane.optimizer for lane, info in pairs if info["has_state"]]
+    model, pairs = state.model, list(zip(lanes(state), train_state["fresh_groups"], strict=True))
+    stateful = [lane.optimizer for lane, groups in pairs if groups is None]
     target = {
         "model": sd.get_model_state_dict(model),
         "optimizer": sd.get_optimizer_state_dict(model, stateful) if stateful else {},
@@ -284,20 +266,17 @@ def load(
     _check_keys(read_metadata(location, options), tensors, state, url)
     with dcp_errors("read", url):
         torch_dcp.load(tensors, storage_reader=reader(location, options), no_dist=not distributed)
-    loaded = merge(tensors, rank_tree["plain"])
+    loaded = merge(tensors, train_state["plain"])
     sd.set_model_state_dict(model, loaded["model"])
     if stateful:
         sd.set_optimizer_state_dict(model, stateful, loaded["optimizer"])
-    for optimizer, info in ((lane.optimizer, info) for lane, info in pairs):
-        if not info["has_state"]:  # saved before its first update: the groups' settings alone
-            index = iter(range(sum(len(g["params"]) for g in optimizer.param_groups)))
-            params = [[next(index) for _ in g["params"]] for g in optimizer.param_groups]
-            groups = [dict(g, params=p) for g, p in zip(info["groups"], params, strict=True)]
-            optimizer.load_state_dict({"state": {}, "param_groups": groups})
-    grads = rank_tree["window_grads"] or {}
-    return restore.restore_train_state(
-        train_state, state, data=data, extras=extras, grads=grads, rng=same_world
-    )
+    for lane, groups in pairs:
+        if groups is not None:  # saved before its first update: the groups' settings alone
+            index = iter(range(sum(len(g["params"]) for g in lane.optimizer.param_groups)))
+            params = [[next(index) for _ in g["params"]] for g in lane.optimizer.param_groups]
+            saved = [dict(g, params=p) for g, p in zip(groups, params, strict=True)]
+            lane.optimizer.load_state_dict({"state": {}, "param_groups": saved})
+    return restore.restore_train_state(train_state, state, data=data, extras=extras, rng=same_world)
 
 
 def _holds_dtensor(tree: Any) -> bool:

@@ -20,7 +20,7 @@ import orjson
 import torch
 
 from steplib.checkpoint import storage
-from steplib.checkpoint.storage import ALGORITHMS, FileRecord, Location, StorageOptions
+from steplib.checkpoint.storage import XXH3_64, FileRecord, Location, StorageOptions
 from steplib.errors import (
     CheckpointError,
     CheckpointWarning,
@@ -31,8 +31,7 @@ from steplib.errors import (
 
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
-# Format versions: 1 single-process and 2 sharded, with CRC32 file checksums; 3 either layout
-# with XXH3 (written now). An older steplib reading 3 says "upgrade", not "corrupt".
+# Format 3: steplib 0.2 (either layout, XXH3). 0.1 wrote 1 and 2 (CRC32), no longer read.
 VERSION = 3
 MANIFEST = "manifest.json"
 SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
@@ -125,10 +124,8 @@ class Manifest:
             # NaN/inf are not JSON; a metric that diverged ranks last anyway.
             metrics={k: (v if math.isfinite(v) else None) for k, v in self.metrics.items()},
             versions=dict(self.versions),
-            files={k: {"bytes": r.size, r.algorithm: r.checksum} for k, r in self.files.items()},
+            files={k: {"bytes": r.size, XXH3_64: r.checksum} for k, r in self.files.items()},
         )
-        if self.layout == SINGLE:  # absent: single, one process (as format 1 wrote it)
-            del body["layout"], body["world_size"]
         body["manifest_crc32"] = _body_crc(body)
         return orjson.dumps(body, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
 
@@ -142,13 +139,8 @@ class Manifest:
             stored, crc = body.pop("manifest_crc32", None), _body_crc(body)
             if stored != crc:
                 raise ValueError(f"its CRC32 is {crc}, it says {stored}: it was altered")
-            if body.get("layout", SINGLE) not in (SINGLE, SHARDED):
-                raise ValueError(f"unknown layout {body['layout']!r}; upgrade steplib")
-            if body["version"] > VERSION:
-                raise ValueError(
-                    f"format version {body['version']} is newer than this steplib reads "
-                    f"({VERSION}); upgrade steplib"
-                )
+            if body["version"] != VERSION:
+                raise ValueError(_other_version(body["version"], checkpoint))
             step, micro, epoch, window = (
                 int(body[k]) for k in ("step", "micro_step", "epoch", "window_size")
             )
@@ -156,8 +148,8 @@ class Manifest:
                 str(body["name"]), step, micro, epoch, window, float(body["time"]),
                 {k: math.nan if v is None else float(v) for k, v in body["metrics"].items()},
                 body["fingerprint"], dict(body["versions"]),
-                {k: _record(k, v) for k, v in body["files"].items()},
-                str(body.get("layout", SINGLE)), int(body.get("world_size", 1)),
+                {k: FileRecord(int(v["bytes"]), str(v[XXH3_64])) for k, v in body["files"].items()},
+                str(body["layout"]), int(body["world_size"]),
             )  # fmt: skip
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(
@@ -170,14 +162,13 @@ def _body_crc(body: Mapping[str, Any]) -> str:
     return f"{zlib.crc32(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)):08x}"
 
 
-def _record(name: str, entry: Mapping[str, Any]) -> FileRecord:
-    # {"bytes": ..., "xxh3_64": ...}, or "crc32" in a checkpoint written before steplib 0.2.0.
-    for algorithm in ALGORITHMS:
-        if algorithm in entry:
-            return FileRecord(int(entry["bytes"]), str(entry[algorithm]), algorithm)
-    raise ValueError(
-        f"the entry of {name} has no checksum this steplib knows ({', '.join(ALGORITHMS)}); "
-        "upgrade steplib"
+def _other_version(version: int, checkpoint: str) -> str:
+    if version > VERSION:
+        return f"format version {version} is newer than this steplib reads ({VERSION}); upgrade"
+    return (
+        f"format version {version} was written by steplib 0.1, which this steplib no longer "
+        "reads; resume it with steplib 0.1, or start from the weights of a single-process one: "
+        f"load_weights(model, '{checkpoint}/model.pt')"
     )
 
 

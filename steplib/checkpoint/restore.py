@@ -15,8 +15,8 @@ from steplib.checkpoint.contents import (
     MODEL,
     OPTIMIZER,
     TRAIN_STATE,
-    WINDOW_GRADS,
     HandlerStates,
+    lanes,
     trainable_part,
 )
 from steplib.checkpoint.manifest import fingerprint
@@ -76,11 +76,11 @@ def check_fingerprint(
 def apply(
     trees: Mapping[str, Any], state: TrainState, *, data: Any, extras: Any, checkpoint: str
 ) -> TrainState:
-    """Load ``trees`` into ``state``'s objects; return it with the saved counters
-    (``ConfigError``, nothing changed, when the checkpoint does not fit)."""
+    """Load a single-process checkpoint's ``trees`` into ``state``'s objects; return it with the
+    saved counters (``ConfigError``, nothing changed, when the checkpoint does not fit)."""
     train_state = trees[TRAIN_STATE]
     weights = state.model.state_dict()
-    base = train_state.get("base")  # a checkpoint of the trainable parameters alone
+    base = train_state["base"]  # a checkpoint of the trainable parameters alone
     if base is not None:
         # What this model would save must be what it holds; the rest, the same frozen base.
         weights, here = trainable_part(state.model, weights)
@@ -100,43 +100,30 @@ def apply(
         checkpoint=checkpoint,
         hint=FINE_TUNE,
     )
-    tree = trees[OPTIMIZER]  # the optimizer's state_dict, or each named one's by name
-    check_optimizer_names(list(tree.get("optimizers", [])), state, checkpoint=checkpoint)
-    optimizers = dict(tree["optimizers"]) if "optimizers" in tree else {None: tree}
-    trees_by_name = lane_trees(train_state, state)
-    for name, saved in optimizers.items():
-        check_optimizer(
-            trees_by_name[name]["optimizer_type"],
-            [len(g["params"]) for g in saved["param_groups"]],
-            _lane(state, name).optimizer,
-            checkpoint=checkpoint,
-        )
-    check_train_state(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
+    check_fits(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
     state.model.load_state_dict(trees[MODEL], strict=base is None)  # the base: checked above
-    for name, saved in optimizers.items():
-        _lane(state, name).optimizer.load_state_dict(saved)
-    grads = trees.get(WINDOW_GRADS, {})
-    return restore_train_state(train_state, state, data=data, extras=extras, grads=grads, rng=True)
+    optimizers = trees[OPTIMIZER]["optimizers"].values() if state.names else [trees[OPTIMIZER]]
+    for lane, saved in zip(lanes(state), optimizers, strict=True):
+        lane.optimizer.load_state_dict(saved)
+    return restore_train_state(train_state, state, data=data, extras=extras, rng=True)
 
 
 def restore_train_state(
-    train_state: Any, state: TrainState, *, data: Any, extras: Any, grads: Any, rng: bool
+    train_state: Any, state: TrainState, *, data: Any, extras: Any, rng: bool
 ) -> TrainState:
-    """Load a checked ``train_state`` (window ``grads``, RNG states with ``rng``) into ``state``."""
+    """Load a checked ``train_state`` (its RNG states with ``rng``) into ``state``."""
     trees = lane_trees(train_state, state)
     for name in state.names[1:]:
         state = state.with_lane(_restore_lane(trees[name], state[name]))
     state = _restore_lane(train_state, state)
-    frozen = train_state.get("frozen")  # None: a checkpoint from before it was saved
-    frozen = None if frozen is None else set(frozen)
+    frozen, grads = set(train_state["frozen"]), train_state["window_grads"]
     with torch.no_grad():
         for name, p in state.model.named_parameters():
             saved = grads.get(name)
             p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
-            if frozen is not None:
-                p.requires_grad_(name not in frozen)
+            p.requires_grad_(name not in frozen)
     for name, obj in extras.items():
-        if name in train_state["objects"]:  # the handlers' are not in an older checkpoint
+        if name in train_state["objects"]:  # no handler states in a save() by hand
             obj.load_state_dict(train_state["objects"][name])
     epoch_done = False
     if data is not None:
@@ -181,46 +168,37 @@ def _lane(state: TrainState, name: str | None) -> TrainState:
     return state if name is None else state[name]
 
 
-def check_optimizer_names(saved: list[str], state: TrainState, *, checkpoint: str) -> None:
-    """``ConfigError`` unless the saved optimizer names (none: one) are the state's, in order."""
-    if saved == list(state.names):
-        return
-
-    def say(names: list[str]) -> str:
-        return f"the optimizers {names}" if names else "one unnamed optimizer"
-
-    raise ConfigError(
-        f"load: checkpoint {checkpoint} holds {say(saved)}, this state "
-        f"{say(list(state.names))}. Create the state as the run that saved it did: "
-        "TrainState.create(optimizer=...) with the same names in the same order."
-    )
-
-
 def _on_device(value: Any, device: torch.device) -> Any:
     # The window sums are tensors on the device, or Python numbers (an empty window, or
     # integer target counts): restored as the same kind, so the resumed step computes the same.
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def check_optimizer(
-    saved_type: str, saved_sizes: list[int], optimizer: Any, *, checkpoint: str
-) -> None:
-    """``ConfigError`` unless ``optimizer`` has the saved class and group sizes."""
-    sizes = [len(g["params"]) for g in optimizer.param_groups]
-    if saved_type != type(optimizer).__name__ or saved_sizes != sizes:
-        raise ConfigError(
-            f"load: checkpoint {checkpoint} holds a {saved_type} over parameter groups of sizes "
-            f"{saved_sizes}; this state has a {type(optimizer).__name__} over {sizes}. Build "
-            "the optimizer as the run that saved it did (same class, same parameter groups)."
-        )
-
-
-def check_train_state(
+def check_fits(
     train_state: Any, state: TrainState, *, data: Any, extras: Any, checkpoint: str
 ) -> None:
-    """``ConfigError`` unless the schedulers, scalers, extras and data fit ``state``."""
+    """``ConfigError`` unless the optimizers, schedulers, scalers, extras and data fit ``state``."""
+    saved_names, names = train_state["optimizer_names"], list(state.names)
+    if saved_names != names:
+
+        def say(names: list[str]) -> str:
+            return f"the optimizers {names}" if names else "one unnamed optimizer"
+
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} holds {say(saved_names)}, this state {say(names)}. "
+            "Create the state as the run that saved it did: TrainState.create(optimizer=...) "
+            "with the same names in the same order."
+        )
     for name, tree in lane_trees(train_state, state).items():
         lane, whose = _lane(state, name), "" if name is None else f" of optimizer {name!r}"
+        optimizer, sizes = lane.optimizer, [len(g["params"]) for g in lane.optimizer.param_groups]
+        if tree["optimizer_type"] != type(optimizer).__name__ or tree["group_sizes"] != sizes:
+            raise ConfigError(
+                f"load: checkpoint {checkpoint} holds a {tree['optimizer_type']} over parameter "
+                f"groups of sizes {tree['group_sizes']}; this state has a "
+                f"{type(optimizer).__name__} over {sizes}. Build the optimizer as the run that "
+                "saved it did (same class, same parameter groups)."
+            )
         for label in ("scheduler", "scaler"):
             saved = tree[label] is not None
             here = getattr(lane, label) is not None

@@ -1,5 +1,5 @@
 """Where checkpoints live (fsspec URLs), how a directory of files is committed atomically, and
-how each file is written and read back checksummed (``xxh3_64``; ``crc32`` before 0.2.0).
+how each file is written and read back checksummed (XXH3-64).
 
 Local disks: a hidden staging directory (``.tmp-<name>-<random>``), fsync'ed, renamed into
 place, its parent fsync'ed. Object stores (a rename is a copy): the files in place and
@@ -13,7 +13,6 @@ import os
 import shutil
 import types
 import uuid
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
@@ -38,8 +37,7 @@ _PACKAGES = types.MappingProxyType(
     }
 )
 STAGING_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
-XXH3_64, CRC32 = "xxh3_64", "crc32"  # what new checkpoints record; before steplib 0.2.0
-ALGORITHMS = (XXH3_64, CRC32)
+XXH3_64 = "xxh3_64"  # the checksum a manifest records
 CHUNK_BYTES = 8 << 20  # read and checksummed at a time
 
 
@@ -65,11 +63,10 @@ class Location:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FileRecord:
-    """Size and checksum (hex digits) of one file of a checkpoint, and the algorithm."""
+    """Size and XXH3-64 (hex digits) of one file of a checkpoint."""
 
     size: int
     checksum: str
-    algorithm: str = XXH3_64
 
 
 def resolve(url: Any, storage_options: StorageOptions, *, caller: str) -> Location:
@@ -199,55 +196,20 @@ def _fsync_dir(path: str) -> None:
     os.close(fd)
 
 
-class _Crc32:
-    """``zlib.crc32`` with the ``update`` / ``hexdigest`` of a ``hashlib`` hasher."""
-
-    def __init__(self) -> None:
-        self.crc = 0
-
-    def update(self, data: Any, /) -> None:
-        self.crc = zlib.crc32(data, self.crc)
-
-    def hexdigest(self) -> str:
-        return f"{self.crc:08x}"
-
-
-def hasher(algorithm: str = XXH3_64) -> Any:
-    """A new hasher of ``algorithm``: ``xxh3_64`` or ``crc32``.
-
-    Example:
-        >>> h = hasher(); h.update(b"steplib"); len(h.hexdigest())
-        16
-    """
-    if algorithm == XXH3_64:
-        return xxhash.xxh3_64()
-    if algorithm == CRC32:
-        return _Crc32()
-    raise ValueError(f"unknown checksum algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
-
-
-def digest(data: Any, algorithm: str = XXH3_64) -> str:
-    h = hasher(algorithm)
-    h.update(data)
-    return str(h.hexdigest())
-
-
-def file_digest(path: str, size: int, algorithm: str = XXH3_64) -> tuple[str, int]:
-    """The checksum of the first ``size`` bytes of ``path``, and how many there were."""
-    h, read = hasher(algorithm), 0
-    view = memoryview(bytearray(min(CHUNK_BYTES, max(size, 1))))
+def file_digest(path: str) -> str:
+    """The XXH3-64 of a local file, read in chunks."""
+    digest = xxhash.xxh3_64()
     with open(path, "rb", buffering=0) as raw:
-        while read < size and (count := raw.readinto(view[: min(len(view), size - read)])):
-            h.update(view[:count])
-            read += count
-    return h.hexdigest(), read
+        while chunk := raw.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class ChecksumFile:
     """A write-only file that checksums and counts the bytes on their way to ``raw``."""
 
     def __init__(self, raw: IO[bytes]) -> None:
-        self.raw, self.hasher, self.size = raw, hasher(), 0
+        self.raw, self.hasher, self.size = raw, xxhash.xxh3_64(), 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
@@ -293,7 +255,7 @@ def read_verified(location: Location, record: FileRecord, *, checkpoint: str) ->
         data = read_bytes(location)
     except FileNotFoundError:
         _check(location, record, None, "", checkpoint=checkpoint)
-    _check(location, record, len(data), digest(data, record.algorithm), checkpoint=checkpoint)
+    _check(location, record, len(data), xxhash.xxh3_64_hexdigest(data), checkpoint=checkpoint)
     return data
 
 
@@ -304,10 +266,9 @@ def verify(location: Location, record: FileRecord, *, checkpoint: str) -> None:
         return
     try:
         size = os.path.getsize(location.path)
-        _check(location, record, size, record.checksum, checkpoint=checkpoint)  # the size first
-        found, size = file_digest(location.path, size, record.algorithm)
+        found = file_digest(location.path) if size == record.size else ""
     except FileNotFoundError:
-        _check(location, record, None, "", checkpoint=checkpoint)
+        size, found = None, ""
     _check(location, record, size, found, checkpoint=checkpoint)
 
 
@@ -343,7 +304,7 @@ def _check(
         problem = f"has {size} bytes, the manifest says {record.size}: it was truncated or "
         problem += "overwritten after the commit"
     elif found != record.checksum:
-        problem = f"has checksum {record.algorithm} {found}, the manifest says {record.checksum}: "
+        problem = f"has checksum xxh3_64 {found}, the manifest says {record.checksum}: "
         problem += "its bytes were altered after the commit (disk or transfer corruption)"
     else:
         return
