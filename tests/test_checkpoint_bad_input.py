@@ -83,7 +83,7 @@ def test_checkpoint_of_a_model_with_other_parameter_names_lists_them(memory_dir:
     message = str(error.value)
     assert "missing from the checkpoint: 2.bias, 2.weight" in message
     assert "in the checkpoint but not in this model: 3.bias, 3.weight" in message
-    assert "Build the model exactly as the run that saved it" in message
+    assert "Build the model as the run that saved it did" in message
 
 
 def test_checkpoint_of_a_model_with_other_shapes_lists_them(memory_dir: str) -> None:

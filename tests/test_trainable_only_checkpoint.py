@@ -84,7 +84,7 @@ def test_a_load_onto_another_base_is_refused_before_anything_changes(tmp_path: P
     before = {k: v.clone() for k, v in other.model.state_dict().items()}
     with pytest.raises(ConfigError, match="another base") as caught:
         load(url, other)
-    assert "load the same base weights" in str(caught.value)
+    assert "the same pretrained weights" in str(caught.value)
     for name, value in other.model.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert load(url, _state()).step == 0  # the same base loads

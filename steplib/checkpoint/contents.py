@@ -1,6 +1,5 @@
-"""What a checkpoint holds, gathered from a TrainState and checked to be plain data that
-``torch.load(weights_only=True)`` reads back: ``model.pt``, ``optimizer.pt`` and
-``train_state.pt``; the handlers with state attached to the run are found without being named."""
+"""What a checkpoint holds, gathered from a TrainState as plain data that a weights-only load
+reads back, with the state of the handlers attached to the run (found, not named)."""
 
 from __future__ import annotations
 
@@ -22,10 +21,7 @@ from steplib.events import Event, Events
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
 
-MODEL = "model.pt"
-OPTIMIZER = "optimizer.pt"
-TRAIN_STATE = "train_state.pt"
-
+MODEL, OPTIMIZER, TRAIN_STATE = "model.pt", "optimizer.pt", "train_state.pt"
 _LEAVES = (type(None), bool, int, float, str, torch.Tensor)  # isinstance: Parameter too
 DCP_DIR = "dcp"
 HANDLERS = "handlers"  # the attached handlers' states among a checkpoint's objects
@@ -38,8 +34,8 @@ def rank_file(rank: int) -> str:
 
 
 def is_sharded(state: Any) -> bool:
-    """Whether ``state`` is saved sharded: with a process group, its model holds a DDP or FSDP2
-    module (a GAN's models each under DDP too) or DTensor parameters."""
+    """Whether ``state`` is saved sharded: its model holds DDP / FSDP2 modules (with a process
+    group) or DTensor parameters."""
     model = getattr(state, "model", None)
     if not isinstance(model, torch.nn.Module):
         return False
@@ -49,24 +45,23 @@ def is_sharded(state: Any) -> bool:
     if holds_dtensor_parameters(model):
         if not grouped:
             raise ConfigError(
-                f"the state's model ({type(model).__name__}) holds DTensor parameters "
-                "(tensor parallel or FSDP2), each rank's shard, but no process group is "
-                "initialised, so the shards cannot be written or read together. Save and load "
-                "on every rank before dist.destroy_process_group(); to use the weights in one "
-                "process, load the checkpoint into a plain (unsharded) model."
+                f"the state's model ({type(model).__name__}) holds DTensor parameters (each "
+                "rank's shard) but no process group is initialised to write or read them "
+                "together. Save and load on every rank before dist.destroy_process_group(); "
+                "for the weights in one process, load the checkpoint into a plain model."
             )
         return True
     return False
 
 
 def holds_only_ddp(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds DDP modules and no FSDP2 one (its window gradients are plain)."""
+    """Whether ``model`` holds DDP modules and no FSDP2 one (window gradients are plain)."""
     parallel = [m for m in model.modules() if is_parallel_model(m)]
     return bool(parallel) and all(isinstance(m, DistributedDataParallel) for m in parallel)
 
 
 def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
-    # No DTensor exists before its module is imported: a single-process save need not import it.
+    # No DTensor exists before its module is imported: a plain save need not import it.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
 
@@ -82,14 +77,13 @@ def check_arguments(
     """Check the inputs shared by save and load (``ConfigError``); return ``extras`` as a dict."""
     if not isinstance(state, TrainState):
         raise ConfigError(
-            f"{caller} received state={describe(state)}, which is not a TrainState. Pass the "
-            "state your step returns (TrainState.create(...) at the start)."
+            f"{caller} received state={describe(state)}, not a TrainState. Pass the state your "
+            "step returns (TrainState.create(...) at the start)."
         )
     if data is not None and not is_stateful(data):
         raise ConfigError(
-            f"{caller}(data=...) received {describe(data)}, which has no state_dict() / "
-            "load_state_dict(), so its position cannot be saved. Use a stateful loader: "
-            "data=steplib.data.resumable_loader(dataset, batch_size=..., seed=0)."
+            f"{caller}(data=...) received {describe(data)}, which has no state_dict() to save "
+            "its position. Pass data=steplib.data.resumable_loader(dataset, batch_size=...)."
         )
     extras = {} if extras is None else extras
     if not isinstance(extras, Mapping) or not all(isinstance(k, str) for k in extras):
@@ -100,10 +94,9 @@ def check_arguments(
     for name, obj in extras.items():
         if not is_stateful(obj):
             raise ConfigError(
-                f"{caller}(extras=...): extras[{name!r}] is {describe(obj)}, which has no "
-                "state_dict() / load_state_dict(). Pass objects that have them (a module, a "
-                "metric, an EMA); put plain values in the state instead: "
-                "state.replace(extras={..., 'name': value})."
+                f"{caller}(extras=...): extras[{name!r}] is {describe(obj)}, without "
+                "state_dict() / load_state_dict(). Pass objects that have them (a module, an "
+                "EMA); plain values go in state.replace(extras={..., 'name': value})."
             )
     fingerprint(step, caller=caller)  # a Step, several by name, or None
     return extras
@@ -112,8 +105,7 @@ def check_arguments(
 def gather(
     state: TrainState, *, data: Any, extras: Mapping[str, Any], trainable_only: bool = False
 ) -> dict[str, Any]:
-    """The files of a single-process checkpoint by name (live tensors); ``ConfigError`` for a
-    value a weights-only load could not read back."""
+    """The files of a single-process checkpoint by name (live tensors)."""
     model, base = state.model, None
     weights = model.state_dict()
     if trainable_only:
@@ -184,10 +176,9 @@ def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = Fals
         ) from None
     except Exception as err:  # any failure to parse the file: UnpicklingError, RuntimeError...
         raise CorruptCheckpointError(
-            f"checkpoint {checkpoint}: its file {file_name} cannot be read by "
-            f"torch.load(weights_only=True) ({err}). If its checksum passes, it was written by "
-            "another program or torch version: load it with that version or use another "
-            "checkpoint."
+            f"checkpoint {checkpoint}: its file {file_name} cannot be read by torch.load("
+            f"weights_only=True) ({err}): written by another program or torch version. Load "
+            "it with that version, or use another checkpoint."
         ) from err
 
 
@@ -195,13 +186,13 @@ def trainable_part(
     model: torch.nn.Module, weights: Mapping[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``weights`` but the frozen parameters (buffers kept: a frozen BatchNorm's move), and the
-    count and digest of those a load must find in place (read per save, never written)."""
+    count and digest of those a load must find in place."""
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     if len(frozen) == len(list(model.parameters())):
         raise ConfigError(
             f"trainable_only=True: no parameter of the model ({type(model).__name__}) requires "
-            "a gradient, so the checkpoint would hold no weights. Save the whole model "
-            "(trainable_only=False), or unfreeze what is trained first."
+            "a gradient: the checkpoint would hold no weights. Pass trainable_only=False, or "
+            "unfreeze what is trained first."
         )
     base, digest = sorted(weights.keys() & frozen), xxhash.xxh3_64()
     for name in base:
@@ -225,11 +216,8 @@ def check_metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, f
     for name, value in metrics.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()  # a host sync, once per save
-        if (
-            not isinstance(name, str)
-            or isinstance(value, bool)
-            or not isinstance(value, int | float)
-        ):
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (isinstance(name, str) and number):
             raise ConfigError(
                 f"{caller}(metrics=...): {name!r} is {describe(value)}; metrics are numbers "
                 "(or one-element tensors) by string name, e.g. {'val_loss': 0.42}."
@@ -259,9 +247,8 @@ def check_plain(tree: Any, where: str) -> None:
 def _not_plain(where: str, value: Any) -> str:
     return (
         f"save: {where} is {describe(value)}. A checkpoint holds only numbers, strings, "
-        "tensors, lists and dicts, so that loading it never runs pickled code "
-        "(weights_only=True). Store a plain value instead (e.g. a number, or the object's "
-        "state_dict() through save(..., extras={'name': obj}))."
+        "tensors, lists and dicts, so loading it runs no pickled code (weights_only=True). "
+        "Store a plain value, or the object through save(..., extras={'name': obj})."
     )
 
 
@@ -270,13 +257,7 @@ def is_stateful(obj: Any) -> bool:
 
 
 class HandlerStates:
-    """The handlers with state attached to a run, by key; saved as one extra object.
-
-    Example:
-        >>> from steplib.handlers.stopping import EarlyStopping
-        >>> HandlerStates({"EarlyStopping[0]": EarlyStopping("val_loss")}).state_dict()
-        {'EarlyStopping[0]': {'best': {'value': None, 'step': None}, 'wait': 0, 'evaluations': 0}}
-    """
+    """The handlers with state attached to a run, by key; saved as one extra object."""
 
     def __init__(self, handlers: Mapping[str, Any]) -> None:
         self.handlers = dict(handlers)
@@ -290,13 +271,12 @@ class HandlerStates:
 
     def check(self, saved: Mapping[str, Any] | None, *, checkpoint: str) -> None:
         """``ConfigError`` (nothing loaded) unless ``saved`` holds these handlers' states;
-        ``None``: a checkpoint from before they were saved (a warning)."""
+        ``None`` (a ``save`` by hand): a warning."""
         if saved is None:
             if self.handlers:
                 warnings.warn(
-                    f"checkpoint {checkpoint} was written before steplib saved the state of the "
-                    f"handlers attached to a run; {', '.join(self.handlers)} start from the "
-                    "state they were built with.",
+                    f"checkpoint {checkpoint} holds no handler states (saved by hand); "
+                    f"{', '.join(self.handlers)} start from the state they were built with.",
                     CheckpointWarning,
                     stacklevel=2,
                 )
@@ -308,11 +288,9 @@ class HandlerStates:
         parts += [f"attached now, not in the checkpoint: {', '.join(extra)}"] if extra else []
         raise ConfigError(
             f"load: checkpoint {checkpoint} holds the state of the handlers "
-            f"{sorted(saved) or 'none'}; the handlers with state attached to this run are "
-            f"{sorted(self.handlers) or 'none'} ({'; '.join(parts)}). A resumed run continues "
-            "the saved handlers: build and attach the same ones, in the same order, as the "
-            "run that saved it (Events(resume_from(ckpt), evaluator, stopper, ckpt)); or load "
-            "the state alone by hand: load(latest(directory), state)."
+            f"{sorted(saved) or 'none'}, this run has {sorted(self.handlers) or 'none'} "
+            f"({'; '.join(parts)}). Attach the same ones, in the same order, as the run that "
+            "saved it; or load the state alone by hand: load(latest(directory), state)."
         )
 
 
@@ -320,21 +298,13 @@ def with_handlers(
     caller: str, extras: Mapping[str, Any] | None, events: Events | None
 ) -> dict[str, Any]:
     """``extras`` and, under :data:`HANDLERS`, the other handlers with state attached to
-    ``events``, keyed by class and index (``Evaluator[0]``): the same handlers attached in the
-    same order get the same keys.
-
-    Example:
-        >>> from steplib.handlers.stopping import EarlyStopping
-        >>> events = Events().on("step_end", EarlyStopping("val_loss"), every=10)
-        >>> sorted(with_handlers("doc", None, events)[HANDLERS].handlers)
-        ['EarlyStopping[0]']
-    """
+    ``events``, keyed by class and index (``Evaluator[0]``): the same in the same order, the
+    same keys."""
     named = dict(extras or {})
     if HANDLERS in named:
         raise ConfigError(
             f"{caller}(extras=...) received the name {HANDLERS!r}, which a checkpoint keeps for "
-            "the state of the handlers attached to the run (saved without being named). Give "
-            "that object another name."
+            "the attached handlers' states. Give that object another name."
         )
     if events is None:
         return named

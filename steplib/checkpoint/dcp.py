@@ -314,7 +314,6 @@ def _check_keys(
         {k[len("model.") :]: v for k, v in needed.items() if k.startswith("model.")},
         model_type=type(state.model).__name__,
         checkpoint=checkpoint,
-        hint=restore.FINE_TUNE,
     )
     missing = sorted(k for k in needed if k.startswith("optimizer.") and k not in saved)
     if missing:

@@ -109,12 +109,12 @@ class Manifest:
     world_size: int = 1
 
     @classmethod
-    def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world_size: int) -> Manifest:
+    def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world: int) -> Manifest:
         """A checkpoint of ``state`` now (``versions`` and ``files``: filled in by the write)."""
         name = checkpoint_name(state.step, state.micro_step, state.window.size)
         counters = (state.step, state.micro_step, state.epoch, state.window.size)
         described = fingerprint(step)
-        return cls(name, *counters, time.time(), metrics, described, {}, {}, layout, world_size)
+        return cls(name, *counters, time.time(), metrics, described, {}, {}, layout, world)
 
     def to_json(self) -> bytes:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

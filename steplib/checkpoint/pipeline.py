@@ -1,10 +1,8 @@
-"""The one pipeline every checkpoint goes through, given its inputs once (:class:`Checkpoints`).
-
-A save is ``plan`` (check, gather) -> snapshot (async only) -> :func:`write` (files, manifest
-last, commit); a load is manifest -> verify -> check against the state -> apply. Back-ends:
-``torch.save`` files, or DCP for a sharded state (``dcp``, imported on use: ~0.8 s). Who writes
-what is decided once, by ``is_sharded``: sharded, every rank writes and rank 0 commits.
-"""
+"""The one pipeline every checkpoint goes through, given its inputs once (:class:`Checkpoints`):
+a save is plan -> snapshot (async only) -> :func:`write` (files, manifest last, commit); a load
+is manifest -> verify -> check against the state -> apply. Back-ends: ``torch.save`` files, or
+DCP for a sharded state (``dcp``, imported on use: ~0.8 s), where every rank writes its part
+and rank 0 commits."""
 
 from __future__ import annotations
 
@@ -46,13 +44,9 @@ from steplib.state import TrainState
 
 def check_options(given: Checkpoints, caller: str, *, sharded: bool = False) -> None:
     """``ConfigError`` for a non-bool ``durable`` / ``trainable_only``, or the latter sharded."""
-    durable = (
-        "durable=True (fsync'ed before the save counts as done: a power loss cannot lose it) or "
-        "durable=False (faster; a power loss soon after may lose the newest checkpoint, "
-        "resuming falls back to the previous one)"
-    )
+    durable = "durable=True (fsync'ed: a power loss cannot lose it) or durable=False (faster)"
     errors.boolean(caller, "durable", given.durable, durable)
-    whole = "False (the whole model, the default; for a sharded state the only choice)"
+    whole = "False (the whole model; for a sharded state the only choice)"
     if sharded and given.trainable_only is True:
         raise ConfigError(
             f"{caller}(trainable_only=...) received True for a sharded state (DDP, FSDP2, "
@@ -64,7 +58,7 @@ def check_options(given: Checkpoints, caller: str, *, sharded: bool = False) -> 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """What one process writes for a save, gathered at one moment (live tensors)."""
+    """What one process writes for a save (live tensors)."""
 
     directory: Location
     name: str
@@ -81,8 +75,7 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Checkpoints:
-    """A directory of checkpoints and what each save and load of it is given once (the
-    arguments of ``save`` and ``load``)."""
+    """A directory of checkpoints and the arguments of each ``save`` and ``load`` of it."""
 
     directory: str
     data: Any = None
@@ -93,8 +86,7 @@ class Checkpoints:
     trainable_only: bool = False
 
     def plan(self, state: TrainState, *, metrics: Any, caller: str) -> Plan:
-        """Check the inputs and gather what this process writes (``ConfigError``: a bad input,
-        or a value a weights-only load could not read back)."""
+        """Check the inputs and gather what this process writes (``ConfigError``)."""
         extras = check_arguments(caller, state, data=self.data, extras=self.extras, step=self.step)
         directory = storage.resolve(self.directory, self.storage_options, caller=caller)
         numbers = check_metrics(metrics, caller)
@@ -108,18 +100,14 @@ class Checkpoints:
             layout, world = SHARDED, dist.get_world_size()
         else:
             files = gather(state, data=self.data, extras=extras, trainable_only=self.trainable_only)
-        manifest = Manifest.of(
-            state, metrics=numbers, step=self.step, layout=layout, world_size=world
-        )
+        manifest = Manifest.of(state, metrics=numbers, step=self.step, layout=layout, world=world)
         options = dict(self.storage_options or {})
         return Plan(directory, manifest.name, files, tensors, manifest, options, self.durable)
 
     def save(self, state: TrainState, *, metrics: Any = None, caller: str = "save") -> str:
-        """See :func:`save`."""
         return write(self.plan(state, metrics=metrics, caller=caller))
 
     def load(self, url: str, state: TrainState) -> TrainState:
-        """See :func:`load`."""
         extras = check_arguments("load", state, data=self.data, extras=self.extras, step=self.step)
         state.fence.wait()  # an async save may still be copying what we overwrite
         location = storage.resolve(url, self.storage_options, caller="load")
@@ -135,8 +123,8 @@ class Checkpoints:
         return apply(trees, state, data=self.data, extras=extras, checkpoint=location.url)
 
     def load_newest(self, state: TrainState) -> tuple[str, TrainState] | None:
-        """``(url, state)`` from the newest valid checkpoint (corrupt ones skipped with a
-        warning), or ``None``; ``CorruptCheckpointError`` when every one is corrupt."""
+        """``(url, state)`` from the newest valid checkpoint (the corrupt skipped, warned about),
+        or ``None``; ``CorruptCheckpointError`` when every one is corrupt."""
         location = storage.resolve(self.directory, self.storage_options, caller="resume_from")
         found = newest_valid(location, lambda checkpoint, _: self.load(checkpoint.url, state))
         if isinstance(found, tuple):
@@ -145,8 +133,7 @@ class Checkpoints:
             # Starting fresh would silently throw the run away: a person should decide.
             raise CorruptCheckpointError(
                 f"every checkpoint in {location.url} is corrupt ({', '.join(found)}; the "
-                "warnings say why), so there is nothing valid to resume from. Restore them from "
-                "a copy, or move them away to start the run fresh."
+                "warnings say why). Restore them from a copy, or move them away to start fresh."
             )
         return None
 
@@ -154,13 +141,13 @@ class Checkpoints:
 def read_trees(
     location: Location, manifest: Manifest, *, only: str | None = None, mmap: bool = False
 ) -> dict[str, Any]:
-    """Every file of a checkpoint, or ``only`` that one, verified (``mmap``: mapped if local)."""
+    """Every file of a checkpoint, or ``only`` that one, verified first (``mmap``: if local)."""
     missing = {only} if only else {MODEL, OPTIMIZER, TRAIN_STATE}
     missing -= manifest.files.keys()
     if missing:
         raise CorruptCheckpointError(
-            f"checkpoint {location.url}: its manifest lists no {', '.join(sorted(missing))}; it "
-            "was not written by steplib's save. Use another checkpoint."
+            f"checkpoint {location.url}: its manifest lists no {', '.join(sorted(missing))}: "
+            "not written by steplib's save. Use another checkpoint."
         )
     url, child = location.url, location.child
     files = {only: manifest.files[only]} if only else manifest.files
@@ -186,7 +173,7 @@ def read_trees(
 
 def _on_rank0(action: Callable[[], Any], group: Any, sharded: bool) -> Any:
     """``action()`` on rank 0, whose result (or failure, as a ``CheckpointError``) every rank
-    of a sharded save returns, so that none is left waiting in a collective."""
+    of a sharded save returns: none is left waiting in a collective."""
     if not sharded:
         return action()
     outcome: list[Any] = [None, None]
@@ -204,8 +191,7 @@ def _on_rank0(action: Callable[[], Any], group: Any, sharded: bool) -> Any:
 
 
 class GlooGroup:
-    """A gloo group of its owner's own, made once per default group (``new_group`` is a
-    collective: every rank gets it at the same point)."""
+    """A gloo group of its owner's own, made once per default group (a collective)."""
 
     def __init__(self) -> None:
         self._group: Any = None
@@ -267,10 +253,9 @@ def write(plan: Plan, *, group: Any = None) -> str:
             dist.barrier(group=group)
         detail = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
         raise CheckpointError(
-            f"save could not write the checkpoint {plan.url} ({detail}). Pass a directory that "
-            "every rank can write to (one shared filesystem or object store for all nodes; "
-            "check the path, its permissions, free space and credentials); nothing was "
-            "committed and older checkpoints are intact."
+            f"save could not write the checkpoint {plan.url} ({detail}); nothing was committed. "
+            "Pass a directory every rank can write (check the path, its permissions, free "
+            "space and credentials; one shared filesystem or object store for all nodes)."
         ) from err
 
 
@@ -286,26 +271,24 @@ def save(
     durable: bool = True,
     trainable_only: bool = False,
 ) -> str:
-    """Write a checkpoint of ``state`` into ``directory`` and commit it atomically.
-
-    A sharded state (DDP, FSDP2 or DTensor parameters, with a process group) is saved through
-    DCP: call it on every rank at the same update.
+    """Write a checkpoint of ``state`` into ``directory`` and commit it atomically. A sharded
+    state (DDP, FSDP2 or DTensor parameters) is saved through DCP: call it on every rank.
 
     Args:
-        state: the TrainState to save (see ``docs/checkpoints.md`` for what it holds).
-        directory: a local path or fsspec URL of the directory that holds the checkpoints.
-        data: the data loader whose position to save (e.g. ``steplib.data.resumable_loader``).
-        extras: more objects to save by name, each with ``state_dict()`` (an EMA, a metric).
-        step: the Step that trains ``state``; its composition is saved and checked by ``load``.
-        metrics: numbers to record in the manifest (what ``keep_best`` ranks checkpoints by).
+        state: the TrainState to save (``docs/checkpoints.md`` lists what it holds).
+        directory: a local path or fsspec URL of the directory of checkpoints.
+        data: the loader whose position to save (``steplib.data.resumable_loader``).
+        extras: more objects with ``state_dict()`` to save, by name (an EMA, a metric).
+        step: the Step that trains ``state``; ``load`` checks its composition.
+        metrics: numbers recorded in the manifest (what ``keep_best`` ranks by).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         durable: fsync before returning (``False``: still atomic and checksummed, but a power
-            loss soon after may lose the newest checkpoint; resuming then skips it).
-        trainable_only: the trainable parameters alone (adapters over a frozen base), with a
-            digest of the frozen rest that ``load`` checks.
+            loss soon after may lose it; resuming then skips it).
+        trainable_only: the trainable parameters alone (adapters), with a digest of the
+            frozen rest that ``load`` checks.
 
     Returns:
-        The new checkpoint's URL: ``<directory>/step-<step>`` (``...-micro-<n>`` mid-window).
+        The checkpoint's URL: ``<directory>/step-<step>`` (``...-micro-<n>`` mid-window).
 
     Raises:
         ConfigError: a bad argument, or a value a weights-only load could not read back.
@@ -319,9 +302,7 @@ def save(
         >>> save(state, "memory://doctest-save/ckpt")
         'memory://doctest-save/ckpt/step-00000000'
     """
-    given = Checkpoints(
-        directory, data, extras, step, storage_options, durable, trainable_only=trainable_only
-    )
+    given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
     return given.save(state, metrics=metrics)
 
 
@@ -335,16 +316,14 @@ def load(
     storage_options: StorageOptions = None,
 ) -> TrainState:
     """Load the checkpoint at ``url`` into the objects of ``state``; return the resumed state.
-
     Every file is verified and the checkpoint checked against ``state`` before anything
-    changes; files are read with ``weights_only=True``. A sharded checkpoint loads into any
-    number of ranks, or a plain module (DCP reshards).
+    changes (``weights_only=True``). A sharded one loads into any number of ranks.
 
     Args:
-        url: a checkpoint URL, as returned by :func:`save` or ``latest``.
-        state: a TrainState built like the saved one (same model, optimizer, scheduler, scaler).
+        url: a checkpoint, as returned by :func:`save` or ``latest``.
+        state: a TrainState built like the saved one (model, optimizer, scheduler, scaler).
         data, extras: what was given to ``save``, to load into (the same names).
-        step: the Step you resume with: compared with the saved composition.
+        step: the Step you resume with, compared with the saved composition.
         storage_options: passed to fsspec.
 
     Returns:
@@ -360,8 +339,7 @@ def load(
         >>> from steplib import TrainState
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
-        >>> url = save(state.replace(step=7), "memory://doctest-load/ckpt")
-        >>> load(url, state).step
+        >>> load(save(state.replace(step=7), "memory://doctest-load/ckpt"), state).step
         7
     """
     return Checkpoints(url, data, extras, step, storage_options).load(url, state)

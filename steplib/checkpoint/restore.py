@@ -1,6 +1,5 @@
-"""How a checkpoint goes back into a state: every part checked against it first (a failed
-check is a ``ConfigError`` with nothing changed), then loaded. ``dcp`` loads its tensors itself,
-then the train state here."""
+"""How a checkpoint goes back into a state: every part checked first (a ``ConfigError`` changes
+nothing), then loaded; ``dcp`` loads its tensors itself, then the train state here."""
 
 from __future__ import annotations
 
@@ -25,10 +24,6 @@ from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
 from steplib.state import TrainState, Window
 
-FINE_TUNE = (
-    "use load_weights(state, url, strict=False) (the weights only, with a fresh optimizer, as "
-    "to fine-tune)"
-)
 # Observation-only wrappers change no number: resuming with anomaly detection on, or other
 # hooks, is the usual way to debug, so they never count.
 _OBSERVERS = ("detect_anomaly", "tap")
@@ -89,16 +84,14 @@ def apply(
                 f"load: checkpoint {checkpoint} holds the trainable parameters alone "
                 f"(trainable_only=True), trained over a frozen base of {base['entries']} "
                 f"parameters (digest {base['digest']}); this model's frozen parameters are another "
-                "base: other weights, another model or other adapters. Build the model as the run "
-                "that saved it did: load the same base weights (the same pretrained model, "
-                "revision and dtype), add the same adapters, then load or resume."
+                "base. Build the model as the run that saved it did (the same pretrained weights, "
+                "revision and dtype, the same adapters), then load or resume."
             )
     check_model(
         _shapes(trees[MODEL]),
         _shapes(weights),
         model_type=type(state.model).__name__,
         checkpoint=checkpoint,
-        hint=FINE_TUNE,
     )
     check_fits(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
     state.model.load_state_dict(trees[MODEL], strict=base is None)  # the base: checked above
@@ -130,10 +123,8 @@ def restore_train_state(
         epoch_done = restore_position(data, train_state["data"])
     if rng and train_state["rng"] is not None:
         restore_rng(train_state["rng"])
-
     return state.replace(
-        # The data ended its epoch at the save but the loop had not counted it yet: the resumed
-        # run starts the next epoch, as the uninterrupted one did right after.
+        # The data ended its epoch at the save, uncounted yet: the resumed run starts the next.
         epoch=train_state["counters"]["epoch"] + (1 if epoch_done else 0),
         extras=types.MappingProxyType(dict(train_state["extras"])),
     )
@@ -169,8 +160,8 @@ def _lane(state: TrainState, name: str | None) -> TrainState:
 
 
 def _on_device(value: Any, device: torch.device) -> Any:
-    # The window sums are tensors on the device, or Python numbers (an empty window, or
-    # integer target counts): restored as the same kind, so the resumed step computes the same.
+    # Window sums are device tensors or Python numbers (an empty window, integer target
+    # counts): restored as the same kind, so the resumed step computes the same.
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
@@ -201,24 +192,21 @@ def check_fits(
             )
         for label in ("scheduler", "scaler"):
             saved = tree[label] is not None
-            here = getattr(lane, label) is not None
-            if saved != here:
+            if saved != (getattr(lane, label) is not None):
                 has, lacks = ("the checkpoint", "this state") if saved else ("this state", "it")
                 raise ConfigError(
                     f"load: {has} has a {label}{whose} and {lacks} does not (checkpoint "
                     f"{checkpoint}). Create the state as the run that saved it: "
                     f"TrainState.create(..., {label}={'...' if saved else 'None'})."
                 )
-        saved_scheduler = tree["scheduler_type"]
-        if lane.scheduler is not None and saved_scheduler != type(lane.scheduler).__name__:
+        kind = tree["scheduler_type"]
+        if lane.scheduler is not None and kind != type(lane.scheduler).__name__:
             raise ConfigError(
-                f"load: checkpoint {checkpoint} holds a {saved_scheduler} scheduler{whose}, "
-                f"this state a {type(lane.scheduler).__name__}. Build the same scheduler as "
-                "the saving run."
+                f"load: checkpoint {checkpoint} holds a {kind} scheduler{whose}, this state a "
+                f"{type(lane.scheduler).__name__}. Build the same scheduler as the saving run."
             )
     # The attached handlers' states have their own check; a load not given them leaves them out.
-    objects = train_state["objects"]
-    handlers = extras.get(HANDLERS)
+    objects, handlers = train_state["objects"], extras.get(HANDLERS)
     if isinstance(handlers, HandlerStates):
         handlers.check(objects.get(HANDLERS), checkpoint=checkpoint)
     named = {name for name, obj in extras.items() if not isinstance(obj, HandlerStates)}
@@ -230,20 +218,16 @@ def check_fits(
         )
     if data is not None and train_state["data"] is None:
         raise ConfigError(
-            f"load(data=...): checkpoint {checkpoint} holds no data position (it was saved "
-            "without data=...), so the data order cannot be resumed. Pass data=None to start "
-            "the data from the beginning, or save with data=loader."
+            f"load(data=...): checkpoint {checkpoint} holds no data position (saved without "
+            "data=...). Pass data=None to start the data from the beginning, or save with data=."
         )
 
 
 Shapes = Mapping[str, tuple[int, ...] | None]  # name -> tensor shape (None: not a tensor)
 
 
-def check_model(
-    saved: Shapes, expected: Shapes, *, model_type: str, checkpoint: str, hint: str
-) -> None:
-    """``ConfigError`` unless the saved entries have the model's names and shapes; ``hint``:
-    how to reuse some of the weights."""
+def check_model(saved: Shapes, expected: Shapes, *, model_type: str, checkpoint: str) -> None:
+    """``ConfigError`` unless the saved entries have the model's names and shapes."""
     missing = sorted(expected.keys() - saved.keys())
     unexpected = sorted(saved.keys() - expected.keys())
     reshaped = [
@@ -257,9 +241,9 @@ def check_model(
     found = zip((*labels, "other shapes"), (missing, unexpected, reshaped), strict=True)
     parts = [f"{label}: {listed(names)}" for label, names in found if names]
     raise ConfigError(
-        f"load: checkpoint {checkpoint} was saved from another model "
-        f"({model_type} here): {'; '.join(parts)}. Build the model exactly as the "
-        f"run that saved it (same modules, names and sizes); to reuse only some weights, {hint}."
+        f"load: checkpoint {checkpoint} was saved from another model ({model_type} here): "
+        f"{'; '.join(parts)}. Build the model as the run that saved it did; to reuse some weights, "
+        "use load_weights(state, url, strict=False) (the weights only, to fine-tune)."
     )
 
 
