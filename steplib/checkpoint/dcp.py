@@ -1,8 +1,6 @@
 """The DCP back-end for a sharded state: ``dcp/`` holds the model and optimizer tensors (DCP
-reshards them on load), ``rank-0000N.pt`` each rank's train state and the non-tensor rest.
-Only tensors go through DCP (it pickles other values); its ``.metadata`` is read by an
-unpickler that builds DCP's records only. See ``docs/checkpoints.md`` for world-size changes.
-"""
+reshards them on load), ``rank-0000N.pt`` each rank's train state and the non-tensor rest (DCP
+would pickle them). Its ``.metadata`` is read by an unpickler that builds DCP's records only."""
 
 from __future__ import annotations
 
@@ -147,8 +145,7 @@ def merge(tensors: Tree, plain: Tree) -> Tree:
 
 @contextlib.contextmanager
 def dcp_errors(action: str, url: str) -> Iterator[None]:
-    """DCP's ``CheckpointException`` (the same on every rank) as a ``CheckpointError``; its
-    warning on a ``no_dist=True`` load silenced."""
+    """DCP's ``CheckpointException`` (the same on every rank) as a ``CheckpointError``."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings(
@@ -161,10 +158,9 @@ def dcp_errors(action: str, url: str) -> Iterator[None]:
             for rank, error in sorted(getattr(err, "failures", {}).items())
         )
         raise CheckpointError(
-            f"torch.distributed.checkpoint could not {action} {url} ({failures or err}). "
-            "Check that every rank can reach the directory (one shared filesystem or object "
-            "store for all nodes), its permissions and free space; nothing was committed and "
-            "older checkpoints are intact."
+            f"torch.distributed.checkpoint could not {action} {url} ({failures or err}); "
+            "nothing was committed. Check that every rank reaches the directory (one shared "
+            "filesystem or object store), its permissions and free space."
         ) from None
 
 
@@ -179,10 +175,9 @@ def gather(
         fsdp = any(is_parallel_model(m) for m in model.modules())
         kind = "an FSDP2" if fsdp else "a tensor-parallel (DTensor)"
         raise ConfigError(
-            f"{caller}: the state is inside an open accumulation window "
-            f"({open_window} micro-batches done) of {kind} model, whose "
-            "unsynchronised gradients cannot be saved. Save between windows: "
-            "checkpoint_every and preemption() do; or save when out.did_update is True."
+            f"{caller}: the state is inside an open accumulation window ({open_window} "
+            f"micro-batches done) of {kind} model, whose unsynchronised gradients cannot be "
+            "saved. Save between windows (checkpoint_every and preemption() do)."
         )
     # get_optimizer_state_dict steps an empty optimizer once with lr=0 (Adam's step count
     # changes): before its first update only its settings are saved. One DCP state holds every
@@ -193,16 +188,18 @@ def gather(
     rank_tree = contents.train_state_tree(state, data=data, extras=extras)
     rank_tree.update(
         plain=plain,  # DCP's non-tensor values
-        fresh_groups=[  # the settings of an optimizer without state
-            None
-            if o.state
-            else [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
-            for o in (lane.optimizer for lane in every)
-        ],
+        fresh_groups=[_settings(lane.optimizer) for lane in every],
     )
     name = rank_file(dist.get_rank())
     contents.check_plain(rank_tree, name)
     return {name: rank_tree}, tensors
+
+
+def _settings(optimizer: Any) -> list[dict[str, Any]] | None:
+    # What an optimizer before its first update is (DCP saves only those with state).
+    if optimizer.state:
+        return None
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]:
@@ -227,8 +224,8 @@ def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]
 def load(
     location: Location, manifest: Any, state: TrainState, given: Checkpoints, extras: Any
 ) -> TrainState:
-    """Load a sharded checkpoint into ``state``, verified and checked first (see ``load``); a
-    collective for a sharded state, alone into a plain module."""
+    """Load a sharded checkpoint into ``state``, verified and checked first (see ``load``): a
+    collective for a sharded state."""
     url, data, options = location.url, given.data, dict(given.storage_options or {})
     distributed = is_sharded(state)
     me = dist.get_rank() if distributed else 0
@@ -244,17 +241,15 @@ def load(
         )
     if manifest.window_size > 0 and (not same_world or not holds_only_ddp(state.model)):
         raise ConfigError(
-            f"load: checkpoint {url} was taken inside an open accumulation window by "
-            f"{saved} DDP ranks, whose unsynchronised gradients only fit {saved} DDP ranks "
-            f"(here {world} rank(s), a {type(state.model).__name__}). Resume it as it was "
-            "saved, or use a checkpoint taken between windows."
+            f"load: checkpoint {url} was taken inside an accumulation window by {saved} DDP "
+            f"ranks, whose unsynchronised gradients fit only those (here {world} rank(s), a "
+            f"{type(state.model).__name__}). Resume it so, or use one taken between windows."
         )
     if not same_world and _holds_dtensor(train_state["objects"]):
         raise ConfigError(
-            f"load(extras=...): checkpoint {url} was written by {manifest.world_size} ranks "
-            f"and is loaded on {world}; its extra objects hold sharded tensors (DTensor, e.g. "
-            "an EMA of an FSDP2 model), saved per rank, which steplib cannot reshard. Resume "
-            f"on {manifest.world_size} ranks."
+            f"load(extras=...): checkpoint {url} of {saved} ranks, loaded on {world}, holds "
+            "extra objects with DTensors (an EMA of an FSDP2 model), saved per rank, which "
+            f"steplib cannot reshard. Resume on {saved} ranks."
         )
     model, pairs = state.model, list(zip(lanes(state), train_state["fresh_groups"], strict=True))
     stateful = [lane.optimizer for lane, groups in pairs if groups is None]
@@ -291,9 +286,8 @@ def read_rank_file(location: Location, manifest: Any, rank: int) -> dict[str, An
     name, url = rank_file(rank), location.url
     if name not in manifest.files:
         raise CorruptCheckpointError(
-            f"checkpoint {url}: its manifest lists no {name} although it was written by "
-            f"{manifest.world_size} ranks; it was not written by steplib's save. Use another "
-            "checkpoint."
+            f"checkpoint {url}: its manifest lists no {name}: not written by steplib's save. "
+            "Use another checkpoint."
         )
     file = location.child(name)
     source: Any = file.path if file.is_local else io.BytesIO(storage.read_bytes(file))
@@ -319,8 +313,7 @@ def _check_keys(
     if missing:
         raise ConfigError(
             f"load: checkpoint {checkpoint} holds no optimizer state for "
-            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Build the "
-            "optimizer with the settings of the run that saved it (e.g. the same momentum)."
+            f"{restore.listed(missing)}. Build the optimizer as the saving run did (same momentum)."
         )
 
 

@@ -1,7 +1,6 @@
 """``manifest.json``, the last file of a checkpoint (its commit and table of contents, with a
-CRC32 of its own), and which checkpoints a directory holds: ``latest``, ``list_checkpoints``.
-Names sort in training order: ``step-00000120``, ``step-00000120-micro-00000483`` mid-window.
-"""
+CRC32 of its own), and which checkpoints a directory holds, by names that sort in training
+order: ``step-00000120``, ``step-00000120-micro-00000483`` mid-window."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | No
         if not callable(getattr(one, "describe", None)):
             raise ConfigError(
                 f"{caller}(step=...) received {describe(step)}, which is not a Step. Pass the "
-                "step you train with (make_train_step(...) and its wrappers), the steps by name "
-                'as run takes them ({"D": d_step, "G": g_step}), or leave step=None.'
+                'step you train with, the steps by name ({"D": d_step, "G": g_step}), or None.'
             )
     if several:
         described = [{"wrapper": "steps", "names": list(step)}] + [
@@ -93,7 +91,7 @@ def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | No
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Manifest:
-    """The contents of ``manifest.json`` (``files``: each file's record by path inside)."""
+    """The contents of ``manifest.json`` (``files``: each file's record by its path)."""
 
     name: str
     step: int
@@ -110,7 +108,7 @@ class Manifest:
 
     @classmethod
     def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world: int) -> Manifest:
-        """A checkpoint of ``state`` now (``versions`` and ``files``: filled in by the write)."""
+        """A checkpoint of ``state`` now (``versions`` and ``files``: filled in by ``write``)."""
         name = checkpoint_name(state.step, state.micro_step, state.window.size)
         counters = (state.step, state.micro_step, state.epoch, state.window.size)
         described = fingerprint(step)
@@ -153,8 +151,8 @@ class Manifest:
             )  # fmt: skip
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(
-                f"checkpoint {checkpoint}: its file {MANIFEST} cannot be read ({err}). Use an "
-                "older checkpoint (latest() and resume_from() skip this one)."
+                f"checkpoint {checkpoint}: its file {MANIFEST} cannot be read ({err}). Use "
+                "another checkpoint (latest() and resume_from() skip this one)."
             ) from None
 
 
@@ -174,12 +172,8 @@ def _other_version(version: int, checkpoint: str) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CheckpointInfo:
-    """A committed checkpoint, as listed by :func:`list_checkpoints`.
-
-    Attributes:
-        url: for ``load``; name: its directory name; step, micro_step, epoch: its counters;
-        time: when taken (unix seconds); metrics: the numbers saved with it.
-    """
+    """A committed checkpoint, as :func:`list_checkpoints` lists it: ``url`` (for ``load``),
+    ``name``, its counters, ``time`` (when taken, unix seconds) and ``metrics``."""
 
     url: str
     name: str
@@ -193,23 +187,19 @@ class CheckpointInfo:
 def latest(
     directory: str, *, verify: bool = True, storage_options: StorageOptions = None
 ) -> str | None:
-    """The newest valid committed checkpoint in ``directory``, or ``None`` when there is none
-    (a corrupt one is skipped with a ``CheckpointWarning`` naming the file).
+    """The URL of the newest valid checkpoint in ``directory``, or ``None`` (none, or no such
+    directory); a corrupt one is skipped with a ``CheckpointWarning`` naming the file.
 
     Args:
         directory: the directory given to ``save``.
         verify: check the checksums (``False``: only that the manifest is readable).
         storage_options: passed to fsspec.
 
-    Returns:
-        The checkpoint's URL, or ``None`` (also when ``directory`` does not exist).
-
     Example:
         >>> latest("memory://doctest-latest/nothing-here") is None
         True
     """
     location = storage.resolve(directory, storage_options, caller="latest")
-
     found = newest_valid(location, lambda c, m: storage.verify_all(c, m.files) if verify else None)
     return found[0] if isinstance(found, tuple) else None
 
@@ -217,15 +207,12 @@ def latest(
 def list_checkpoints(
     directory: str, *, storage_options: StorageOptions = None
 ) -> list[CheckpointInfo]:
-    """The committed checkpoints in ``directory``, oldest first (not verified; one whose
-    manifest cannot be read is left out with a ``CheckpointWarning``).
+    """A :class:`CheckpointInfo` per committed checkpoint in ``directory``, oldest first (not
+    verified; one whose manifest cannot be read is left out with a ``CheckpointWarning``).
 
     Args:
         directory: the directory given to ``save``.
         storage_options: passed to fsspec.
-
-    Returns:
-        One :class:`CheckpointInfo` per checkpoint.
 
     Example:
         >>> import torch
@@ -258,16 +245,8 @@ def scan(location: Location, *, warn: bool = False) -> tuple[list[CheckpointInfo
         if manifest is None:
             other.append(checkpoint)
         else:
-            counters = (manifest.step, manifest.micro_step, manifest.epoch)
-            infos.append(
-                CheckpointInfo(
-                    checkpoint.url,
-                    checkpoint.name,
-                    *counters,
-                    manifest.time,
-                    dict(manifest.metrics),
-                )
-            )
+            at = (manifest.step, manifest.micro_step, manifest.epoch, manifest.time)
+            infos.append(CheckpointInfo(checkpoint.url, checkpoint.name, *at, {**manifest.metrics}))
     return infos, other
 
 
@@ -277,14 +256,12 @@ def read_manifest(location: Location) -> Manifest:
         return manifest
     if any(sort_key(name) for name in storage.list_names(location)):
         raise CheckpointError(
-            f"load received {location.url!r}, a directory of checkpoints, not one "
-            "checkpoint. Load the newest with load(latest(url), state), or use "
-            "resume_from(url) as a fit_start handler."
+            f"load received {location.url!r}, a directory of checkpoints, not one. Load the "
+            "newest with load(latest(url), state), or use resume_from(url)."
         )
     raise CheckpointError(
-        f"load received {location.url!r}, where there is no checkpoint (no {MANIFEST}): "
-        "it does not exist, or its save never finished (the manifest is written last). "
-        "Pick one with latest(directory) or list_checkpoints(directory)."
+        f"load received {location.url!r}, where there is no checkpoint (no {MANIFEST}): it "
+        "does not exist, or its save never finished. Pick one with latest(directory)."
     )
 
 
@@ -305,8 +282,8 @@ def candidates(location: Location, *, newest_first: bool) -> Iterator[Location]:
 def newest_valid(
     location: Location, read: Callable[[Location, Manifest], T]
 ) -> tuple[str, T] | list[str]:
-    """``(url, read(checkpoint, manifest))`` of the newest committed checkpoint ``read`` takes
-    without a ``CorruptCheckpointError`` (each skipped warned about); else the corrupt names."""
+    """``(url, read(checkpoint, manifest))`` of the newest checkpoint ``read`` takes without a
+    ``CorruptCheckpointError`` (each skipped warned about); else the corrupt ones' names."""
     corrupt: list[str] = []
     for checkpoint in candidates(location, newest_first=True):
         try:

@@ -1,9 +1,6 @@
-"""Where checkpoints live (fsspec URLs), how a directory of files is committed atomically, and
-how each file is written and read back checksummed (XXH3-64).
-
-Local disks: a hidden staging directory (``.tmp-<name>-<random>``), fsync'ed, renamed into
-place, its parent fsync'ed. Object stores (a rename is a copy): the files in place and
-``manifest.json`` last: a directory without one is not a checkpoint."""
+"""Where checkpoints live (fsspec URLs), how a directory of files is committed atomically (local:
+a staging directory renamed into place; object stores: ``manifest.json`` written last), and
+how each file is written and read back checksummed (XXH3-64)."""
 
 from __future__ import annotations
 
@@ -25,15 +22,15 @@ from fsspec.implementations.local import LocalFileSystem
 from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError, describe
 
 StorageOptions = Mapping[str, Any] | None
-# protocol -> (package that implements it, what to pip install)
+# protocol -> what to pip install for it
 _PACKAGES = types.MappingProxyType(
     {
-        **dict.fromkeys(("s3", "s3a"), ("s3fs", "steplib[s3]")),
-        **{p: ("gcsfs",) * 2 for p in ("gs", "gcs")},
-        **{p: ("adlfs",) * 2 for p in ("az", "abfs", "abfss", "adl")},
-        **{p: ("huggingface_hub",) * 2 for p in ("hf",)},
-        **{p: ("paramiko",) * 2 for p in ("sftp", "ssh")},
-        **{p: ("aiohttp",) * 2 for p in ("http", "https")},
+        **dict.fromkeys(("s3", "s3a"), "steplib[s3]"),
+        **dict.fromkeys(("gs", "gcs"), "gcsfs"),
+        **dict.fromkeys(("az", "abfs", "abfss", "adl"), "adlfs"),
+        **dict.fromkeys(("sftp", "ssh"), "paramiko"),
+        **dict.fromkeys(("http", "https"), "aiohttp"),
+        "hf": "huggingface_hub",
     }
 )
 STAGING_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
@@ -82,21 +79,16 @@ def resolve(url: Any, storage_options: StorageOptions, *, caller: str) -> Locati
     try:
         fs, path = fsspec.core.url_to_fs(text.rstrip("/") or text, **dict(storage_options or {}))
     except ImportError as err:
-        package, extra = _PACKAGES.get(protocol, (None, None))
-        hint = (
-            f"install it with: pip install '{extra}' (the package {package})"
-            if extra
-            else "install the fsspec implementation it names"
-        )
+        package = _PACKAGES.get(protocol)
+        hint = f"pip install '{package}'" if package else "install the package the error names"
         raise CheckpointError(
             f"{caller} received {text!r}, whose {protocol}:// filesystem is not installed "
-            f"({err}); {hint}."
+            f"({err}): {hint}."
         ) from err
     except ValueError as err:
         raise ConfigError(
             f"{caller} received {text!r}, whose protocol {protocol!r} fsspec does not know "
-            f"({err}). Use a local path, file://, memory://, s3://, gs:// or another protocol "
-            "listed by fsspec.available_protocols()."
+            f"({err}). Use a local path or a protocol of fsspec.available_protocols()."
         ) from err
     return Location(text.rstrip("/") or text, fs, path.rstrip("/") or path)
 
@@ -117,7 +109,7 @@ def list_names(directory: Location) -> list[str]:
 
 def check_writable(directory: Location, *, caller: str) -> None:
     """Create ``directory``, write and remove a probe file: a directory that cannot be written
-    fails when a run starts (``CheckpointError``), not at its first checkpoint."""
+    fails when a run starts, not at its first checkpoint."""
     probe = directory.child(f".steplib-write-test-{uuid.uuid4().hex[:8]}")
     try:
         directory.fs.makedirs(directory.path, exist_ok=True)
@@ -126,16 +118,15 @@ def check_writable(directory: Location, *, caller: str) -> None:
         directory.fs.rm(probe.path)
     except Exception as err:  # any filesystem's own error type: all mean "cannot save here"
         raise CheckpointError(
-            f"{caller} cannot write checkpoints into {directory.url!r} "
-            f"({type(err).__name__}: {err}); nothing was trained yet. Pass a directory this "
-            "process can create and write (check its permissions, free space and, for an "
-            "object store, the credentials in storage_options)."
+            f"{caller} cannot write checkpoints into {directory.url!r} ({type(err).__name__}: "
+            f"{err}); nothing was trained yet. Pass a directory this process can write (check "
+            "its permissions, free space and, for an object store, storage_options)."
         ) from err
 
 
 def begin(directory: Location, name: str) -> Location:
-    """Create the directory checkpoint ``name``'s files are written into: a staging directory
-    on a local disk (see :func:`commit`), elsewhere the final one, uncommitted first."""
+    """Create the directory ``name``'s files are written into: on a local disk a staging one
+    (see :func:`commit`), elsewhere the final one, uncommitted first."""
     if directory.is_local:
         staging = directory.child(f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
         os.makedirs(staging.path)
@@ -298,14 +289,11 @@ def _check(
     prefix = checkpoint.rstrip("/") + "/"  # a sharded checkpoint's files are under dcp/ too
     name = location.url[len(prefix) :] if location.url.startswith(prefix) else location.name
     if size is None:
-        problem = "is missing although the manifest lists it; the checkpoint was damaged after it"
-        problem += " was written"
+        problem = "is missing although the manifest lists it"
     elif size != record.size:
-        problem = f"has {size} bytes, the manifest says {record.size}: it was truncated or "
-        problem += "overwritten after the commit"
+        problem = f"has {size} bytes, the manifest says {record.size}: truncated after the commit"
     elif found != record.checksum:
-        problem = f"has checksum xxh3_64 {found}, the manifest says {record.checksum}: "
-        problem += "its bytes were altered after the commit (disk or transfer corruption)"
+        problem = f"has checksum xxh3_64 {found}, the manifest says {record.checksum}: altered"
     else:
         return
     raise CorruptCheckpointError(
