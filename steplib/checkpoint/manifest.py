@@ -103,8 +103,8 @@ class Manifest:
     fingerprint: list[dict[str, Any]] | None
     versions: Mapping[str, str]
     files: Mapping[str, FileRecord]
-    layout: str = SINGLE
-    world_size: int = 1
+    layout: str  # SINGLE or SHARDED
+    world_size: int
 
     @classmethod
     def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world: int) -> Manifest:
@@ -139,16 +139,10 @@ class Manifest:
                 raise ValueError(f"its CRC32 is {crc}, it says {stored}: it was altered")
             if body["version"] != VERSION:
                 raise ValueError(_other_version(body["version"], checkpoint))
-            step, micro, epoch, window = (
-                int(body[k]) for k in ("step", "micro_step", "epoch", "window_size")
-            )
-            return cls(
-                str(body["name"]), step, micro, epoch, window, float(body["time"]),
-                {k: math.nan if v is None else float(v) for k, v in body["metrics"].items()},
-                body["fingerprint"], dict(body["versions"]),
-                {k: FileRecord(int(v["bytes"]), str(v[XXH3_64])) for k, v in body["files"].items()},
-                str(body["layout"]), int(body["world_size"]),
-            )  # fmt: skip
+            fields = {f.name: body[f.name] for f in dataclasses.fields(cls)}
+            metrics = {k: math.nan if v is None else v for k, v in body["metrics"].items()}
+            files = {k: FileRecord(v["bytes"], v[XXH3_64]) for k, v in body["files"].items()}
+            return cls(**{**fields, "metrics": metrics, "files": files})
         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(
                 f"checkpoint {checkpoint}: its file {MANIFEST} cannot be read ({err}). Use "
