@@ -113,34 +113,32 @@ class _MetadataUnpickler(pickle.Unpickler):
         return False
 
 
-def split(tree: Any) -> tuple[Tree, Tree]:
-    """``(tensors, plain)``: the tensor leaves of nested dicts for DCP, the rest (lists whole)."""
-    tensors: Tree = {}
-    plain: Tree = {}
+def leaves(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """The leaves of nested dicts by their path of keys (an empty dict and a list are leaves)."""
+    out = {}
     for key, value in tree.items():
-        if isinstance(value, torch.Tensor):
-            tensors[key] = value
-        elif isinstance(value, dict) and value:
-            sub_tensors, sub_plain = split(value)
-            if sub_tensors:
-                tensors[key] = sub_tensors
-            if sub_plain or not sub_tensors:
-                plain[key] = sub_plain
+        here = (*path, key)
+        if isinstance(value, dict) and value:
+            out.update(leaves(value, here))
         else:
-            plain[key] = value
-    return tensors, plain
-
-
-def merge(tensors: Tree, plain: Tree) -> Tree:
-    """The inverse of :func:`split`."""
-    out: Tree = {}
-    for key in [*plain, *(k for k in tensors if k not in plain)]:
-        a, b = tensors.get(key), plain.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out[key] = merge(a, b)
-        else:
-            out[key] = a if key in tensors else b
+            out[here] = value
     return out
+
+
+def nest(flat: Mapping[tuple[str, ...], Any]) -> Tree:
+    """The inverse of :func:`leaves`."""
+    out: Tree = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def tensors_of(flat: Mapping[tuple[str, ...], Any]) -> Tree:
+    """The tensor leaves by the dotted names DCP gives them; only they go through DCP."""
+    return {".".join(path): v for path, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
 @contextlib.contextmanager
@@ -184,15 +182,15 @@ def gather(
     # optimizer that has state (their parameters are disjoint).
     stateful = [lane.optimizer for lane in every if lane.optimizer.state]
     optim_sd = sd.get_optimizer_state_dict(model, stateful) if stateful else {}
-    tensors, plain = split({"model": sd.get_model_state_dict(model), "optimizer": optim_sd})
+    flat = leaves({"model": sd.get_model_state_dict(model), "optimizer": optim_sd})
     rank_tree = contents.train_state_tree(state, data=data, extras=extras)
     rank_tree.update(
-        plain=plain,  # DCP's non-tensor values
+        plain=[[list(p), v] for p, v in flat.items() if not isinstance(v, torch.Tensor)],
         fresh_groups=[_settings(lane.optimizer) for lane in every],
     )
     name = rank_file(dist.get_rank())
     contents.check_plain(rank_tree, name)
-    return {name: rank_tree}, tensors
+    return {name: rank_tree}, tensors_of(flat)
 
 
 def _settings(optimizer: Any) -> list[dict[str, Any]] | None:
@@ -257,11 +255,13 @@ def load(
         "model": sd.get_model_state_dict(model),
         "optimizer": sd.get_optimizer_state_dict(model, stateful) if stateful else {},
     }
-    tensors, _ = split(target)
+    flat = leaves(target)
+    tensors = tensors_of(flat)
     _check_keys(read_metadata(location, options), tensors, state, url)
-    with dcp_errors("read", url):
+    with dcp_errors("read", url):  # into the state's own tensors
         torch_dcp.load(tensors, storage_reader=reader(location, options), no_dist=not distributed)
-    loaded = merge(tensors, train_state["plain"])
+    plain = {tuple(path): value for path, value in train_state["plain"]}
+    loaded = nest({**plain, **{p: v for p, v in flat.items() if isinstance(v, torch.Tensor)}})
     sd.set_model_state_dict(model, loaded["model"])
     if stateful:
         sd.set_optimizer_state_dict(model, stateful, loaded["optimizer"])
@@ -269,8 +269,8 @@ def load(
         if groups is not None:  # saved before its first update: the groups' settings alone
             index = iter(range(sum(len(g["params"]) for g in lane.optimizer.param_groups)))
             params = [[next(index) for _ in g["params"]] for g in lane.optimizer.param_groups]
-            saved = [dict(g, params=p) for g, p in zip(groups, params, strict=True)]
-            lane.optimizer.load_state_dict({"state": {}, "param_groups": saved})
+            named = [dict(g, params=p) for g, p in zip(groups, params, strict=True)]
+            lane.optimizer.load_state_dict({"state": {}, "param_groups": named})
     return restore.restore_train_state(train_state, state, data=data, extras=extras, rng=same_world)
 
 
@@ -302,7 +302,7 @@ def _check_keys(
         key: tuple(entry.size) if isinstance(entry, dcp_metadata.TensorStorageMetadata) else None
         for key, entry in metadata.state_dict_metadata.items()
     }
-    needed = _flatten(tensors)
+    needed = {key: tuple(value.shape) for key, value in tensors.items()}
     restore.check_model(
         {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")},
         {k[len("model.") :]: v for k, v in needed.items() if k.startswith("model.")},
@@ -317,15 +317,21 @@ def _check_keys(
         )
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
-    # The dotted names DCP gives nested dicts, with global shapes (a DTensor's .shape).
-    out: dict[str, tuple[int, ...]] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = tuple(value.shape)
-    return out
+def read_model(location: Location, manifest: Any, storage_options: Any) -> Tree:
+    """``model.state_dict()`` as saved, whole, on the CPU, verified; no collective."""
+    storage.verify_all(location, manifest.files)
+    metadata = read_metadata(location, storage_options)
+    # Whole tensors to read into: DCP assembles them from the shards of every rank.
+    tensors = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
+    }
+    with dcp_errors("read", location.url):
+        torch_dcp.load(tensors, storage_reader=reader(location, storage_options), no_dist=True)
+    plain = read_rank_file(location, manifest, 0)["plain"]
+    weights = {path[1]: value for path, value in plain if path[0] == "model"}  # _extra_state
+    return weights | {key.removeprefix("model."): value for key, value in tensors.items()}
 
 
 def reader(location: Location, storage_options: Any) -> MetadataReader:

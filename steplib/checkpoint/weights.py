@@ -192,7 +192,9 @@ def _read_checkpoint(
     location: Location, manifest: Manifest, storage_options: StorageOptions
 ) -> dict[str, Any]:
     if manifest.layout == SHARDED:
-        return _read_sharded(location, manifest, storage_options)
+        from steplib.checkpoint import dcp  # imported on use: ~0.8 s
+
+        return dcp.read_model(location, manifest, storage_options)
     # Mapped from a local disk: the file is never held twice in memory.
     return _state_dict(read_trees(location, manifest, only=MODEL, mmap=True)[MODEL], location.url)
 
@@ -266,26 +268,3 @@ def _differences(missing: list[str], unexpected: list[str]) -> str:
 
 def _listed(items: list[str]) -> str:
     return listed(items, shown=20)
-
-
-def _read_sharded(location: Location, manifest: Manifest, storage_options: Any) -> dict[str, Any]:
-    """``model.state_dict()`` as saved, whole, on the CPU, verified; no collective."""
-    import torch.distributed.checkpoint as torch_dcp  # imported on use, with steplib's side
-    import torch.distributed.checkpoint.metadata as dcp_metadata
-
-    from steplib.checkpoint import dcp
-
-    url = location.url
-    storage.verify_all(location, manifest.files)
-    rank_tree = dcp.read_rank_file(location, manifest, 0)
-    metadata = dcp.read_metadata(location, storage_options)
-    # Whole tensors to read into: DCP assembles them from the shards of every rank.
-    tensors = {
-        key[len("model.") :]: torch.empty(entry.size, dtype=entry.properties.dtype)
-        for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
-    }
-    reader = dcp.reader(location, storage_options)
-    with dcp.dcp_errors("read", url):
-        torch_dcp.load({"model": tensors}, storage_reader=reader, no_dist=True)
-    return dcp.merge(tensors, rank_tree["plain"].get("model", {}))  # with non-tensor entries
