@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import platform
 import re
 import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
+from platform import python_version
 from typing import Any, TypeVar
 
 import orjson
@@ -45,18 +45,6 @@ def sort_key(name: str) -> tuple[int, int] | None:
     """``(step, micro_step or -1)`` of a checkpoint name, or ``None`` if it is not one."""
     match = _NAME.match(name)
     return None if match is None else (int(match[1]), int(match[2]) if match[2] else -1)
-
-
-def library_versions() -> dict[str, str]:
-    try:
-        steplib_version = metadata.version("steplib")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
-        steplib_version = "unknown"
-    return {
-        "steplib": steplib_version,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | None:
@@ -108,11 +96,16 @@ class Manifest:
 
     @classmethod
     def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world: int) -> Manifest:
-        """A checkpoint of ``state`` now (``versions`` and ``files``: filled in by ``write``)."""
+        """A checkpoint of ``state`` now (``files``: filled in by ``write``)."""
         name = checkpoint_name(state.step, state.micro_step, state.window.size)
         counters = (state.step, state.micro_step, state.epoch, state.window.size)
+        try:
+            steplib = metadata.version("steplib")
+        except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+            steplib = "unknown"
+        versions = {"steplib": steplib, "torch": torch.__version__, "python": python_version()}
         described = fingerprint(step)
-        return cls(name, *counters, time.time(), metrics, described, {}, {}, layout, world)
+        return cls(name, *counters, time.time(), metrics, described, versions, {}, layout, world)
 
     def to_json(self) -> bytes:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -32,7 +32,6 @@ from steplib.checkpoint.manifest import (
     SHARDED,
     SINGLE,
     Manifest,
-    library_versions,
     newest_valid,
     read_manifest,
 )
@@ -151,7 +150,7 @@ def read_trees(
         )
     url, child = location.url, location.child
     files = {only: manifest.files[only]} if only else manifest.files
-    if not location.is_local:
+    if not location.is_local:  # each file read once, verified, then parsed
         read = storage.read_verified
         return {
             n: read_tree(io.BytesIO(read(child(n), r, checkpoint=url)), url, n)
@@ -210,10 +209,8 @@ def write(plan: Plan, *, group: Any = None) -> str:
     me = dist.get_rank(group) if sharded else 0
     staging: Location | None = None
     try:
-        path = _on_rank0(lambda: storage.begin(plan.directory, plan.name).path, group, sharded)
-        staging = Location(
-            plan.directory.child(path.rsplit("/", 1)[-1]).url, plan.directory.fs, path
-        )
+        name = _on_rank0(lambda: storage.begin(plan.directory, plan.name).name, group, sharded)
+        staging = plan.directory.child(name)
         records: dict[str, storage.FileRecord] = {}
         if sharded:
             from steplib.checkpoint import dcp
@@ -221,8 +218,8 @@ def write(plan: Plan, *, group: Any = None) -> str:
             records.update(dcp.write(plan, staging, group=group))  # DCP agrees on its failures
         failure = None
         try:
-            for name, tree in plan.files.items():
-                records[name] = storage.write_tensors(staging.child(name), tree, fsync=fsync)
+            for file, tree in plan.files.items():
+                records[file] = storage.write_tensors(staging.child(file), tree, fsync=fsync)
         except Exception as err:
             if not sharded:
                 raise
@@ -237,7 +234,7 @@ def write(plan: Plan, *, group: Any = None) -> str:
         def commit() -> str:
             assert staging is not None
             files = dict(sorted((k, v) for written, _ in reports for k, v in written.items()))
-            manifest = dataclasses.replace(plan.manifest, files=files, versions=library_versions())
+            manifest = dataclasses.replace(plan.manifest, files=files)
             storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
             return storage.commit(plan.directory, staging, plan.name, fsync=fsync).url
 
