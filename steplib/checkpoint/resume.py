@@ -226,7 +226,7 @@ def preemption(
         )
     if not signals:
         raise ConfigError(
-            "preemption(signals=...) received none, so nothing would be caught; pass e.g. "
+            "preemption(signals=...) received no signals; pass e.g. "
             "signals=(signal.SIGTERM, signal.SIGUSR1)."
         )
     return Preemption(checkpointer, signals=signals)
