@@ -34,10 +34,10 @@ def check_ranked_metric(
     if keep_best is None or metric in recorded:
         return
     raise ConfigError(
-        f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among the "
-        f"metrics of this checkpoint; they are: {', '.join(sorted(recorded)) or '(none)'}. "
-        "Nothing was saved or pruned. Name one of them (an evaluator's names carry its prefix: "
-        "'val_accuracy'), pass metric=evaluator, or pass metrics= a function that returns it."
+        f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among this "
+        f"checkpoint's metrics; they are: {', '.join(sorted(recorded)) or '(none)'}. Nothing "
+        "was saved or pruned. Name one (an evaluator's carry its prefix: 'val_accuracy'), or "
+        "pass metric=evaluator, or metrics= a function that returns it."
     )
 
 
@@ -165,7 +165,7 @@ def best_checkpoint(
         2
     """
     name, mode = errors.monitor_and_mode("best_checkpoint", metric, mode)
-    check_retention("best_checkpoint", keep_last=None, keep_best=1, metric=name, mode=mode)
+    errors.mode("best_checkpoint", mode)
     infos = list_checkpoints(directory, storage_options=storage_options)
     ranked = _ranked(infos, name, mode)
     if not ranked:
