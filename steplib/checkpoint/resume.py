@@ -139,7 +139,7 @@ class Preemption(Handler):
 
     def on_step_end(self, event: Event) -> Stop | None:
         """After a signal (any rank's, sharded): save now and stop the loop."""
-        decided = self._decide(event)
+        decided = self._decide()
         if decided is None:
             return None
         self.saved = self.checkpointer.save(event, blocking=True)
@@ -150,7 +150,7 @@ class Preemption(Handler):
     def on_fit_end(self, event: Event) -> Emitted | None:
         """Save if a signal came after the last update (and report it: the checkpointer's
         fit_end ran before), then restore the signal handlers."""
-        if self.saved is None and self._decide(event) is not None:  # every rank decides alike
+        if self.saved is None and self._decide() is not None:  # every rank decides alike
             self.saved = self.checkpointer.save(event, blocking=True)
         self._uninstall()
         return self.checkpointer.report(event)
@@ -158,15 +158,14 @@ class Preemption(Handler):
     def on_exception(self, event: Event) -> None:
         self._uninstall()
 
-    def _decide(self, event: Event) -> int | None:
+    def _decide(self) -> int | None:
         # Sharded: the all-reduced flag alone. A rank that read its own flag again after the
         # all-reduce (a signal arriving meanwhile) would save while the others train on.
         local = self._signalled  # read once: the handler may set it at any moment
         decided = int(max_over_ranks(local or 0, group=self._group.get())) if self._agree else local
-        if not decided:
-            return None
-        self.received = decided
-        return decided
+        if decided:
+            self.received = decided
+        return decided or None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here could corrupt or deadlock whatever Python was doing.
