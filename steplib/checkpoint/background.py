@@ -1,7 +1,5 @@
-"""Asynchronous saves: a snapshot into reused CPU buffers now (pinned for GPU tensors), written
-by ``pipeline.write`` in a background thread. Parameters and optimizer state, which only the
-next update changes, are copied by a thread meanwhile; that update waits (``TrainState.fence``).
-"""
+"""Asynchronous saves: a snapshot into reused CPU buffers (pinned for GPU tensors), written in a
+background thread. What only the next update changes is copied meanwhile (``TrainState.fence``)."""
 
 from __future__ import annotations
 
@@ -78,11 +76,7 @@ def snapshot(
         return obj  # numbers, strings, None: immutable
 
     result = copy(tree, ())
-    waits: list[Any] = []
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        waits.append(event)
+    waits: list[Any] = [torch.cuda.current_stream(device).record_event() for device in devices]
     if later:
         waits.append(BackgroundCopy(later))
     buffers.clear()
@@ -151,11 +145,9 @@ class BackgroundCopy:
             more = len(self._changed) - 5
             raise CheckpointError(
                 f"{names}{f' and {more} more' if more > 0 else ''} changed in place while the "
-                "async checkpoint was copying them in the background (between AsyncSaver.save "
-                "and the next optimizer update), so the copy is not a snapshot; nothing was "
-                "committed. Something outside the optimizer changed parameters or optimizer "
-                "state in place: call steplib.checkpoint.wait_snapshot(state) before changing "
-                "them (it waits for the copy), or change them before saving."
+                "async checkpoint copied them (between the save and the next optimizer update), "
+                "so the copy is no snapshot; nothing was committed. Call "
+                "steplib.checkpoint.wait_snapshot(state) before changing them, or save after."
             )
 
 
@@ -165,8 +157,6 @@ class AsyncSaver:
     or ``close``: never lost.
 
     Example:
-        >>> import torch
-        >>> from steplib import TrainState
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> with AsyncSaver() as saver:
@@ -195,11 +185,11 @@ class AsyncSaver:
         durable: bool = True,
         after: Callable[[str], Any] | None = None,
     ) -> str:
-        """Snapshot ``state`` and write it in the background; return its URL to be.
+        """Snapshot ``state`` and write it in the background.
 
         Args:
-            state, directory, data, extras, step, metrics, storage_options, durable: as for
-                ``save``. after: ``after(url)`` is called in the writer once committed.
+            state, directory, data, extras, step, metrics, storage_options, durable: as ``save``.
+            after: ``after(url)`` is called in the writer once committed.
 
         Returns:
             The URL the checkpoint will have (the previous save's error is raised first).
@@ -250,9 +240,8 @@ class AsyncSaver:
             if isinstance(error, CheckpointError):
                 raise error
             raise CheckpointError(
-                f"a background checkpoint save failed ({type(error).__name__}: {error}); "
-                "nothing was committed by it and older checkpoints are intact. Fix the cause "
-                "and save again."
+                f"a background checkpoint save failed ({type(error).__name__}: {error}); it "
+                "committed nothing and older checkpoints are intact. Fix the cause, save again."
             ) from error
 
     def close(self) -> None:
@@ -277,8 +266,6 @@ def wait_snapshot(state: TrainState) -> None:
         state: the state given to ``AsyncSaver.save``.
 
     Example:
-        >>> import torch
-        >>> from steplib import TrainState
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> with AsyncSaver() as saver:

@@ -22,7 +22,7 @@ from steplib.checkpoint.pipeline import Checkpoints, check_options
 from steplib.checkpoint.retention import check_ranked_metric, check_retention, prune
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed import is_main
-from steplib.errors import CheckpointError, ConfigError, describe
+from steplib.errors import CheckpointError, ConfigError
 from steplib.events import Emitted, Event, Handler
 from steplib.state import EVALUATED_AT, TrainState
 
@@ -31,23 +31,22 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 
 
 def default_metrics(event: Event) -> dict[str, float]:
-    """What a checkpoint records without a ``metrics`` function: ``{name: float}`` of the
-    update's ``loss`` and each number in ``state.extras`` evaluated at this update.
+    """What a checkpoint records without ``metrics``: ``{name: float}`` of the update's
+    ``loss`` and each number in ``state.extras`` evaluated at this update.
 
     Example:
         >>> import types
         >>> extras = {"val_loss": 0.25, "note": "x", "evaluated_at": {"val_loss": 4}}
-        >>> default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=4))
-        {'val_loss': 0.25}
-        >>> default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=5))
-        {}
+        >>> [default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=s))
+        ...  for s in (4, 5)]
+        [{'val_loss': 0.25}, {}]
     """
     loss = getattr(getattr(event, "output", None), "loss", None)
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
-    values = {"loss": loss if isinstance(loss, torch.Tensor) else None}
+    fresh = {k: v for k, v in extras.items() if k not in stale}
     numbers = {}
-    for name, value in {**values, **{k: v for k, v in extras.items() if k not in stale}}.items():
+    for name, value in {"loss": loss if torch.is_tensor(loss) else None, **fresh}.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:  # a sweep's loss is not
             value = value.item()  # a host sync, at save time only
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -63,9 +62,8 @@ def stale_values(extras: Mapping[str, Any], step: int) -> set[str]:
 
 @dataclasses.dataclass(eq=False, repr=False)
 class Checkpointer(Handler):
-    """The handler :func:`checkpoint_every` builds (with its checked arguments); ``last_saved``:
-    the URL of its last checkpoint. It reports ``checkpoint_end`` to, and saves the attached
-    handlers' state of, the ``Events`` that emitted the event it saves at (``event.events``)."""
+    """The handler :func:`checkpoint_every` builds; ``last_saved``: its last checkpoint's URL.
+    It saves the handlers of, and reports ``checkpoint_end`` to, the ``Events`` that emitted."""
 
     # Last at each event: a save holds what every other handler did there (an evaluation, a
     # scheduler's step), in whatever order they were attached.
@@ -94,12 +92,8 @@ class Checkpointer(Handler):
     def directory(self) -> str:
         return self.given.directory
 
-    def __call__(self, event: Event) -> Emitted | None:
-        return self.on_step_end(event)
-
     def on_fit_start(self, event: Event) -> None:
-        """Check the directory can be written (``CheckpointError``); remove what a killed save
-        left; remember where the run starts and the loader it draws from."""
+        """Check the directory is writable (``CheckpointError``); remove a killed save's debris."""
         self._saved_at = _position(event.state)
         self._run_data = run_data(self.given.data, event)
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
@@ -108,20 +102,19 @@ class Checkpointer(Handler):
             self._prune(keep=False)
 
     def on_step_end(self, event: Event) -> Emitted | None:
-        """Save when due by ``every``; report what was committed."""
         if self.every is not None and due(self.every, event):
             return self._save_and_report(event, strict=True)
         return self.report(event)
 
+    __call__ = on_step_end
+
     def on_epoch_end(self, event: Event) -> Emitted | None:
-        """Every ``epochs`` epochs: save unless this state was saved already, and report."""
         if self.epochs is None or not due(self.epochs, event):
             return None
         return self._save_and_report(event, strict=True)
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted | None:
-        """Emit ``checkpoint_end`` for each commit not yet reported, oldest first, each seeing
-        the state the previous left (from ``earlier``'s); return the outcome."""
+        """Emit ``checkpoint_end`` for each unreported commit, oldest first, from ``earlier``."""
         events = event.events
         if events is None or not self._committed:  # not emitted by an Events: nobody to tell
             self._committed.clear()
@@ -134,13 +127,13 @@ class Checkpointer(Handler):
         return Emitted(state, stop)
 
     def on_fit_end(self, event: Event) -> Emitted | None:
-        """Save the final state (``at_end``, if it moved), wait for background writes, report."""
+        """Save the final state (``at_end``, if it moved); wait for background writes; report."""
         earlier = self._save_and_report(event, strict=False) if self.at_end else None
         self.wait()
         return self.report(event, earlier=earlier)
 
     def on_exception(self, event: Event) -> Emitted | None:
-        """Let a background write finish (its error logged, not raised over the first); report."""
+        """Let a background write finish (its error logged, not raised over the run's)."""
         try:
             self.wait()
         except CheckpointError as err:
@@ -157,8 +150,8 @@ class Checkpointer(Handler):
         return self.report(event, earlier=earlier)
 
     def save(self, event: Event, *, blocking: bool = False, strict: bool = False) -> str:
-        """Save ``event.state`` now (unless saved) and prune; return the URL. ``blocking``:
-        committed on return (a preemption's); ``strict``: a scheduled save (``metric`` checked)."""
+        """Save ``event.state`` (unless saved) and prune; return the URL. ``blocking``: committed
+        on return (a preemption's); ``strict``: a scheduled save (``metric`` checked)."""
         state: TrainState = event.state
         if self._saved_at == _position(state) and self.last_saved is not None:
             if blocking:
@@ -210,17 +203,14 @@ class Checkpointer(Handler):
 
     def _prune(self, keep: bool = True) -> None:
         # No save of this handler in flight; only rank 0 removes the newest leftovers.
-        last, best = (self.keep_last, self.keep_best) if keep else (None, None)
-        leftovers = "all" if is_main() else "older"
-        options = self.given.storage_options
         prune(
             self.directory,
-            keep_last=last,
-            keep_best=best,
+            keep_last=self.keep_last if keep else None,
+            keep_best=self.keep_best if keep else None,
             metric=self.metric,
             mode=self.mode,
-            storage_options=options,
-            leftovers=leftovers,
+            storage_options=self.given.storage_options,
+            leftovers="all" if is_main() else "older",
         )
 
     def __repr__(self) -> str:
@@ -257,13 +247,13 @@ def checkpoint_every(
 
     Args:
         directory: a local path or fsspec URL of the directory of checkpoints.
-        every: save when ``state.step`` is a multiple of this (an int >= 1), every n batches
-            with ``Batches(n)`` (at the update holding the n-th batch), or ``None``.
+        every: save when ``state.step`` is a multiple of this int, at the update holding every
+            n-th batch with ``Batches(n)``, or ``None``.
         epochs: save at the end of every this-many epochs (with ``every``, both save).
         at_epoch_end: ``True`` is ``epochs=1``.
-        keep_last: after each save keep the newest this many (``None``: keep all).
-        keep_best: also keep the best this many by ``metric``.
-        metric: the metric ``keep_best`` ranks by, or the ``Evaluator`` that monitors it.
+        keep_last, keep_best: after each save keep the newest ``keep_last`` and the best
+            ``keep_best`` by ``metric`` (``None``: all).
+        metric: what ``keep_best`` ranks by: a metric's name, or the ``Evaluator`` monitoring it.
         mode: ``"min"`` (default) or ``"max"``: whether lower or higher ``metric`` is better.
         data, extras, step, storage_options, durable, trainable_only: as for ``save`` (by
             default the stateful loader ``run`` draws from and the attached handlers are saved).
@@ -279,19 +269,31 @@ def checkpoint_every(
             (before anything is written or pruned), a ``metric`` its metrics do not hold.
 
     Example:
-        >>> import torch
-        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> from steplib import make_train_step, run
         >>> from steplib.checkpoint import list_checkpoints
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
-        >>> events = checkpoint_every("memory://doctest-every/ckpt", every=2, keep_last=2,
-        ...                           step=step).attach(Events())
-        >>> state = run(step, state, [torch.ones(4, 2)] * 5, events=events)
+        >>> ckpt = checkpoint_every("memory://doctest-every/ckpt", every=2, keep_last=2, step=step)
+        >>> _ = run(step, state, [torch.ones(4, 2)] * 5, events=[ckpt])
         >>> [c.step for c in list_checkpoints("memory://doctest-every/ckpt")]
         [4, 5]
     """
-    epochs = check_cadence(every, epochs, at_epoch_end)
+    choices = "True (save at every epoch end) or False, or epochs=N for every N epochs"
+    errors.boolean("checkpoint_every", "at_epoch_end", at_epoch_end, choices)
+    if at_epoch_end and epochs is not None:
+        raise ConfigError(
+            f"checkpoint_every received at_epoch_end=True and epochs={epochs!r}, which "
+            "contradict each other. Pass one: epochs=1 is at_epoch_end=True."
+        )
+    epochs = 1 if at_epoch_end else epochs
+    if every is None and epochs is None:
+        raise ConfigError(
+            "checkpoint_every received no cadence (every=None), so it would never save. Pass "
+            "every=500 (optimizer updates), epochs=1 or at_epoch_end=True (epoch ends), or both."
+        )
+    check_every("checkpoint_every(every=...)", every)
+    epochs = errors.optional_positive_int("checkpoint_every", "epochs", epochs)
     typed = isinstance(metric, str)
     if metric is not None:
         metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
@@ -303,32 +305,3 @@ def checkpoint_every(
     check_options(given, "checkpoint_every")
     settings = (every, epochs, keep_last, keep_best, metric, mode, metrics or default_metrics)
     return Checkpointer(given, *settings, background, at_end, typed)
-
-
-def check_cadence(every: Any, epochs: Any, at_epoch_end: Any) -> int | None:
-    """The epoch cadence of ``checkpoint_every`` (1 for ``at_epoch_end=True``), checked."""
-    choices = "True (save at every epoch end) or False, or epochs=N for every N epochs"
-    errors.boolean("checkpoint_every", "at_epoch_end", at_epoch_end, choices)
-    if at_epoch_end and epochs is not None:
-        raise ConfigError(
-            f"checkpoint_every received at_epoch_end=True (every epoch) and epochs={epochs!r} "
-            "(every that many epochs), which contradict each other. Pass one: epochs=1 is "
-            "at_epoch_end=True."
-        )
-    if at_epoch_end:
-        epochs = 1
-    if every is None and epochs is None:
-        raise ConfigError(
-            "checkpoint_every received no cadence (every=None), so it would never save. Pass "
-            "every=500 (optimizer updates between checkpoints), epochs=1 (every epoch end; "
-            "at_epoch_end=True is the same), or both."
-        )
-    check_every("checkpoint_every(every=...)", every)
-    if epochs is not None and (
-        isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
-    ):
-        raise ConfigError(
-            f"checkpoint_every(epochs=...) received {describe(epochs)}; it is the number of "
-            "epochs between checkpoints and must be an int >= 1, e.g. epochs=2."
-        )
-    return epochs

@@ -1,7 +1,5 @@
-"""How a run continues: ``resume_from`` loads the newest valid checkpoint at ``fit_start``, with
-the data position and the attached handlers' state; ``preemption`` turns SIGTERM / SIGUSR1 into
-a checkpoint at the next update boundary and a clean stop (sharded: every rank decides from
-one all-reduced flag, so all save the same update)."""
+"""How a run continues: ``resume_from`` loads the newest valid checkpoint at ``fit_start``;
+``preemption`` turns SIGTERM / SIGUSR1 into a checkpoint and a clean stop."""
 
 from __future__ import annotations
 
@@ -36,10 +34,6 @@ class Resume(Handler):
         return self.given.directory
 
     def on_fit_start(self, event: Event) -> NewState | None:
-        """Load (as a call does); attach it before the handlers that must see the resumed state."""
-        return self(event)
-
-    def __call__(self, event: Event) -> NewState | None:
         """Load the newest valid checkpoint into the state, its loader and its handlers."""
         given = dataclasses.replace(
             self.given,
@@ -53,6 +47,8 @@ class Resume(Handler):
         self.loaded, state = found
         _log.info("resumed from %s at step %d", self.loaded, state.step)
         return NewState(state)
+
+    __call__ = on_fit_start
 
     def __repr__(self) -> str:
         return f"resume_from({self.directory!r})"
@@ -68,10 +64,10 @@ def resume_from(
 ) -> Resume:
     """A ``fit_start`` handler: continue from the newest valid checkpoint in ``directory``.
 
-    Given the checkpoint handler (``resume_from(ckpt)``) it takes its settings: nothing is
-    named twice. The loader ``run`` draws from and every attached handler with ``state_dict``
-    come back too. Corrupt checkpoints are skipped with a ``CheckpointWarning``; with none the
-    run starts fresh. On another number of ranks pass ``resumable_loader(..., shard=True)``.
+    Given the checkpoint handler (``resume_from(ckpt)``) it takes its settings. The loader
+    ``run`` draws from and every attached handler with ``state_dict`` come back too. Corrupt
+    checkpoints are skipped with a ``CheckpointWarning``; with none the run starts fresh. On
+    another number of ranks pass ``resumable_loader(..., shard=True)``.
 
     Args:
         directory: the directory of checkpoints, or the ``checkpoint_every`` handler.
@@ -87,39 +83,28 @@ def resume_from(
 
     Example:
         >>> import torch
-        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> from steplib import TrainState, make_train_step, run
         >>> from steplib.checkpoint import checkpoint_every
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
         >>> ckpt = checkpoint_every("memory://doctest-resume/ckpt", every=1, step=step)
-        >>> events = Events(resume_from(ckpt), ckpt)
-        >>> run(step, state, [torch.ones(4, 2)] * 3, events=events).step
-        3
-        >>> run(step, state, [torch.ones(4, 2)] * 3, events=events).step  # resumed at 3
-        6
+        >>> [run(step, state, [torch.ones(4, 2)] * 3, events=[resume_from(ckpt), ckpt]).step
+        ...  for _ in range(2)]  # the second run resumes at 3
+        [3, 6]
     """
-    if not isinstance(directory, Checkpointer):
-        return Resume(Checkpoints(directory, data, extras, step, storage_options))
-    ckpt = directory.given
-    return Resume(
-        Checkpoints(
-            ckpt.directory,
-            data if data is not None else ckpt.data,
-            extras if extras is not None else ckpt.extras,
-            step if step is not None else ckpt.step,
-            storage_options or ckpt.storage_options,
-        )
-    )
+    if isinstance(directory, Checkpointer):  # its settings, where not given here
+        own = directory.given
+        directory, storage_options = own.directory, storage_options or own.storage_options
+        data = own.data if data is None else data
+        extras = own.extras if extras is None else extras
+        step = own.step if step is None else step
+    return Resume(Checkpoints(directory, data, extras, step, storage_options))
 
 
 class Preemption(Handler):
-    """The handler :func:`preemption` builds.
-
-    Attributes:
-        received: the signal the run was preempted by (any rank's, sharded), or ``None``.
-        saved: the URL of the checkpoint saved because of it, or ``None``.
-    """
+    """The handler :func:`preemption` builds; ``received``: the signal that preempted the run
+    (any rank's, sharded) or ``None``; ``saved``: the URL saved because of it, or ``None``."""
 
     last = True  # its saves run after the other handlers', as the checkpointer's do
 
@@ -154,7 +139,7 @@ class Preemption(Handler):
 
     def on_step_end(self, event: Event) -> Stop | None:
         """After a signal (any rank's, sharded): save now and stop the loop."""
-        decided = self._decide(event)
+        decided = self._decide()
         if decided is None:
             return None
         self.saved = self.checkpointer.save(event, blocking=True)
@@ -165,24 +150,22 @@ class Preemption(Handler):
     def on_fit_end(self, event: Event) -> Emitted | None:
         """Save if a signal came after the last update (and report it: the checkpointer's
         fit_end ran before), then restore the signal handlers."""
-        if self.saved is None and self._decide(event) is not None:  # every rank decides alike
+        if self.saved is None and self._decide() is not None:  # every rank decides alike
             self.saved = self.checkpointer.save(event, blocking=True)
         self._uninstall()
         return self.checkpointer.report(event)
 
     def on_exception(self, event: Event) -> None:
-        """Restore the signal handlers."""
         self._uninstall()
 
-    def _decide(self, event: Event) -> int | None:
+    def _decide(self) -> int | None:
         # Sharded: the all-reduced flag alone. A rank that read its own flag again after the
         # all-reduce (a signal arriving meanwhile) would save while the others train on.
         local = self._signalled  # read once: the handler may set it at any moment
         decided = int(max_over_ranks(local or 0, group=self._group.get())) if self._agree else local
-        if not decided:
-            return None
-        self.received = decided
-        return decided
+        if decided:
+            self.received = decided
+        return decided or None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here could corrupt or deadlock whatever Python was doing.
@@ -220,7 +203,7 @@ def preemption(
 
     Example:
         >>> import os, signal, torch
-        >>> from steplib import Events, TrainState, make_train_step, run
+        >>> from steplib import TrainState, make_train_step, run
         >>> from steplib.checkpoint import checkpoint_every
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
@@ -230,8 +213,7 @@ def preemption(
         ...     return model(torch.ones(4, 2)).pow(2).mean()
         >>> ckpt = checkpoint_every("memory://doctest-preempt/ckpt", every=100)
         >>> handler = preemption(ckpt)
-        >>> events = handler.attach(ckpt.attach(Events()))
-        >>> run(make_train_step(loss_fn), state, range(10), events=events).step
+        >>> run(make_train_step(loss_fn), state, range(10), events=[ckpt, handler]).step
         3
         >>> handler.saved, handler.exit_code
         ('memory://doctest-preempt/ckpt/step-00000003', 138)

@@ -16,39 +16,28 @@ from steplib.errors import CheckpointError, ConfigError, describe
 
 def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any, mode: Any) -> None:
     """Raise ``ConfigError`` for retention settings that cannot be followed."""
-    for label, value in (("keep_last", keep_last), ("keep_best", keep_best)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ConfigError(
-                f"{caller}({label}=...) received {describe(value)}; it must be an int >= 1 or "
-                f"None (keep all), e.g. {label}=3."
-            )
+    errors.optional_positive_int(caller, "keep_last", keep_last)
+    errors.optional_positive_int(caller, "keep_best", keep_best)
     if keep_best is not None and (not isinstance(metric, str) or not metric):
         raise ConfigError(
-            f"{caller}(keep_best={keep_best}) needs the metric to rank by, and received "
-            f"metric={describe(metric)}. Name one that is saved with the checkpoints, e.g. "
-            "metric='val_loss', mode='min'."
+            f"{caller}(keep_best={keep_best}) needs the metric to rank by, received "
+            f"metric={describe(metric)}: name one saved with the checkpoints, e.g. metric='val'."
         )
-    if mode not in ("min", "max"):
-        raise ConfigError(
-            f"{caller}(mode=...) received {describe(mode)}; it must be 'min' (lower is better, "
-            "a loss) or 'max' (higher is better, an accuracy)."
-        )
+    errors.mode(caller, mode)
 
 
 def check_ranked_metric(
     caller: str, *, keep_best: int | None, metric: str | None, recorded: Mapping[str, Any]
 ) -> None:
-    """``ConfigError`` (before anything is written or pruned) when ``keep_best`` ranks by a
-    ``metric`` this save does not record: pruning would delete the best checkpoints."""
+    """``ConfigError`` when ``keep_best`` ranks by a ``metric`` this save lacks (pruning would
+    delete the best checkpoints)."""
     if keep_best is None or metric in recorded:
         return
     raise ConfigError(
-        f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among the "
-        f"metrics of this checkpoint; they are: {', '.join(sorted(recorded)) or '(none)'}. "
-        "Nothing was saved or pruned. Name one of them (an evaluator's names carry its prefix: "
-        "'val_accuracy'), pass metric=evaluator, or pass metrics= a function that returns it."
+        f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among this "
+        f"checkpoint's metrics; they are: {', '.join(sorted(recorded)) or '(none)'}. Nothing "
+        "was saved or pruned. Name one (an evaluator's carry its prefix: 'val_accuracy'), or "
+        "pass metric=evaluator, or metrics= a function that returns it."
     )
 
 
@@ -68,24 +57,8 @@ def select_retained(
     metric: str | None = None,
     mode: str = "min",
 ) -> list[CheckpointInfo]:
-    """The checkpoints to keep, oldest first: the newest always; all when both are ``None``.
-
-    Args:
-        checkpoints: committed checkpoints, oldest first (``list_checkpoints``).
-        keep_last: keep the newest this many.
-        keep_best: keep the best this many by ``metric`` (never one without it, or NaN).
-        metric: the metric name ``keep_best`` ranks by (of equal values, the older wins).
-        mode: ``"min"`` or ``"max"``: whether a lower or a higher value is better.
-
-    Returns:
-        The retained checkpoints.
-
-    Example:
-        >>> infos = [CheckpointInfo(f"u{s}", f"n{s}", s, s, 0, 0.0, {"loss": l})
-        ...          for s, l in [(1, 0.5), (2, 0.1), (3, 0.9), (4, 0.7)]]
-        >>> [c.step for c in select_retained(infos, keep_last=1, keep_best=1, metric="loss")]
-        [2, 4]
-    """
+    """Of ``checkpoints`` (oldest first), those to keep: the newest ``keep_last`` (at least the
+    newest one) and the best ``keep_best`` by ``metric``; all when both are ``None``."""
     check_retention(
         "select_retained", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
@@ -107,13 +80,15 @@ def prune(
     storage_options: StorageOptions = None,
     leftovers: str = "older",
 ) -> list[str]:
-    """Delete the checkpoints of ``directory`` that :func:`select_retained` does not keep, and
-    what crashed saves left (uncommitted, corrupt, ``.tmp-*``) older than the newest checkpoint.
-    A checkpoint is uncommitted before its files go: a crash never leaves a half-deleted one.
+    """Delete the checkpoints of ``directory`` not retained, and what crashed saves left
+    (uncommitted, corrupt, ``.tmp-*``) older than the newest checkpoint. A checkpoint is
+    uncommitted before its files go: a crash never leaves a half-deleted one.
 
     Args:
         directory: the directory given to ``save``.
-        keep_last, keep_best, metric, mode: see :func:`select_retained`.
+        keep_last: keep the newest this many (at least the newest one; ``None``: all).
+        keep_best, metric, mode: also the best ``keep_best`` by ``metric``, lower (``"min"``) or
+            higher (``"max"``) better; of equal values the older; never one without it or NaN.
         storage_options: passed to fsspec.
         leftovers: ``"older"``, or ``"all"`` when no save into ``directory`` is in flight.
 
@@ -123,7 +98,7 @@ def prune(
     Example:
         >>> import torch
         >>> from steplib import TrainState
-        >>> from steplib.checkpoint import save, list_checkpoints
+        >>> from steplib.checkpoint import save
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> for s in (1, 2, 3):
@@ -134,9 +109,8 @@ def prune(
     check_retention("prune", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
     if leftovers not in ("older", "all"):
         raise ConfigError(
-            f"prune(leftovers=...) received {describe(leftovers)}; pass 'older' (the default: "
-            "keep what a save in flight may own) or 'all' (no save into the directory is in "
-            "flight)."
+            f"prune(leftovers=...) received {describe(leftovers)}; pass 'older' (keep what a "
+            "save in flight may own) or 'all' (no save into the directory is in flight)."
         )
     location = storage.resolve(directory, storage_options, caller="prune")
     checkpoints, debris = scan(location)
@@ -144,10 +118,9 @@ def prune(
         checkpoints, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
     kept = {c.url for c in retained}
-    deleted = [c.url for c in checkpoints if c.url not in kept]
-    for checkpoint in checkpoints:
-        if checkpoint.url not in kept:
-            storage.remove(location.child(checkpoint.name))
+    deleted = [c for c in checkpoints if c.url not in kept]
+    for checkpoint in deleted:
+        storage.remove(location.child(checkpoint.name))
     newest = max((_key(c.name) for c in checkpoints), default=None)
     for leftover in debris:
         # ".tmp-step-00000120-1a2b3c4d" -> "step-00000120"
@@ -156,7 +129,7 @@ def prune(
             name = name.split("-", 1)[1].rsplit("-", 1)[0]
         if leftovers == "all" or (newest is not None and _key(name) < newest):
             storage.remove(leftover)
-    return deleted
+    return [c.url for c in deleted]
 
 
 def _key(name: str) -> tuple[int, int]:
@@ -166,8 +139,7 @@ def _key(name: str) -> tuple[int, int]:
 def best_checkpoint(
     directory: str, metric: Any, *, mode: str | None = None, storage_options: StorageOptions = None
 ) -> str:
-    """The URL of the best checkpoint in ``directory`` by ``metric`` (the oldest of equal ones):
-    ``load(best_checkpoint(directory, evaluator), state)``.
+    """The URL of the best checkpoint in ``directory`` by ``metric`` (the oldest of equal ones).
 
     Args:
         directory: the directory of checkpoints (``checkpoint_every``'s).
@@ -184,23 +156,23 @@ def best_checkpoint(
     Example:
         >>> import torch
         >>> from steplib import TrainState
-        >>> from steplib.checkpoint import save
+        >>> from steplib.checkpoint import load, save
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> urls = [save(state.replace(step=step), "memory://doctest-best", metrics={"val_loss": v})
         ...         for step, v in [(1, 0.9), (2, 0.4), (3, 0.6)]]
-        >>> best_checkpoint("memory://doctest-best", "val_loss") == urls[1]
-        True
+        >>> load(best_checkpoint("memory://doctest-best", "val_loss"), state).step
+        2
     """
     name, mode = errors.monitor_and_mode("best_checkpoint", metric, mode)
-    check_retention("best_checkpoint", keep_last=None, keep_best=1, metric=name, mode=mode)
+    errors.mode("best_checkpoint", mode)
     infos = list_checkpoints(directory, storage_options=storage_options)
     ranked = _ranked(infos, name, mode)
     if not ranked:
         recorded = sorted({key for info in infos for key in info.metrics})
         raise CheckpointError(
             f"best_checkpoint({directory!r}, {name!r}): no checkpoint there records {name!r} "
-            f"({len(infos)} checkpoint(s); the metrics they record: {recorded or 'none'}). Name "
-            "one of those, or save with checkpoint_every(..., metric=...)."
+            f"({len(infos)} checkpoint(s); they record: {recorded or 'none'}). Name one of "
+            "those, or save with checkpoint_every(..., metric=...)."
         )
     return ranked[0].url

@@ -50,11 +50,9 @@ def load_weights(
     ignore_mismatched_sizes: bool = False,
     storage_options: StorageOptions = None,
 ) -> LoadedWeights:
-    """Load the weights saved at ``source`` into ``model``; nothing else changes (the
-    optimizer, counters, RNG and data stay fresh).
-
-    A model wrapped by DDP or ``torch.compile`` takes them into the module inside, and weights
-    saved from a wrapped one load into a plain one. FSDP2 / tensor parallel: every rank calls it.
+    """Load the weights saved at ``source`` into ``model``; the optimizer, counters, RNG and data
+    stay fresh. Names saved from a DDP or ``torch.compile`` wrapper load into a plain module and
+    back. FSDP2 / tensor parallel: every rank calls it.
 
     Args:
         model: the module, or a TrainState (its model).
@@ -73,8 +71,6 @@ def load_weights(
             changed). CorruptCheckpointError: a damaged file. CheckpointError: nothing there.
 
     Example:
-        >>> import warnings
-        >>> from steplib import TrainState
         >>> from steplib.checkpoint import save
         >>> pretrained = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
         >>> state = TrainState.create(
@@ -105,7 +101,7 @@ def load_weights(
     location = storage.resolve(source, storage_options, caller="load_weights")
     url, weights = _read(location, storage_options)
     expected = module.state_dict()
-    weights = _without_wrapper_prefixes(weights, expected)
+    weights = _without_prefixes(weights, expected)
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
     reshaped = {
@@ -116,33 +112,26 @@ def load_weights(
     if reshaped and not ignore_mismatched_sizes:
         raise ConfigError(
             f"load_weights: weights of other shapes than the model's: "
-            f"{_listed(list(reshaped.values()))}. strict=False skips names, not shapes. To "
-            "give a layer another size (a head for other classes), pass "
-            "ignore_mismatched_sizes=True (the layer keeps its new initialisation), or load "
-            "first and replace the layer after: load_weights(model, url); model.head = "
-            "nn.Linear(..., num_classes)."
+            f"{listed(list(reshaped.values()), shown=20)}. For a layer of a new size, pass "
+            "ignore_mismatched_sizes=True (it keeps its initialisation), or load first and "
+            "replace it after: model.head = nn.Linear(..., num_classes)."
         )
     if len(unexpected) == len(weights) and expected:
         # strict=False would load nothing: another model, or a prefix only the user can map.
         raise ConfigError(
             f"load_weights: {url} has no weight whose name this {type(module).__name__} has "
-            f"({_differences(missing[:3], unexpected[:3])}, ...). If the names differ by a "
-            "prefix, rename them yourself and call model.load_state_dict; otherwise pass the "
-            "weights of this model."
+            f"({_differences(missing[:3], unexpected[:3])}, ...). Pass this model's weights, or "
+            "rename them yourself and call model.load_state_dict."
         )
     if strict and (missing or unexpected):
         raise ConfigError(
             f"load_weights: {url} holds weights for another model than this "
             f"{type(module).__name__}: {_differences(missing, unexpected)}. Pass strict=False "
-            "to load the weights both have and keep the others as they are (a new head), or "
-            "build the model as the one that saved them."
+            "to load the names both have (a new head keeps its own), or build the saved model."
         )
     shared = {k: v for k, v in weights.items() if k in expected and k not in reshaped}
     if holds_dtensor_parameters(module):  # FSDP2 / tensor parallel: each rank keeps its shard
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(module, shared, options=options)
@@ -150,15 +139,15 @@ def load_weights(
         module.load_state_dict(shared, strict=False)
     if missing or unexpected:
         warnings.warn(
-            f"load_weights(strict=False) from {url}: {_differences(missing, unexpected)}. "
-            "The missing ones keep their values (e.g. a new head's initialisation).",
+            f"load_weights(strict=False) from {url}: {_differences(missing, unexpected)}; the "
+            "missing ones keep their values.",
             CheckpointWarning,
             stacklevel=2,
         )
     if reshaped:
         warnings.warn(
             f"load_weights(ignore_mismatched_sizes=True) from {url}: skipped for their shapes, "
-            f"kept as the model has them: {_listed(list(reshaped.values()))}.",
+            f"kept as the model has them: {listed(list(reshaped.values()), shown=20)}.",
             CheckpointWarning,
             stacklevel=2,
         )
@@ -176,15 +165,13 @@ def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dic
         return found
     if found:
         raise Corrupt(
-            f"load_weights: every checkpoint in {location.url} is corrupt "
-            f"({', '.join(found)}; the warnings say why). Restore one from a copy, or pass "
-            "another checkpoint or file."
+            f"load_weights: every checkpoint in {location.url} is corrupt ({', '.join(found)}; "
+            "the warnings say why). Restore one from a copy, or pass another checkpoint or file."
         )
     raise CheckpointError(
         f"load_weights received {location.url!r}, where there is no checkpoint, directory of "
-        "checkpoints or file (or a save that never finished: its manifest is written last). "
-        "Pass a checkpoint (save(), latest(dir), best_checkpoint(dir, ...)), the directory "
-        "given to checkpoint_every, or a file written by export_model."
+        "checkpoints or file (or an unfinished save). Pass a checkpoint (save(), latest(dir)), "
+        "the directory given to checkpoint_every, or a file written by export_model."
     )
 
 
@@ -213,41 +200,35 @@ def _read_file(location: Location) -> dict[str, Any]:
             tree = torch.load(source, map_location="cpu", weights_only=True, mmap=local)
     except ImportError as err:
         raise ConfigError(
-            f"load_weights: {location.url} is not a torch.save file, so it would be a "
-            f"safetensors file, but the safetensors package is not installed ({err}). "
-            "Install it: pip install 'steplib[safetensors]'."
+            f"load_weights: {location.url} is not a torch.save file, and reading it as a "
+            f"safetensors file needs that package ({err}): pip install 'steplib[safetensors]'."
         ) from None
     except Exception as err:  # UnpicklingError, RuntimeError, SafetensorError...
         raise ConfigError(
-            f"load_weights: {location.url} cannot be read as a torch.save file "
-            "(torch.load(weights_only=True)) or a safetensors file "
-            f"({type(err).__name__}: {err}). Pass a file written by export_model, a "
-            "checkpoint, or a directory of checkpoints."
+            f"load_weights: {location.url} cannot be read as a torch.save file (weights_only) "
+            f"or a safetensors file ({type(err).__name__}: {err}). Pass a file written by "
+            "export_model, a checkpoint, or a directory of checkpoints."
         ) from None
     return _state_dict(tree, location.url)
 
 
 def _state_dict(tree: Any, url: str) -> dict[str, Any]:
-    named = isinstance(tree, Mapping) and all(isinstance(k, str) for k in tree)
-    if (
-        not named
-        or not tree
-        or not all(torch.is_tensor(v) or k.endswith("_extra_state") for k, v in tree.items())
-    ):
+    named = isinstance(tree, Mapping) and all(isinstance(k, str) for k in tree) and bool(tree)
+    weights = named and all(
+        torch.is_tensor(v) or k.endswith("_extra_state") for k, v in tree.items()
+    )
+    if not weights:
         keys = sorted(map(str, tree))[:20] if isinstance(tree, Mapping) else None
         raise ConfigError(
             f"load_weights: {url} holds {describe(tree)}"
             f"{f' with the keys {keys}' if keys is not None else ''}, not a state_dict (names "
-            "-> tensors). Save the weights with export_model(state, path), or, for a file "
-            "that holds a state_dict inside (a Lightning checkpoint's 'state_dict'), extract "
-            "it and call model.load_state_dict yourself."
+            "-> tensors). Save one with export_model(state, path), or take it out of the file "
+            "(a Lightning checkpoint's 'state_dict') and call model.load_state_dict yourself."
         )
     return dict(tree)
 
 
-def _without_wrapper_prefixes(
-    weights: dict[str, Any], expected: Mapping[str, Any]
-) -> dict[str, Any]:
+def _without_prefixes(weights: dict[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:
     while weights:
         prefix = next((p for p in _WRAPPER_PREFIXES if all(k.startswith(p) for k in weights)), None)
         # A model whose own first submodule is named "module" keeps its names.
@@ -258,13 +239,8 @@ def _without_wrapper_prefixes(
 
 
 def _differences(missing: list[str], unexpected: list[str]) -> str:
-    parts = []
-    if missing:
-        parts.append(f"missing (in the model, not in the weights): {_listed(missing)}")
-    if unexpected:
-        parts.append(f"unexpected (in the weights, not in the model): {_listed(unexpected)}")
-    return "; ".join(parts)
-
-
-def _listed(items: list[str]) -> str:
-    return listed(items, shown=20)
+    parts = {
+        "missing (in the model, not in the weights)": missing,
+        "unexpected (in the weights, not in the model)": unexpected,
+    }
+    return "; ".join(f"{what}: {listed(names, shown=20)}" for what, names in parts.items() if names)
