@@ -33,7 +33,7 @@ compared: every ratio is computed within a round and the median over rounds repo
   snapshot buffers; ``async first stall``: the first save call.
 * ``update after async save``: that next update, whole (it runs while the background copy and
   the writer share the machine with it); ``async write``: from the save call until committed.
-* ``async save + wait_snapshot``: the save call followed by ``wait_snapshot`` (training
+* ``async save + wait_snapshot``: the save call followed by ``state.fence.wait()`` (training
   blocked for the whole copy, as it was before the copy moved to the background).
 
 The goal "a sync save within 1.3x of torch.save" is checked on the two like-for-like pairs:
@@ -76,7 +76,7 @@ import torch
 from torch import nn
 
 from steplib import TrainState, make_train_step
-from steplib.checkpoint import AsyncSaver, load, save, wait_snapshot
+from steplib.checkpoint import AsyncSaver, load, save
 from steplib.checkpoint.contents import gather
 from steplib.fence import UpdateFence
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def async_save_wait_snapshot(path: Path) -> None:
         saver.save(unnumbered(), str(path))
-        wait_snapshot(state)
+        state.fence.wait()
 
     # name: (kind of path written, or "" for a load; the operation)
     rows: dict[str, tuple[str, Callable[[Path], None]]] = {

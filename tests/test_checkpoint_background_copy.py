@@ -25,7 +25,6 @@ from steplib.checkpoint import (
     latest,
     load,
     save,
-    wait_snapshot,
 )
 from steplib.checkpoint.background import BackgroundCopy
 from tests.checkpoint_helpers import assert_same, make_state, snapshot, train
@@ -160,19 +159,19 @@ def test_a_parameter_changed_in_place_during_the_copy_fails_the_checkpoint_loudl
         saver.wait()
     message = str(raised.value)
     assert "model.pt/0.weight" in message and "changed in place" in message
-    assert "wait_snapshot(state)" in message and "nothing was committed" in message
+    assert "state.fence.wait()" in message and "nothing was committed" in message
     assert latest(str(tmp_path)) == before  # the torn copy was never committed
     saver.close()
 
 
-def test_wait_snapshot_lets_parameters_change_in_place(tmp_path: Path, gate: Gate) -> None:
+def test_the_fence_lets_parameters_change_after_the_copy(tmp_path: Path, gate: Gate) -> None:
     state = train(make_state(), n=2)
     at_save = snapshot(state)
     with AsyncSaver() as saver:
         url = saver.save(state, str(tmp_path))
-        thread, out = in_thread(lambda: wait_snapshot(state))
+        thread, out = in_thread(state.fence.wait)
         thread.join(0.5)
-        assert thread.is_alive(), "wait_snapshot did not wait for the background copy"
+        assert thread.is_alive(), "state.fence.wait() did not wait for the background copy"
         gate.open()
         thread.join(WAIT)
         assert "error" not in out

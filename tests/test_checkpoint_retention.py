@@ -103,7 +103,7 @@ def test_no_retention_keeps_everything() -> None:
 )
 def test_bad_retention_settings_are_refused(arguments: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        select_retained(_infos(VALUES), **arguments)  # type: ignore[arg-type]
+        prune("memory://unused", **arguments)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=message):
         checkpoint_every("memory://unused", every=1, **arguments)  # type: ignore[arg-type]
 

@@ -3,7 +3,7 @@ sharded through torch.distributed.checkpoint for a DDP, FSDP2 or tensor-parallel
 layout of this package and where a change belongs: ``docs/architecture.md``.
 """
 
-from steplib.checkpoint.background import AsyncSaver, wait_snapshot
+from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.checkpointer import checkpoint_every
 from steplib.checkpoint.manifest import CheckpointInfo, latest, list_checkpoints
 from steplib.checkpoint.pipeline import load, save
@@ -28,5 +28,4 @@ __all__ = [
     "prune",
     "resume_from",
     "save",
-    "wait_snapshot",
 ]

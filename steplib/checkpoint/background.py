@@ -147,7 +147,7 @@ class BackgroundCopy:
                 f"{names}{f' and {more} more' if more > 0 else ''} changed in place while the "
                 "async checkpoint copied them (between the save and the next optimizer update), "
                 "so the copy is no snapshot; nothing was committed. Call "
-                "steplib.checkpoint.wait_snapshot(state) before changing them, or save after."
+                "state.fence.wait() (it waits for the copy) before changing them, or save after."
             )
 
 
@@ -256,20 +256,3 @@ class AsyncSaver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def wait_snapshot(state: TrainState) -> None:
-    """Wait until a pending async save has copied the parameters and optimizer state, before
-    changing them outside the optimizer (steps and ``load`` wait themselves).
-
-    Args:
-        state: the state given to ``AsyncSaver.save``.
-
-    Example:
-        >>> model = torch.nn.Linear(2, 1)
-        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
-        >>> with AsyncSaver() as saver:
-        ...     url = saver.save(state, "memory://doctest-wait-snapshot/ckpt")
-        ...     wait_snapshot(state)
-    """
-    state.fence.wait()

@@ -32,15 +32,7 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 
 def default_metrics(event: Event) -> dict[str, float]:
     """What a checkpoint records without ``metrics``: ``{name: float}`` of the update's
-    ``loss`` and each number in ``state.extras`` evaluated at this update.
-
-    Example:
-        >>> import types
-        >>> extras = {"val_loss": 0.25, "note": "x", "evaluated_at": {"val_loss": 4}}
-        >>> [default_metrics(Event("step_end", types.SimpleNamespace(extras=extras), step=s))
-        ...  for s in (4, 5)]
-        [{'val_loss': 0.25}, {}]
-    """
+    ``loss`` and each number in ``state.extras`` evaluated at this update."""
     loss = getattr(getattr(event, "output", None), "loss", None)
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)

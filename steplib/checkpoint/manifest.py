@@ -49,14 +49,7 @@ def sort_key(name: str) -> tuple[int, int] | None:
 
 def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | None:
     """The composition of ``step`` (a Step, or steps by name: their wrappers named ``"D:clip"``)
-    as JSON values, as ``load`` compares it, or ``None``; ``ConfigError`` for anything else.
-
-    Example:
-        >>> from steplib import clip, make_train_step
-        >>> d = clip(make_train_step(lambda m, b: m(b).sum(), optimizer="D"), max_norm=1.0)
-        >>> [e["wrapper"] for e in fingerprint({"D": d, "G": make_train_step(print)})]
-        ['steps', 'D:clip']
-    """
+    as JSON values, as ``load`` compares it, or ``None``; ``ConfigError`` for anything else."""
     if step is None:
         return None
     several = isinstance(step, Mapping)
@@ -159,8 +152,12 @@ def _other_version(version: int, checkpoint: str) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CheckpointInfo:
-    """A committed checkpoint, as :func:`list_checkpoints` lists it: ``url`` (for ``load``),
-    ``name``, its counters, ``time`` (when taken, unix seconds) and ``metrics``."""
+    """A committed checkpoint, as :func:`list_checkpoints` lists it.
+
+    Attributes:
+        url: for ``load``; name: its directory's; step, micro_step, epoch: its counters;
+        time: when taken (unix seconds); metrics: the numbers saved with it.
+    """
 
     url: str
     name: str
@@ -174,13 +171,16 @@ class CheckpointInfo:
 def latest(
     directory: str, *, verify: bool = True, storage_options: StorageOptions = None
 ) -> str | None:
-    """The URL of the newest valid checkpoint in ``directory``, or ``None`` (none, or no such
-    directory); a corrupt one is skipped with a ``CheckpointWarning`` naming the file.
+    """The newest valid checkpoint in ``directory``; a corrupt one is skipped with a
+    ``CheckpointWarning`` naming the file.
 
     Args:
         directory: the directory given to ``save``.
         verify: check the checksums (``False``: only that the manifest is readable).
         storage_options: passed to fsspec.
+
+    Returns:
+        Its URL, or ``None`` (none there, or no such directory).
 
     Example:
         >>> latest("memory://doctest-latest/nothing-here") is None
@@ -194,12 +194,15 @@ def latest(
 def list_checkpoints(
     directory: str, *, storage_options: StorageOptions = None
 ) -> list[CheckpointInfo]:
-    """A :class:`CheckpointInfo` per committed checkpoint in ``directory``, oldest first (not
-    verified; one whose manifest cannot be read is left out with a ``CheckpointWarning``).
+    """The committed checkpoints in ``directory``, not verified (one whose manifest cannot be
+    read is left out with a ``CheckpointWarning``).
 
     Args:
         directory: the directory given to ``save``.
         storage_options: passed to fsspec.
+
+    Returns:
+        A :class:`CheckpointInfo` per checkpoint, oldest first.
 
     Example:
         >>> import torch

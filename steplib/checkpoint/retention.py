@@ -58,10 +58,8 @@ def select_retained(
     mode: str = "min",
 ) -> list[CheckpointInfo]:
     """Of ``checkpoints`` (oldest first), those to keep: the newest ``keep_last`` (at least the
-    newest one) and the best ``keep_best`` by ``metric``; all when both are ``None``."""
-    check_retention(
-        "select_retained", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
-    )
+    newest one) and the best ``keep_best`` by ``metric``; all when both are ``None`` (checked by
+    :func:`prune`)."""
     if keep_last is None and keep_best is None:
         return list(checkpoints)
     keep = {id(c) for c in checkpoints[-(keep_last or 1) :]}
