@@ -1,5 +1,5 @@
 """``load_weights``: a model's weights only, from a checkpoint or an exported file, to start a
-new run from them (fine-tuning); ``load`` resumes a run."""
+new run from them (fine-tuning)."""
 
 from __future__ import annotations
 
@@ -107,10 +107,8 @@ def load_weights(
     }
     if reshaped and not ignore_mismatched_sizes:
         raise ConfigError(
-            f"load_weights: weights of other shapes than the model's: "
-            f"{listed(list(reshaped.values()), shown=20)}. For a layer of a new size, pass "
-            "ignore_mismatched_sizes=True (it keeps its initialisation), or load first and "
-            "replace it after: model.head = nn.Linear(..., num_classes)."
+            f"load_weights: weights of other shapes than the model's: {_listed(reshaped)}. Pass "
+            "ignore_mismatched_sizes=True, or load and then set model.head = nn.Linear(...)."
         )
     if len(unexpected) == len(weights) and expected:
         # strict=False would load nothing: another model, or a prefix only the user can map.
@@ -133,17 +131,12 @@ def load_weights(
         set_model_state_dict(module, shared, options=options)
     else:
         module.load_state_dict(shared, strict=False)
-    if missing or unexpected:
+    skipped = [_differences(missing, unexpected)] if missing or unexpected else []
+    skipped += [f"skipped for their shapes: {_listed(reshaped)}"] if reshaped else []
+    if skipped:
+        why = "; ".join(skipped)
         warnings.warn(
-            f"load_weights(strict=False) from {url}: {_differences(missing, unexpected)}; the "
-            "missing ones keep their values.",
-            CheckpointWarning,
-            stacklevel=2,
-        )
-    if reshaped:
-        warnings.warn(
-            f"load_weights(ignore_mismatched_sizes=True) from {url}: skipped for their shapes, "
-            f"kept as the model has them: {listed(list(reshaped.values()), shown=20)}.",
+            f"load_weights from {url}: {why}; kept as the model has them.",
             CheckpointWarning,
             stacklevel=2,
         )
@@ -165,9 +158,8 @@ def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dic
             "the warnings say why). Restore one from a copy, or pass another checkpoint or file."
         )
     raise CheckpointError(
-        f"load_weights received {location.url!r}, where there is no checkpoint, directory of "
-        "checkpoints or file (or an unfinished save). Pass a checkpoint (save(), latest(dir)), "
-        "the directory given to checkpoint_every, or a file written by export_model."
+        f"load_weights received {location.url!r}: no checkpoint, directory of checkpoints or file "
+        "there. Pass a checkpoint (latest(dir)), a directory of them, or an export_model file."
     )
 
 
@@ -196,14 +188,13 @@ def _read_file(location: Location) -> dict[str, Any]:
             tree = torch.load(source, map_location="cpu", weights_only=True, mmap=local)
     except ImportError as err:
         raise ConfigError(
-            f"load_weights: {location.url} is not a torch.save file, and reading it as a "
-            f"safetensors file needs that package ({err}): pip install 'steplib[safetensors]'."
+            f"load_weights: {location.url} is not a torch.save file; as a safetensors file it "
+            f"needs that package ({err}): pip install 'steplib[safetensors]'."
         ) from None
     except Exception as err:  # UnpicklingError, RuntimeError, SafetensorError...
         raise ConfigError(
-            f"load_weights: {location.url} cannot be read as a torch.save file (weights_only) "
-            f"or a safetensors file ({type(err).__name__}: {err}). Pass a file written by "
-            "export_model, a checkpoint, or a directory of checkpoints."
+            f"load_weights: {location.url} cannot be read as a torch.save file (weights_only) or "
+            f"a safetensors file ({type(err).__name__}: {err}). Pass an export_model file."
         ) from None
     return _state_dict(tree, location.url)
 
@@ -216,10 +207,9 @@ def _state_dict(tree: Any, url: str) -> dict[str, Any]:
     if not weights:
         keys = sorted(map(str, tree))[:20] if isinstance(tree, Mapping) else None
         raise ConfigError(
-            f"load_weights: {url} holds {describe(tree)}"
-            f"{f' with the keys {keys}' if keys is not None else ''}, not a state_dict (names "
-            "-> tensors). Save one with export_model(state, path), or take it out of the file "
-            "(a Lightning checkpoint's 'state_dict') and call model.load_state_dict yourself."
+            f"load_weights: {url} holds {describe(tree)}{f' with the keys {keys}' if keys else ''},"
+            " not a state_dict (names -> tensors). Save one with export_model(state, path), or "
+            "call model.load_state_dict with what it holds (a Lightning checkpoint's 'state_dict')."
         )
     return dict(tree)
 
@@ -239,4 +229,8 @@ def _differences(missing: list[str], unexpected: list[str]) -> str:
         "missing (in the model, not in the weights)": missing,
         "unexpected (in the weights, not in the model)": unexpected,
     }
-    return "; ".join(f"{what}: {listed(names, shown=20)}" for what, names in parts.items() if names)
+    return "; ".join(f"{what}: {_listed(names)}" for what, names in parts.items() if names)
+
+
+def _listed(names: Any) -> str:
+    return listed(list(names.values()) if isinstance(names, Mapping) else names, shown=20)
