@@ -50,7 +50,7 @@ def _without_filesystem(monkeypatch: pytest.MonkeyPatch, protocol: str, package:
     ("url", "protocol", "package", "install"),
     [
         ("s3://bucket/run/ckpt", "s3", "s3fs", "pip install 'steplib[s3]'"),
-        ("gs://bucket/run/ckpt", "gs", "gcsfs", "pip install 'gcsfs'"),
+        ("gs://bucket/run/ckpt", "gs", "gcsfs", "install gcsfs"),
     ],
 )
 def test_url_whose_filesystem_is_not_installed_names_the_pip_extra(

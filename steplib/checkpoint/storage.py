@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import types
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
@@ -22,17 +21,6 @@ from fsspec.implementations.local import LocalFileSystem
 from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError, describe
 
 StorageOptions = Mapping[str, Any] | None
-# protocol -> what to pip install for it
-_PACKAGES = types.MappingProxyType(
-    {
-        **dict.fromkeys(("s3", "s3a"), "steplib[s3]"),
-        **dict.fromkeys(("gs", "gcs"), "gcsfs"),
-        **dict.fromkeys(("az", "abfs", "abfss", "adl"), "adlfs"),
-        **dict.fromkeys(("sftp", "ssh"), "paramiko"),
-        **dict.fromkeys(("http", "https"), "aiohttp"),
-        "hf": "huggingface_hub",
-    }
-)
 STAGING_PREFIX, TRASH_PREFIX = ".tmp-", ".trash-"
 XXH3_64 = "xxh3_64"  # the checksum a manifest records
 CHUNK_BYTES = 8 << 20  # read and checksummed at a time
@@ -78,12 +66,11 @@ def resolve(url: Any, storage_options: StorageOptions, *, caller: str) -> Locati
     protocol = text.split("://", 1)[0] if "://" in text else "file"
     try:
         fs, path = fsspec.core.url_to_fs(text.rstrip("/") or text, **dict(storage_options or {}))
-    except ImportError as err:
-        package = _PACKAGES.get(protocol)
-        hint = f"pip install '{package}'" if package else "install the package the error names"
+    except ImportError as err:  # fsspec's message names the package; s3 has a steplib extra
+        extra = " (pip install 'steplib[s3]')" if protocol in ("s3", "s3a") else ""
         raise CheckpointError(
-            f"{caller} received {text!r}, whose {protocol}:// filesystem is not installed "
-            f"({err}): {hint}."
+            f"{caller} received {text!r}, whose {protocol}:// filesystem is not installed: "
+            f"{err}{extra}."
         ) from err
     except ValueError as err:
         raise ConfigError(
