@@ -53,7 +53,7 @@ def _without_filesystem(monkeypatch: pytest.MonkeyPatch, protocol: str, package:
         ("gs://bucket/run/ckpt", "gs", "gcsfs", "install gcsfs"),
     ],
 )
-def test_url_whose_filesystem_is_not_installed_names_the_pip_extra(
+def test_url_whose_filesystem_is_not_installed_names_what_to_install(
     monkeypatch: pytest.MonkeyPatch, url: str, protocol: str, package: str, install: str
 ) -> None:
     _without_filesystem(monkeypatch, protocol, package)
