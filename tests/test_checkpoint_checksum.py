@@ -82,14 +82,16 @@ def test_a_flipped_byte_in_an_object_store_is_detected_and_named(memory_dir: str
         load(url, make_state())
 
 
-def test_a_checkpoint_of_steplib_0_1_is_refused_with_how_to_use_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [1, 3])  # steplib 0.1's; 0.2's development format
+def test_an_older_format_is_refused_with_how_to_use_it(tmp_path: Path, version: int) -> None:
     url = save(train(make_state(), n=1), str(tmp_path))
     files = orjson.loads((Path(url) / "manifest.json").read_bytes())["files"]
     crc32 = {n: {"bytes": e["bytes"], "crc32": "00000000"} for n, e in files.items()}
-    _rewrite_manifest(url, version=1, files=crc32)  # as steplib 0.1 wrote it
+    _rewrite_manifest(url, version=version, files=crc32 if version == 1 else files)
     expected = (
-        r"format version 1 was written by steplib 0\.1.*resume it with steplib 0\.1, or start "
-        rf"from the weights of a single-process one: load_weights\(model, '{url}/model\.pt'\)"
+        rf"format version {version} was written by an earlier steplib.*resume it with that "
+        rf"steplib, or start from the weights of a single-process one: "
+        rf"load_weights\(model, '{url}/model\.pt'\)"
     )
     with pytest.raises(CorruptCheckpointError, match=expected):
         load(url, make_state())
@@ -100,6 +102,6 @@ def test_a_checkpoint_of_steplib_0_1_is_refused_with_how_to_use_it(tmp_path: Pat
 
 def test_a_newer_format_says_upgrade(tmp_path: Path) -> None:
     url = save(make_state(), str(tmp_path))
-    _rewrite_manifest(url, version=4)
-    with pytest.raises(CorruptCheckpointError, match=r"format version 4 is newer .*upgrade"):
+    _rewrite_manifest(url, version=5)
+    with pytest.raises(CorruptCheckpointError, match=r"format version 5 is newer .*upgrade"):
         load(url, make_state())

@@ -30,8 +30,9 @@ from steplib.errors import (
 
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
-# Format 3: steplib 0.2 (either layout, XXH3). 0.1 wrote 1 and 2 (CRC32), no longer read.
-VERSION = 3
+# Format 4: steplib 0.2 (either layout, XXH3, one train-state tree). Older ones (0.1 wrote 1
+# and 2 with CRC32; 3 was 0.2's development format) are refused with the way out, not read.
+VERSION = 4
 MANIFEST = "manifest.json"
 SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
@@ -144,9 +145,9 @@ def _other_version(version: int, checkpoint: str) -> str:
     if version > VERSION:
         return f"format version {version} is newer than this steplib reads ({VERSION}); upgrade"
     return (
-        f"format version {version} was written by steplib 0.1, which this steplib no longer "
-        "reads; resume it with steplib 0.1, or start from the weights of a single-process one: "
-        f"load_weights(model, '{checkpoint}/model.pt')"
+        f"format version {version} was written by an earlier steplib (0.1 wrote 1 and 2), which "
+        "this one no longer reads; resume it with that steplib, or start from the weights of a "
+        f"single-process one: load_weights(model, '{checkpoint}/model.pt')"
     )
 
 
