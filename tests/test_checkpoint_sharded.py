@@ -495,4 +495,13 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_refused_before_loading(
     other = TrainState.create(model=wider, optimizer=optimizer, scheduler=scheduler)
     with pytest.raises(ConfigError, match=r"another model.*0\.weight \(16, 8\)"):
         load(url, other)
+    # The same model and optimizer class, with settings whose state the checkpoint lacks.
+    net = sharded_runs.model(7)
+    amsgrad = torch.optim.AdamW(net.parameters(), lr=1e-2, amsgrad=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(amsgrad, step_size=2, gamma=0.5)
+    settings = TrainState.create(model=net, optimizer=amsgrad, scheduler=scheduler)
+    kept = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ConfigError, match=r"no optimizer state for .*max_exp_avg_sq.*momentum"):
+        load(url, settings)
+    assert_same([p.detach() for p in net.parameters()], kept, "untouched")
     assert_same([p.detach() for p in state.model.parameters()], before, "untouched")
