@@ -270,6 +270,9 @@ def _fsdp_run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     results["sync_loaded"] = _loaded("fsdp", rank, saves["sync_url"])
     results["async_loaded"] = _loaded("fsdp", rank, saves["async_url"])
 
+    # An extra object holding DTensors (the FSDP2 model itself, as an EMA of it would).
+    results["dtensor_extras_url"] = save(state, f"{root}/extras", extras={"shadow": state.model})
+
     # Inside an open window FSDP2's gradients cannot be saved: refused, with the fix.
     state, step, loader = build("fsdp", rank)
     state, _ = step(state, next(iter(loader)))
@@ -324,6 +327,18 @@ def test_a_2_rank_fsdp_checkpoint_loads_into_a_plain_module(fsdp: dict[str, Any]
     assert (state.step, state.micro_step) == (SAVE_AT, 2 * SAVE_AT)
     assert state.scheduler is not None and state.scheduler.last_epoch == SAVE_AT
     assert latest(fsdp["root"] + "/sync") == url
+
+
+def test_extras_holding_dtensors_are_not_resharded_onto_another_world_size(
+    fsdp: dict[str, Any],
+) -> None:
+    state, _, _ = build_plain(seed=7)
+    with pytest.raises(ConfigError, match=r"of 2 ranks, loaded on 1, .*DTensors.*Resume on 2"):
+        load(
+            fsdp["ranks"][0]["dtensor_extras_url"],
+            state,
+            extras={"shadow": build_plain(seed=7)[0].model},
+        )
 
 
 def test_a_2_rank_checkpoint_on_1_rank_refuses_the_per_rank_data_position(
