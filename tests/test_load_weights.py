@@ -230,3 +230,35 @@ def test_a_sharded_checkpoint_loads_into_fsdp_ranks_and_a_plain_module(tmp_path:
     assert report == ([], ["3.weight", "3.bias"])
     assert torch.equal(model[0].weight, ranks[0]["trained"][0])
     assert torch.equal(model[0].bias, ranks[0]["trained"][1])
+
+
+class _Scaled(nn.Linear):
+    """A layer with a dict of plain values as its extra state (as some quantised layers have)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 2)
+        self.scale = {"value": 1.0, "name": "fresh"}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return dict(self.scale)
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.scale = dict(state)
+
+
+def _ddp_with_extra_state(rank: int, world: int, *, root: str) -> str:
+    from steplib.distributed import apply_ddp
+
+    torch.manual_seed(0)
+    layer = _Scaled()
+    layer.scale = {"value": 2.5, "name": "trained"}
+    model = apply_ddp(nn.Sequential(layer))
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    return save(state, root)  # sharded: the extra state is one of DCP's non-tensor values
+
+
+def test_a_sharded_checkpoint_brings_back_a_dict_extra_state(tmp_path: Path) -> None:
+    url, _ = run_ranks(functools.partial(_ddp_with_extra_state, root=str(tmp_path)), timeout=90)
+    model = nn.Sequential(_Scaled())
+    assert load_weights(model, url) == ([], [])
+    assert model[0].scale == {"value": 2.5, "name": "trained"}

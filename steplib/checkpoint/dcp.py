@@ -136,6 +136,11 @@ def nest(flat: Mapping[tuple[str, ...], Any]) -> Tree:
     return out
 
 
+def _saved_plain(rank_tree: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
+    # The non-tensor leaves of a rank file, stored as [path, value] pairs (no tuple keys there).
+    return {tuple(path): value for path, value in rank_tree["plain"]}
+
+
 def tensors_of(flat: Mapping[tuple[str, ...], Any]) -> Tree:
     """The tensor leaves by the dotted names DCP gives them; only they go through DCP."""
     return {".".join(path): v for path, v in flat.items() if isinstance(v, torch.Tensor)}
@@ -260,8 +265,8 @@ def load(
     _check_keys(read_metadata(location, options), tensors, state, url)
     with dcp_errors("read", url):  # into the state's own tensors
         torch_dcp.load(tensors, storage_reader=reader(location, options), no_dist=not distributed)
-    plain = {tuple(path): value for path, value in train_state["plain"]}
-    loaded = nest({**plain, **{p: v for p, v in flat.items() if isinstance(v, torch.Tensor)}})
+    tensors_by_path = {p: v for p, v in flat.items() if isinstance(v, torch.Tensor)}
+    loaded = nest({**_saved_plain(train_state), **tensors_by_path})
     sd.set_model_state_dict(model, loaded["model"])
     if stateful:
         sd.set_optimizer_state_dict(model, stateful, loaded["optimizer"])
@@ -329,9 +334,8 @@ def read_model(location: Location, manifest: Any, storage_options: Any) -> Tree:
     }
     with dcp_errors("read", location.url):
         torch_dcp.load(tensors, storage_reader=reader(location, storage_options), no_dist=True)
-    plain = read_rank_file(location, manifest, 0)["plain"]
-    weights = {path[1]: value for path, value in plain if path[0] == "model"}  # _extra_state
-    return weights | {key.removeprefix("model."): value for key, value in tensors.items()}
+    plain = nest(_saved_plain(read_rank_file(location, manifest, 0))).get("model", {})
+    return plain | {key.removeprefix("model."): value for key, value in tensors.items()}
 
 
 def reader(location: Location, storage_options: Any) -> MetadataReader:
