@@ -60,6 +60,14 @@ def test_a_truncated_file_is_detected_and_named(tmp_path: Path) -> None:
         load(url, make_state())
 
 
+def test_a_file_grown_after_the_commit_is_not_called_truncated_only(tmp_path: Path) -> None:
+    url = save(train(make_state(), n=1), str(tmp_path))
+    path = Path(url) / "model.pt"
+    path.write_bytes(path.read_bytes() + b"appended")
+    with pytest.raises(CorruptCheckpointError, match=r"model\.pt has \d+ bytes.*or overwritten"):
+        load(url, make_state())
+
+
 def _rewrite_manifest(url: str, **changes: object) -> None:
     """Change a committed manifest's fields, its own CRC32 made to match (only the change
     can be why a load refuses it)."""

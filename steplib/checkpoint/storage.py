@@ -278,7 +278,7 @@ def _check(
     if size is None:
         problem = "is missing although the manifest lists it"
     elif size != record.size:
-        problem = f"has {size} bytes, the manifest says {record.size}: truncated after the commit"
+        problem = f"has {size} bytes, the manifest says {record.size}: truncated or overwritten"
     elif found != record.checksum:
         problem = f"has checksum xxh3_64 {found}, the manifest says {record.checksum}: altered"
     else:
