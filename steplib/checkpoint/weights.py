@@ -105,9 +105,10 @@ def load_weights(
         for k, v in expected.items()
         if torch.is_tensor(v) and torch.is_tensor(weights.get(k)) and weights[k].shape != v.shape
     }
+    shapes = _listed(list(reshaped.values()))
     if reshaped and not ignore_mismatched_sizes:
         raise ConfigError(
-            f"load_weights: weights of other shapes than the model's: {_listed(reshaped)}. Pass "
+            f"load_weights: weights of other shapes than the model's: {shapes}. Pass "
             "ignore_mismatched_sizes=True, or load and then set model.head = nn.Linear(...)."
         )
     if len(unexpected) == len(weights) and expected:
@@ -132,7 +133,7 @@ def load_weights(
     else:
         module.load_state_dict(shared, strict=False)
     skipped = [_differences(missing, unexpected)] if missing or unexpected else []
-    skipped += [f"skipped for their shapes: {_listed(reshaped)}"] if reshaped else []
+    skipped += [f"skipped for their shapes: {shapes}"] if reshaped else []
     if skipped:
         why = "; ".join(skipped)
         warnings.warn(
@@ -232,5 +233,5 @@ def _differences(missing: list[str], unexpected: list[str]) -> str:
     return "; ".join(f"{what}: {_listed(names)}" for what, names in parts.items() if names)
 
 
-def _listed(names: Any) -> str:
-    return listed(list(names.values()) if isinstance(names, Mapping) else names, shown=20)
+def _listed(names: list[str]) -> str:
+    return listed(names, shown=20)
