@@ -81,8 +81,8 @@ def test_checkpoint_of_a_model_with_other_parameter_names_lists_them(memory_dir:
     with pytest.raises(ConfigError) as error:
         load(url, state)
     message = str(error.value)
-    assert "missing from the checkpoint: 2.bias, 2.weight" in message
-    assert "in the checkpoint but not in this model: 3.bias, 3.weight" in message
+    assert "missing from the checkpoint: 2.weight, 2.bias" in message
+    assert "unexpected in the checkpoint: 3.weight, 3.bias" in message
     assert "Build the model as the run that saved it did" in message
 
 
@@ -188,13 +188,11 @@ def test_load_into_a_state_built_differently(memory_dir: str) -> None:
     url = save(train(make_state()), memory_dir, extras={"ema": nn.Linear(2, 2)})
     model = make_state().model
     sgd = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ConfigError, match=r"holds a AdamW .* this state has a SGD"):
+    with pytest.raises(ConfigError, match=r"optimizer AdamW in the checkpoint, SGD here"):
         load(url, sgd, extras={"ema": nn.Linear(2, 2)})
-    with pytest.raises(
-        ConfigError, match=r"the checkpoint has a scheduler and this state does not"
-    ):
+    with pytest.raises(ConfigError, match=r"scheduler StepLR in the checkpoint, None here"):
         load(url, make_state(scheduler=False), extras={"ema": nn.Linear(2, 2)})
-    with pytest.raises(ConfigError, match=r"this state has a scaler and it does not"):
+    with pytest.raises(ConfigError, match=r"scaler False in the checkpoint, True here"):
         load(url, make_state(scaler=True), extras={"ema": nn.Linear(2, 2)})
     with pytest.raises(ConfigError, match=r"received the names \[\].*holds \['ema'\]"):
         load(url, make_state())

@@ -45,10 +45,9 @@ def is_sharded(state: Any) -> bool:
     if holds_dtensor_parameters(model):
         if not grouped:
             raise ConfigError(
-                f"the state's model ({type(model).__name__}) holds DTensor parameters (each "
-                "rank's shard) but no process group is initialised to write or read them "
-                "together. Save and load on every rank before dist.destroy_process_group(); "
-                "for the weights in one process, load the checkpoint into a plain model."
+                f"the state's model ({type(model).__name__}) holds DTensor parameters but no "
+                "process group is initialised to save or load them. Save and load on every "
+                "rank before dist.destroy_process_group(), or load into a plain model."
             )
         return True
     return False
@@ -167,13 +166,8 @@ def lanes(state: TrainState) -> list[TrainState]:
 
 def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = False) -> Any:
     """``torch.load(source, weights_only=True)`` on the CPU, or ``CorruptCheckpointError``."""
-    try:
+    try:  # verified first: a missing or altered file has failed its checksum already
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"checkpoint {checkpoint}: its file {file_name} is missing although the manifest "
-            "lists it. Use an older checkpoint (latest() and resume_from() skip this one)."
-        ) from None
     except Exception as err:  # any failure to parse the file: UnpicklingError, RuntimeError...
         raise CorruptCheckpointError(
             f"checkpoint {checkpoint}: its file {file_name} cannot be read by torch.load("

@@ -87,12 +87,8 @@ def apply(
                 "base. Build the model as the run that saved it did (the same pretrained weights, "
                 "revision and dtype, the same adapters), then load or resume."
             )
-    check_model(
-        _shapes(trees[MODEL]),
-        _shapes(weights),
-        model_type=type(state.model).__name__,
-        checkpoint=checkpoint,
-    )
+    model_type = type(state.model).__name__
+    check_model(shapes(trees[MODEL]), shapes(weights), model_type=model_type, checkpoint=checkpoint)
     check_fits(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
     state.model.load_state_dict(trees[MODEL], strict=base is None)  # the base: checked above
     optimizers = trees[OPTIMIZER]["optimizers"].values() if state.names else [trees[OPTIMIZER]]
@@ -155,10 +151,6 @@ def lane_trees(train_state: Mapping[str, Any], state: TrainState) -> dict[Any, M
     return {first: train_state, **train_state.get("lanes", {})}
 
 
-def _lane(state: TrainState, name: str | None) -> TrainState:
-    return state if name is None else state[name]
-
-
 def _on_device(value: Any, device: torch.device) -> Any:
     # Window sums are device tensors or Python numbers (an empty window, integer target
     # counts): restored as the same kind, so the resumed step computes the same.
@@ -169,41 +161,33 @@ def check_fits(
     train_state: Any, state: TrainState, *, data: Any, extras: Any, checkpoint: str
 ) -> None:
     """``ConfigError`` unless the optimizers, schedulers, scalers, extras and data fit ``state``."""
-    saved_names, names = train_state["optimizer_names"], list(state.names)
-    if saved_names != names:
-
-        def say(names: list[str]) -> str:
-            return f"the optimizers {names}" if names else "one unnamed optimizer"
-
+    names = [train_state["optimizer_names"], list(state.names)]  # saved, here
+    if names[0] != names[1]:
+        said = [f"the optimizers {n}" if n else "one unnamed optimizer" for n in names]
         raise ConfigError(
-            f"load: checkpoint {checkpoint} holds {say(saved_names)}, this state {say(names)}. "
-            "Create the state as the run that saved it did: TrainState.create(optimizer=...) "
-            "with the same names in the same order."
+            f"load: checkpoint {checkpoint} holds {said[0]}, this state {said[1]}. Create the "
+            "state as the run that saved it did: TrainState.create(optimizer=...) with the same "
+            "names in the same order."
         )
     for name, tree in lane_trees(train_state, state).items():
-        lane, whose = _lane(state, name), "" if name is None else f" of optimizer {name!r}"
-        optimizer, sizes = lane.optimizer, [len(g["params"]) for g in lane.optimizer.param_groups]
-        if tree["optimizer_type"] != type(optimizer).__name__ or tree["group_sizes"] != sizes:
+        lane = state if name is None else state[name]
+        scheduler = None if lane.scheduler is None else type(lane.scheduler).__name__
+        pairs = {  # as saved, as here
+            "optimizer": (tree["optimizer_type"], type(lane.optimizer).__name__),
+            "parameter group sizes": (
+                tree["group_sizes"],
+                [len(g["params"]) for g in lane.optimizer.param_groups],
+            ),
+            "scheduler": (tree["scheduler_type"], scheduler),
+            "scaler": (tree["scaler"] is not None, lane.scaler is not None),
+        }
+        differ = [f"{k} {a} in the checkpoint, {b} here" for k, (a, b) in pairs.items() if a != b]
+        if differ:
+            whose = "" if name is None else f" (optimizer {name!r})"
             raise ConfigError(
-                f"load: checkpoint {checkpoint} holds a {tree['optimizer_type']} over parameter "
-                f"groups of sizes {tree['group_sizes']}; this state has a "
-                f"{type(optimizer).__name__} over {sizes}. Build the optimizer as the run that "
-                "saved it did (same class, same parameter groups)."
-            )
-        for label in ("scheduler", "scaler"):
-            saved = tree[label] is not None
-            if saved != (getattr(lane, label) is not None):
-                has, lacks = ("the checkpoint", "this state") if saved else ("this state", "it")
-                raise ConfigError(
-                    f"load: {has} has a {label}{whose} and {lacks} does not (checkpoint "
-                    f"{checkpoint}). Create the state as the run that saved it: "
-                    f"TrainState.create(..., {label}={'...' if saved else 'None'})."
-                )
-        kind = tree["scheduler_type"]
-        if lane.scheduler is not None and kind != type(lane.scheduler).__name__:
-            raise ConfigError(
-                f"load: checkpoint {checkpoint} holds a {kind} scheduler{whose}, this state a "
-                f"{type(lane.scheduler).__name__}. Build the same scheduler as the saving run."
+                f"load: checkpoint {checkpoint} was trained with another set-up{whose}: "
+                f"{'; '.join(differ)}. Create the state as the run that saved it did: the same "
+                "optimizer class and parameter groups, scheduler and scaler (or None)."
             )
     # The attached handlers' states have their own check; a load not given them leaves them out.
     objects, handlers = train_state["objects"], extras.get(HANDLERS)
@@ -226,32 +210,40 @@ def check_fits(
 Shapes = Mapping[str, tuple[int, ...] | None]  # name -> tensor shape (None: not a tensor)
 
 
-def check_model(saved: Shapes, expected: Shapes, *, model_type: str, checkpoint: str) -> None:
-    """``ConfigError`` unless the saved entries have the model's names and shapes."""
-    missing = sorted(expected.keys() - saved.keys())
-    unexpected = sorted(saved.keys() - expected.keys())
-    reshaped = [
-        f"{k} {saved[k]} in the checkpoint, {expected[k]} here"
-        for k in sorted(expected.keys() & saved.keys())
-        if saved[k] is not None and expected[k] is not None and saved[k] != expected[k]
-    ]
-    if not (missing or unexpected or reshaped):
-        return
-    labels = ("missing from the checkpoint", "in the checkpoint but not in this model")
-    found = zip((*labels, "other shapes"), (missing, unexpected, reshaped), strict=True)
-    parts = [f"{label}: {listed(names)}" for label, names in found if names]
-    raise ConfigError(
-        f"load: checkpoint {checkpoint} was saved from another model ({model_type} here): "
-        f"{'; '.join(parts)}. Build the model as the run that saved it did; to reuse some weights, "
-        "use load_weights(state, url, strict=False) (the weights only, to fine-tune)."
-    )
-
-
-def _shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
+def shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...] | None]:
     return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in tree.items()}
 
 
-def listed(items: list[str], *, shown: int = 8) -> str:
+def differences(
+    saved: Shapes, expected: Shapes, source: str
+) -> tuple[list[str], list[str], list[str], str]:
+    """The names of ``expected`` missing from ``saved`` (``source``: "the checkpoint"), those
+    only ``saved`` has, those of other shapes, and the three in words ("" when none)."""
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    reshaped = [
+        k
+        for k in expected
+        if saved.get(k) is not None and expected[k] is not None and saved[k] != expected[k]
+    ]
+    shown = [f"{k} {saved[k]} in {source}, {expected[k]} here" for k in reshaped]
+    labels = (f"missing from {source}", f"unexpected in {source}", "other shapes")
+    found = zip(labels, (missing, unexpected, shown), strict=True)
+    text = "; ".join(f"{label}: {listed(names)}" for label, names in found if names)
+    return missing, unexpected, reshaped, text
+
+
+def check_model(saved: Shapes, expected: Shapes, *, model_type: str, checkpoint: str) -> None:
+    """``ConfigError`` unless the saved entries have the model's names and shapes."""
+    if found := differences(saved, expected, "the checkpoint")[3]:
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} was saved from another model ({model_type} here): "
+            f"{found}. Build the model as the run that saved it did; to reuse some weights, "
+            "use load_weights(state, url, strict=False) (the weights only, to fine-tune)."
+        )
+
+
+def listed(items: list[str], *, shown: int = 10) -> str:
     """``items`` joined, the first ``shown`` of them, and how many more."""
     more = f" and {len(items) - shown} more" if len(items) > shown else ""
     return ", ".join(items[:shown]) + more

@@ -17,7 +17,7 @@ from steplib.checkpoint import storage
 from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters
 from steplib.checkpoint.manifest import SHARDED, Manifest, committed_manifest, newest_valid
 from steplib.checkpoint.pipeline import read_trees
-from steplib.checkpoint.restore import listed
+from steplib.checkpoint.restore import differences, shapes
 from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.distributed.parallelize import inner_module
 from steplib.errors import CheckpointError, CheckpointWarning, ConfigError, describe
@@ -98,31 +98,26 @@ def load_weights(
     url, weights = _read(location, storage_options)
     expected = module.state_dict()
     weights = _without_prefixes(weights, expected)
-    missing = [k for k in expected if k not in weights]
-    unexpected = [k for k in weights if k not in expected]
-    reshaped = {
-        k: f"{k} {tuple(weights[k].shape)} in {url}, {tuple(v.shape)} here"
-        for k, v in expected.items()
-        if torch.is_tensor(v) and torch.is_tensor(weights.get(k)) and weights[k].shape != v.shape
-    }
-    shapes = _listed(list(reshaped.values()))
-    if reshaped and not ignore_mismatched_sizes:
-        raise ConfigError(
-            f"load_weights: weights of other shapes than the model's: {shapes}. Pass "
-            "ignore_mismatched_sizes=True, or load and then set model.head = nn.Linear(...)."
-        )
+    missing, unexpected, reshaped, found = differences(
+        shapes(weights), shapes(expected), "the weights"
+    )
     if len(unexpected) == len(weights) and expected:
         # strict=False would load nothing: another model, or a prefix only the user can map.
         raise ConfigError(
             f"load_weights: {url} has no weight whose name this {type(module).__name__} has "
-            f"({_differences(missing[:3], unexpected[:3])}, ...). Pass this model's weights, or "
-            "rename them yourself and call model.load_state_dict."
+            f"({found}). Pass this model's weights, or rename them yourself and call "
+            "load_state_dict."
         )
+    fixes = []
     if strict and (missing or unexpected):
+        fixes.append("strict=False to load the names both have (a new head keeps its own)")
+    if reshaped and not ignore_mismatched_sizes:
+        fixes.append("ignore_mismatched_sizes=True to skip those of other shapes")
+    if fixes:
         raise ConfigError(
-            f"load_weights: {url} holds weights for another model than this "
-            f"{type(module).__name__}: {_differences(missing, unexpected)}. Pass strict=False "
-            "to load the names both have (a new head keeps its own), or build the saved model."
+            f"load_weights: {url} holds weights for another {type(module).__name__}: {found}. "
+            f"Pass {', or '.join(fixes)}; or build the saved model (a new head: load, then set "
+            "model.head = nn.Linear(...))."
         )
     shared = {k: v for k, v in weights.items() if k in expected and k not in reshaped}
     if holds_dtensor_parameters(module):  # FSDP2 / tensor parallel: each rank keeps its shard
@@ -132,16 +127,13 @@ def load_weights(
         set_model_state_dict(module, shared, options=options)
     else:
         module.load_state_dict(shared, strict=False)
-    skipped = [_differences(missing, unexpected)] if missing or unexpected else []
-    skipped += [f"skipped for their shapes: {shapes}"] if reshaped else []
-    if skipped:
-        why = "; ".join(skipped)
+    if found:
         warnings.warn(
-            f"load_weights from {url}: {why}; kept as the model has them.",
+            f"load_weights from {url}: {found}; kept as the model has them.",
             CheckpointWarning,
             stacklevel=2,
         )
-    return LoadedWeights(missing, unexpected, list(reshaped))
+    return LoadedWeights(missing, unexpected, reshaped)
 
 
 def _read(location: Location, storage_options: StorageOptions) -> tuple[str, dict[str, Any]]:
@@ -223,15 +215,3 @@ def _without_prefixes(weights: dict[str, Any], expected: Mapping[str, Any]) -> d
             break
         weights = {k[len(prefix) :]: v for k, v in weights.items()}
     return weights
-
-
-def _differences(missing: list[str], unexpected: list[str]) -> str:
-    parts = {
-        "missing (in the model, not in the weights)": missing,
-        "unexpected (in the weights, not in the model)": unexpected,
-    }
-    return "; ".join(f"{what}: {_listed(names)}" for what, names in parts.items() if names)
-
-
-def _listed(names: list[str]) -> str:
-    return listed(names, shown=20)
