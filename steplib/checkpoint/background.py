@@ -222,7 +222,7 @@ class AsyncSaver:
             except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
                 self._error = err
 
-        self._thread = threading.Thread(target=work, name=f"steplib-save-{plan.name}")
+        self._thread = threading.Thread(target=work, name=f"steplib-save-{plan.manifest.name}")
         self._thread.start()
         return plan.url
 

@@ -216,8 +216,8 @@ def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]
         staging.child(DCP_DIR).url,
         records=written,
         # An object store's files have no fsync; DCP would call os.sync() for each instead.
-        sync_files=plan.fsync and staging.is_local,
-        **plan.storage_options,
+        sync_files=plan.given.durable and staging.is_local,
+        **dict(plan.given.storage_options or {}),
     )
     with dcp_errors("write", plan.url):
         torch_dcp.save(plan.tensors, storage_writer=writer, process_group=group)
