@@ -203,10 +203,9 @@ class AsyncSaver:
         """:meth:`save` with its inputs given once (``checkpoint_every``'s)."""
         self.wait()
         plan = given.plan(state, metrics=metrics, caller="AsyncSaver.save")
-        tree = plan.files if plan.tensors is None else {**plan.files, DCP_DIR: plan.tensors}
-        trees, waits = snapshot(tree, self._buffers, deferred=update_only_storages(state))
-        tensors = None if plan.tensors is None else trees.pop(DCP_DIR)
-        copy = dataclasses.replace(plan, files=trees, tensors=tensors)
+        tree = {**plan.files, DCP_DIR: plan.tensors}  # DCP's tensors (None: not sharded) too
+        files, waits = snapshot(tree, self._buffers, deferred=update_only_storages(state))
+        copy = dataclasses.replace(plan, tensors=files.pop(DCP_DIR), files=files)
         for pending in waits:
             if isinstance(pending, BackgroundCopy):
                 state.fence.hold(pending)
