@@ -15,6 +15,7 @@ import torch
 from steplib.checkpoint import pipeline
 from steplib.checkpoint.contents import DCP_DIR, lanes
 from steplib.checkpoint.pipeline import Checkpoints
+from steplib.checkpoint.restore import listed
 from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError
 from steplib.state import TrainState
@@ -141,13 +142,11 @@ class BackgroundCopy:
         if self._error is not None:
             raise self._error
         if self._changed:
-            names = ", ".join("/".join(map(str, path)) for path in self._changed[:5])
-            more = len(self._changed) - 5
+            names = listed(["/".join(map(str, path)) for path in self._changed], shown=5)
             raise CheckpointError(
-                f"{names}{f' and {more} more' if more > 0 else ''} changed in place while the "
-                "async checkpoint copied them (between the save and the next optimizer update), "
-                "so the copy is no snapshot; nothing was committed. Call "
-                "state.fence.wait() (it waits for the copy) before changing them, or save after."
+                f"{names} changed in place while the async checkpoint copied them (between the "
+                "save and the next optimizer update): no snapshot, nothing was committed. Call "
+                "state.fence.wait() before changing them, or save after."
             )
 
 

@@ -37,8 +37,7 @@ Tree = dict[str, Any]
 
 
 class _ChecksumFileSystem:
-    """An ``FsspecWriter``'s filesystem recording each file written in ``records`` by name (a
-    rename too)."""
+    """An ``FsspecWriter``'s filesystem recording each file written by name (a rename too)."""
 
     def __init__(self, inner: Any, records: MutableMapping[str, FileRecord]) -> None:
         self.inner, self.records = inner, records
@@ -150,9 +149,9 @@ def dcp_errors(action: str, url: str) -> Iterator[None]:
             for rank, error in sorted(getattr(err, "failures", {}).items())
         )
         raise CheckpointError(
-            f"torch.distributed.checkpoint could not {action} {url} ({failures or err}); "
-            "nothing was committed. Check that every rank reaches the directory (one shared "
-            "filesystem or object store), its permissions and free space."
+            f"torch.distributed.checkpoint could not {action} {url} ({failures or err}). Check "
+            "that every rank reaches it (one shared filesystem or object store), its permissions "
+            "and free space."
         ) from None
 
 
@@ -195,8 +194,7 @@ def _settings(optimizer: Any) -> list[dict[str, Any]] | None:
 
 
 def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]:
-    """DCP writes this rank's shard of ``plan.tensors``; the records of its files (a failure is
-    the same ``CheckpointError`` on every rank)."""
+    """DCP writes this rank's shard of ``plan.tensors``; the records of its files."""
     if dist.get_rank(group) == 0 and not staging.is_local:  # an older save's, in place
         with contextlib.suppress(FileNotFoundError):
             staging.fs.rm(staging.child(DCP_DIR).path, recursive=True)

@@ -96,13 +96,12 @@ def list_names(directory: Location) -> list[str]:
 
 
 def check_writable(directory: Location, *, caller: str) -> None:
-    """Create ``directory``, write and remove a probe file: a directory that cannot be written
-    fails when a run starts, not at its first checkpoint."""
+    """Create ``directory``, write and remove a probe file: fail when a run starts, not at its
+    first checkpoint."""
     probe = directory.child(f".steplib-write-test-{uuid.uuid4().hex[:8]}")
     try:
         directory.fs.makedirs(directory.path, exist_ok=True)
-        with directory.fs.open(probe.path, "wb") as file:
-            file.write(b"steplib")
+        write_bytes(probe, b"steplib", fsync=False)  # as a checkpoint's files are written
         directory.fs.rm(probe.path)
     except Exception as err:  # any filesystem's own error type: all mean "cannot save here"
         raise CheckpointError(
