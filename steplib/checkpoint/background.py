@@ -66,12 +66,9 @@ def snapshot(
         if isinstance(obj, torch.Tensor):
             return to_buffer(obj, obj, path)
         if isinstance(obj, dict):
-            out = {k: copy(v, (*path, k)) for k, v in obj.items()}
-            if type(obj) is dict:
-                return out
-            ordered = shallow_copy(obj)  # keeps what a state dict carries beside its items
-            ordered.update(out)
-            return ordered
+            copied = shallow_copy(obj)  # keeps what a state dict carries beside its items
+            copied.update({k: copy(v, (*path, k)) for k, v in obj.items()})
+            return copied
         if isinstance(obj, list | tuple):
             return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))
         return obj  # numbers, strings, None: immutable
