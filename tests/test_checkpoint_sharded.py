@@ -520,3 +520,25 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_refused_before_loading(
         load(url, settings)
     assert_same([p.detach() for p in net.parameters()], kept, "untouched")
     assert_same([p.detach() for p in state.model.parameters()], before, "untouched")
+
+
+def _saved_before_the_first_update(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    state, _, _ = build("ddp", rank)
+    for group in state.optimizer.param_groups:
+        group["lr"], group["weight_decay"] = 0.25, 0.125  # settings, no state yet
+    url = save(state, root)
+    fresh, _, _ = build("ddp", rank, seed=7)
+    loaded = load(url, fresh)
+    groups = [(g["lr"], g["weight_decay"], len(g["params"])) for g in fresh.optimizer.param_groups]
+    result = {"groups": groups, "state": len(loaded.optimizer.state)}
+    del state, fresh, loaded
+    return result
+
+
+def test_a_sharded_checkpoint_before_the_first_update_restores_the_optimizer_settings(
+    tmp_path: Path,
+) -> None:
+    run = functools.partial(_saved_before_the_first_update, root=str(tmp_path))
+    for result in run_ranks(run, timeout=60):
+        assert result["state"] == 0
+        assert result["groups"] == [(0.25, 0.125, len(list(sharded_runs.model(0).parameters())))]

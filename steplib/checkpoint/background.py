@@ -15,6 +15,7 @@ import torch
 from steplib.checkpoint import pipeline
 from steplib.checkpoint.contents import DCP_DIR, lanes
 from steplib.checkpoint.pipeline import Checkpoints
+from steplib.checkpoint.restore import listed
 from steplib.checkpoint.storage import StorageOptions
 from steplib.errors import CheckpointError
 from steplib.state import TrainState
@@ -65,12 +66,9 @@ def snapshot(
         if isinstance(obj, torch.Tensor):
             return to_buffer(obj, obj, path)
         if isinstance(obj, dict):
-            out = {k: copy(v, (*path, k)) for k, v in obj.items()}
-            if type(obj) is dict:
-                return out
-            ordered = shallow_copy(obj)  # keeps what a state dict carries beside its items
-            ordered.update(out)
-            return ordered
+            copied = shallow_copy(obj)  # keeps what a state dict carries beside its items
+            copied.update({k: copy(v, (*path, k)) for k, v in obj.items()})
+            return copied
         if isinstance(obj, list | tuple):
             return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))
         return obj  # numbers, strings, None: immutable
@@ -141,13 +139,11 @@ class BackgroundCopy:
         if self._error is not None:
             raise self._error
         if self._changed:
-            names = ", ".join("/".join(map(str, path)) for path in self._changed[:5])
-            more = len(self._changed) - 5
+            names = listed(["/".join(map(str, path)) for path in self._changed], shown=5)
             raise CheckpointError(
-                f"{names}{f' and {more} more' if more > 0 else ''} changed in place while the "
-                "async checkpoint copied them (between the save and the next optimizer update), "
-                "so the copy is no snapshot; nothing was committed. Call "
-                "state.fence.wait() (it waits for the copy) before changing them, or save after."
+                f"{names} changed in place while the async checkpoint copied them (between the "
+                "save and the next optimizer update): no snapshot, nothing was committed. Call "
+                "state.fence.wait() before changing them, or save after."
             )
 
 
@@ -203,10 +199,9 @@ class AsyncSaver:
         """:meth:`save` with its inputs given once (``checkpoint_every``'s)."""
         self.wait()
         plan = given.plan(state, metrics=metrics, caller="AsyncSaver.save")
-        tree = plan.files if plan.tensors is None else {**plan.files, DCP_DIR: plan.tensors}
-        trees, waits = snapshot(tree, self._buffers, deferred=update_only_storages(state))
-        tensors = None if plan.tensors is None else trees.pop(DCP_DIR)
-        copy = dataclasses.replace(plan, files=trees, tensors=tensors)
+        tree = {**plan.files, DCP_DIR: plan.tensors}  # DCP's tensors (None: not sharded) too
+        files, waits = snapshot(tree, self._buffers, deferred=update_only_storages(state))
+        copy = dataclasses.replace(plan, tensors=files.pop(DCP_DIR), files=files)
         for pending in waits:
             if isinstance(pending, BackgroundCopy):
                 state.fence.hold(pending)
@@ -222,7 +217,7 @@ class AsyncSaver:
             except BaseException as err:  # surfaced by wait(); a thread cannot raise to its caller
                 self._error = err
 
-        self._thread = threading.Thread(target=work, name=f"steplib-save-{plan.name}")
+        self._thread = threading.Thread(target=work, name=f"steplib-save-{plan.manifest.name}")
         self._thread.start()
         return plan.url
 

@@ -5,7 +5,6 @@ would pickle them). Its ``.metadata`` is read by an unpickler that builds DCP's 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import pickle
 import warnings
@@ -22,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from steplib.checkpoint import contents, restore, storage
 from steplib.checkpoint.contents import DCP_DIR, holds_only_ddp, is_sharded, lanes, rank_file
-from steplib.checkpoint.pipeline import Checkpoints, Plan
+from steplib.checkpoint.pipeline import Checkpoints, Plan, read_trees
 from steplib.checkpoint.storage import FileRecord, Location
 from steplib.data.shards import check_new_world
 from steplib.distributed.parallelize import is_parallel_model
@@ -62,15 +61,6 @@ class _ChecksumFileSystem:
         return getattr(self.inner, name)
 
 
-class ChecksumWriter(FsspecWriter):
-    """DCP's ``FsspecWriter`` recording every file this rank writes in ``records``."""
-
-    def __init__(self, path: str, *, records: MutableMapping[str, FileRecord], **kwargs: Any):
-        super().__init__(path, overwrite=False, **kwargs)  # an old .metadata means two saves
-        this: Any = self  # FsspecWriter's attributes are untyped (torch's mypy: ignore-errors)
-        this.fs = _ChecksumFileSystem(this.fs, records)
-
-
 class MetadataReader(FsspecReader):
     """DCP's ``FsspecReader`` whose ``.metadata`` unpickler refuses anything but DCP's records."""
 
@@ -92,14 +82,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     }  # fmt: skip
 
     def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if self._allowed(module, name) else None
-        if found is None:
+        if not self._allowed(module, name):
             raise pickle.UnpicklingError(
-                f"DCP's .metadata names {module}.{name}, which is not part of DCP's metadata; "
-                "steplib does not run code from a checkpoint. Use a checkpoint written by "
-                "steplib's save."
+                f"DCP's .metadata names {module}.{name}, which is none of DCP's records; steplib "
+                "runs no code from a checkpoint. Use a checkpoint written by steplib's save."
             )
-        return found
+        return super().find_class(module, name)
 
     def _allowed(self, module: str, name: str) -> bool:
         if (module, name) in self._ALLOWED:
@@ -161,9 +149,9 @@ def dcp_errors(action: str, url: str) -> Iterator[None]:
             for rank, error in sorted(getattr(err, "failures", {}).items())
         )
         raise CheckpointError(
-            f"torch.distributed.checkpoint could not {action} {url} ({failures or err}); "
-            "nothing was committed. Check that every rank reaches the directory (one shared "
-            "filesystem or object store), its permissions and free space."
+            f"torch.distributed.checkpoint could not {action} {url} ({failures or err}). Check "
+            "that every rank reaches it (one shared filesystem or object store), its permissions "
+            "and free space."
         ) from None
 
 
@@ -206,19 +194,19 @@ def _settings(optimizer: Any) -> list[dict[str, Any]] | None:
 
 
 def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]:
-    """DCP writes this rank's shard of ``plan.tensors``; its files' records (DCP agrees on
-    failures: the same ``CheckpointError`` on every rank)."""
+    """DCP writes this rank's shard of ``plan.tensors``; the records of its files."""
     if dist.get_rank(group) == 0 and not staging.is_local:  # an older save's, in place
         with contextlib.suppress(FileNotFoundError):
             staging.fs.rm(staging.child(DCP_DIR).path, recursive=True)
-    written: dict[str, FileRecord] = {}
-    writer = ChecksumWriter(
+    writer: Any = FsspecWriter(  # its attributes are untyped (torch's mypy: ignore-errors)
         staging.child(DCP_DIR).url,
-        records=written,
+        overwrite=False,  # an old .metadata means two saves
         # An object store's files have no fsync; DCP would call os.sync() for each instead.
-        sync_files=plan.fsync and staging.is_local,
-        **plan.storage_options,
+        sync_files=plan.given.durable and staging.is_local,
+        **dict(plan.given.storage_options or {}),
     )
+    written: dict[str, FileRecord] = {}
+    writer.fs = _ChecksumFileSystem(writer.fs, written)
     with dcp_errors("write", plan.url):
         torch_dcp.save(plan.tensors, storage_writer=writer, process_group=group)
     return {f"{DCP_DIR}/{name}": record for name, record in written.items()}
@@ -235,7 +223,8 @@ def load(
     world = dist.get_world_size() if distributed else 1
     storage.verify_all(location, manifest.files, me=me, world=world)
     same_world = world == manifest.world_size
-    train_state = read_rank_file(location, manifest, me if same_world else 0)
+    name = rank_file(me if same_world else 0)
+    train_state = read_trees(location, manifest, only=name)[name]
     restore.check_fits(train_state, state, data=data, extras=extras, checkpoint=url)
     saved = manifest.world_size
     if not same_world and data is not None:  # only a shard=True loader's position moves
@@ -256,11 +245,8 @@ def load(
         )
     model, pairs = state.model, list(zip(lanes(state), train_state["fresh_groups"], strict=True))
     stateful = [lane.optimizer for lane, groups in pairs if groups is None]
-    target = {
-        "model": sd.get_model_state_dict(model),
-        "optimizer": sd.get_optimizer_state_dict(model, stateful) if stateful else {},
-    }
-    flat = leaves(target)
+    optim_sd = sd.get_optimizer_state_dict(model, stateful) if stateful else {}
+    flat = leaves({"model": sd.get_model_state_dict(model), "optimizer": optim_sd})
     tensors = tensors_of(flat)
     _check_keys(read_metadata(location, options), tensors, state, url)
     with dcp_errors("read", url):  # into the state's own tensors
@@ -272,9 +258,8 @@ def load(
         sd.set_optimizer_state_dict(model, stateful, loaded["optimizer"])
     for lane, groups in pairs:
         if groups is not None:  # saved before its first update: the groups' settings alone
-            index = iter(range(sum(len(g["params"]) for g in lane.optimizer.param_groups)))
-            params = [[next(index) for _ in g["params"]] for g in lane.optimizer.param_groups]
-            named = [dict(g, params=p) for g, p in zip(groups, params, strict=True)]
+            now = lane.optimizer.state_dict()["param_groups"]  # the parameters' indices
+            named = [dict(g, params=n["params"]) for g, n in zip(groups, now, strict=True)]
             lane.optimizer.load_state_dict({"state": {}, "param_groups": named})
     return restore.restore_train_state(train_state, state, data=data, extras=extras, rng=same_world)
 
@@ -284,19 +269,6 @@ def _holds_dtensor(tree: Any) -> bool:
     if isinstance(tree, Mapping | list | tuple):
         return any(_holds_dtensor(v) for v in values)
     return isinstance(tree, DTensor)
-
-
-def read_rank_file(location: Location, manifest: Any, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s file of a verified sharded checkpoint."""
-    name, url = rank_file(rank), location.url
-    if name not in manifest.files:
-        raise CorruptCheckpointError(
-            f"checkpoint {url}: its manifest lists no {name}: not written by steplib's save. "
-            "Use another checkpoint."
-        )
-    file = location.child(name)
-    source: Any = file.path if file.is_local else io.BytesIO(storage.read_bytes(file))
-    return dict(contents.read_tree(source, url, name))
 
 
 def _check_keys(
@@ -334,7 +306,8 @@ def read_model(location: Location, manifest: Any, storage_options: Any) -> Tree:
     }
     with dcp_errors("read", location.url):
         torch_dcp.load(tensors, storage_reader=reader(location, storage_options), no_dist=True)
-    plain = nest(_saved_plain(read_rank_file(location, manifest, 0))).get("model", {})
+    name = rank_file(0)
+    plain = nest(_saved_plain(read_trees(location, manifest, only=name)[name])).get("model", {})
     return plain | {key.removeprefix("model."): value for key, value in tensors.items()}
 
 

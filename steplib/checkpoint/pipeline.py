@@ -7,7 +7,6 @@ and rank 0 commits."""
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -57,19 +56,17 @@ def check_options(given: Checkpoints, caller: str, *, sharded: bool = False) -> 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """What one process writes for a save (live tensors)."""
+    """What one process writes for a save (live tensors), and how (``given``)."""
 
-    directory: Location
-    name: str
+    given: Checkpoints
+    directory: Location  # ``given.directory``, resolved
     files: dict[str, Any]  # file name -> tree, written with torch.save
     tensors: dict[str, Any] | None  # DCP's, for a sharded checkpoint
-    manifest: Manifest  # ``files`` and ``versions`` are filled in by ``write``
-    storage_options: dict[str, Any]
-    fsync: bool
+    manifest: Manifest  # its ``files`` are filled in by ``write``
 
     @property
     def url(self) -> str:
-        return self.directory.child(self.name).url
+        return self.directory.child(self.manifest.name).url
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,8 +97,7 @@ class Checkpoints:
         else:
             files = gather(state, data=self.data, extras=extras, trainable_only=self.trainable_only)
         manifest = Manifest.of(state, metrics=numbers, step=self.step, layout=layout, world=world)
-        options = dict(self.storage_options or {})
-        return Plan(directory, manifest.name, files, tensors, manifest, options, self.durable)
+        return Plan(self, directory, files, tensors, manifest)
 
     def save(self, state: TrainState, *, metrics: Any = None, caller: str = "save") -> str:
         return write(self.plan(state, metrics=metrics, caller=caller))
@@ -141,52 +137,45 @@ def read_trees(
     location: Location, manifest: Manifest, *, only: str | None = None, mmap: bool = False
 ) -> dict[str, Any]:
     """Every file of a checkpoint, or ``only`` that one, verified first (``mmap``: if local)."""
-    missing = {only} if only else {MODEL, OPTIMIZER, TRAIN_STATE}
-    missing -= manifest.files.keys()
+    missing = ({only} if only else {MODEL, OPTIMIZER, TRAIN_STATE}) - manifest.files.keys()
     if missing:
         raise CorruptCheckpointError(
             f"checkpoint {location.url}: its manifest lists no {', '.join(sorted(missing))}: "
             "not written by steplib's save. Use another checkpoint."
         )
-    url, child = location.url, location.child
-    files = {only: manifest.files[only]} if only else manifest.files
+    url, files = location.url, {only: manifest.files[only]} if only else manifest.files
     if not location.is_local:  # each file read once, verified, then parsed
-        read = storage.read_verified
-        return {
-            n: read_tree(io.BytesIO(read(child(n), r, checkpoint=url)), url, n)
-            for n, r in files.items()
-        }
+        return {n: read_tree(storage.verify(location, n, r), url, n) for n, r in files.items()}
     # torch.load reads a path several times faster than bytes; the checksums are computed
     # meanwhile in a thread (both release the GIL), and all pass before anything is applied.
     with ThreadPoolExecutor(1, thread_name_prefix="steplib-verify") as pool:
-        checks = [
-            pool.submit(storage.verify, child(n), r, checkpoint=url) for n, r in files.items()
-        ]
+        checks = [pool.submit(storage.verify, location, n, r) for n, r in files.items()]
         try:
-            trees = {name: read_tree(child(name).path, url, name, mmap=mmap) for name in files}
+            trees = {n: read_tree(location.child(n).path, url, n, mmap=mmap) for n in files}
         finally:  # a failed checksum is the better explanation of a failed load
             for check in checks:
                 check.result()
     return trees
 
 
-def _on_rank0(action: Callable[[], Any], group: Any, sharded: bool) -> Any:
-    """``action()`` on rank 0, whose result (or failure, as a ``CheckpointError``) every rank
-    of a sharded save returns: none is left waiting in a collective."""
+def _agreed(
+    action: Callable[[], Any], group: Any, sharded: bool, *, here: bool = True
+) -> list[Any]:
+    """``[action()]``; sharded, every rank's result (``here``: whether this rank runs it), or the
+    same ``CheckpointError`` on every rank: none is left waiting in a collective."""
     if not sharded:
-        return action()
-    outcome: list[Any] = [None, None]
-    if dist.get_rank(group) == 0:
+        return [action()]
+    outcome: tuple[Any, str | None] = (None, None)
+    if here:
         try:
-            outcome[0] = action()
+            outcome = (action(), None)
         except Exception as err:  # reported to every rank, raised on every rank
-            outcome[1] = f"rank 0: {type(err).__name__}: {err}"
-    dist.broadcast_object_list(
-        outcome, src=dist.get_global_rank(group, 0) if group else 0, group=group
-    )
-    if outcome[1] is not None:
-        raise CheckpointError(outcome[1])
-    return outcome[0]
+            outcome = (None, f"rank {dist.get_rank(group)}: {type(err).__name__}: {err}")
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, outcome, group=group)
+    if failures := [failure for _, failure in outcomes if failure is not None]:
+        raise CheckpointError("; ".join(failures))
+    return [result for result, _ in outcomes]
 
 
 class GlooGroup:
@@ -205,46 +194,40 @@ class GlooGroup:
 def write(plan: Plan, *, group: Any = None) -> str:
     """Write ``plan``, commit it, return its URL; sharded, every rank of ``group`` calls it and
     returns the same URL or raises the same ``CheckpointError`` (nothing committed)."""
-    sharded, fsync = plan.tensors is not None, plan.fsync
-    me = dist.get_rank(group) if sharded else 0
+    sharded, fsync, name = plan.tensors is not None, plan.given.durable, plan.manifest.name
+    first = not sharded or dist.get_rank(group) == 0  # rank 0 opens and commits alone
     staging: Location | None = None
     try:
-        name = _on_rank0(lambda: storage.begin(plan.directory, plan.name).name, group, sharded)
-        staging = plan.directory.child(name)
+        begun = _agreed(
+            lambda: storage.begin(plan.directory, name).name, group, sharded, here=first
+        )
+        staging = plan.directory.child(begun[0])
         records: dict[str, storage.FileRecord] = {}
         if sharded:
             from steplib.checkpoint import dcp
 
-            records.update(dcp.write(plan, staging, group=group))  # DCP agrees on its failures
-        failure = None
-        try:
+            records = dcp.write(plan, staging, group=group)  # DCP agrees on its failures
+
+        def write_files() -> dict[str, storage.FileRecord]:
             for file, tree in plan.files.items():
                 records[file] = storage.write_tensors(staging.child(file), tree, fsync=fsync)
-        except Exception as err:
-            if not sharded:
-                raise
-            failure = f"rank {me}: {type(err).__name__}: {err}"  # raised on every rank below
-        reports: list[Any] = [(records, failure)]
-        if sharded:
-            reports = [None] * dist.get_world_size(group)
-            dist.all_gather_object(reports, (records, failure), group=group)
-            if failures := [f for _, f in reports if f is not None]:
-                raise CheckpointError("; ".join(failures))
+            return records
+
+        written = _agreed(write_files, group, sharded)
 
         def commit() -> str:
-            assert staging is not None
-            files = dict(sorted((k, v) for written, _ in reports for k, v in written.items()))
+            files = dict(sorted(item for rank in written for item in rank.items()))
             manifest = dataclasses.replace(plan.manifest, files=files)
             storage.write_bytes(staging.child(MANIFEST), manifest.to_json(), fsync=fsync)
-            return storage.commit(plan.directory, staging, plan.name, fsync=fsync).url
+            return storage.commit(plan.directory, staging, name, fsync=fsync).url
 
-        return str(_on_rank0(commit, group, sharded))
+        return str(_agreed(commit, group, sharded, here=first)[0])
     except Exception as err:
         # Sharded: only failures every rank agreed on, so every rank is here; the barrier makes
         # "save raised" mean "the staging directory is gone" on every rank.
         if not isinstance(err, CheckpointError if sharded else OSError):
             raise
-        if staging is not None and staging.is_local and me == 0:
+        if staging is not None and staging.is_local and first:
             storage.remove(staging)
         if sharded:
             dist.barrier(group=group)

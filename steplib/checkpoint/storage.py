@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import fsspec
@@ -95,13 +96,12 @@ def list_names(directory: Location) -> list[str]:
 
 
 def check_writable(directory: Location, *, caller: str) -> None:
-    """Create ``directory``, write and remove a probe file: a directory that cannot be written
-    fails when a run starts, not at its first checkpoint."""
+    """Create ``directory``, write and remove a probe file: fail when a run starts, not at its
+    first checkpoint."""
     probe = directory.child(f".steplib-write-test-{uuid.uuid4().hex[:8]}")
     try:
         directory.fs.makedirs(directory.path, exist_ok=True)
-        with directory.fs.open(probe.path, "wb") as file:
-            file.write(b"steplib")
+        write_bytes(probe, b"steplib", fsync=False)  # as a checkpoint's files are written
         directory.fs.rm(probe.path)
     except Exception as err:  # any filesystem's own error type: all mean "cannot save here"
         raise CheckpointError(
@@ -132,35 +132,34 @@ def commit(directory: Location, staging: Location, name: str, *, fsync: bool = T
         return final  # the manifest, written last, was the commit
     if fsync:
         _fsync_dir(staging.path)
-    trash = None
-    if os.path.exists(final.path):
-        # The same name saved again: moved aside, not deleted, so the rename is the only gap.
-        trash = directory.child(f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
-        os.rename(final.path, trash.path)
+    # The same name saved again: moved aside, not deleted, so the rename is the only gap.
+    trash = _move_aside(final) if os.path.exists(final.path) else None
     os.rename(staging.path, final.path)
     if fsync:
         _fsync_dir(directory.path)
     if trash is not None:
-        shutil.rmtree(trash.path, ignore_errors=True)
+        shutil.rmtree(trash, ignore_errors=True)
     return final
 
 
 def remove(location: Location) -> None:
     """Delete a checkpoint directory, uncommitted before any file goes."""
-    if location.is_local:
-        if not os.path.exists(location.path):
-            return
-        trash = location.path
-        if not location.name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
-            parent = location.path.rsplit("/", 1)[0]
-            trash = f"{parent}/{TRASH_PREFIX}{location.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(location.path, trash)  # atomic: the checkpoint disappears at once
-        shutil.rmtree(trash, ignore_errors=True)
-        return
-    with contextlib.suppress(FileNotFoundError):
-        location.fs.rm(location.child("manifest.json").path)
-    with contextlib.suppress(FileNotFoundError):
-        location.fs.rm(location.path, recursive=True)
+    if not location.is_local:
+        with contextlib.suppress(FileNotFoundError):
+            location.fs.rm(location.child("manifest.json").path)
+        with contextlib.suppress(FileNotFoundError):
+            location.fs.rm(location.path, recursive=True)
+    elif os.path.exists(location.path):
+        leftover = location.name.startswith((STAGING_PREFIX, TRASH_PREFIX))
+        shutil.rmtree(location.path if leftover else _move_aside(location), ignore_errors=True)
+
+
+def _move_aside(location: Location) -> str:
+    # Renamed (atomic: the checkpoint disappears at once) to a name prune removes if we die.
+    parent = location.path.rsplit("/", 1)[0]
+    trash = f"{parent}/{TRASH_PREFIX}{location.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(location.path, trash)
+    return trash
 
 
 def _fsync_dir(path: str) -> None:
@@ -172,15 +171,6 @@ def _fsync_dir(path: str) -> None:
     with contextlib.suppress(OSError):
         os.fsync(fd)
     os.close(fd)
-
-
-def file_digest(path: str) -> str:
-    """The XXH3-64 of a local file, read in chunks."""
-    digest = xxhash.xxh3_64()
-    with open(path, "rb", buffering=0) as raw:
-        while chunk := raw.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class ChecksumFile:
@@ -203,51 +193,60 @@ class ChecksumFile:
         return FileRecord(self.size, self.hasher.hexdigest())
 
 
-@contextlib.contextmanager
-def open_write(location: Location, *, fsync: bool) -> Iterator[ChecksumFile]:
-    """A :class:`ChecksumFile` writing ``location``, fsync'ed on close with ``fsync`` (local)."""
-    local = location.is_local
-    with open(location.path, "wb") if local else location.fs.open(location.path, "wb") as raw:
-        file = ChecksumFile(raw)
-        yield file
-        if fsync and local:
-            raw.flush()
-            os.fsync(raw.fileno())
-
-
 def write_tensors(location: Location, tree: Any, *, fsync: bool) -> FileRecord:
-    with open_write(location, fsync=fsync) as file:
-        torch.save(tree, file)
-    return file.record()
+    return _write(location, lambda file: torch.save(tree, file), fsync=fsync)
 
 
 def write_bytes(location: Location, data: bytes, *, fsync: bool) -> FileRecord:
-    with open_write(location, fsync=fsync) as file:
-        file.write(data)
+    return _write(location, lambda file: file.write(data), fsync=fsync)
+
+
+def _write(location: Location, fill: Callable[[ChecksumFile], Any], *, fsync: bool) -> FileRecord:
+    """Write ``location`` through a :class:`ChecksumFile`, fsync'ed with ``fsync`` (local)."""
+    local = location.is_local
+    with open(location.path, "wb") if local else location.fs.open(location.path, "wb") as raw:
+        file = ChecksumFile(raw)
+        fill(file)
+        if fsync and local:
+            raw.flush()
+            os.fsync(raw.fileno())
     return file.record()
 
 
-def read_verified(location: Location, record: FileRecord, *, checkpoint: str) -> bytes:
-    """The bytes of one file, checked against its record (``CorruptCheckpointError``)."""
-    try:
-        data = read_bytes(location)
-    except FileNotFoundError:
-        _check(location, record, None, "", checkpoint=checkpoint)
-    _check(location, record, len(data), xxhash.xxh3_64_hexdigest(data), checkpoint=checkpoint)
-    return data
+def file_digest(path: str) -> str:
+    """The XXH3-64 of a local file, read in chunks."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as raw:
+        while chunk := raw.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def verify(location: Location, record: FileRecord, *, checkpoint: str) -> None:
-    """:func:`read_verified` without keeping the bytes: streamed from a local disk."""
-    if not location.is_local:
-        read_verified(location, record, checkpoint=checkpoint)
-        return
+def verify(checkpoint: Location, name: str, record: FileRecord) -> str | io.BytesIO:
+    """``CorruptCheckpointError`` unless the file ``name`` of ``checkpoint`` is as recorded;
+    else what ``torch.load`` reads: its local path (checksummed as a stream) or its bytes."""
+    file, data = checkpoint.child(name), b""
     try:
-        size = os.path.getsize(location.path)
-        found = file_digest(location.path) if size == record.size else ""
+        if file.is_local:
+            size = os.path.getsize(file.path)
+            found = file_digest(file.path) if size == record.size else ""
+        else:
+            data = read_bytes(file)  # read once: verified, then parsed
+            size, found = len(data), xxhash.xxh3_64_hexdigest(data)
     except FileNotFoundError:
         size, found = None, ""
-    _check(location, record, size, found, checkpoint=checkpoint)
+    if size is None:
+        problem = "is missing although the manifest lists it"
+    elif size != record.size:
+        problem = f"has {size} bytes, the manifest says {record.size}: truncated or overwritten"
+    elif found != record.checksum:
+        problem = f"has checksum xxh3_64 {found}, the manifest says {record.checksum}: altered"
+    else:
+        return file.path if file.is_local else io.BytesIO(data)
+    raise CorruptCheckpointError(
+        f"checkpoint {checkpoint.url}: its file {name} {problem}. Use an older checkpoint "
+        "(latest() and resume_from() skip this one)."
+    )
 
 
 def verify_all(
@@ -256,34 +255,13 @@ def verify_all(
     """Verify every file, each of ``world`` ranks a share (a collective when ``world > 1``);
     every rank raises the same ``CorruptCheckpointError``."""
     error = None
-    for name in sorted(files)[me::world]:
-        try:
-            verify(location.child(name), files[name], checkpoint=location.url)
-        except CorruptCheckpointError as err:
-            error = str(err)
-            break
-    errors: list[Any] = [None] * world if world > 1 else [error]
+    try:
+        for name in sorted(files)[me::world]:
+            verify(location, name, files[name])
+    except CorruptCheckpointError as err:
+        error = str(err)
+    errors: list[Any] = [error] * world
     if world > 1:
         dist.all_gather_object(errors, error)
     if found := [e for e in errors if e is not None]:
         raise CorruptCheckpointError(found[0])
-
-
-def _check(
-    location: Location, record: FileRecord, size: int | None, found: str, *, checkpoint: str
-) -> None:
-    """``CorruptCheckpointError`` unless the file (``size`` ``None``: missing) is as recorded."""
-    prefix = checkpoint.rstrip("/") + "/"  # a sharded checkpoint's files are under dcp/ too
-    name = location.url[len(prefix) :] if location.url.startswith(prefix) else location.name
-    if size is None:
-        problem = "is missing although the manifest lists it"
-    elif size != record.size:
-        problem = f"has {size} bytes, the manifest says {record.size}: truncated or overwritten"
-    elif found != record.checksum:
-        problem = f"has checksum xxh3_64 {found}, the manifest says {record.checksum}: altered"
-    else:
-        return
-    raise CorruptCheckpointError(
-        f"checkpoint {checkpoint}: its file {name} {problem}. Use an older checkpoint (latest() "
-        "and resume_from() skip this one)."
-    )
