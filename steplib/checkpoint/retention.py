@@ -4,7 +4,7 @@ united (a best one survives however old; the newest is always kept: a resume nee
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from steplib import errors
@@ -24,21 +24,6 @@ def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any,
             f"metric={describe(metric)}: name one saved with the checkpoints, e.g. metric='val'."
         )
     errors.mode(caller, mode)
-
-
-def check_ranked_metric(
-    caller: str, *, keep_best: int | None, metric: str | None, recorded: Mapping[str, Any]
-) -> None:
-    """``ConfigError`` when ``keep_best`` ranks by a ``metric`` this save lacks (pruning would
-    delete the best checkpoints)."""
-    if keep_best is None or metric in recorded:
-        return
-    raise ConfigError(
-        f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among this "
-        f"checkpoint's metrics; they are: {', '.join(sorted(recorded)) or '(none)'}. Nothing "
-        "was saved or pruned. Name one (an evaluator's carry its prefix: 'val_accuracy'), or "
-        "pass metric=evaluator, or metrics= a function that returns it."
-    )
 
 
 def _ranked(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str) -> list[CheckpointInfo]:
