@@ -42,15 +42,13 @@ def select_retained(
     metric: str | None = None,
     mode: str = "min",
 ) -> list[CheckpointInfo]:
-    """Of ``checkpoints`` (oldest first), those to keep: the newest ``keep_last`` (at least the
-    newest one) and the best ``keep_best`` by ``metric``; all when both are ``None`` (checked by
-    :func:`prune`)."""
+    """Of ``checkpoints`` (oldest first), the newest ``keep_last`` (at least one) and the best
+    ``keep_best`` by ``metric``; all when both are ``None``."""
     if keep_last is None and keep_best is None:
         return list(checkpoints)
-    keep = {id(c) for c in checkpoints[-(keep_last or 1) :]}
-    if keep_best is not None:
-        keep.update(id(c) for c in _ranked(checkpoints, str(metric), mode)[:keep_best])
-    return [c for c in checkpoints if id(c) in keep]
+    newest = checkpoints[-(keep_last or 1) :]
+    best = [] if keep_best is None else _ranked(checkpoints, str(metric), mode)[:keep_best]
+    return [c for c in checkpoints if c in newest or c in best]
 
 
 def prune(
@@ -100,23 +98,17 @@ def prune(
     retained = select_retained(
         checkpoints, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
-    kept = {c.url for c in retained}
-    deleted = [c for c in checkpoints if c.url not in kept]
+    deleted = [c for c in checkpoints if c not in retained]
     for checkpoint in deleted:
         storage.remove(location.child(checkpoint.name))
-    newest = max((_key(c.name) for c in checkpoints), default=None)
+    newest = sort_key(checkpoints[-1].name) if checkpoints else None
     for leftover in debris:
-        # ".tmp-step-00000120-1a2b3c4d" -> "step-00000120"
-        name = leftover.name
+        name = leftover.name  # ".tmp-step-00000120-1a2b3c4d": of "step-00000120"
         if name.startswith((storage.STAGING_PREFIX, storage.TRASH_PREFIX)):
             name = name.split("-", 1)[1].rsplit("-", 1)[0]
-        if leftovers == "all" or (newest is not None and _key(name) < newest):
+        if leftovers == "all" or (newest is not None and (sort_key(name) or (-1, -1)) < newest):
             storage.remove(leftover)
     return [c.url for c in deleted]
-
-
-def _key(name: str) -> tuple[int, int]:
-    return sort_key(name) or (-1, -1)
 
 
 def best_checkpoint(
