@@ -57,8 +57,7 @@ class Checkpointer(Handler):
     """The handler :func:`checkpoint_every` builds; ``last_saved``: its last checkpoint's URL.
     It saves the handlers of, and reports ``checkpoint_end`` to, the ``Events`` that emitted."""
 
-    # Last at each event: a save holds what every other handler did there (an evaluation, a
-    # scheduler's step), in whatever order they were attached.
+    # Last at each event: a save holds what every other handler did there, whatever the order.
     last = True
 
     given: Checkpoints
@@ -270,8 +269,9 @@ def checkpoint_every(
         >>> [c.step for c in list_checkpoints("memory://doctest-every/ckpt")]
         [4, 5]
     """
+    caller = "checkpoint_every"
     choices = "True (save at every epoch end) or False, or epochs=N for every N epochs"
-    errors.boolean("checkpoint_every", "at_epoch_end", at_epoch_end, choices)
+    errors.boolean(caller, "at_epoch_end", at_epoch_end, choices)
     if at_epoch_end and epochs is not None:
         raise ConfigError(
             f"checkpoint_every received at_epoch_end=True and epochs={epochs!r}, which "
@@ -283,16 +283,14 @@ def checkpoint_every(
             "checkpoint_every received no cadence (every=None), so it would never save. Pass "
             "every=500 (optimizer updates), epochs=1 or at_epoch_end=True (epoch ends), or both."
         )
-    check_every("checkpoint_every(every=...)", every)
-    epochs = errors.optional_positive_int("checkpoint_every", "epochs", epochs)
+    check_every(f"{caller}(every=...)", every)
+    epochs = errors.optional_positive_int(caller, "epochs", epochs)
     typed = isinstance(metric, str)
     if metric is not None:
-        metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
+        metric, mode = errors.monitor_and_mode(caller, metric, mode)
     mode = mode or "min"
-    check_retention(
-        "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
-    )
+    check_retention(caller, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
     given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
-    check_options(given, "checkpoint_every")
+    check_options(given, caller)
     settings = (every, epochs, keep_last, keep_best, metric, mode, metrics or default_metrics)
     return Checkpointer(given, *settings, background, at_end, typed)

@@ -30,8 +30,7 @@ from steplib.errors import (
 
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
-# Format 4: steplib 0.2 (either layout, XXH3, one train-state tree). Older ones (0.1 wrote 1
-# and 2 with CRC32; 3 was 0.2's development format) are refused with the way out, not read.
+# Format 4: steplib 0.2. Older ones (1 and 2: steplib 0.1; 3: 0.2's development) are refused.
 VERSION = 4
 MANIFEST = "manifest.json"
 SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
@@ -105,7 +104,6 @@ class Manifest:
             version=VERSION,
             # NaN/inf are not JSON; a metric that diverged ranks last anyway.
             metrics={k: (v if math.isfinite(v) else None) for k, v in self.metrics.items()},
-            versions=dict(self.versions),
             files={k: {"bytes": r.size, XXH3_64: r.checksum} for k, r in self.files.items()},
         )
         body["manifest_crc32"] = _body_crc(body)

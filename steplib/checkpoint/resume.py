@@ -29,6 +29,10 @@ class Resume(Handler):
         self.given = given
         self.loaded: str | None = None
 
+    @property
+    def directory(self) -> str:
+        return self.given.directory
+
     def on_fit_start(self, event: Event) -> NewState | None:
         """Load the newest valid checkpoint into the state, its loader and its handlers."""
         given = dataclasses.replace(
@@ -38,7 +42,7 @@ class Resume(Handler):
         )
         found = given.load_newest(event.state)
         if found is None:
-            _log.info("no checkpoint in %s: starting fresh", self.given.directory)
+            _log.info("no checkpoint in %s: starting fresh", self.directory)
             return None
         self.loaded, state = found
         _log.info("resumed from %s at step %d", self.loaded, state.step)
@@ -47,7 +51,7 @@ class Resume(Handler):
     __call__ = on_fit_start
 
     def __repr__(self) -> str:
-        return f"resume_from({self.given.directory!r})"
+        return f"resume_from({self.directory!r})"
 
 
 def resume_from(
