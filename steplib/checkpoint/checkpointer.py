@@ -33,9 +33,9 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 def default_metrics(event: Event) -> dict[str, float]:
     """What a checkpoint records without ``metrics``: ``{name: float}`` of the update's
     ``loss`` and each number in ``state.extras`` evaluated at this update."""
+    loss = getattr(getattr(event, "output", None), "loss", None)
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
-    loss = getattr(getattr(event, "output", None), "loss", None)
     fresh = {k: v for k, v in extras.items() if k not in stale}
     numbers = {}
     for name, value in {"loss": loss, **fresh}.items():
