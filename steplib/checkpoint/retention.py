@@ -27,8 +27,7 @@ def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any,
 
 
 def _ranked(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str) -> list[CheckpointInfo]:
-    # Best first; without the metric (or NaN) never ranked; of equal values the older first (a
-    # tie is not an improvement, as BestValue decides everywhere).
+    # Best first; never one without the metric (or NaN); a tie is no improvement (BestValue's).
     sign = 1.0 if mode == "min" else -1.0
     ranked = [c for c in checkpoints if not math.isnan(c.metrics.get(metric, math.nan))]
     return sorted(ranked, key=lambda c: sign * c.metrics[metric])  # stable: oldest first
