@@ -19,7 +19,7 @@ from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import check_metrics, prunes_here, run_data, with_handlers
 from steplib.checkpoint.manifest import CheckpointInfo
 from steplib.checkpoint.pipeline import Checkpoints, check_options
-from steplib.checkpoint.retention import check_ranked_metric, check_retention, prune
+from steplib.checkpoint.retention import check_retention, prune
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed import is_main
 from steplib.errors import CheckpointError, ConfigError
@@ -38,7 +38,7 @@ def default_metrics(event: Event) -> dict[str, float]:
     stale = stale_values(extras, event.step)
     fresh = {k: v for k, v in extras.items() if k not in stale}
     numbers = {}
-    for name, value in {"loss": loss if torch.is_tensor(loss) else None, **fresh}.items():
+    for name, value in {"loss": loss, **fresh}.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:  # a sweep's loss is not
             value = value.item()  # a host sync, at save time only
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -57,8 +57,7 @@ class Checkpointer(Handler):
     """The handler :func:`checkpoint_every` builds; ``last_saved``: its last checkpoint's URL.
     It saves the handlers of, and reports ``checkpoint_end`` to, the ``Events`` that emitted."""
 
-    # Last at each event: a save holds what every other handler did there (an evaluation, a
-    # scheduler's step), in whatever order they were attached.
+    # Last at each event: a save holds what every other handler did there, whatever the order.
     last = True
 
     given: Checkpoints
@@ -75,7 +74,7 @@ class Checkpointer(Handler):
     last_saved: str | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self, background: bool) -> None:
-        self._run_data: Any = None  # the stateful loader run() draws from (its fit_start's)
+        self._run_data = self.given.data  # else the stateful loader run() draws from
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
@@ -93,7 +92,7 @@ class Checkpointer(Handler):
         if prunes_here(event.state) and (self._saver is None or not self._saver.pending):
             self._prune(keep=False)
 
-    def on_step_end(self, event: Event) -> Emitted | None:
+    def on_step_end(self, event: Event) -> Emitted:
         if self.every is not None and due(self.every, event):
             return self._save_and_report(event, strict=True)
         return self.report(event)
@@ -101,30 +100,27 @@ class Checkpointer(Handler):
     __call__ = on_step_end
 
     def on_epoch_end(self, event: Event) -> Emitted | None:
-        if self.epochs is None or not due(self.epochs, event):
-            return None
-        return self._save_and_report(event, strict=True)
+        if self.epochs is not None and due(self.epochs, event):
+            return self._save_and_report(event, strict=True)
+        return None
 
-    def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted | None:
-        """Emit ``checkpoint_end`` for each unreported commit, oldest first, from ``earlier``."""
-        events = event.events
-        if events is None or not self._committed:  # not emitted by an Events: nobody to tell
-            self._committed.clear()
-            return earlier
-        state, stop = (event.state, None) if earlier is None else (earlier.state, earlier.stop)
+    def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted:
+        """Emit ``checkpoint_end`` for each unreported commit, oldest first, after ``earlier``."""
+        emitted = earlier or Emitted(event.state, None)
         while self._committed:
             info = self._committed.popleft()
-            emitted = events.emit(Event.at("checkpoint_end", state, checkpoint=info))
-            state, stop = emitted.state, stop or emitted.stop
-        return Emitted(state, stop)
+            if event.events is not None:  # else not emitted by an Events: nobody to tell
+                now = event.events.emit(Event.at("checkpoint_end", emitted.state, checkpoint=info))
+                emitted = Emitted(now.state, emitted.stop or now.stop)
+        return emitted
 
-    def on_fit_end(self, event: Event) -> Emitted | None:
+    def on_fit_end(self, event: Event) -> Emitted:
         """Save the final state (``at_end``, if it moved); wait for background writes; report."""
         earlier = self._save_and_report(event, strict=False) if self.at_end else None
         self.wait()
         return self.report(event, earlier=earlier)
 
-    def on_exception(self, event: Event) -> Emitted | None:
+    def on_exception(self, event: Event) -> Emitted:
         """Let a background write finish (its error logged, not raised over the run's)."""
         try:
             self.wait()
@@ -132,13 +128,12 @@ class Checkpointer(Handler):
             _log.error("background checkpoint failed while the run was failing: %s", err)
         return self.report(event)
 
-    def _save_and_report(self, event: Event, *, strict: bool) -> Emitted | None:
-        earlier = None
-        if _position(event.state) != self._saved_at:
-            # The save in flight is reported before this one's pruning may remove it.
-            self.wait()
-            earlier = self.report(event)
-            self.save(event, strict=strict)
+    def _save_and_report(self, event: Event, *, strict: bool) -> Emitted:
+        if _position(event.state) == self._saved_at:
+            return self.report(event)
+        self.wait()  # the save in flight is reported before this one's pruning may remove it
+        earlier = self.report(event)
+        self.save(event, strict=strict)
         return self.report(event, earlier=earlier)
 
     def save(self, event: Event, *, blocking: bool = False, strict: bool = False) -> str:
@@ -149,40 +144,43 @@ class Checkpointer(Handler):
             if blocking:
                 self.wait()
             return self.last_saved
-        metrics = self.metrics(event)
-        # Not evaluated at this update: no score, not a candidate for best, but may prune.
+        numbers = check_metrics(self.metrics(event), "checkpoint_every")
+        # Evaluated at another update: no score, no candidate for best, but it prunes.
         known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
-        ranked = self.keep_best is None or self.metric in metrics or known
-        caller, recorded = "checkpoint_every", ", ".join(sorted(metrics)) or "none"
-        if strict and not known:
-            check_ranked_metric(
-                caller, keep_best=self.keep_best, metric=self.metric, recorded=metrics
+        ranked = self.keep_best is None or self.metric in numbers or known
+        if not ranked:
+            recorded = ", ".join(sorted(numbers)) or "none"
+            found = (
+                f"checkpoint_every(keep_best={self.keep_best}, metric={self.metric!r}) found no "
+                f"{self.metric!r} among this checkpoint's metrics; they are: {recorded}."
             )
-        elif not ranked:
-            why = "saved without pruning, so that no best checkpoint is lost"
-            _log.warning(
-                "%s(metric=%r): not among its metrics (%s); %s", caller, self.metric, recorded, why
-            )
+            if strict:  # a scheduled save: refused before anything is written or pruned
+                raise ConfigError(
+                    f"{found} Nothing was saved or pruned. Name one (an evaluator's carry its "
+                    "prefix: 'val_accuracy'), or pass metric=evaluator, or metrics= a function "
+                    "that returns it."
+                )
+            # At fit end or a preemption, perhaps before any evaluation: saved, not refused.
+            _log.warning("%s It was saved without pruning, so that no best one is lost.", found)
         given = dataclasses.replace(
             self.given,
-            data=self.given.data if self.given.data is not None else self._run_data,
-            extras=with_handlers(caller, self.given.extras, event.events),
+            data=self._run_data,
+            extras=with_handlers("checkpoint_every", self.given.extras, event.events),
         )
-        here = prunes_here(state)
-        taken, numbers = time.time(), check_metrics(metrics, caller)
+        here, taken = prunes_here(state), time.time()
 
         def committed(url: str) -> None:  # in the writer's thread for a background save
             if here:
                 self._prune(keep=ranked)
             name = url.rstrip("/").rsplit("/", 1)[-1]
             at = (state.step, state.micro_step, state.epoch)
-            self._committed.append(CheckpointInfo(url, name, *at, taken, dict(numbers)))
+            self._committed.append(CheckpointInfo(url, name, *at, taken, numbers))
 
         if self._saver is not None and not blocking:
-            url = self._saver.submit(given, state, metrics=metrics, after=committed)
+            url = self._saver.submit(given, state, metrics=numbers, after=committed)
         else:
             self.wait()
-            url = given.save(state, metrics=metrics)
+            url = given.save(state, metrics=numbers)
             committed(url)
         self._saved_at = _position(state)
         self.last_saved = url
@@ -271,8 +269,9 @@ def checkpoint_every(
         >>> [c.step for c in list_checkpoints("memory://doctest-every/ckpt")]
         [4, 5]
     """
+    caller = "checkpoint_every"
     choices = "True (save at every epoch end) or False, or epochs=N for every N epochs"
-    errors.boolean("checkpoint_every", "at_epoch_end", at_epoch_end, choices)
+    errors.boolean(caller, "at_epoch_end", at_epoch_end, choices)
     if at_epoch_end and epochs is not None:
         raise ConfigError(
             f"checkpoint_every received at_epoch_end=True and epochs={epochs!r}, which "
@@ -284,16 +283,14 @@ def checkpoint_every(
             "checkpoint_every received no cadence (every=None), so it would never save. Pass "
             "every=500 (optimizer updates), epochs=1 or at_epoch_end=True (epoch ends), or both."
         )
-    check_every("checkpoint_every(every=...)", every)
-    epochs = errors.optional_positive_int("checkpoint_every", "epochs", epochs)
+    check_every(f"{caller}(every=...)", every)
+    epochs = errors.optional_positive_int(caller, "epochs", epochs)
     typed = isinstance(metric, str)
     if metric is not None:
-        metric, mode = errors.monitor_and_mode("checkpoint_every", metric, mode)
+        metric, mode = errors.monitor_and_mode(caller, metric, mode)
     mode = mode or "min"
-    check_retention(
-        "checkpoint_every", keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
-    )
+    check_retention(caller, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
     given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
-    check_options(given, "checkpoint_every")
+    check_options(given, caller)
     settings = (every, epochs, keep_last, keep_best, metric, mode, metrics or default_metrics)
     return Checkpointer(given, *settings, background, at_end, typed)

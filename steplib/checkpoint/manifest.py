@@ -10,7 +10,7 @@ import re
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from platform import python_version
 from typing import Any, TypeVar
@@ -30,16 +30,11 @@ from steplib.errors import (
 
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
-# Format 4: steplib 0.2 (either layout, XXH3, one train-state tree). Older ones (0.1 wrote 1
-# and 2 with CRC32; 3 was 0.2's development format) are refused with the way out, not read.
+# Format 4: steplib 0.2. Older ones (1 and 2: steplib 0.1; 3: 0.2's development) are refused.
 VERSION = 4
 MANIFEST = "manifest.json"
 SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
-
-
-def checkpoint_name(step: int, micro_step: int, window_size: int) -> str:
-    return f"step-{step:08d}" + (f"-micro-{micro_step:08d}" if window_size else "")
 
 
 def sort_key(name: str) -> tuple[int, int] | None:
@@ -91,7 +86,8 @@ class Manifest:
     @classmethod
     def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world: int) -> Manifest:
         """A checkpoint of ``state`` now (``files``: filled in by ``write``)."""
-        name = checkpoint_name(state.step, state.micro_step, state.window.size)
+        micro = f"-micro-{state.micro_step:08d}" if state.window.size else ""
+        name = f"step-{state.step:08d}{micro}"
         counters = (state.step, state.micro_step, state.epoch, state.window.size)
         try:
             steplib = metadata.version("steplib")
@@ -108,7 +104,6 @@ class Manifest:
             version=VERSION,
             # NaN/inf are not JSON; a metric that diverged ranks last anyway.
             metrics={k: (v if math.isfinite(v) else None) for k, v in self.metrics.items()},
-            versions=dict(self.versions),
             files={k: {"bytes": r.size, XXH3_64: r.checksum} for k, r in self.files.items()},
         )
         body["manifest_crc32"] = _body_crc(body)
@@ -223,22 +218,23 @@ def list_checkpoints(
 def scan(location: Location, *, warn: bool = False) -> tuple[list[CheckpointInfo], list[Location]]:
     """Committed checkpoints (oldest first), and the debris: uncommitted, corrupt (warned about
     with ``warn``) or staging directories."""
-    infos: list[CheckpointInfo] = []
+    names = storage.list_names(location)
     prefixes = (storage.STAGING_PREFIX, storage.TRASH_PREFIX)
-    other = [location.child(n) for n in storage.list_names(location) if n.startswith(prefixes)]
-    for checkpoint in candidates(location, newest_first=False):
+    debris = [location.child(name) for name in names if name.startswith(prefixes)]
+    infos = []
+    for checkpoint in candidates(location, names):
         try:
             manifest = committed_manifest(checkpoint)
         except CorruptCheckpointError as err:
             if warn:
-                warn_skipped(err, stacklevel=4)
+                warn_skipped(err)
             manifest = None
         if manifest is None:
-            other.append(checkpoint)
+            debris.append(checkpoint)
         else:
             at = (manifest.step, manifest.micro_step, manifest.epoch, manifest.time)
             infos.append(CheckpointInfo(checkpoint.url, checkpoint.name, *at, {**manifest.metrics}))
-    return infos, other
+    return infos, debris
 
 
 def read_manifest(location: Location) -> Manifest:
@@ -264,10 +260,10 @@ def committed_manifest(location: Location) -> Manifest | None:
     return Manifest.from_json(data, checkpoint=location.url)
 
 
-def candidates(location: Location, *, newest_first: bool) -> Iterator[Location]:
-    keyed = [(key, name) for name in storage.list_names(location) if (key := sort_key(name))]
-    for _, name in sorted(keyed, reverse=newest_first):
-        yield location.child(name)
+def candidates(location: Location, names: list[str]) -> list[Location]:
+    """The checkpoints among ``names`` (committed or not), oldest first."""
+    keyed = sorted((key, name) for name in names if (key := sort_key(name)))
+    return [location.child(name) for _, name in keyed]
 
 
 def newest_valid(
@@ -276,20 +272,18 @@ def newest_valid(
     """``(url, read(checkpoint, manifest))`` of the newest checkpoint ``read`` takes without a
     ``CorruptCheckpointError`` (each skipped warned about); else the corrupt ones' names."""
     corrupt: list[str] = []
-    for checkpoint in candidates(location, newest_first=True):
+    for checkpoint in reversed(candidates(location, storage.list_names(location))):
         try:
             manifest = committed_manifest(checkpoint)
             if manifest is not None:
                 return checkpoint.url, read(checkpoint, manifest)
         except CorruptCheckpointError as err:
-            warn_skipped(err, stacklevel=4)  # for latest(): the line that called it
+            warn_skipped(err)
             corrupt.append(checkpoint.name)
     return corrupt
 
 
-def warn_skipped(err: CorruptCheckpointError, *, stacklevel: int = 3) -> None:
-    warnings.warn(
-        f"{err} Skipped; falling back to the previous checkpoint.",
-        CheckpointWarning,
-        stacklevel=stacklevel,
-    )
+def warn_skipped(err: CorruptCheckpointError) -> None:
+    # stacklevel 4: the line that called latest() or list_checkpoints()
+    message = f"{err} Skipped; falling back to the previous checkpoint."
+    warnings.warn(message, CheckpointWarning, stacklevel=4)

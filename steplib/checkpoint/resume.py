@@ -62,12 +62,10 @@ def resume_from(
     step: Any = None,
     storage_options: StorageOptions = None,
 ) -> Resume:
-    """A ``fit_start`` handler: continue from the newest valid checkpoint in ``directory``.
-
-    Given the checkpoint handler (``resume_from(ckpt)``) it takes its settings. The loader
-    ``run`` draws from and every attached handler with ``state_dict`` come back too. Corrupt
+    """A ``fit_start`` handler: continue from the newest valid checkpoint in ``directory``,
+    with the loader ``run`` draws from and every attached handler with ``state_dict``. Corrupt
     checkpoints are skipped with a ``CheckpointWarning``; with none the run starts fresh. On
-    another number of ranks pass ``resumable_loader(..., shard=True)``.
+    another number of ranks, use ``resumable_loader(..., shard=True)``.
 
     Args:
         directory: the directory of checkpoints, or the ``checkpoint_every`` handler.
@@ -169,12 +167,11 @@ class Preemption(Handler):
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here could corrupt or deadlock whatever Python was doing.
-        if self._signalled is not None:
-            # This process asked twice: the signal's previous meaning (usually: end now).
+        if self._signalled is None:
+            self._signalled = signum
+        else:  # asked twice: the signal's previous meaning (usually: end now)
             self._uninstall()
             signal.raise_signal(signum)
-            return
-        self._signalled = signum
 
     def _uninstall(self) -> None:
         for signum, previous in self._previous.items():
@@ -185,18 +182,16 @@ class Preemption(Handler):
 def preemption(
     checkpointer: Checkpointer, *, signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1)
 ) -> Preemption:
-    """A handler that turns a preemption signal into a checkpoint and a clean stop.
-
-    The signal handler only sets a flag; at the next update boundary the state is saved with
-    ``checkpointer``'s settings, synchronously, and the loop stops. A second signal ends the
-    process as it normally would. ``handler.exit_code`` is 128 + signal.
+    """A handler that turns a preemption signal into a checkpoint and a clean stop: the signal
+    sets a flag; at the next update the state is saved synchronously with ``checkpointer``'s
+    settings, and the loop stops. A second signal ends the process as it normally would.
 
     Args:
         checkpointer: the :class:`Checkpointer` whose directory and settings to save with.
         signals: the signals to catch (what Kubernetes and SLURM send before a kill).
 
     Returns:
-        A :class:`Preemption`; call ``.attach(events)`` after the checkpointer's.
+        A :class:`Preemption` (``exit_code``: 128 + signal); attach it after the checkpointer.
 
     Raises:
         ConfigError: ``checkpointer`` is not a ``checkpoint_every`` handler, or no signals.

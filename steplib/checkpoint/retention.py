@@ -4,7 +4,7 @@ united (a best one survives however old; the newest is always kept: a resume nee
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from steplib import errors
@@ -26,24 +26,8 @@ def check_retention(caller: str, *, keep_last: Any, keep_best: Any, metric: Any,
     errors.mode(caller, mode)
 
 
-def check_ranked_metric(
-    caller: str, *, keep_best: int | None, metric: str | None, recorded: Mapping[str, Any]
-) -> None:
-    """``ConfigError`` when ``keep_best`` ranks by a ``metric`` this save lacks (pruning would
-    delete the best checkpoints)."""
-    if keep_best is None or metric in recorded:
-        return
-    raise ConfigError(
-        f"{caller}(keep_best={keep_best}, metric={metric!r}) found no {metric!r} among this "
-        f"checkpoint's metrics; they are: {', '.join(sorted(recorded)) or '(none)'}. Nothing "
-        "was saved or pruned. Name one (an evaluator's carry its prefix: 'val_accuracy'), or "
-        "pass metric=evaluator, or metrics= a function that returns it."
-    )
-
-
 def _ranked(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str) -> list[CheckpointInfo]:
-    # Best first; without the metric (or NaN) never ranked; of equal values the older first (a
-    # tie is not an improvement, as BestValue decides everywhere).
+    # Best first; never one without the metric (or NaN); a tie is no improvement (BestValue's).
     sign = 1.0 if mode == "min" else -1.0
     ranked = [c for c in checkpoints if not math.isnan(c.metrics.get(metric, math.nan))]
     return sorted(ranked, key=lambda c: sign * c.metrics[metric])  # stable: oldest first
@@ -57,15 +41,13 @@ def select_retained(
     metric: str | None = None,
     mode: str = "min",
 ) -> list[CheckpointInfo]:
-    """Of ``checkpoints`` (oldest first), those to keep: the newest ``keep_last`` (at least the
-    newest one) and the best ``keep_best`` by ``metric``; all when both are ``None`` (checked by
-    :func:`prune`)."""
+    """Of ``checkpoints`` (oldest first), the newest ``keep_last`` (at least one) and the best
+    ``keep_best`` by ``metric``; all when both are ``None``."""
     if keep_last is None and keep_best is None:
         return list(checkpoints)
-    keep = {id(c) for c in checkpoints[-(keep_last or 1) :]}
-    if keep_best is not None:
-        keep.update(id(c) for c in _ranked(checkpoints, str(metric), mode)[:keep_best])
-    return [c for c in checkpoints if id(c) in keep]
+    newest = checkpoints[-(keep_last or 1) :]
+    best = [] if keep_best is None else _ranked(checkpoints, str(metric), mode)[:keep_best]
+    return [c for c in checkpoints if c in newest or c in best]
 
 
 def prune(
@@ -115,23 +97,17 @@ def prune(
     retained = select_retained(
         checkpoints, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode
     )
-    kept = {c.url for c in retained}
-    deleted = [c for c in checkpoints if c.url not in kept]
+    deleted = [c for c in checkpoints if c not in retained]
     for checkpoint in deleted:
         storage.remove(location.child(checkpoint.name))
-    newest = max((_key(c.name) for c in checkpoints), default=None)
+    newest = sort_key(checkpoints[-1].name) if checkpoints else None
     for leftover in debris:
-        # ".tmp-step-00000120-1a2b3c4d" -> "step-00000120"
-        name = leftover.name
+        name = leftover.name  # ".tmp-step-00000120-1a2b3c4d": of "step-00000120"
         if name.startswith((storage.STAGING_PREFIX, storage.TRASH_PREFIX)):
             name = name.split("-", 1)[1].rsplit("-", 1)[0]
-        if leftovers == "all" or (newest is not None and _key(name) < newest):
+        if leftovers == "all" or (newest is not None and (sort_key(name) or (-1, -1)) < newest):
             storage.remove(leftover)
     return [c.url for c in deleted]
-
-
-def _key(name: str) -> tuple[int, int]:
-    return sort_key(name) or (-1, -1)
 
 
 def best_checkpoint(
