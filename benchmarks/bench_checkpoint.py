@@ -33,7 +33,7 @@ compared: every ratio is computed within a round and the median over rounds repo
   snapshot buffers; ``async first stall``: the first save call.
 * ``update after async save``: that next update, whole (it runs while the background copy and
   the writer share the machine with it); ``async write``: from the save call until committed.
-* ``async save + wait_snapshot``: the save call followed by ``state.fence.wait()`` (training
+* ``async save + fence wait``: the save call followed by ``state.fence.wait()`` (training
   blocked for the whole copy, as it was before the copy moved to the background).
 
 The goal "a sync save within 1.3x of torch.save" is checked on the two like-for-like pairs:
@@ -91,7 +91,7 @@ RATIOS = {
     "steplib load / torch.load": ("steplib load", "torch.load", "<= 1.5"),
     "async stall / durable save": ("async stall", DURABLE, "< 0.10"),
     "async stall / durable=False save": ("async stall", NOT_DURABLE, ""),
-    "async save + wait_snapshot / durable save": ("async save + wait_snapshot", DURABLE, ""),
+    "async save + fence wait / durable save": ("async save + fence wait", DURABLE, ""),
     "update slowed by async save / durable save": (SLOWED, DURABLE, ""),
 }
 BATCH = 64
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def async_stall(path: Path) -> None:
         saver.save(unnumbered(), str(path))
 
-    def async_save_wait_snapshot(path: Path) -> None:
+    def async_save_fence_wait(path: Path) -> None:
         saver.save(unnumbered(), str(path))
         state.fence.wait()
 
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     first_stall = measure("async", async_stall)
     saver.wait()
 
-    names = [*rows, "async save + wait_snapshot", "update alone"]
+    names = [*rows, "async save + fence wait", "update alone"]
     names += ["async save call", "async fence wait", "async stall", "update after async save"]
     times: dict[str, list[float]] = {name: [] for name in [*names, "async write", SLOWED]}
     order = list(rows)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             random.shuffle(order)
             for name in order:
                 times[name].append(measure(*rows[name]))
-            times["async save + wait_snapshot"].append(measure("async", async_save_wait_snapshot))
+            times["async save + fence wait"].append(measure("async", async_save_fence_wait))
             saver.wait()
             times["update alone"].append(timed(update))
             call = measure("async", async_stall)
