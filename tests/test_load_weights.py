@@ -231,11 +231,11 @@ def test_a_sharded_checkpoint_loads_into_fsdp_ranks_and_a_plain_module(tmp_path:
 
 
 class _Scaled(nn.Linear):
-    """A layer with a dict of plain values as its extra state (as some quantised layers have)."""
+    """A layer with a dict extra state of plain values and a tensor (as quantised layers have)."""
 
     def __init__(self) -> None:
         super().__init__(4, 2)
-        self.scale = {"value": 1.0, "name": "fresh"}
+        self.scale: dict[str, Any] = {"value": 1.0, "name": "fresh", "zero_point": torch.zeros(2)}
 
     def get_extra_state(self) -> dict[str, Any]:
         return dict(self.scale)
@@ -249,7 +249,7 @@ def _ddp_with_extra_state(rank: int, world: int, *, root: str) -> str:
 
     torch.manual_seed(0)
     layer = _Scaled()
-    layer.scale = {"value": 2.5, "name": "trained"}
+    layer.scale = {"value": 2.5, "name": "trained", "zero_point": torch.tensor([1.0, 2.0])}
     model = apply_ddp(nn.Sequential(layer))
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
     return save(state, root)  # sharded: the extra state is one of DCP's non-tensor values
@@ -257,6 +257,9 @@ def _ddp_with_extra_state(rank: int, world: int, *, root: str) -> str:
 
 def test_a_sharded_checkpoint_brings_back_a_dict_extra_state(tmp_path: Path) -> None:
     url, _ = run_ranks(functools.partial(_ddp_with_extra_state, root=str(tmp_path)), timeout=90)
-    model = nn.Sequential(_Scaled())
-    assert load_weights(model, url) == ([], [])
-    assert model[0].scale == {"value": 2.5, "name": "trained"}
+    layer = _Scaled()
+    assert load_weights(nn.Sequential(layer), url) == ([], [])
+    scale = layer.scale
+    assert (scale["value"], scale["name"]) == (2.5, "trained")
+    # A tensor inside it goes through DCP under a dotted key; it comes back inside the dict.
+    assert torch.equal(scale["zero_point"], torch.tensor([1.0, 2.0]))

@@ -179,6 +179,13 @@ def gather(
     rank_tree = contents.train_state_tree(state, data=data, extras=extras)
     rank_tree.update(
         plain=[[list(p), v] for p, v in flat.items() if not isinstance(v, torch.Tensor)],
+        # The dotted DCP key of a model tensor inside a value (a dict extra state) cannot be
+        # split back into its path: read_model reads the path here.
+        nested=[
+            list(p)
+            for p, v in flat.items()
+            if isinstance(v, torch.Tensor) and p[0] == "model" and len(p) > 2
+        ],
         fresh_groups=[_settings(lane.optimizer) for lane in every],
     )
     name = rank_file(dist.get_rank())
@@ -307,8 +314,10 @@ def read_model(location: Location, manifest: Any, storage_options: Any) -> Tree:
     with dcp_errors("read", location.url):
         torch_dcp.load(tensors, storage_reader=reader(location, storage_options), no_dist=True)
     name = rank_file(0)
-    plain = nest(_saved_plain(read_trees(location, manifest, only=name)[name])).get("model", {})
-    return plain | {key.removeprefix("model."): value for key, value in tensors.items()}
+    saved = read_trees(location, manifest, only=name)[name]
+    paths = {".".join(path): tuple(path) for path in saved.get("nested", ())}
+    by_path = {paths.get(key, tuple(key.split(".", 1))): v for key, v in tensors.items()}
+    return nest({**_saved_plain(saved), **by_path}).get("model", {})
 
 
 def reader(location: Location, storage_options: Any) -> MetadataReader:

@@ -112,12 +112,14 @@ def load_weights(
     if strict and (missing or unexpected):
         fixes.append("strict=False to load the names both have (a new head keeps its own)")
     if reshaped and not ignore_mismatched_sizes:
-        fixes.append("ignore_mismatched_sizes=True to skip those of other shapes")
+        fixes.append(
+            "ignore_mismatched_sizes=True to skip those of other shapes (or load, then set "
+            "model.head = nn.Linear(...))"
+        )
     if fixes:
         raise ConfigError(
             f"load_weights: {url} holds weights for another {type(module).__name__}: {found}. "
-            f"Pass {', or '.join(fixes)}; or build the saved model (a new head: load, then set "
-            "model.head = nn.Linear(...))."
+            f"Pass {', or '.join(fixes)}; or build the saved model."
         )
     shared = {k: v for k, v in weights.items() if k in expected and k not in reshaped}
     if holds_dtensor_parameters(module):  # FSDP2 / tensor parallel: each rank keeps its shard
