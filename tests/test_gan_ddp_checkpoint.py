@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from steplib import TrainState, accumulate, ddp_wrap, make_train_step
+from steplib import ConfigError, TrainState, accumulate, ddp_wrap, make_train_step
 from steplib.checkpoint import list_checkpoints, load, save
 from steplib.data import resumable_loader
 from steplib.testing import run_ranks
@@ -83,3 +83,32 @@ def test_a_gan_under_ddp_resumes_bit_for_bit_on_two_ranks(tmp_path: Path, save_a
     assert results[0]["url"] == results[1]["url"]  # one checkpoint, committed once
     (saved,) = list_checkpoints(str(tmp_path))
     assert saved.step == save_after // 2
+
+
+def _save_with_d_mid_window(rank: int, world: int, *, root: str) -> str:
+    state, d_step, _, loader, g, d = _build(rank)
+    g_step = ddp_wrap(make_train_step(g_loss, optimizer="G"))  # G updates on every batch
+    state, _ = _train(state, d_step, g_step, iter(loader), 3)  # D's second window: half done
+    assert state.window.size == 0 and state["D"].window.size == 1
+    url = save(state, root, data=loader, step={"D": d_step, "G": g_step})
+    del state, d_step, g_step, g, d
+    return url
+
+
+def test_a_checkpoint_with_an_open_window_of_the_second_optimizer_is_refused_on_one_rank(
+    tmp_path: Path,
+) -> None:
+    # The state's counters are G's, whose window is closed; D's holds each rank's own gradients,
+    # which fit no other number of ranks. Before the fix only G's window was looked at, and one
+    # process loaded rank 0's half window of D as if it were the whole run's.
+    url = run_ranks(functools.partial(_save_with_d_mid_window, root=str(tmp_path)), timeout=120)[0]
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 2))
+    d = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1))
+    optimizers = {"G": torch.optim.Adam(g.parameters()), "D": torch.optim.Adam(d.parameters())}
+    state = TrainState.create(model={"G": g, "D": d}, optimizer=optimizers)
+    before = [p.detach().clone() for p in state.model.parameters()]
+    with pytest.raises(ConfigError, match=r"inside an accumulation window by 2 DDP ranks"):
+        load(url, state)
+    assert all(map(torch.equal, before, state.model.parameters()))  # nothing changed
+    assert all(p.grad is None for p in state.model.parameters())

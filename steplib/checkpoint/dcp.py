@@ -238,7 +238,10 @@ def load(
         check_new_world(
             data, train_state["data"], saved_world_size=saved, world_size=world, checkpoint=url
         )
-    if manifest.window_size > 0 and (not same_world or not holds_only_ddp(state.model)):
+    windows = [
+        t["counters"]["window_size"] for t in restore.lane_trees(train_state, state).values()
+    ]
+    if any(windows) and (not same_world or not holds_only_ddp(state.model)):  # any optimizer's
         raise ConfigError(
             f"load: checkpoint {url} was taken inside an accumulation window by {saved} DDP "
             f"ranks, whose unsynchronised gradients fit only those (here {world} rank(s), a "
