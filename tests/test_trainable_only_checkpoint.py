@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import steplib as sl
-from steplib.checkpoint import latest, load, save
+from steplib.checkpoint import AsyncSaver, latest, load, save
 from steplib.errors import ConfigError
 
 
@@ -76,6 +76,14 @@ def test_it_holds_the_trainable_parameters_alone_and_resumes_bit_for_bit(tmp_pat
         assert torch.equal(mine, theirs[name]), name
     moments = [s.optimizer.state_dict()["state"][0]["exp_avg"] for s in (resumed, whole)]
     assert torch.equal(*moments)
+
+
+def test_an_async_save_holds_the_trainable_parameters_alone(tmp_path: Path) -> None:
+    state = _state()
+    with AsyncSaver() as saver:
+        url = saver.save(state, str(tmp_path), trainable_only=True)
+    assert "base.0.weight" not in torch.load(Path(url) / "model.pt", weights_only=True)
+    assert load(url, _state()).step == 0  # over the same base
 
 
 def test_a_load_onto_another_base_is_refused_before_anything_changes(tmp_path: Path) -> None:

@@ -179,18 +179,20 @@ class AsyncSaver:
         metrics: Mapping[str, Any] | None = None,
         storage_options: StorageOptions = None,
         durable: bool = True,
+        trainable_only: bool = False,
         after: Callable[[str], Any] | None = None,
     ) -> str:
         """Snapshot ``state`` and write it in the background.
 
         Args:
-            state, directory, data, extras, step, metrics, storage_options, durable: as ``save``.
+            state, directory, data, extras, step, metrics, storage_options, durable,
+                trainable_only: as ``save``.
             after: ``after(url)`` is called in the writer once committed.
 
         Returns:
             The URL the checkpoint will have (the previous save's error is raised first).
         """
-        given = Checkpoints(directory, data, extras, step, storage_options, durable)
+        given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
         return self.submit(given, state, metrics=metrics, after=after)
 
     def submit(
