@@ -15,6 +15,7 @@ from steplib.checkpoint.checkpointer import Checkpointer
 from steplib.checkpoint.contents import is_sharded, run_data, with_handlers
 from steplib.checkpoint.pipeline import Checkpoints, GlooGroup
 from steplib.checkpoint.storage import StorageOptions
+from steplib.distributed import world_size
 from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState, Stop
@@ -28,6 +29,7 @@ class Resume(Handler):
     def __init__(self, given: Checkpoints) -> None:
         self.given = given
         self.loaded: str | None = None
+        self._group = GlooGroup()  # ranks saving apart (pipeline stages) agree on the newest
 
     @property
     def directory(self) -> str:
@@ -40,7 +42,8 @@ class Resume(Handler):
             data=run_data(self.given.data, event),
             extras=with_handlers("resume_from", self.given.extras, event.events),
         )
-        found = given.load_newest(event.state)
+        apart = world_size() > 1 and not is_sharded(event.state)
+        found = given.load_newest(event.state, group=self._group.get() if apart else None)
         if found is None:
             _log.info("no checkpoint in %s: starting fresh", self.directory)
             return None
@@ -102,7 +105,8 @@ def resume_from(
 
 class Preemption(Handler):
     """The handler :func:`preemption` builds; ``received``: the signal that preempted the run
-    (any rank's, sharded) or ``None``; ``saved``: the URL saved because of it, or ``None``."""
+    (any rank's, with several ranks) or ``None``; ``saved``: the URL saved because of it, or
+    ``None``."""
 
     last = True  # its saves run after the other handlers', as the checkpointer's do
 
@@ -129,14 +133,14 @@ class Preemption(Handler):
                 "there. Call run() from the main thread, or leave preemption out."
             )
         self.received, self.saved, self._signalled = None, None, None
-        self._agree = is_sharded(event.state)  # as a save decides who writes what
+        self._agree = world_size() > 1  # sharded, or each rank its own (pipeline stages)
         if self._agree:
             self._group.get()  # made here, where every rank is (a collective)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_step_end(self, event: Event) -> Stop | None:
-        """After a signal (any rank's, sharded): save now and stop the loop."""
+        """After a signal (any rank's, with several ranks): save now and stop the loop."""
         decided = self._decide()
         if decided is None:
             return None
