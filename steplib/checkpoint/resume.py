@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
@@ -17,7 +18,7 @@ from steplib.checkpoint.pipeline import Checkpoints, GlooGroup
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed import world_size
 from steplib.distributed.collectives import max_over_ranks
-from steplib.errors import ConfigError, describe
+from steplib.errors import CheckpointWarning, ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState, Stop
 
 _log = logging.getLogger("steplib.checkpoint")
@@ -49,12 +50,33 @@ class Resume(Handler):
             return None
         self.loaded, state = found
         _log.info("resumed from %s at step %d", self.loaded, state.step)
+        if given.data is None and event.data is not None:  # batches without a saved position
+            _warn_if_inside_an_epoch(self.loaded, state, event.data)
         return NewState(state)
 
     __call__ = on_fit_start
 
     def __repr__(self) -> str:
         return f"resume_from({self.directory!r})"
+
+
+def _warn_if_inside_an_epoch(url: str, state: Any, data: Any) -> None:
+    # run() iterates the data from its start: after a save inside an epoch, a batch already
+    # trained on comes again. The counters tell where the save was (one batch a micro-step).
+    try:
+        done = state.micro_step - state.epoch * len(data)
+    except TypeError:  # no length (an iterable dataset): where its epochs end is unknown
+        return
+    if done > 0:
+        warnings.warn(
+            f"resume_from: {url} was saved after {done} batches of epoch {state.epoch}, but the "
+            f"run's data (a {type(data).__name__}) has no state_dict() to restore that position: "
+            "this run trains on those batches again. Draw batches from "
+            "steplib.data.resumable_loader(dataset, batch_size=...), or resume from a checkpoint "
+            "taken at an epoch end (checkpoint_every(epochs=1)).",
+            CheckpointWarning,
+            stacklevel=2,
+        )
 
 
 def resume_from(
@@ -86,12 +108,14 @@ def resume_from(
         >>> import torch
         >>> from steplib import TrainState, make_train_step, run
         >>> from steplib.checkpoint import checkpoint_every
+        >>> from steplib.data import resumable_loader
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
+        >>> data = resumable_loader(torch.ones(12, 2), batch_size=4)  # its position is saved
         >>> ckpt = checkpoint_every("memory://doctest-resume/ckpt", every=1, step=step)
-        >>> [run(step, state, [torch.ones(4, 2)] * 3, events=[resume_from(ckpt), ckpt]).step
-        ...  for _ in range(2)]  # the second run resumes at 3
+        >>> [run(step, state, data, events=[resume_from(ckpt), ckpt]).step
+        ...  for _ in range(2)]  # the second run resumes at 3, for its next epoch
         [3, 6]
     """
     if isinstance(directory, Checkpointer):  # its settings, where not given here
