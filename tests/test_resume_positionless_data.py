@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from steplib.checkpoint import CheckpointWarning
 DATA = TensorDataset(torch.randn(32, 2))  # 8 batches of 4
 
 
-def _run(root: Path, data: object, max_steps: int | None = None, **cadence: int) -> sl.TrainState:
+def _run(root: Path, data: Any, max_steps: int | None = None, **cadence: Any) -> sl.TrainState:
     model = torch.nn.Linear(2, 1)
     state = sl.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
     step = sl.make_train_step(lambda m, b: m(b[0]).pow(2).mean())
@@ -39,7 +40,7 @@ def test_a_resume_inside_an_epoch_with_a_plain_data_loader_warns(tmp_path: Path)
 def test_an_exact_resume_does_not_warn(tmp_path: Path, kind: str) -> None:
     plain = kind.startswith("plain")
     loader = DataLoader(DATA, batch_size=4) if plain else sl.resumable_loader(DATA, batch_size=4)
-    cadence = {"epochs": 1} if plain else {"every": 3}
+    cadence: dict[str, Any] = {"epochs": 1} if plain else {"every": 3}
     _run(tmp_path, loader, max_steps=None if plain else 3, **cadence)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
