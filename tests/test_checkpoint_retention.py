@@ -6,6 +6,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,15 +17,19 @@ import torch
 from steplib import ConfigError, Event, Events, NewState, TrainState, make_train_step, run
 from steplib.checkpoint import (
     CheckpointInfo,
+    CheckpointWarning,
     best_checkpoint,
     checkpoint_every,
     checkpointer,
     list_checkpoints,
+    load,
     prune,
+    resume_from,
     save,
     storage,
 )
 from steplib.checkpoint.retention import select_retained
+from steplib.data import resumable_loader
 from steplib.handlers import BestValue
 from tests.checkpoint_helpers import make_state, memory_dir
 from tests.reference import make_batches, mean_loss
@@ -251,7 +256,8 @@ def test_only_rank_0_removes_leftovers_newer_than_the_newest(
     (directory / ".tmp-step-00000001-0badf00d").mkdir()  # older: any process removes it
     (directory / ".tmp-step-00000003-0badf00d").mkdir()  # another rank may be writing it
     monkeypatch.setattr(checkpointer, "is_main", lambda: False)
-    checkpoint_every(str(directory), every=100).on_fit_start(Event("fit_start", state, step=2))
+    at_2 = Event("fit_start", state.replace(step=2), step=2)
+    checkpoint_every(str(directory), every=100).on_fit_start(at_2)
     assert sorted(os.listdir(directory)) == [".tmp-step-00000003-0badf00d", "step-00000002"]
 
 
@@ -272,3 +278,24 @@ def test_a_save_off_the_schedule_without_the_metric_prunes_nothing(
         run(step, state.replace(step=2), make_batches(2), events=events)
     assert [c.step for c in list_checkpoints(directory)] == [1, 2, 4]
     assert "'val_acuracy'" in caplog.text and "saved without pruning" in caplog.text
+
+
+def test_a_fresh_run_into_a_directory_of_newer_checkpoints_warns(tmp_path: Path) -> None:
+    # Before, in silence: keep_last kept the earlier run's step-8 and step-10 and deleted each
+    # checkpoint of this run as it was written, and a resume would have loaded step-10.
+    directory, step = str(tmp_path), make_train_step(mean_loss)
+
+    def train(state: TrainState, steps: int, *first: object) -> TrainState:
+        ckpt = checkpoint_every(directory, every=2, keep_last=2)
+        data = resumable_loader(make_batches(12), batch_size=None)  # its position is saved
+        return run(step, state, data, events=[*first, ckpt], max_steps=steps)
+
+    train(make_state(), 10)
+    said = r"newer than this run's state \(at update 0\): step-00000008, step-00000010, of"
+    with pytest.warns(CheckpointWarning, match=said):
+        train(make_state(), 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # resumed, or rewound by hand: where it was loaded from
+        train(make_state(), 12, resume_from(directory))
+        state = load(f"{directory}/step-00000010", make_state())
+        train(state, 12)

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import socket
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,12 +26,19 @@ from steplib.checkpoint.contents import (
     run_data,
     with_handlers,
 )
-from steplib.checkpoint.manifest import CheckpointInfo
+from steplib.checkpoint.manifest import (
+    CheckpointInfo,
+    checkpoint_key,
+    checkpoint_name,
+    scan,
+    sort_key,
+)
 from steplib.checkpoint.pipeline import Checkpoints, GlooGroup, check_options
+from steplib.checkpoint.restore import listed
 from steplib.checkpoint.retention import check_retention, prune
 from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.distributed import is_main, world_size
-from steplib.errors import CheckpointError, ConfigError
+from steplib.errors import CheckpointError, CheckpointWarning, ConfigError
 from steplib.events import Emitted, Event, Handler
 from steplib.state import EVALUATED_AT, TrainState
 
@@ -101,8 +109,24 @@ class Checkpointer(Handler):
         storage.check_writable(directory, caller=repr(self))
         if world_size() > 1 and not is_sharded(event.state):  # pipeline stages, say
             self._check_apart(directory)
-        if prunes_here(event.state) and (self._saver is None or not self._saver.pending):
+        if not prunes_here(event.state):
+            return
+        if self._saver is None or not self._saver.pending:
             self._prune(keep=False)
+        here, names = checkpoint_key(event.state), [c.name for c in scan(directory)[0]]
+        newer = [name for name in names if (sort_key(name) or here) > here]
+        if newer and checkpoint_name(event.state) not in names:  # not loaded from here
+            # Until this run passes them they are the newest: kept by keep_last over this
+            # run's (deleted as they are written) and loaded by a resume.
+            warnings.warn(
+                f"{self!r}: the directory holds checkpoints newer than this run's state (at "
+                f"update {event.state.step}): {listed(newer)}, of another run or a rewound one. "
+                "Until this run passes them, keep_last keeps them over this run's, and "
+                "resume_from loads them. To continue that run, attach resume_from(ckpt); to "
+                "start over, use an empty directory; to rewind on purpose, remove them.",
+                CheckpointWarning,
+                stacklevel=2,
+            )
 
     def on_step_end(self, event: Event) -> Emitted:
         if self.every is not None and due(self.every, event):

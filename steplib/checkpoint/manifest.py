@@ -46,6 +46,16 @@ def sort_key(name: str) -> Key | None:
     return None if match is None else (int(match[1]), int(match[2]) if match[2] else -1)
 
 
+def checkpoint_key(state: Any) -> Key:
+    """Where a checkpoint of ``state`` sorts (its micro-step only inside a window)."""
+    return state.step, state.micro_step if state.window.size else -1
+
+
+def checkpoint_name(state: Any) -> str:
+    step, micro = checkpoint_key(state)
+    return f"step-{step:08d}" + (f"-micro-{micro:08d}" if micro >= 0 else "")
+
+
 def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | None:
     """The composition of ``step`` (a Step, or steps by name: their wrappers named ``"D:clip"``)
     as JSON values, as ``load`` compares it, or ``None``; ``ConfigError`` for anything else."""
@@ -89,8 +99,7 @@ class Manifest:
     @classmethod
     def of(cls, state: Any, *, metrics: Any, step: Any, layout: str, world: int) -> Manifest:
         """A checkpoint of ``state`` now (``files``: filled in by ``write``)."""
-        micro = f"-micro-{state.micro_step:08d}" if state.window.size else ""
-        name = f"step-{state.step:08d}{micro}"
+        name = checkpoint_name(state)
         counters = (state.step, state.micro_step, state.epoch, state.window.size)
         try:
             steplib = metadata.version("steplib")
