@@ -102,31 +102,18 @@ class Checkpointer(Handler):
 
     def on_fit_start(self, event: Event) -> None:
         """Check the directory is writable (``CheckpointError``) and, where each rank saves its
-        own state, this rank's alone (``ConfigError``); remove a killed save's debris."""
+        own state, this rank's alone (``ConfigError``); remove a killed save's debris; warn of
+        newer checkpoints there."""
         self._saved_at = _position(event.state)
         self._run_data = run_data(self.given.data, event)
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
         storage.check_writable(directory, caller=repr(self))
         if world_size() > 1 and not is_sharded(event.state):  # pipeline stages, say
             self._check_apart(directory)
-        if not prunes_here(event.state):
-            return
-        if self._saver is None or not self._saver.pending:
-            self._prune(keep=False)
-        here, names = checkpoint_key(event.state), [c.name for c in scan(directory)[0]]
-        newer = [name for name in names if (sort_key(name) or here) > here]
-        if newer and checkpoint_name(event.state) not in names:  # not loaded from here
-            # Until this run passes them they are the newest: kept by keep_last over this
-            # run's (deleted as they are written) and loaded by a resume.
-            warnings.warn(
-                f"{self!r}: the directory holds checkpoints newer than this run's state (at "
-                f"update {event.state.step}): {listed(newer)}, of another run or a rewound one. "
-                "Until this run passes them, keep_last keeps them over this run's, and "
-                "resume_from loads them. To continue that run, attach resume_from(ckpt); to "
-                "start over, use an empty directory; to rewind on purpose, remove them.",
-                CheckpointWarning,
-                stacklevel=2,
-            )
+        if prunes_here(event.state):
+            if self._saver is None or not self._saver.pending:
+                self._prune(keep=False)
+            _warn_newer(repr(self), directory, event.state)
 
     def on_step_end(self, event: Event) -> Emitted:
         if self.every is not None and due(self.every, event):
@@ -259,6 +246,23 @@ class Checkpointer(Handler):
     def __repr__(self) -> str:
         cadence = (f"{k}={v}" for k, v in (("every", self.every), ("epochs", self.epochs)) if v)
         return f"checkpoint_every({self.directory!r}, {', '.join(cadence)})"
+
+
+def _warn_newer(owner: str, directory: Location, state: TrainState) -> None:
+    # Until the run passes them they are the newest: kept by keep_last over the run's own
+    # (deleted as they are written) and loaded by a resume.
+    here, names = checkpoint_key(state), [c.name for c in scan(directory)[0]]
+    newer = [name for name in names if (sort_key(name) or here) > here]
+    if newer and checkpoint_name(state) not in names:  # the state was not loaded from here
+        warnings.warn(
+            f"{owner}: the directory holds checkpoints newer than this run's state (at update "
+            f"{state.step}): {listed(newer)}, of another run or a rewound one. Until this run "
+            "passes them, keep_last keeps them over this run's, and resume_from loads them. To "
+            "continue that run, attach resume_from(ckpt); to start over, use an empty "
+            "directory; to rewind on purpose, remove them.",
+            CheckpointWarning,
+            stacklevel=3,
+        )
 
 
 def _position(state: TrainState) -> tuple[int, int]:
