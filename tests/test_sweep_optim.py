@@ -183,3 +183,31 @@ def test_a_deep_copy_of_a_sweep_optimizer_steps_on_its_own() -> None:
     assert torch.equal(twin.state[twin_first]["step"], torch.full((N,), 2.0, dtype=torch.float64))
     for key, value in opt.state[first].items():
         assert torch.equal(value, before[key]), key
+
+
+def test_a_bfloat16_sweep_counts_every_update_as_torch_adamw_does() -> None:
+    """The step counts are kept in float32, as torch.optim keeps them: in bfloat16 a count
+    stops at 256, and so would Adam's bias correction (each update too small by a third at
+    600 updates, in every copy)."""
+    plain = [m.bfloat16() for m in models()]
+    opts = [
+        torch.optim.AdamW(m.parameters(), lr=LRS[i], weight_decay=0.0) for i, m in enumerate(plain)
+    ]
+    copies = Copies.stack([m.bfloat16() for m in models()])
+    opt = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(600):
+        stacked = [torch.randn(p.shape, generator=gen).bfloat16() for p in copies.parameters()]
+        for p, g in zip(copies.parameters(), stacked, strict=True):
+            p.grad = g
+        opt.step()
+        for i, (model, plain_opt) in enumerate(zip(plain, opts, strict=True)):
+            for p, g in zip(model.parameters(), stacked, strict=True):
+                p.grad = g[i].clone()
+            plain_opt.step()
+    for p in copies.parameters():
+        assert torch.equal(opt.state[p]["step"], torch.full((N,), 600.0))
+    for i, model in enumerate(plain):
+        for mine, theirs in zip(copies.copy(i).parameters(), model.parameters(), strict=True):
+            # bfloat16 roundings apart (the hyper-parameters are cast to it), not a third
+            assert (mine.float() - theirs.float()).abs().max().item() <= 2 * LRS[i]

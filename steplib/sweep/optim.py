@@ -125,7 +125,7 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                     flat.write(here, new, old)
                     for key, value in buffers.items():
                         torch.where(here, value, flat.buffers[key], out=flat.buffers[key])
-                    flat.steps.add_(keep.to(dtype))
+                    flat.steps.add_(keep.to(flat.steps.dtype))
         return loss
 
     def _flat_state(self, key: tuple[Any, ...], params: list[torch.Tensor]) -> FlatState:
