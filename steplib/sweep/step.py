@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -77,6 +77,7 @@ class SweepStep:
         with contextlib.ExitStack() as stack:
             for enter in plan.micro_contexts:
                 stack.enter_context(enter(state, closes))
+            stack.enter_context(_stopped_buffers_kept(state.optimizer, self.copies))
             with contextlib.ExitStack() as inner:
                 for enter_forward in plan.forward_contexts:
                     inner.enter_context(enter_forward(state))
@@ -287,6 +288,23 @@ def _triple(result: Any) -> tuple[torch.Tensor, Any, Mapping[str, torch.Tensor]]
         loss, second = result
         return (loss, 1, second) if isinstance(second, Mapping) else (loss, second, {})
     return result[0], result[1], result[2]
+
+
+@contextlib.contextmanager
+def _stopped_buffers_kept(optimizer: Any, copies: Copies) -> Iterator[None]:
+    """Put a stopped copy's buffers back after forward and backward (backward may read them as
+    forward left them): a stopped copy is done, and its running statistics (BatchNorm's) must
+    not go on moving with the other copies' batches, as its own run, stopped there, would not.
+    On the device, a clone and a ``where`` per buffer: no host read of the mask."""
+    buffers = list(copies.stacked.buffers()) if isinstance(optimizer, PerCopyOptimizer) else []
+    saved = [b.clone() for b in buffers]
+    yield
+    if buffers:
+        active = optimizer.param_groups[0]["active"]
+        with torch.no_grad():
+            for buffer, old in zip(buffers, saved, strict=True):
+                here = active.view((-1,) + (1,) * (buffer.ndim - 1))
+                torch.where(here, buffer, old, out=buffer)
 
 
 def _around(outer: Any, state: TrainState, inner: Any) -> Any:
