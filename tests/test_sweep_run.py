@@ -181,3 +181,24 @@ def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
     )
     with pytest.raises(sl.ConfigError, match="per_copy_metric"):
         sl.run(step, state, data(4), events=sl.Events(ev, SweepEarlyStopping("val_loss")))
+
+
+def test_a_per_copy_metric_for_another_number_of_copies_is_refused_before_any_update() -> None:
+    """per_copy_metric(metric, 3) over 4 copies computed the first 3 and dropped the last
+    without a word: a best copy chosen from its values could never be the last one."""
+    copies, state, step = build()
+    before = [p.detach().clone() for p in copies.parameters()]
+    eval_step = sl.make_eval_step(lambda m, b: (m(b[0]), b[1].expand(m.n, *b[1].shape)))
+    ev = sl.Evaluator(
+        eval_step,
+        data(2, seed=9),
+        metrics={"loss": per_copy_metric(torchmetrics.MeanSquaredError(), N - 1)},
+        every=2,
+    )
+    with pytest.raises(sl.ConfigError, match=r"n=3\) received a tensor of shape \(4, "):
+        sl.run(step, state, data(4), events=[ev])
+    for b, p in zip(before, copies.parameters(), strict=True):
+        assert torch.equal(b, p)  # refused at the sanity evaluation, before the first update
+    metric = per_copy_metric(torchmetrics.MeanSquaredError(), N)
+    metric.update(torch.ones(N, 5), torch.zeros(N, 5))
+    assert metric.compute().tolist() == [1.0] * N
