@@ -389,24 +389,37 @@ def test_sweep_amp_bf16_matches_the_autocast_runs_within_bfloat16_precision() ->
             torch.testing.assert_close(mine, theirs, rtol=0, atol=4e-3)  # 10 bf16 updates
 
 
-def test_sweep_window_without_targets_updates_no_copy_as_the_plain_loop_skips_it() -> None:
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_sweep_window_without_targets_updates_no_copy_as_the_plain_loop_skips_it(
+    scheduled: bool,
+) -> None:
+    """Nor does it move a LambdaLR schedule: the plain loop skips the window, step and all."""
     micro = [(x.double(), y.double(), m) for x, y, m in make_batches(8, seed=6)]
     micro[2], micro[3] = [(x, y, torch.zeros_like(m)) for x, y, m in micro[2:4]]  # all padding
     windows = [micro[i : i + 2] for i in range(0, 8, 2)]
     whole = [tuple(torch.cat(parts) for parts in zip(*w, strict=True)) for w in windows]
+
+    def schedule_of(opt: torch.optim.Optimizer) -> Any:
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + t))
+        return decay if scheduled else None
+
     models = []
     for i in range(N):
         model = tiny_model(i).double()
         plain = torch.optim.AdamW(model.parameters(), lr=LRS[i])
+        sched = schedule_of(plain)
         for w, batch in enumerate(whole):
             if w == 1:
                 continue  # nothing to learn from: no update
             _token_mean(model, batch).backward()
             plain.step()
             plain.zero_grad()
+            if sched is not None:
+                sched.step()
         models.append(model)
     copies = Copies.stack([tiny_model(i).double() for i in range(N)])
-    state = sl.TrainState.create(model=copies, optimizer=SweepAdamW(copies.parameters(), lr=LRS))
+    opt = SweepAdamW(copies.parameters(), lr=LRS)
+    state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=schedule_of(opt))
     step = sweep_step(
         sl.accumulate(sl.make_train_step(token_loss), 2), copies=copies, example_batch=micro[0]
     )
@@ -417,6 +430,9 @@ def test_sweep_window_without_targets_updates_no_copy_as_the_plain_loop_skips_it
             updates.append(out)
     assert updates[1].skipped.all() and not updates[1].did_update.any()
     assert updates[2].did_update.all()
+    if scheduled:  # the second update applied is at the schedule's second position
+        expected = torch.tensor([lr / 2 for lr in LRS], dtype=torch.float64)
+        torch.testing.assert_close(updates[2].lr, expected, rtol=1e-15, atol=0)
     assert_params_equal(copies, models, 1e-12)
 
 

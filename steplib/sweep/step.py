@@ -16,8 +16,11 @@ What differs from the step it wraps, and why:
   read in a sweep's step;
 * ``state.skipped_updates`` counts skipped copy-updates in total (a 0-dim tensor); each
   copy's updates are its optimizer ``step`` count;
-* the scheduler advances once per sweep update for every copy (a copy whose update was skipped
-  does not hold its schedule back, as its own run would).
+* the scheduler advances once per sweep update for every copy: one schedule for all, so a copy
+  whose update alone was skipped (non-finite) does not hold it back, though its own run would.
+  A window that held no targets updates no copy and, with a ``LambdaLR`` and a sweep
+  optimizer, does not move the schedule either (its position moves on the device, as the
+  step's does); another scheduler advances.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.errors import ConfigError, describe
 from steplib.output import StepOutput, at_least_float32
@@ -166,8 +170,13 @@ class SweepStep:
             # It cannot skip a window that held no targets: checked once the count's host copy
             # lands, as the step does for such an optimizer (an error that names the fix).
             plan.skips.check_not_empty(optimizer, targets, state.step)
-        if state.scheduler is not None:
-            state.scheduler.step()
+        scheduler = state.scheduler
+        if isinstance(optimizer, PerCopyOptimizer) and type(scheduler) is LambdaLR:
+            # A window that held no targets updated no copy, and no copy's own run would move
+            # its schedule: the position moves on the device, by the window's count > 0.
+            plan.skips.advance(optimizer, scheduler, targets > 0)
+        elif scheduler is not None:
+            scheduler.step()
         state = state.replace(
             step=state.step + 1,
             window=EMPTY_WINDOW,
