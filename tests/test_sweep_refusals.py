@@ -164,3 +164,31 @@ def test_a_window_without_targets_with_a_torch_optimizer_is_an_error_naming_the_
     state, _ = step(state, BATCH)
     with pytest.raises(EmptyWindowError, match="held no targets"):
         step(state, (x, y, torch.zeros_like(mask)))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: SweepSGD(p, lr=[0.1, -0.1, 0.1]), r"lr=...\) received -0.1 for copy 1"),
+        (lambda p: SweepSGD(p, lr=0.1, momentum=[0.9, 0.9, -0.5]), "momentum=...\\) received -0.5"),
+        (lambda p: SweepAdamW(p, beta1=[0.9, 1.5, 0.9]), r"beta1=...\) received 1.5 for copy 1"),
+        (lambda p: SweepAdamW(p, beta2=1.0), r"beta2=...\) received 1.0 for copy 0"),
+        (lambda p: SweepAdamW(p, eps=[1e-8, 1e-8, -1e-8]), "eps=...\\) received -1e-08"),
+        (
+            lambda p: SweepAdamW(p, weight_decay=[0.1, -0.1, 0.0]),
+            "weight_decay=...\\) received -0.1",
+        ),
+        (lambda p: SweepAdamW(p, lr=[float("nan"), 1e-3, 1e-3]), r"lr=...\) received nan"),
+        (lambda p: SweepSGD(p, lr=0.1, momentum=0.9, nesterov=[False, True]), "one bool"),  # type: ignore[arg-type]
+        (lambda p: SweepAdamW(p, decoupled=[True, False]), "one bool"),  # type: ignore[arg-type]
+    ],
+)
+def test_sweep_optimizers_refuse_what_torch_optim_refuses_and_a_list_for_a_shared_flag(
+    make: Any, message: str
+) -> None:
+    """A copy's value that torch.optim refuses (its own run would not start) trained that copy
+    wrong in silence (a negative rate ascends); a list for a flag that is one for every copy
+    (nesterov, decoupled) was read as True for all."""
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    with pytest.raises(sl.ConfigError, match=message):
+        make(copies.parameters())
