@@ -192,3 +192,16 @@ def test_sweep_optimizers_refuse_what_torch_optim_refuses_and_a_list_for_a_share
     copies = Copies.stack([tiny_model(i) for i in range(3)])
     with pytest.raises(sl.ConfigError, match=message):
         make(copies.parameters())
+
+
+def test_copies_refuse_models_frozen_or_in_a_mode_unlike_the_first() -> None:
+    """One stacked tensor has one requires_grad: copy 0's was taken for all, so a layer frozen
+    in copy 1 trained (or one it trains stayed frozen) in silence; and so for the mode."""
+    frozen = tiny_model(1)
+    frozen.get_parameter("0.weight").requires_grad_(False)
+    with pytest.raises(sl.ConfigError, match=r"requires_grad of \['0.weight'\]"):
+        Copies.stack([tiny_model(0), frozen])
+    with pytest.raises(sl.ConfigError, match=r"train/eval mode of \['\(the model\)', '0'"):
+        Copies.stack([tiny_model(0), tiny_model(1).eval()])
+    alike = Copies.stack([frozen, frozen])  # frozen alike: one frozen stacked tensor
+    assert not alike.stacked.get_parameter("0.weight").requires_grad
