@@ -13,6 +13,7 @@ from torch import nn
 import steplib as sl
 from steplib.errors import EmptyWindowError
 from steplib.sweep import Copies, SweepAdamW, SweepSGD, sweep_step
+from steplib.testing import assert_no_host_sync
 from tests.reference import make_batches, mean_loss, tiny_model, token_loss
 
 BATCH = make_batches(1)[0]
@@ -205,3 +206,26 @@ def test_copies_refuse_models_frozen_or_in_a_mode_unlike_the_first() -> None:
         Copies.stack([tiny_model(0), tiny_model(1).eval()])
     alike = Copies.stack([frozen, frozen])  # frozen alike: one frozen stacked tensor
     assert not alike.stacked.get_parameter("0.weight").requires_grad
+
+
+def test_a_count_that_differs_between_copies_is_refused_before_the_update() -> None:
+    """A count of targets that depends on the model's outputs differs per copy, and copy 0's
+    normalised every copy's gradients in silence. A count from the batch reads nothing on the
+    host (the check is a copy read once it has landed)."""
+
+    def confident_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, _ = batch
+        out = model(x)
+        confident = out.abs() < 0.3  # which outputs count: per copy
+        return ((out - y) ** 2 * confident).sum(), confident.sum()
+
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    state = sl.TrainState.create(model=copies, optimizer=SweepSGD(copies.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in copies.parameters()]
+    step = sweep_step(sl.make_train_step(confident_loss), copies=copies, example_batch=BATCH)
+    with pytest.raises(sl.ConfigError, match="different num_targets for different copies"):
+        step(state, BATCH)
+    for b, p in zip(before, copies.parameters(), strict=True):
+        assert torch.equal(b, p)
+    shared = sweep_step(sl.make_train_step(token_loss), copies=copies, example_batch=BATCH)
+    assert assert_no_host_sync(shared, state, make_batches(3)).step == 3

@@ -38,6 +38,7 @@ from steplib.output import StepOutput, at_least_float32
 from steplib.state import EMPTY_WINDOW, TrainState, Window
 from steplib.step import Step
 from steplib.step.core import EAGER
+from steplib.step.device_skips import HostCopy
 from steplib.step.loss_output import parse_loss_output
 from steplib.step.parts import LOCAL
 from steplib.sweep.copies import Copies, per_copy
@@ -59,6 +60,9 @@ class SweepStep:
     step: Step
     copies: Copies
     losses: Any = dataclasses.field(repr=False, compare=False)
+    counted: bool = dataclasses.field(default=False, repr=False, compare=False)
+    # Host copies of "the copies counted different targets", read once landed (no wait).
+    landing: list[HostCopy] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -71,8 +75,9 @@ class SweepStep:
         """One micro-batch for every copy; an update when it closes the window.
 
         Raises:
-            ConfigError: the state's model is not this sweep's copies, or the state holds a
-                float16 ``GradScaler``.
+            ConfigError: the state's model is not this sweep's copies, the state holds a
+                float16 ``GradScaler``, or ``loss_fn`` counted different targets for different
+                copies (read once landed: on CUDA a call or two later).
         """
         self._check(state)
         plan = self.step.plan
@@ -90,6 +95,8 @@ class SweepStep:
             loss_sum.sum().backward()  # independent copies: each row gets its own gradient
             _call(plan.hooks, "after_backward", state)
         loss_sum = at_least_float32(loss_sum.detach())
+        if self.counted:
+            self._check_counts(count)
         count = count[0]  # one shared batch: every copy counted the same targets
         state = state.replace(
             micro_step=state.micro_step + 1,
@@ -195,6 +202,23 @@ class SweepStep:
             aux=aux,
         )
 
+    def _check_counts(self, count: torch.Tensor) -> None:
+        """Refuse a count that differs between copies (one that depends on the model's outputs):
+        copy 0's would normalise every copy's gradients. Read once it has landed, as
+        ``check_not_empty`` reads a window's count: on the CPU at once, on CUDA a call or two
+        later, never waited for."""
+        self.landing.append(HostCopy((count != count[0]).any()))
+        while self.landing and self.landing[0].ready():
+            if self.landing.pop(0).read():
+                self.landing.clear()
+                raise ConfigError(
+                    "loss_fn returned a different num_targets for different copies of this "
+                    "sweep: it counts something that depends on the model's outputs, and a "
+                    "sweep shares one batch and one count, so copy 0's would normalise every "
+                    "copy's gradients. Count the targets from the batch alone (e.g. "
+                    "(labels != -100).sum()), or train such copies separately."
+                )
+
     def _lr(self, state: TrainState) -> torch.Tensor:
         group = state.optimizer.param_groups[0]
         if isinstance(state.optimizer, PerCopyOptimizer):
@@ -278,7 +302,9 @@ def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
     # requires_grad), on a plain copy; inside, each form becomes (loss_sum, count, aux).
     device = next(copies.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        parse_loss_output(loss_fn(copies.copy(0), example_batch))
+        # A count the loss returns as a tensor may differ per copy (checked per micro-batch).
+        trial_output = parse_loss_output(loss_fn(copies.copy(0), example_batch))
+    counted = isinstance(trial_output.num_targets, torch.Tensor)
 
     def parsed(model: Any, batch: Any) -> Any:
         loss, count, aux = _triple(loss_fn(model, batch))
@@ -286,7 +312,7 @@ def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
 
     losses = per_copy(parsed, copies)
     trial(losses, copies, example_batch)
-    return SweepStep(step=step, copies=copies, losses=losses)
+    return SweepStep(step=step, copies=copies, losses=losses, counted=counted)
 
 
 def _triple(result: Any) -> tuple[torch.Tensor, Any, Mapping[str, torch.Tensor]]:
