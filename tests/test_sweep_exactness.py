@@ -264,13 +264,22 @@ def test_sweep_skip_nonfinite_skips_only_the_copy_that_diverged() -> None:
 
 
 def test_sweep_batchnorm_buffers_are_per_copy_and_equal_separate_runs() -> None:
-    def make(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-
     batches = [
         (torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 3, (6,))) for _ in range(20)
     ]
+    assert_batchnorm_copies_equal_their_runs(batches)
+
+
+def assert_batchnorm_copies_equal_their_runs(
+    batches: list[Any], *, stop: tuple[int, int] | None = None
+) -> None:
+    """A sweep of a BatchNorm model with SweepSGD against N plain SGD runs: every copy's
+    ``state_dict`` (running statistics included) within 1e-12. ``stop=(update, copy)``: that
+    copy is stopped before that update, and its run ends there."""
+
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
     def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
         return F.cross_entropy(m(b[0]), b[1])
@@ -279,7 +288,7 @@ def test_sweep_batchnorm_buffers_are_per_copy_and_equal_separate_runs() -> None:
     for i in range(N):
         model = make(i).double()
         plain = torch.optim.SGD(model.parameters(), lr=LRS[i] * 10)
-        for b in batches:
+        for b in batches[: stop[0]] if stop is not None and stop[1] == i else batches:
             loss_fn(model, b).backward()
             plain.step()
             plain.zero_grad()
@@ -288,13 +297,15 @@ def test_sweep_batchnorm_buffers_are_per_copy_and_equal_separate_runs() -> None:
     opt = SweepSGD(copies.parameters(), lr=[lr * 10 for lr in LRS])
     state = sl.TrainState.create(model=copies, optimizer=opt)
     step = sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=batches[0])
-    for b in batches:
+    for t, b in enumerate(batches):
+        if stop is not None and t == stop[0]:
+            stop_copies(opt, [stop[1]])
         state, _ = step(state, b)
     for i, model in enumerate(models):
         for (name, mine), theirs in zip(
             copies.copy(i).state_dict().items(), model.state_dict().values(), strict=True
         ):
-            assert torch.allclose(mine.double(), theirs.double(), rtol=0, atol=1e-12), name
+            assert torch.allclose(mine.double(), theirs.double(), rtol=0, atol=1e-12), (i, name)
 
 
 def test_sweep_tied_weights_stay_tied_and_equal_separate_runs() -> None:
@@ -458,40 +469,9 @@ def test_a_stopped_copy_with_nan_gradients_is_left_exactly_as_it_was(make_opt: A
 def test_a_stopped_copy_keeps_its_batchnorm_statistics_as_its_own_run_stopped_there() -> None:
     """Stopping a copy stops its whole state: its running statistics stay where its own run,
     stopped at that update, left them, while the other copies' go on as their runs'."""
-
-    def make(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-
     gen = torch.Generator().manual_seed(7)
     batches = [
         (torch.randn(6, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (6,)))
         for _ in range(12)
     ]
-
-    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
-        return F.cross_entropy(m(b[0]), b[1])
-
-    stop_at, stopped = 5, 1
-    models = []
-    for i in range(N):
-        model = make(i).double()
-        plain = torch.optim.SGD(model.parameters(), lr=LRS[i] * 10)
-        for b in batches[:stop_at] if i == stopped else batches:
-            loss_fn(model, b).backward()
-            plain.step()
-            plain.zero_grad()
-        models.append(model)
-    copies = Copies.stack([make(i).double() for i in range(N)])
-    opt = SweepSGD(copies.parameters(), lr=[lr * 10 for lr in LRS])
-    state = sl.TrainState.create(model=copies, optimizer=opt)
-    step = sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=batches[0])
-    for t, b in enumerate(batches):
-        if t == stop_at:
-            stop_copies(opt, [stopped])
-        state, _ = step(state, b)
-    for i, model in enumerate(models):
-        for (name, mine), theirs in zip(
-            copies.copy(i).state_dict().items(), model.state_dict().values(), strict=True
-        ):
-            assert torch.allclose(mine.double(), theirs.double(), rtol=0, atol=1e-12), (i, name)
+    assert_batchnorm_copies_equal_their_runs(batches, stop=(5, 1))
