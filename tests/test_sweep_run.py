@@ -17,7 +17,7 @@ from torch import nn
 
 import steplib as sl
 from steplib.checkpoint import load, save
-from steplib.handlers import Log
+from steplib.handlers import Log, LRMonitor
 from steplib.sweep import (
     Copies,
     SuccessiveHalving,
@@ -202,3 +202,14 @@ def test_a_per_copy_metric_for_another_number_of_copies_is_refused_before_any_up
     metric = per_copy_metric(torchmetrics.MeanSquaredError(), N)
     metric.update(torch.ones(N, 5), torch.zeros(N, 5))
     assert metric.compute().tolist() == [1.0] * N
+
+
+def test_lr_monitor_logs_each_copy_rate_not_the_schedule_factor() -> None:
+    """A sweep optimizer's group["lr"] is the schedule's factor (1.0 at the start), no copy's
+    rate: LRMonitor logged it as the run's `lr`, over the step's per-copy list."""
+    _, state, step = build()
+    for batch in data(5):
+        state, _ = step(state, batch)
+    read = LRMonitor().read(sl.Event("step_end", state=state, step=5))
+    factor = sl.warmup_cosine(warmup=3, total=40)(5)
+    assert read == {"lr": pytest.approx([lr * factor for lr in LRS], rel=1e-12)}
