@@ -3,6 +3,7 @@ the message names the operation, where it is, and the fix."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 import steplib as sl
 from steplib.errors import EmptyWindowError
+from steplib.schedules import AbsoluteLR
 from steplib.sweep import Copies, SweepAdamW, SweepSGD, sweep_step
 from steplib.testing import assert_no_host_sync
 from tests.reference import make_batches, mean_loss, tiny_model, token_loss
@@ -229,3 +231,23 @@ def test_a_count_that_differs_between_copies_is_refused_before_the_update() -> N
         assert torch.equal(b, p)
     shared = sweep_step(sl.make_train_step(token_loss), copies=copies, example_batch=BATCH)
     assert assert_no_host_sync(shared, state, make_batches(3)).step == 3
+
+
+def test_an_absolute_schedule_over_per_copy_rates_is_refused_and_allowed_over_one_rate() -> None:
+    """AbsoluteLR sets group["lr"] to the rate itself, which a sweep optimizer multiplies by
+    each copy's lr: copy i trained at get_lr(n) * lr_i in silence."""
+    copies = Copies.stack([tiny_model(i) for i in range(2)])
+    step = build(mean_loss, copies)
+    opt = SweepSGD(copies.parameters(), lr=[0.1, 0.3])
+    state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=AbsoluteLR(opt, GET_LR))
+    with pytest.raises(sl.ConfigError, match="AbsoluteLR sets the group's lr to the rate"):
+        step(state, BATCH)
+    one = SweepSGD(copies.parameters(), lr=1.0, momentum=[0.0, 0.9])
+    state = sl.TrainState.create(model=copies, optimizer=one, scheduler=AbsoluteLR(one, GET_LR))
+    _, out = step(state, BATCH)
+    assert out.lr.tolist() == [0.05, 0.05]
+    assert copy.deepcopy(opt).lr_per_copy and not copy.deepcopy(one).lr_per_copy
+
+
+def GET_LR(n: int) -> float:  # noqa: N802 - named as nanoGPT names its schedule
+    return 0.05 / (n + 1)

@@ -42,6 +42,8 @@ class PerCopyOptimizer(torch.optim.Optimizer):
 
     Attributes:
         n: the number of copies.
+        lr_per_copy: whether the copies' rates differ from ``group["lr"]`` (a per-copy
+            ``lr``), so that ``group["lr"]`` is a factor of each, no copy's rate.
     """
 
     per_copy: tuple[str, ...] = ()  # the hyper-parameters that may differ per copy
@@ -91,12 +93,15 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.n = n
         self._flat: dict[tuple[Any, ...], FlatState] = {}
+        # Whether group["lr"] is a factor of per-copy rates (no host read to tell, later).
+        self.lr_per_copy = any(v != 1.0 for v in values["lr"])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy (deepcopy, pickle) keeps what torch.optim keeps; the rest is derived again.
         super().__setstate__(state)
         self.n = len(self.param_groups[0]["active"])
         self._flat = {}
+        self.lr_per_copy = bool((self.param_groups[0]["copies"]["lr"] != 1.0).any())
 
     @torch.no_grad()
     def step(

@@ -35,6 +35,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.errors import ConfigError, describe
 from steplib.output import StepOutput, at_least_float32
+from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
 from steplib.step import Step
 from steplib.step.core import EAGER
@@ -76,8 +77,9 @@ class SweepStep:
 
         Raises:
             ConfigError: the state's model is not this sweep's copies, the state holds a
-                float16 ``GradScaler``, or ``loss_fn`` counted different targets for different
-                copies (read once landed: on CUDA a call or two later).
+                float16 ``GradScaler`` or an ``AbsoluteLR`` over per-copy rates, or
+                ``loss_fn`` counted different targets for different copies (read once
+                landed: on CUDA a call or two later).
         """
         self._check(state)
         plan = self.step.plan
@@ -233,6 +235,15 @@ class SweepStep:
                 f"the sweep step was built for a Copies of {self.n}, and the state's model is "
                 f"{describe(state.model)}. Create the state with the same copies: "
                 "TrainState.create(model=copies, optimizer=SweepAdamW(copies.parameters(), ...))."
+            )
+        per_copy_lr = isinstance(state.optimizer, PerCopyOptimizer) and state.optimizer.lr_per_copy
+        if per_copy_lr and isinstance(state.scheduler, AbsoluteLR):
+            raise ConfigError(
+                "AbsoluteLR sets the group's lr to the rate itself, and this sweep's optimizer "
+                "multiplies it by each copy's lr: every copy would train at lr_fn(n) times its "
+                "own rate. Give the optimizer one lr for all copies (lr=1.0: AbsoluteLR's rate "
+                "is then every copy's), or schedule a factor of each copy's rate: "
+                "LambdaLR(optimizer, lambda n: get_lr(n) / base)."
             )
         if state.scaler is not None and state.scaler.is_enabled():
             raise ConfigError(
