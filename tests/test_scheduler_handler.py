@@ -55,6 +55,8 @@ def test_a_plateau_scheduler_is_fed_the_evaluators_value_after_each_evaluation()
     assert lrs[-1] < 1.0  # it did reduce
 
 
+# The batches are a list, started over on purpose (resume_from warns that they are).
+@pytest.mark.filterwarnings("ignore:resume_from.*no state_dict:steplib.errors.CheckpointWarning")
 def test_a_plateau_scheduler_resumes_exactly_without_being_named(tmp_path: Path) -> None:
     directory = str(tmp_path / "ckpt")
     state, evaluator, plateau = _build(VALUES[:5])

@@ -6,22 +6,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from steplib import errors
 from steplib.cadence import Batches, check_every, due
 from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
-from steplib.checkpoint.contents import check_metrics, prunes_here, run_data, with_handlers
+from steplib.checkpoint.contents import (
+    check_metrics,
+    is_sharded,
+    prunes_here,
+    run_data,
+    with_handlers,
+)
 from steplib.checkpoint.manifest import CheckpointInfo
-from steplib.checkpoint.pipeline import Checkpoints, check_options
+from steplib.checkpoint.pipeline import Checkpoints, GlooGroup, check_options
 from steplib.checkpoint.retention import check_retention, prune
-from steplib.checkpoint.storage import StorageOptions
-from steplib.distributed import is_main
+from steplib.checkpoint.storage import Location, StorageOptions
+from steplib.distributed import is_main, world_size
 from steplib.errors import CheckpointError, ConfigError
 from steplib.events import Emitted, Event, Handler
 from steplib.state import EVALUATED_AT, TrainState
@@ -78,17 +86,21 @@ class Checkpointer(Handler):
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
+        self._group = GlooGroup()  # made on first use, by every rank
 
     @property
     def directory(self) -> str:
         return self.given.directory
 
     def on_fit_start(self, event: Event) -> None:
-        """Check the directory is writable (``CheckpointError``); remove a killed save's debris."""
+        """Check the directory is writable (``CheckpointError``) and, where each rank saves its
+        own state, this rank's alone (``ConfigError``); remove a killed save's debris."""
         self._saved_at = _position(event.state)
         self._run_data = run_data(self.given.data, event)
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
         storage.check_writable(directory, caller=repr(self))
+        if world_size() > 1 and not is_sharded(event.state):  # pipeline stages, say
+            self._check_apart(directory)
         if prunes_here(event.state) and (self._saver is None or not self._saver.pending):
             self._prune(keep=False)
 
@@ -190,6 +202,23 @@ class Checkpointer(Handler):
         """Wait for the background save, if any (``CheckpointError`` if it failed)."""
         if self._saver is not None:
             self._saver.wait()
+
+    def _check_apart(self, directory: Location) -> None:
+        # The same path on two nodes' own disks is two directories.
+        host = socket.gethostname() if directory.is_local else ""
+        places: list[Any] = [None] * world_size()
+        where = (host, directory.fs.unstrip_protocol(directory.path))
+        dist.all_gather_object(places, where, group=self._group.get())
+        if shared := [str(rank) for rank, place in enumerate(places) if places.count(place) > 1]:
+            ranks = f"{', '.join(shared[:-1])} and {shared[-1]}"
+            raise ConfigError(
+                f"checkpoint_every: ranks {ranks} save their own states into {self.directory!r} "
+                "(the state is not sharded: each rank writes a whole checkpoint), where the last "
+                "to commit would win and a resume load its model, RNG and data position into "
+                "every rank. Give each rank a directory of its own (a pipeline stage: "
+                "f'runs/ckpt/stage-{stage.stage_index}'), or shard the state (apply_ddp, "
+                "apply_fsdp) to save one checkpoint together."
+            )
 
     def _prune(self, keep: bool = True) -> None:
         # No save of this handler in flight; only rank 0 removes the newest leftovers.

@@ -37,7 +37,10 @@ SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")
 
 
-def sort_key(name: str) -> tuple[int, int] | None:
+Key = tuple[int, int]  # a checkpoint's place in training order
+
+
+def sort_key(name: str) -> Key | None:
     """``(step, micro_step or -1)`` of a checkpoint name, or ``None`` if it is not one."""
     match = _NAME.match(name)
     return None if match is None else (int(match[1]), int(match[2]) if match[2] else -1)
@@ -260,19 +263,23 @@ def committed_manifest(location: Location) -> Manifest | None:
     return Manifest.from_json(data, checkpoint=location.url)
 
 
-def candidates(location: Location, names: list[str]) -> list[Location]:
-    """The checkpoints among ``names`` (committed or not), oldest first."""
-    keyed = sorted((key, name) for name in names if (key := sort_key(name)))
+def candidates(location: Location, names: list[str], upto: Key | None = None) -> list[Location]:
+    """The checkpoints among ``names`` (committed or not; none newer than ``upto``), oldest
+    first."""
+    keyed = sorted(
+        (key, name) for name in names if (key := sort_key(name)) and (upto is None or key <= upto)
+    )
     return [location.child(name) for _, name in keyed]
 
 
 def newest_valid(
-    location: Location, read: Callable[[Location, Manifest], T]
+    location: Location, read: Callable[[Location, Manifest], T], *, upto: Key | None = None
 ) -> tuple[str, T] | list[str]:
-    """``(url, read(checkpoint, manifest))`` of the newest checkpoint ``read`` takes without a
-    ``CorruptCheckpointError`` (each skipped warned about); else the corrupt ones' names."""
+    """``(url, read(checkpoint, manifest))`` of the newest checkpoint (none newer than
+    ``upto``) ``read`` takes without a ``CorruptCheckpointError`` (each skipped warned about);
+    else the corrupt ones' names."""
     corrupt: list[str] = []
-    for checkpoint in reversed(candidates(location, storage.list_names(location))):
+    for checkpoint in reversed(candidates(location, storage.list_names(location), upto)):
         try:
             manifest = committed_manifest(checkpoint)
             if manifest is not None:

@@ -7,6 +7,7 @@ and rank 0 commits."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,9 +31,11 @@ from steplib.checkpoint.manifest import (
     MANIFEST,
     SHARDED,
     SINGLE,
+    Key,
     Manifest,
     newest_valid,
     read_manifest,
+    sort_key,
 )
 from steplib.checkpoint.restore import apply, check_fingerprint
 from steplib.checkpoint.storage import Location, StorageOptions
@@ -117,20 +120,42 @@ class Checkpoints:
         trees = read_trees(location, manifest)
         return apply(trees, state, data=self.data, extras=extras, checkpoint=location.url)
 
-    def load_newest(self, state: TrainState) -> tuple[str, TrainState] | None:
+    def load_newest(self, state: TrainState, *, group: Any = None) -> tuple[str, TrainState] | None:
         """``(url, state)`` from the newest valid checkpoint (the corrupt skipped, warned about),
-        or ``None``; ``CorruptCheckpointError`` when every one is corrupt."""
+        or ``None``; ``CorruptCheckpointError`` when every one is corrupt. With ``group``, ranks
+        that each save their own (pipeline stages) load the newest every rank holds, and every
+        rank returns alike or raises the same error."""
         location = storage.resolve(self.directory, self.storage_options, caller="resume_from")
-        found = newest_valid(location, lambda checkpoint, _: self.load(checkpoint.url, state))
-        if isinstance(found, tuple):
-            return found
-        if found:
-            # Starting fresh would silently throw the run away: a person should decide.
-            raise CorruptCheckpointError(
-                f"every checkpoint in {location.url} is corrupt ({', '.join(found)}; the "
-                "warnings say why). Restore them from a copy, or move them away to start fresh."
-            )
-        return None
+        loaded: list[tuple[str, TrainState]] = []
+
+        def newest(upto: Key | None) -> str | None:
+            found = newest_valid(location, lambda c, _: self.load(c.url, state), upto=upto)
+            if isinstance(found, tuple):
+                loaded[:] = [found]
+                return found[0].rsplit("/", 1)[-1]
+            if found:
+                # Starting fresh would silently throw the run away: a person should decide.
+                raise CorruptCheckpointError(
+                    f"every checkpoint in {location.url} is corrupt ({', '.join(found)}; the "
+                    "warnings say why). Restore them from a copy, or move them away to start fresh."
+                )
+            return None
+
+        upto: Key | None = None
+        while True:  # a rank's newest may be missing on another: the newest older one
+            names = _agreed(functools.partial(newest, upto), group, group is not None)
+            if len(set(names)) == 1:
+                return loaded[0] if names[0] is not None else None
+            if None in names:
+                held = ", ".join(
+                    f"rank {rank}: {name or 'none'}" for rank, name in enumerate(names)
+                )
+                raise CheckpointError(
+                    f"resume_from({location.url!r}): the ranks hold no checkpoint in common (the "
+                    f"newest of {held}), so they would resume apart. Restore the missing ones "
+                    "from a copy, or move every rank's away to start fresh."
+                )
+            upto = min(filter(None, map(sort_key, names)))
 
 
 def read_trees(

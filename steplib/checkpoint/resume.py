@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import signal
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
@@ -15,8 +16,9 @@ from steplib.checkpoint.checkpointer import Checkpointer
 from steplib.checkpoint.contents import is_sharded, run_data, with_handlers
 from steplib.checkpoint.pipeline import Checkpoints, GlooGroup
 from steplib.checkpoint.storage import StorageOptions
+from steplib.distributed import world_size
 from steplib.distributed.collectives import max_over_ranks
-from steplib.errors import ConfigError, describe
+from steplib.errors import CheckpointWarning, ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState, Stop
 
 _log = logging.getLogger("steplib.checkpoint")
@@ -28,6 +30,7 @@ class Resume(Handler):
     def __init__(self, given: Checkpoints) -> None:
         self.given = given
         self.loaded: str | None = None
+        self._group = GlooGroup()  # ranks saving apart (pipeline stages) agree on the newest
 
     @property
     def directory(self) -> str:
@@ -40,18 +43,40 @@ class Resume(Handler):
             data=run_data(self.given.data, event),
             extras=with_handlers("resume_from", self.given.extras, event.events),
         )
-        found = given.load_newest(event.state)
+        apart = world_size() > 1 and not is_sharded(event.state)
+        found = given.load_newest(event.state, group=self._group.get() if apart else None)
         if found is None:
             _log.info("no checkpoint in %s: starting fresh", self.directory)
             return None
         self.loaded, state = found
         _log.info("resumed from %s at step %d", self.loaded, state.step)
+        if given.data is None and event.data is not None:  # batches without a saved position
+            _warn_if_inside_an_epoch(self.loaded, state, event.data)
         return NewState(state)
 
     __call__ = on_fit_start
 
     def __repr__(self) -> str:
         return f"resume_from({self.directory!r})"
+
+
+def _warn_if_inside_an_epoch(url: str, state: Any, data: Any) -> None:
+    # run() iterates the data from its start: after a save inside an epoch, a batch already
+    # trained on comes again. The counters tell where the save was (one batch a micro-step).
+    try:
+        done = state.micro_step - state.epoch * len(data)
+    except TypeError:  # no length (an iterable dataset): where its epochs end is unknown
+        return
+    if done > 0:
+        warnings.warn(
+            f"resume_from: {url} was saved after {done} batches of epoch {state.epoch}, but the "
+            f"run's data (a {type(data).__name__}) has no state_dict() to restore that position: "
+            "this run trains on those batches again. Draw batches from "
+            "steplib.data.resumable_loader(dataset, batch_size=...), or resume from a checkpoint "
+            "taken at an epoch end (checkpoint_every(epochs=1)).",
+            CheckpointWarning,
+            stacklevel=2,
+        )
 
 
 def resume_from(
@@ -83,12 +108,14 @@ def resume_from(
         >>> import torch
         >>> from steplib import TrainState, make_train_step, run
         >>> from steplib.checkpoint import checkpoint_every
+        >>> from steplib.data import resumable_loader
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
+        >>> data = resumable_loader(torch.ones(12, 2), batch_size=4)  # its position is saved
         >>> ckpt = checkpoint_every("memory://doctest-resume/ckpt", every=1, step=step)
-        >>> [run(step, state, [torch.ones(4, 2)] * 3, events=[resume_from(ckpt), ckpt]).step
-        ...  for _ in range(2)]  # the second run resumes at 3
+        >>> [run(step, state, data, events=[resume_from(ckpt), ckpt]).step
+        ...  for _ in range(2)]  # the second run resumes at 3, for its next epoch
         [3, 6]
     """
     if isinstance(directory, Checkpointer):  # its settings, where not given here
@@ -102,7 +129,8 @@ def resume_from(
 
 class Preemption(Handler):
     """The handler :func:`preemption` builds; ``received``: the signal that preempted the run
-    (any rank's, sharded) or ``None``; ``saved``: the URL saved because of it, or ``None``."""
+    (any rank's, with several ranks) or ``None``; ``saved``: the URL saved because of it, or
+    ``None``."""
 
     last = True  # its saves run after the other handlers', as the checkpointer's do
 
@@ -129,14 +157,14 @@ class Preemption(Handler):
                 "there. Call run() from the main thread, or leave preemption out."
             )
         self.received, self.saved, self._signalled = None, None, None
-        self._agree = is_sharded(event.state)  # as a save decides who writes what
+        self._agree = world_size() > 1  # sharded, or each rank its own (pipeline stages)
         if self._agree:
             self._group.get()  # made here, where every rank is (a collective)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_step_end(self, event: Event) -> Stop | None:
-        """After a signal (any rank's, sharded): save now and stop the loop."""
+        """After a signal (any rank's, with several ranks): save now and stop the loop."""
         decided = self._decide()
         if decided is None:
             return None
