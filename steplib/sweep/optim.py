@@ -208,13 +208,8 @@ class SweepAdamW(PerCopyOptimizer):
 
     per_copy = ("beta1", "beta2", "eps", "weight_decay")
     state_keys = ("exp_avg", "exp_avg_sq")
-    ranges = (
-        ("lr", 0.0, math.inf),
-        ("beta1", 0.0, 1.0),
-        ("beta2", 0.0, 1.0),
-        ("eps", 0.0, math.inf),
-        ("weight_decay", 0.0, math.inf),
-    )
+    ranges: tuple[tuple[str, float, float], ...] = (("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0))
+    ranges += (("lr", 0.0, math.inf), ("eps", 0.0, math.inf), ("weight_decay", 0.0, math.inf))
 
     def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """AdamW's decay factor ``1 - lr * wd`` and ``1 - beta1``, ``1 - beta2``."""
