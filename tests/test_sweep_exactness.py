@@ -264,13 +264,22 @@ def test_sweep_skip_nonfinite_skips_only_the_copy_that_diverged() -> None:
 
 
 def test_sweep_batchnorm_buffers_are_per_copy_and_equal_separate_runs() -> None:
-    def make(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-
     batches = [
         (torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 3, (6,))) for _ in range(20)
     ]
+    assert_batchnorm_copies_equal_their_runs(batches)
+
+
+def assert_batchnorm_copies_equal_their_runs(
+    batches: list[Any], *, stop: tuple[int, int] | None = None
+) -> None:
+    """A sweep of a BatchNorm model with SweepSGD against N plain SGD runs: every copy's
+    ``state_dict`` (running statistics included) within 1e-12. ``stop=(update, copy)``: that
+    copy is stopped before that update, and its run ends there."""
+
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
     def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
         return F.cross_entropy(m(b[0]), b[1])
@@ -279,7 +288,7 @@ def test_sweep_batchnorm_buffers_are_per_copy_and_equal_separate_runs() -> None:
     for i in range(N):
         model = make(i).double()
         plain = torch.optim.SGD(model.parameters(), lr=LRS[i] * 10)
-        for b in batches:
+        for b in batches[: stop[0]] if stop is not None and stop[1] == i else batches:
             loss_fn(model, b).backward()
             plain.step()
             plain.zero_grad()
@@ -288,13 +297,15 @@ def test_sweep_batchnorm_buffers_are_per_copy_and_equal_separate_runs() -> None:
     opt = SweepSGD(copies.parameters(), lr=[lr * 10 for lr in LRS])
     state = sl.TrainState.create(model=copies, optimizer=opt)
     step = sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=batches[0])
-    for b in batches:
+    for t, b in enumerate(batches):
+        if stop is not None and t == stop[0]:
+            stop_copies(opt, [stop[1]])
         state, _ = step(state, b)
     for i, model in enumerate(models):
         for (name, mine), theirs in zip(
             copies.copy(i).state_dict().items(), model.state_dict().values(), strict=True
         ):
-            assert torch.allclose(mine.double(), theirs.double(), rtol=0, atol=1e-12), name
+            assert torch.allclose(mine.double(), theirs.double(), rtol=0, atol=1e-12), (i, name)
 
 
 def test_sweep_tied_weights_stay_tied_and_equal_separate_runs() -> None:
@@ -389,24 +400,37 @@ def test_sweep_amp_bf16_matches_the_autocast_runs_within_bfloat16_precision() ->
             torch.testing.assert_close(mine, theirs, rtol=0, atol=4e-3)  # 10 bf16 updates
 
 
-def test_sweep_window_without_targets_updates_no_copy_as_the_plain_loop_skips_it() -> None:
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_sweep_window_without_targets_updates_no_copy_as_the_plain_loop_skips_it(
+    scheduled: bool,
+) -> None:
+    """Nor does it move a LambdaLR schedule: the plain loop skips the window, step and all."""
     micro = [(x.double(), y.double(), m) for x, y, m in make_batches(8, seed=6)]
     micro[2], micro[3] = [(x, y, torch.zeros_like(m)) for x, y, m in micro[2:4]]  # all padding
     windows = [micro[i : i + 2] for i in range(0, 8, 2)]
     whole = [tuple(torch.cat(parts) for parts in zip(*w, strict=True)) for w in windows]
+
+    def schedule_of(opt: torch.optim.Optimizer) -> Any:
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + t))
+        return decay if scheduled else None
+
     models = []
     for i in range(N):
         model = tiny_model(i).double()
         plain = torch.optim.AdamW(model.parameters(), lr=LRS[i])
+        sched = schedule_of(plain)
         for w, batch in enumerate(whole):
             if w == 1:
                 continue  # nothing to learn from: no update
             _token_mean(model, batch).backward()
             plain.step()
             plain.zero_grad()
+            if sched is not None:
+                sched.step()
         models.append(model)
     copies = Copies.stack([tiny_model(i).double() for i in range(N)])
-    state = sl.TrainState.create(model=copies, optimizer=SweepAdamW(copies.parameters(), lr=LRS))
+    opt = SweepAdamW(copies.parameters(), lr=LRS)
+    state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=schedule_of(opt))
     step = sweep_step(
         sl.accumulate(sl.make_train_step(token_loss), 2), copies=copies, example_batch=micro[0]
     )
@@ -417,6 +441,9 @@ def test_sweep_window_without_targets_updates_no_copy_as_the_plain_loop_skips_it
             updates.append(out)
     assert updates[1].skipped.all() and not updates[1].did_update.any()
     assert updates[2].did_update.all()
+    if scheduled:  # the second update applied is at the schedule's second position
+        expected = torch.tensor([lr / 2 for lr in LRS], dtype=torch.float64)
+        torch.testing.assert_close(updates[2].lr, expected, rtol=1e-15, atol=0)
     assert_params_equal(copies, models, 1e-12)
 
 
@@ -437,3 +464,14 @@ def test_a_stopped_copy_with_nan_gradients_is_left_exactly_as_it_was(make_opt: A
     for b, p in zip(before, copies.parameters(), strict=True):
         assert torch.equal(b[1].nan_to_num(), p.detach()[1].nan_to_num())
         assert not torch.equal(b[0], p.detach()[0])
+
+
+def test_a_stopped_copy_keeps_its_batchnorm_statistics_as_its_own_run_stopped_there() -> None:
+    """Stopping a copy stops its whole state: its running statistics stay where its own run,
+    stopped at that update, left them, while the other copies' go on as their runs'."""
+    gen = torch.Generator().manual_seed(7)
+    batches = [
+        (torch.randn(6, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (6,)))
+        for _ in range(12)
+    ]
+    assert_batchnorm_copies_equal_their_runs(batches, stop=(5, 1))

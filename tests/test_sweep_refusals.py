@@ -3,6 +3,7 @@ the message names the operation, where it is, and the fix."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -12,7 +13,9 @@ from torch import nn
 
 import steplib as sl
 from steplib.errors import EmptyWindowError
+from steplib.schedules import AbsoluteLR
 from steplib.sweep import Copies, SweepAdamW, SweepSGD, sweep_step
+from steplib.testing import assert_no_host_sync
 from tests.reference import make_batches, mean_loss, tiny_model, token_loss
 
 BATCH = make_batches(1)[0]
@@ -164,3 +167,87 @@ def test_a_window_without_targets_with_a_torch_optimizer_is_an_error_naming_the_
     state, _ = step(state, BATCH)
     with pytest.raises(EmptyWindowError, match="held no targets"):
         step(state, (x, y, torch.zeros_like(mask)))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: SweepSGD(p, lr=[0.1, -0.1, 0.1]), r"lr=...\) received -0.1 for copy 1"),
+        (lambda p: SweepSGD(p, lr=0.1, momentum=[0.9, 0.9, -0.5]), "momentum=...\\) received -0.5"),
+        (lambda p: SweepAdamW(p, beta1=[0.9, 1.5, 0.9]), r"beta1=...\) received 1.5 for copy 1"),
+        (lambda p: SweepAdamW(p, beta2=1.0), r"beta2=...\) received 1.0 for copy 0"),
+        (lambda p: SweepAdamW(p, eps=[1e-8, 1e-8, -1e-8]), "eps=...\\) received -1e-08"),
+        (
+            lambda p: SweepAdamW(p, weight_decay=[0.1, -0.1, 0.0]),
+            "weight_decay=...\\) received -0.1",
+        ),
+        (lambda p: SweepAdamW(p, lr=[float("nan"), 1e-3, 1e-3]), r"lr=...\) received nan"),
+        (lambda p: SweepSGD(p, lr=0.1, momentum=0.9, nesterov=[False, True]), "one bool"),  # type: ignore[arg-type]
+        (lambda p: SweepAdamW(p, decoupled=[True, False]), "one bool"),  # type: ignore[arg-type]
+    ],
+)
+def test_sweep_optimizers_refuse_what_torch_optim_refuses_and_a_list_for_a_shared_flag(
+    make: Any, message: str
+) -> None:
+    """A copy's value that torch.optim refuses (its own run would not start) trained that copy
+    wrong in silence (a negative rate ascends); a list for a flag that is one for every copy
+    (nesterov, decoupled) was read as True for all."""
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    with pytest.raises(sl.ConfigError, match=message):
+        make(copies.parameters())
+
+
+def test_copies_refuse_models_frozen_or_in_a_mode_unlike_the_first() -> None:
+    """One stacked tensor has one requires_grad: copy 0's was taken for all, so a layer frozen
+    in copy 1 trained (or one it trains stayed frozen) in silence; and so for the mode."""
+    frozen = tiny_model(1)
+    frozen.get_parameter("0.weight").requires_grad_(False)
+    with pytest.raises(sl.ConfigError, match=r"requires_grad of \['0.weight'\]"):
+        Copies.stack([tiny_model(0), frozen])
+    with pytest.raises(sl.ConfigError, match=r"train/eval mode of \['\(the model\)', '0'"):
+        Copies.stack([tiny_model(0), tiny_model(1).eval()])
+    alike = Copies.stack([frozen, frozen])  # frozen alike: one frozen stacked tensor
+    assert not alike.stacked.get_parameter("0.weight").requires_grad
+
+
+def test_a_count_that_differs_between_copies_is_refused_before_the_update() -> None:
+    """A count of targets that depends on the model's outputs differs per copy, and copy 0's
+    normalised every copy's gradients in silence. A count from the batch reads nothing on the
+    host (the check is a copy read once it has landed)."""
+
+    def confident_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, _ = batch
+        out = model(x)
+        confident = out.abs() < 0.3  # which outputs count: per copy
+        return ((out - y) ** 2 * confident).sum(), confident.sum()
+
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    state = sl.TrainState.create(model=copies, optimizer=SweepSGD(copies.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in copies.parameters()]
+    step = sweep_step(sl.make_train_step(confident_loss), copies=copies, example_batch=BATCH)
+    with pytest.raises(sl.ConfigError, match="different num_targets for different copies"):
+        step(state, BATCH)
+    for b, p in zip(before, copies.parameters(), strict=True):
+        assert torch.equal(b, p)
+    shared = sweep_step(sl.make_train_step(token_loss), copies=copies, example_batch=BATCH)
+    assert assert_no_host_sync(shared, state, make_batches(3)).step == 3
+
+
+def test_an_absolute_schedule_over_per_copy_rates_is_refused_and_allowed_over_one_rate() -> None:
+    """AbsoluteLR sets group["lr"] to the rate itself, which a sweep optimizer multiplies by
+    each copy's lr: copy i trained at get_lr(n) * lr_i in silence."""
+    copies = Copies.stack([tiny_model(i) for i in range(2)])
+    step = build(mean_loss, copies)
+    opt = SweepSGD(copies.parameters(), lr=[0.1, 0.3])
+    state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=AbsoluteLR(opt, GET_LR))
+    with pytest.raises(sl.ConfigError, match="AbsoluteLR sets the group's lr to the rate"):
+        step(state, BATCH)
+    one = SweepSGD(copies.parameters(), lr=1.0, momentum=[0.0, 0.9])
+    state = sl.TrainState.create(model=copies, optimizer=one, scheduler=AbsoluteLR(one, GET_LR))
+    _, out = step(state, BATCH)
+    assert out.lr.tolist() == [0.05, 0.05]
+    assert copy.deepcopy(opt).lr_per_copy and not copy.deepcopy(one).lr_per_copy
+
+
+def GET_LR(n: int) -> float:  # noqa: N802 - named as nanoGPT names its schedule
+    return 0.05 / (n + 1)

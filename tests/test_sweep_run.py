@@ -17,7 +17,7 @@ from torch import nn
 
 import steplib as sl
 from steplib.checkpoint import load, save
-from steplib.handlers import Log
+from steplib.handlers import Log, LRMonitor
 from steplib.sweep import (
     Copies,
     SuccessiveHalving,
@@ -181,3 +181,35 @@ def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
     )
     with pytest.raises(sl.ConfigError, match="per_copy_metric"):
         sl.run(step, state, data(4), events=sl.Events(ev, SweepEarlyStopping("val_loss")))
+
+
+def test_a_per_copy_metric_for_another_number_of_copies_is_refused_before_any_update() -> None:
+    """per_copy_metric(metric, 3) over 4 copies computed the first 3 and dropped the last
+    without a word: a best copy chosen from its values could never be the last one."""
+    copies, state, step = build()
+    before = [p.detach().clone() for p in copies.parameters()]
+    eval_step = sl.make_eval_step(lambda m, b: (m(b[0]), b[1].expand(m.n, *b[1].shape)))
+    ev = sl.Evaluator(
+        eval_step,
+        data(2, seed=9),
+        metrics={"loss": per_copy_metric(torchmetrics.MeanSquaredError(), N - 1)},
+        every=2,
+    )
+    with pytest.raises(sl.ConfigError, match=r"n=3\) received a tensor of shape \(4, "):
+        sl.run(step, state, data(4), events=[ev])
+    for b, p in zip(before, copies.parameters(), strict=True):
+        assert torch.equal(b, p)  # refused at the sanity evaluation, before the first update
+    metric = per_copy_metric(torchmetrics.MeanSquaredError(), N)
+    metric.update(torch.ones(N, 5), torch.zeros(N, 5))
+    assert metric.compute().tolist() == [1.0] * N
+
+
+def test_lr_monitor_logs_each_copy_rate_not_the_schedule_factor() -> None:
+    """A sweep optimizer's group["lr"] is the schedule's factor (1.0 at the start), no copy's
+    rate: LRMonitor logged it as the run's `lr`, over the step's per-copy list."""
+    _, state, step = build()
+    for batch in data(5):
+        state, _ = step(state, batch)
+    read = LRMonitor().read(sl.Event("step_end", state=state, step=5))
+    factor = sl.warmup_cosine(warmup=3, total=40)(5)
+    assert read == {"lr": pytest.approx([lr * factor for lr in LRS], rel=1e-12)}

@@ -228,10 +228,22 @@ class LRMonitor:
         {'lr/group0': 0.1, 'lr/group1': 0.1}
     """
 
-    def read(self, event: Event) -> dict[str, float]:
-        """The current LR of every group (after this update's scheduler step)."""
+    def read(self, event: Event) -> dict[str, float | list[float]]:
+        """The current LR of every group (after this update's scheduler step); a sweep
+        optimizer's, one per copy."""
         groups = event.state.optimizer.param_groups
-        rates = [float(group["lr"]) for group in groups]
+        rates = [_rate(group) for group in groups]
         if len(rates) == 1:
             return {"lr": rates[0]}
         return {f"lr/group{i}": rate for i, rate in enumerate(rates)}
+
+
+def _rate(group: Mapping[str, Any]) -> float | list[float]:
+    """A group's LR. A sweep optimizer's group (``steplib.sweep``) holds a per-copy factor in
+    ``copies["lr"]`` and the schedule's in ``lr``: copy ``i``'s rate is their product, logged
+    as a list as the step's ``out.lr`` is (``lr`` alone is no copy's rate)."""
+    copies = group.get("copies")
+    if isinstance(copies, Mapping) and "lr" in copies:
+        rates: list[float] = (float(group["lr"]) * copies["lr"]).tolist()
+        return rates
+    return float(group["lr"])

@@ -46,8 +46,9 @@ class Copies(nn.Module):
         themselves are left as they were.
 
         Raises:
-            ConfigError: fewer than two models, models of different classes, or parameters or
-                buffers whose names, shapes or dtypes differ.
+            ConfigError: fewer than two models, models of different classes, parameters or
+                buffers whose names, shapes or dtypes differ, or parameters frozen
+                (``requires_grad``) or modules in a train/eval mode unlike model 0's.
 
         Example:
             >>> import torch
@@ -200,4 +201,19 @@ def _check_same(first: nn.Module, model: nn.Module, i: int) -> None:
                 f"Copies.stack: model {i} differs from model 0 in {differ[:3]} (names, shapes "
                 "or dtypes); every copy must be the same architecture. A search over "
                 "architectures is not a vectorised sweep: run those separately."
+            )
+    # One stacked tensor has one requires_grad, one module one mode: copy 0's would be taken for
+    # all, training a parameter frozen in some copy (or freezing one it trains) in silence.
+    for what, of in (
+        ("requires_grad", lambda m: {k: p.requires_grad for k, p in m.named_parameters()}),
+        ("train/eval mode", lambda m: {k: sub.training for k, sub in m.named_modules()}),
+    ):
+        mine, theirs = of(first), of(model)
+        if mine != theirs:
+            differ = sorted(k or "(the model)" for k in mine if mine[k] != theirs.get(k))
+            raise ConfigError(
+                f"Copies.stack: model {i} differs from model 0 in the {what} of "
+                f"{differ[:3]}; a sweep trains every copy alike. Freeze "
+                "the same parameters and set the same mode in every copy (model.train() or "
+                "model.eval() on each) before stacking them."
             )

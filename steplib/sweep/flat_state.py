@@ -69,8 +69,11 @@ class FlatState:
             for e, p, part in zip(entries, params, flat.split(self.sizes, 1), strict=True):
                 e[key] = part.view(p.shape)
             self.buffers[key] = flat
-        zero = torch.zeros(n, dtype=first.dtype, device=first.device)
-        self.steps = torch.stack([e.get("step", zero) for e in entries]).to(first.dtype)
+        # The counts in at least float32, as torch.optim keeps them: a bfloat16 count stops at
+        # 256 (float16 at 2048), and Adam's bias corrections would stop with it.
+        counts = torch.promote_types(first.dtype, torch.float32)
+        zero = torch.zeros(n, dtype=counts, device=first.device)
+        self.steps = torch.stack([e.get("step", zero) for e in entries]).to(counts)
         for e, row in zip(entries, self.steps, strict=True):
             e["step"] = row
         self.views = self._entries(state)

@@ -18,6 +18,7 @@ train: a stopped copy's parameters and optimizer state are never changed again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,10 +42,15 @@ class PerCopyOptimizer(torch.optim.Optimizer):
 
     Attributes:
         n: the number of copies.
+        lr_per_copy: whether the copies' rates differ from ``group["lr"]`` (a per-copy
+            ``lr``), so that ``group["lr"]`` is a factor of each, no copy's rate.
     """
 
     per_copy: tuple[str, ...] = ()  # the hyper-parameters that may differ per copy
     state_keys: tuple[str, ...] = ()  # the per-parameter buffers, zeros at the first update
+    # What torch.optim accepts, (name, lowest, above the highest): a value outside would make
+    # that copy's own run refused, so the sweep refuses it too (NaN is outside every range).
+    ranges: tuple[tuple[str, float, float], ...] = (("lr", 0.0, math.inf),)
 
     def __init__(self, params: Iterable[torch.Tensor], *, n: int | None, **hparams: Any) -> None:
         params = list(params)
@@ -67,6 +73,15 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         values["lr"] = _values(type(self).__name__, "lr", lr if _is_sequence(lr) else 1.0, n)
         for name in self.per_copy:
             values[name] = _values(type(self).__name__, name, hparams.pop(name), n)
+        given = {**values, "lr": [group_lr * v for v in values["lr"]]}  # each copy's rate
+        for name, low, high in self.ranges:
+            for i, value in enumerate(given[name]):
+                if not low <= value < high:
+                    raise ConfigError(
+                        f"{type(self).__name__}({name}=...) received {value} for copy {i}; "
+                        f"torch.optim refuses it, so that copy's own run would not start. Pass "
+                        f"{name} in [{low}, {high}) for every copy."
+                    )
         # Held in float64, as torch.optim holds them (Python floats); cast per parameter.
         copies = {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in values.items()}
         defaults = {
@@ -78,12 +93,15 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.n = n
         self._flat: dict[tuple[Any, ...], FlatState] = {}
+        # Whether group["lr"] is a factor of per-copy rates (no host read to tell, later).
+        self.lr_per_copy = any(v != 1.0 for v in values["lr"])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy (deepcopy, pickle) keeps what torch.optim keeps; the rest is derived again.
         super().__setstate__(state)
         self.n = len(self.param_groups[0]["active"])
         self._flat = {}
+        self.lr_per_copy = bool((self.param_groups[0]["copies"]["lr"] != 1.0).any())
 
     @torch.no_grad()
     def step(
@@ -125,7 +143,7 @@ class PerCopyOptimizer(torch.optim.Optimizer):
                     flat.write(here, new, old)
                     for key, value in buffers.items():
                         torch.where(here, value, flat.buffers[key], out=flat.buffers[key])
-                    flat.steps.add_(keep.to(dtype))
+                    flat.steps.add_(keep.to(flat.steps.dtype))
         return loss
 
     def _flat_state(self, key: tuple[Any, ...], params: list[torch.Tensor]) -> FlatState:
@@ -174,8 +192,10 @@ class SweepAdamW(PerCopyOptimizer):
         n: the number of copies (read from the parameters when left out).
 
     Raises:
-        ConfigError: a value that is not a number, a sequence of the wrong length, or
-            parameters without the copies' leading dimension.
+        ConfigError: a value that is not a number, a sequence of the wrong length, a value
+            ``torch.optim.AdamW`` refuses (``lr``, ``eps`` or ``weight_decay`` below 0, a beta
+            outside [0, 1), NaN), ``decoupled`` not a bool, or parameters without the copies'
+            leading dimension.
 
     Example:
         >>> import torch
@@ -188,6 +208,8 @@ class SweepAdamW(PerCopyOptimizer):
 
     per_copy = ("beta1", "beta2", "eps", "weight_decay")
     state_keys = ("exp_avg", "exp_avg_sq")
+    ranges: tuple[tuple[str, float, float], ...] = (("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0))
+    ranges += (("lr", 0.0, math.inf), ("eps", 0.0, math.inf), ("weight_decay", 0.0, math.inf))
 
     def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """AdamW's decay factor ``1 - lr * wd`` and ``1 - beta1``, ``1 - beta2``."""
@@ -226,7 +248,7 @@ class SweepAdamW(PerCopyOptimizer):
             beta2=beta2,
             eps=eps,
             weight_decay=weight_decay,
-            decoupled=bool(decoupled),
+            decoupled=_flag(type(self).__name__, "decoupled", decoupled),
         )
 
     def update(
@@ -263,7 +285,8 @@ class SweepSGD(PerCopyOptimizer):
         n: the number of copies (read from the parameters when left out).
 
     Raises:
-        ConfigError: as :class:`SweepAdamW`.
+        ConfigError: as :class:`SweepAdamW` (``lr``, ``momentum`` or ``weight_decay``
+            below 0; ``nesterov`` not a bool).
 
     Example:
         >>> import torch
@@ -276,6 +299,7 @@ class SweepSGD(PerCopyOptimizer):
 
     per_copy = ("momentum", "dampening", "weight_decay")
     state_keys = ("momentum_buffer",)
+    ranges = (("lr", 0.0, math.inf), ("momentum", 0.0, math.inf), ("weight_decay", 0.0, math.inf))
 
     def __init__(
         self,
@@ -295,7 +319,7 @@ class SweepSGD(PerCopyOptimizer):
             momentum=momentum,
             dampening=dampening,
             weight_decay=weight_decay,
-            nesterov=bool(nesterov),
+            nesterov=_flag(type(self).__name__, "nesterov", nesterov),
         )
 
     def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -349,6 +373,16 @@ def _number(owner: str, name: str, value: Any) -> float:
             f"number per copy, e.g. {name}=[1e-3, 3e-3]."
         )
     return float(value)
+
+
+def _flag(owner: str, name: str, value: Any) -> bool:
+    """A setting shared by every copy: a list (one per copy) would be read as True for all."""
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{owner}({name}=...) received {describe(value)}; {name} is one bool for every "
+            f"copy, {name}=True or {name}=False. To compare both, run two sweeps."
+        )
+    return value
 
 
 def _values(owner: str, name: str, value: Any, n: int) -> list[float]:

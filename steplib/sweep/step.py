@@ -16,24 +16,30 @@ What differs from the step it wraps, and why:
   read in a sweep's step;
 * ``state.skipped_updates`` counts skipped copy-updates in total (a 0-dim tensor); each
   copy's updates are its optimizer ``step`` count;
-* the scheduler advances once per sweep update for every copy (a copy whose update was skipped
-  does not hold its schedule back, as its own run would).
+* the scheduler advances once per sweep update for every copy: one schedule for all, so a copy
+  whose update alone was skipped (non-finite) does not hold it back, though its own run would.
+  A window that held no targets updates no copy and, with a ``LambdaLR`` and a sweep
+  optimizer, does not move the schedule either (for a loss that returns a count, its position
+  moves on the device, as the step's does); another scheduler advances.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.errors import ConfigError, describe
 from steplib.output import StepOutput, at_least_float32
+from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
 from steplib.step import Step
 from steplib.step.core import EAGER
+from steplib.step.device_skips import HostCopy
 from steplib.step.loss_output import parse_loss_output
 from steplib.step.parts import LOCAL
 from steplib.sweep.copies import Copies, per_copy
@@ -55,6 +61,9 @@ class SweepStep:
     step: Step
     copies: Copies
     losses: Any = dataclasses.field(repr=False, compare=False)
+    counted: bool = dataclasses.field(default=False, repr=False, compare=False)
+    # Host copies of "the copies counted different targets", read once landed (no wait).
+    landing: list[HostCopy] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -67,8 +76,10 @@ class SweepStep:
         """One micro-batch for every copy; an update when it closes the window.
 
         Raises:
-            ConfigError: the state's model is not this sweep's copies, or the state holds a
-                float16 ``GradScaler``.
+            ConfigError: the state's model is not this sweep's copies, the state holds a
+                float16 ``GradScaler`` or an ``AbsoluteLR`` over per-copy rates, or
+                ``loss_fn`` counted different targets for different copies (read once
+                landed: on CUDA a call or two later).
         """
         self._check(state)
         plan = self.step.plan
@@ -77,6 +88,7 @@ class SweepStep:
         with contextlib.ExitStack() as stack:
             for enter in plan.micro_contexts:
                 stack.enter_context(enter(state, closes))
+            stack.enter_context(_stopped_buffers_kept(state.optimizer, self.copies))
             with contextlib.ExitStack() as inner:
                 for enter_forward in plan.forward_contexts:
                     inner.enter_context(enter_forward(state))
@@ -85,6 +97,8 @@ class SweepStep:
             loss_sum.sum().backward()  # independent copies: each row gets its own gradient
             _call(plan.hooks, "after_backward", state)
         loss_sum = at_least_float32(loss_sum.detach())
+        if self.counted:
+            self._check_counts(count)
         count = count[0]  # one shared batch: every copy counted the same targets
         state = state.replace(
             micro_step=state.micro_step + 1,
@@ -165,8 +179,14 @@ class SweepStep:
             # It cannot skip a window that held no targets: checked once the count's host copy
             # lands, as the step does for such an optimizer (an error that names the fix).
             plan.skips.check_not_empty(optimizer, targets, state.step)
-        if state.scheduler is not None:
-            state.scheduler.step()
+        scheduler = state.scheduler
+        if self.counted and isinstance(optimizer, PerCopyOptimizer) and type(scheduler) is LambdaLR:
+            # A window that held no targets updated no copy, and no copy's own run would move
+            # its schedule: the position moves on the device, by the window's count > 0, as the
+            # step's does for a loss that returns a count (one that does not is never empty).
+            plan.skips.advance(optimizer, scheduler, targets > 0)
+        elif scheduler is not None:
+            scheduler.step()
         state = state.replace(
             step=state.step + 1,
             window=EMPTY_WINDOW,
@@ -185,6 +205,23 @@ class SweepStep:
             aux=aux,
         )
 
+    def _check_counts(self, count: torch.Tensor) -> None:
+        """Refuse a count that differs between copies (one that depends on the model's outputs):
+        copy 0's would normalise every copy's gradients. Read once it has landed, as
+        ``check_not_empty`` reads a window's count: on the CPU at once, on CUDA a call or two
+        later, never waited for."""
+        self.landing.append(HostCopy((count != count[0]).any()))
+        while self.landing and self.landing[0].ready():
+            if self.landing.pop(0).read():
+                self.landing.clear()
+                raise ConfigError(
+                    "loss_fn returned a different num_targets for different copies of this "
+                    "sweep: it counts something that depends on the model's outputs, and a "
+                    "sweep shares one batch and one count, so copy 0's would normalise every "
+                    "copy's gradients. Count the targets from the batch alone (e.g. "
+                    "(labels != -100).sum()), or train such copies separately."
+                )
+
     def _lr(self, state: TrainState) -> torch.Tensor:
         group = state.optimizer.param_groups[0]
         if isinstance(state.optimizer, PerCopyOptimizer):
@@ -198,6 +235,15 @@ class SweepStep:
                 f"the sweep step was built for a Copies of {self.n}, and the state's model is "
                 f"{describe(state.model)}. Create the state with the same copies: "
                 "TrainState.create(model=copies, optimizer=SweepAdamW(copies.parameters(), ...))."
+            )
+        per_copy_lr = isinstance(state.optimizer, PerCopyOptimizer) and state.optimizer.lr_per_copy
+        if per_copy_lr and isinstance(state.scheduler, AbsoluteLR):
+            raise ConfigError(
+                "AbsoluteLR sets the group's lr to the rate itself, and this sweep's optimizer "
+                "multiplies it by each copy's lr: every copy would train at lr_fn(n) times its "
+                "own rate. Give the optimizer one lr for all copies (lr=1.0: AbsoluteLR's rate "
+                "is then every copy's), or schedule a factor of each copy's rate: "
+                "LambdaLR(optimizer, lambda n: get_lr(n) / base)."
             )
         if state.scaler is not None and state.scaler.is_enabled():
             raise ConfigError(
@@ -268,7 +314,9 @@ def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
     # requires_grad), on a plain copy; inside, each form becomes (loss_sum, count, aux).
     device = next(copies.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        parse_loss_output(loss_fn(copies.copy(0), example_batch))
+        # A count the loss returns as a tensor may differ per copy (checked per micro-batch).
+        trial_output = parse_loss_output(loss_fn(copies.copy(0), example_batch))
+    counted = isinstance(trial_output.num_targets, torch.Tensor)
 
     def parsed(model: Any, batch: Any) -> Any:
         loss, count, aux = _triple(loss_fn(model, batch))
@@ -276,7 +324,7 @@ def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
 
     losses = per_copy(parsed, copies)
     trial(losses, copies, example_batch)
-    return SweepStep(step=step, copies=copies, losses=losses)
+    return SweepStep(step=step, copies=copies, losses=losses, counted=counted)
 
 
 def _triple(result: Any) -> tuple[torch.Tensor, Any, Mapping[str, torch.Tensor]]:
@@ -287,6 +335,23 @@ def _triple(result: Any) -> tuple[torch.Tensor, Any, Mapping[str, torch.Tensor]]
         loss, second = result
         return (loss, 1, second) if isinstance(second, Mapping) else (loss, second, {})
     return result[0], result[1], result[2]
+
+
+@contextlib.contextmanager
+def _stopped_buffers_kept(optimizer: Any, copies: Copies) -> Iterator[None]:
+    """Put a stopped copy's buffers back after forward and backward (backward may read them as
+    forward left them): a stopped copy is done, and its running statistics (BatchNorm's) must
+    not go on moving with the other copies' batches, as its own run, stopped there, would not.
+    On the device, a clone and a ``where`` per buffer: no host read of the mask."""
+    buffers = list(copies.stacked.buffers()) if isinstance(optimizer, PerCopyOptimizer) else []
+    saved = [b.clone() for b in buffers]
+    yield
+    if buffers:
+        active = optimizer.param_groups[0]["active"]
+        with torch.no_grad():
+            for buffer, old in zip(buffers, saved, strict=True):
+                here = active.view((-1,) + (1,) * (buffer.ndim - 1))
+                torch.where(here, buffer, old, out=buffer)
 
 
 def _around(outer: Any, state: TrainState, inner: Any) -> Any:

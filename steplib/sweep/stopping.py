@@ -57,7 +57,32 @@ def per_copy_metric(metric: Metric, n: int) -> Metric:
             "per_copy_metric(MulticlassAccuracy(10), copies.n)."
         )
     n = errors.positive_int("per_copy_metric", "n", n)
-    return MultioutputWrapper(metric, n, output_dim=0, remove_nans=False)
+    return _PerCopyMetric(metric, n, output_dim=0, remove_nans=False)
+
+
+class _PerCopyMetric(MultioutputWrapper):
+    """``MultioutputWrapper`` over the copies' dimension that refuses inputs with another
+    number of copies: it would compute the first ``n`` and drop the rest without a word."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._check_copies(args, kwargs)
+        super().update(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_copies(args, kwargs)
+        return super().forward(*args, **kwargs)
+
+    def _check_copies(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        n = len(self.metrics)
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and (value.ndim == 0 or value.shape[0] != n):
+                raise ConfigError(
+                    f"per_copy_metric(..., n={n}) received a tensor of shape "
+                    f"{tuple(value.shape)}; every input must have the copies first, {n} of "
+                    "them. Give the metric the sweep's number of copies, "
+                    "per_copy_metric(metric, copies.n), and expand the targets to match the "
+                    "outputs: (m(x), y.expand(m.n, *y.shape))."
+                )
 
 
 def stop_copies(optimizer: torch.optim.Optimizer, which: Iterable[int]) -> None:
