@@ -269,6 +269,8 @@ class ExportBest:
     def __call__(self, event: Event) -> None:
         """Export ``event.state`` if the monitored value improved on the best so far."""
         value = monitored_value("export_best", self.monitor, event)
+        if value is None:  # another update's score: this model was not evaluated
+            return
         # Rank 0's value decides on every rank: under FSDP2 the export is a collective, and
         # a rank that decided otherwise would leave the others waiting in it.
         value = _from_rank0(value, getattr(event.state, "device", torch.device("cpu")))

@@ -10,7 +10,8 @@
 Every stop decision is taken jointly when a process group is initialised (one small all-reduce
 on the check's interval): a rank that stops alone leaves the others waiting in a collective.
 
-Imports ``events``, ``errors``, ``distributed`` (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``state``, ``errors``, ``distributed`` (handlers never import ``loop`` or
+``step``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from steplib.cadence import due
 from steplib.distributed.collectives import any_rank
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler, Stop
+from steplib.state import EVALUATED_AT
 
 
 def _device(event: Event) -> torch.device | None:
@@ -85,9 +87,11 @@ class BestValue:
         self.value, self.step = state["value"], state["step"]
 
 
-def monitored_value(owner: str, monitor: str, event: Event) -> float:
+def monitored_value(owner: str, monitor: str, event: Event) -> float | None:
     """``event.state.extras[monitor]`` as a float: what a handler that watches a value reads
-    (:class:`EarlyStopping`, :func:`~steplib.handlers.export.export_best`).
+    (:class:`EarlyStopping`, :func:`~steplib.handlers.export.export_best`); ``None`` when an
+    evaluation of another update put it there (``extras[EVALUATED_AT]``), so that a value is
+    never counted again, nor credited to a later model, by a check between two evaluations.
 
     Args:
         owner: the handler's name, for the error message.
@@ -95,7 +99,8 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float:
         event: the event whose state holds the value.
 
     Returns:
-        The value as a float (a one-element tensor is read with ``.item()``).
+        The value as a float (a one-element tensor is read with ``.item()``), or ``None`` when
+        it is another update's.
 
     Raises:
         ConfigError: ``monitor`` is not in ``state.extras``; the message lists the numbers that
@@ -106,6 +111,10 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float:
         >>> event = Event("step_end", state=SimpleNamespace(extras={"val_loss": 0.5}), step=3)
         >>> monitored_value("EarlyStopping", "val_loss", event)
         0.5
+        >>> extras = {"val_loss": 0.5, "evaluated_at": {"val_loss": 2}}  # update 2's model
+        >>> event = Event("step_end", state=SimpleNamespace(extras=extras), step=3)
+        >>> monitored_value("EarlyStopping", "val_loss", event) is None
+        True
     """
     extras: Mapping[str, Any] = getattr(event.state, "extras", None) or {}
     if monitor not in extras:
@@ -116,6 +125,8 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float:
             "one of them, and register this handler after the evaluation handler that puts the "
             "value there, on the same event and interval (e.g. both every=100)."
         )
+    if extras.get(EVALUATED_AT, {}).get(monitor, event.step) != event.step:
+        return None
     value = extras[monitor]
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
@@ -208,7 +219,7 @@ class EarlyStopping(Handler):
                 return None
             self._evaluations = evaluations
         value = monitored_value("EarlyStopping", self.monitor, event)
-        return self.update(value, step=event.step)
+        return None if value is None else self.update(value, step=event.step)
 
     def update(self, value: float, *, step: int) -> Stop | None:
         """Count one check of ``value`` at ``step``; a :class:`Stop` when patience ran out."""
