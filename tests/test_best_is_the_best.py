@@ -148,3 +148,25 @@ def test_early_stopping_by_name_between_evaluations_counts_each_evaluation_once(
     # Checked at 6 (2.5), 12 (2.5) and 18 (never reached): values of updates 6 and 12 only.
     assert (stopper.best.value, stopper.best.step, stopper.wait) == (2.5, 6, 1)
     assert final.step == 16
+
+
+def test_early_stopping_attached_before_its_evaluator_checks_each_evaluation_at_its_update() -> (
+    None
+):
+    # Attached first, the stopper ran at step_end before the evaluation of that update and
+    # checked the previous one's value: a stop one evaluation late, its best mislabelled.
+    def stops(first: str) -> tuple[int, dict[str, Any]]:
+        evaluator = _evaluator([3.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+        stopper = EarlyStopping(evaluator, patience=2)
+        handlers = [evaluator, stopper] if first == "evaluator" else [stopper, evaluator]
+        final = run(STEP, _state(), [torch.ones(3, 2)] * 12, events=handlers)
+        return final.step, stopper.state_dict()
+
+    assert (
+        stops("stopper")
+        == stops("evaluator")
+        == (
+            8,
+            {"best": {"value": 1.0, "step": 4}, "wait": 2, "evaluations": 4},
+        )
+    )

@@ -148,7 +148,7 @@ class EarlyStopping(Handler):
     after each of the evaluator's evaluations, with its metric and mode::
 
         evaluator = Evaluator(eval_step, val, metrics=..., every=500, monitor="val_loss")
-        events = Events(evaluator, EarlyStopping(evaluator, patience=3))  # in this order
+        events = Events(evaluator, EarlyStopping(evaluator, patience=3))  # in either order
 
     or give it a name and register it after the evaluation handler, on the same interval:
     ``events.on("step_end", EarlyStopping("val_loss", patience=3), every=500)``.
@@ -202,20 +202,17 @@ class EarlyStopping(Handler):
                 f"register it: events.on('step_end', stopper, every=500)."
             )
 
-    def on_step_end(self, event: Event) -> Stop | None:
-        """Check on the updates the evaluator evaluates at (its ``every``)."""
-        every = None if self.evaluator is None else self.evaluator.every
-        return self(event) if every is not None and due(every, event) else None
-
-    def on_epoch_end(self, event: Event) -> Stop | None:
-        """Check at epoch end when the evaluator evaluates there (``at_epoch_end``)."""
-        return self(event) if self.evaluator is not None and self.evaluator.at_epoch_end else None
+    def on_validation_end(self, event: Event) -> Stop | None:
+        """Check after each of the evaluator's evaluations: on the ``validation_end`` it
+        emits, so that the check sees this evaluation's value whichever of the two was
+        attached first (at ``step_end`` a stopper attached first saw the previous one's)."""
+        return self(event)
 
     def __call__(self, event: Event) -> Stop | None:
         """Check ``event.state.extras[monitor]`` (a host number: no device read)."""
         if self.evaluator is not None:
             evaluations = len(self.evaluator.history)
-            if evaluations == self._evaluations:  # the evaluator skipped this event
+            if evaluations == self._evaluations:  # another evaluator's validation_end
                 return None
             self._evaluations = evaluations
         value = monitored_value("EarlyStopping", self.monitor, event)
