@@ -185,3 +185,20 @@ def test_a_checkpoint_fingerprints_every_step_of_the_run(tmp_path: Any) -> None:
 def test_bad_several_step_arguments_are_refused_with_the_fix(call: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call(_state(), _batches(2))
+
+
+@pytest.mark.parametrize("several", [True, False])
+def test_steps_that_never_update_the_counted_optimizer_are_refused(several: bool) -> None:
+    # The run counts G's updates (G is the state's first optimizer); D's step alone never
+    # advanced them: step_end never fired (no evaluation, checkpoint or log every N updates)
+    # and max_steps alone would never have stopped the run.
+    d_step = _steps()["D"]
+    seen: list[int] = []
+    events = Events().on("step_end", lambda e: seen.append(e.step))
+    with pytest.raises(ValueError, match=r"update \['D'\] but not 'G', the state's first"):
+        run({"D": d_step} if several else d_step, _state(), _batches(4), events=events)
+    assert seen == []
+    # What the message offers: D's own state, whose counters are D's.
+    state = _state()
+    done = run(d_step, state["D"], _batches(4), events=events)
+    assert (seen, state.with_lane(done)["D"].step) == ([1, 2], 2)
