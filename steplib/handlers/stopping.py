@@ -202,6 +202,15 @@ class EarlyStopping(Handler):
                 f"register it: events.on('step_end', stopper, every=500)."
             )
 
+    def on_fit_start(self, event: Event) -> None:
+        """Refuse an evaluator that is not attached to the run (it would never evaluate).
+
+        Raises:
+            ConfigError: the evaluator given is not attached to ``event.events``.
+        """
+        if self.evaluator is not None:
+            errors.evaluator_attached("EarlyStopping", self.evaluator, event.events)
+
     def on_validation_end(self, event: Event) -> Stop | None:
         """Check after each of the evaluator's evaluations: on the ``validation_end`` it
         emits, so that the check sees this evaluation's value whichever of the two was
