@@ -171,3 +171,19 @@ def monitor_and_mode(owner: str, source: Any, mode: str | None) -> tuple[str, st
             f"{its_mode!r}; leave mode out: the evaluator's is used."
         )
     return name, its_mode
+
+
+def evaluator_attached(owner: str, evaluator: Any, events: Any) -> None:
+    """Refuse an evaluator given to ``owner`` (``EarlyStopping(evaluator)``, ``Scheduler(...,
+    metric=evaluator)``) that is not attached to the run's ``events``: it would never
+    evaluate, so ``owner`` would never act, in silence.
+
+    Raises:
+        ConfigError: ``evaluator`` is not among ``events.attached()``.
+    """
+    if events is not None and not any(h is evaluator for h in events.attached()):
+        raise ConfigError(
+            f"{owner} was given an Evaluator that is not attached to this run, so it never "
+            f"evaluates and {owner} would never act on its values. Attach the evaluator too: "
+            "run(..., events=[evaluator, ...])."
+        )

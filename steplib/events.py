@@ -202,7 +202,7 @@ class Events:
 
         Raises:
             ValueError: a handler with no ``on_<event>`` method (a plain function needs an
-                event name: :meth:`on`), or whose ``last`` is not a bool.
+                event name: :meth:`on`), or whose ``last`` is not a bool, or attached already.
 
         Example:
             >>> from steplib.cadence import due
@@ -219,6 +219,9 @@ class Events:
             2
         """
         for handler in handlers:
+            owners = {id(r.owner) for rs in self._handlers.values() for r in rs}  # added before
+            if self._adding is not handler and id(handler) in owners:  # it would run twice
+                raise ValueError(f"Events received {handler!r} twice: attach each handler once.")
             outer, self._adding = self._adding, handler
             try:
                 own = getattr(type(handler), "attach", None)

@@ -117,7 +117,7 @@ def iterate(
     """
     # Checked here, outside the generator body, so that a bad argument fails where iterate()
     # is called rather than at the first next(), possibly far away in a notebook.
-    _check_args(step, data, max_steps, max_epochs, feed)
+    _check_args(step, state, data, max_steps, max_epochs, feed)
     if not isinstance(events, Events):  # None, or a list of handler objects
         events = Events(*(events or ()))
     if isinstance(step, Mapping):
@@ -347,7 +347,9 @@ def _done(state: TrainState, max_steps: int | None, max_epochs: int | None) -> b
     )
 
 
-def _check_args(step: Any, data: Any, max_steps: Any, max_epochs: Any, feed: Any) -> None:
+def _check_args(
+    step: Any, state: Any, data: Any, max_steps: Any, max_epochs: Any, feed: Any
+) -> None:
     several = isinstance(step, Mapping)
     steps = step if several else {"": step}
     if several and (not step or not all(isinstance(name, str) and name for name in step)):
@@ -386,3 +388,13 @@ def _check_args(step: Any, data: Any, max_steps: Any, max_epochs: Any, feed: Any
             raise ValueError(
                 f"run/iterate received {label}={value!r}; it must be a positive int or None."
             )
+    # Steps none of which updates the counted optimizer would never fire step_end, in silence.
+    updated, names = [getattr(one, "optimizer", None) for one in steps.values()], state.names
+    if names and all(isinstance(n, str) for n in updated) and names[0] not in updated:
+        raise ValueError(
+            f"run/iterate received steps that update {sorted(map(str, updated))!r} but not "
+            f"{names[0]!r}, the state's first optimizer, whose updates the run counts (state.step, "
+            f"step_end, every=, max_steps): they would never advance. Add a step that updates it, "
+            f"create the state with the counted optimizer first, or run on the state of the one "
+            f"updated: state = state.with_lane(run(step, state[{updated[0]!r}], ...))."
+        )

@@ -24,7 +24,7 @@ from steplib import (
     run,
 )
 from steplib.checkpoint import best_checkpoint, list_checkpoints, resume_from
-from steplib.handlers import Scheduler
+from steplib.handlers import EarlyStopping, Scheduler, export_best
 
 
 def _state() -> TrainState:
@@ -113,3 +113,60 @@ def test_a_scheduler_stepped_at_epoch_end_is_saved_after_its_step(tmp_path: Path
     assert after.epoch == 2  # resumed at the end: nothing left to train
     assert resumed.scheduler.last_epoch == 2
     assert fresh.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**2
+
+
+def _weights_by_update(events: Events) -> dict[int, float]:
+    seen: dict[int, float] = {}
+    events.on("step_end", lambda e: seen.__setitem__(e.step, e.state.model.bias.item()))
+    return seen
+
+
+def test_export_best_between_evaluations_exports_no_model_with_another_updates_score(
+    tmp_path: Path,
+) -> None:
+    # Evaluations at 2, 4, 6 (1.0, the best, at 2); the exporter checks every 3 updates. At
+    # 3 it found update 2's 1.0 in the extras and exported the model of update 3 with it (a
+    # model nobody evaluated, under the best score), and at 6 kept it as the best.
+    evaluator = _evaluator([1.0, 3.0, 2.0])
+    exporter = export_best(str(tmp_path / "best.pt"), monitor="val_mean")
+    events = Events(evaluator).on("step_end", exporter, every=3)
+    weights = _weights_by_update(events)
+    run(STEP, _state(), [torch.ones(3, 2)] * 6, events=events)
+    assert (exporter.best.value, exporter.best.step) == (2.0, 6)  # the one it saw evaluated
+    exported = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert exported["bias"].item() == weights[6]
+
+
+def test_early_stopping_by_name_between_evaluations_counts_each_evaluation_once() -> None:
+    # Evaluations every 2 updates, checks every 3: a check between two evaluations read the
+    # last one's value again, counted it as another check without improvement and labelled
+    # the best with an update that was not evaluated.
+    evaluator = _evaluator([3.0, 2.0, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5])
+    stopper = EarlyStopping("val_mean", patience=2)
+    events = Events(evaluator).on("step_end", stopper, every=3)
+    final = run(STEP, _state(), [torch.ones(3, 2)] * 16, events=events)
+    # Checked at 6 (2.5), 12 (2.5) and 18 (never reached): values of updates 6 and 12 only.
+    assert (stopper.best.value, stopper.best.step, stopper.wait) == (2.5, 6, 1)
+    assert final.step == 16
+
+
+def test_early_stopping_attached_before_its_evaluator_checks_each_evaluation_at_its_update() -> (
+    None
+):
+    # Attached first, the stopper ran at step_end before the evaluation of that update and
+    # checked the previous one's value: a stop one evaluation late, its best mislabelled.
+    def stops(first: str) -> tuple[int, dict[str, Any]]:
+        evaluator = _evaluator([3.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+        stopper = EarlyStopping(evaluator, patience=2)
+        handlers = [evaluator, stopper] if first == "evaluator" else [stopper, evaluator]
+        final = run(STEP, _state(), [torch.ones(3, 2)] * 12, events=handlers)
+        return final.step, stopper.state_dict()
+
+    assert (
+        stops("stopper")
+        == stops("evaluator")
+        == (
+            8,
+            {"best": {"value": 1.0, "step": 4}, "wait": 2, "evaluations": 4},
+        )
+    )

@@ -311,3 +311,21 @@ def test_handlers_registered_last_run_after_the_others_whatever_the_order() -> N
     events.on("step_end", lambda e: seen.append("schedule"))
     events.emit(Event("step_end", state=None, step=1))
     assert seen == ["evaluate", "schedule", "save", "export"]
+
+
+def test_a_handler_object_added_twice_is_refused() -> None:
+    # Added twice, it ran twice at each event: an evaluator evaluated each update twice (its
+    # history held each entry twice) and early stopping counted each evaluation twice.
+    class Counter:
+        def on_step_end(self, event: Event) -> None:
+            pass
+
+    counter = Counter()
+    events = Events(counter)
+    with pytest.raises(ValueError, match=r"Counter object .* twice: attach each handler once"):
+        events.add(counter)
+    events.remove(counter).add(counter)  # removed, it may be added again
+    # Registered with on() as a function of another event first (the demo's evaluator at
+    # fit_start), then added: fine.
+    other = Counter()
+    Events().on("fit_start", other.on_step_end).add(other)

@@ -12,12 +12,22 @@ from typing import Any
 
 import pytest
 import torch
+import torchmetrics
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from steplib import ConfigError, Events, NewState, TrainState, make_train_step, run
-from steplib.handlers import ExportError, export_best, export_model, full_state_dict
+from steplib import (
+    ConfigError,
+    Evaluator,
+    Events,
+    NewState,
+    TrainState,
+    make_eval_step,
+    make_train_step,
+    run,
+)
+from steplib.handlers import EMA, ExportError, export_best, export_model, full_state_dict
 from steplib.testing import run_ranks
 
 # Runs in a fresh interpreter: builds the architecture with other initial weights, loads each
@@ -301,3 +311,44 @@ def test_a_missing_monitor_and_a_failed_write_are_explained(tmp_path: Path) -> N
     (tmp_path / "a_file").write_text("not a directory")
     with pytest.raises(ExportError, match="could not write"):
         export_model(model, str(tmp_path / "a_file" / "m.pt"))
+
+
+def _ema_run(tmp_path: Path, *, export_ema: bool) -> tuple[Any, EMA]:
+    # The evaluator scores the EMA of the weights, not the weights trained.
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ema = EMA(model, decay=0.9)
+    evaluator = Evaluator(
+        make_eval_step(lambda m, b: m(b).pow(2).mean()),
+        [torch.ones(2, 2)],
+        metrics={"loss": torchmetrics.MeanMetric()},
+        every=2,
+        monitor="val_loss",
+        model=ema.module,
+    )
+    url = str(tmp_path / "best.pt")
+    given: dict[str, Any] = {"model": ema.module} if export_ema else {}
+    exporter = export_best(url, monitor="val_loss", **given)
+    events = Events(ema, evaluator).on("step_end", exporter, every=2)
+    step = make_train_step(lambda m, b: m(b).pow(2).mean())
+    run(step, state, [torch.ones(2, 2)] * 4, events=events)
+    return exporter, ema
+
+
+def test_export_best_of_another_modules_score_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    # Before, it exported the trained weights under the EMA's score (0.0216, for weights that
+    # score 2.8e-5): the file held one model under the other's score.
+    with pytest.raises(ConfigError, match=r"exports state.model, but the Evaluator.*model=ema"):
+        _ema_run(tmp_path, export_ema=False)
+    assert not (tmp_path / "best.pt").exists()
+
+
+def test_export_best_exports_the_module_given_whose_score_it_is(tmp_path: Path) -> None:
+    exporter, ema = _ema_run(tmp_path, export_ema=True)
+    exported = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert exporter.best.step == 4
+    for name, tensor in ema.module.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+    score = (torch.ones(2, 2) @ exported["weight"].T + exported["bias"]).pow(2).mean()
+    assert score.item() == exporter.best.value

@@ -22,7 +22,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from steplib import Event, Events, TrainState, clip, make_train_step, run
+from steplib import Event, Events, TrainState, clip, make_train_step, run, skip_nonfinite
 from steplib.checkpoint import (
     CheckpointWarning,
     checkpoint_every,
@@ -31,12 +31,13 @@ from steplib.checkpoint import (
     save,
 )
 from steplib.data import resumable_loader
-from steplib.errors import ConfigError
+from steplib.errors import ConfigError, NonFiniteError
 from steplib.handlers import (
     EMA,
     EarlyStopping,
     Evaluator,
     GradNormMonitor,
+    NonFiniteAlarm,
     TrainMetrics,
     export_best,
 )
@@ -323,3 +324,34 @@ def test_grad_norm_monitor_first_read_after_a_resume_covers_the_same_updates(
         _grad_norm_reads(tmp_path / "resumed", kill_at=6)
     got = _grad_norm_reads(tmp_path / "resumed")  # its first read covers updates 5 to 8
     assert got == [r for r in want if r[0] > 6] and len(got) == 1
+
+
+def _alarm_run(root: Path, *, kill_at: int | None = None) -> str:
+    """A NaN skipped at an early update, flags read every 4 updates, checkpoints every 2."""
+    model = nn.Linear(1, 1, bias=False)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    # log(0) * 0 is NaN: the batch holding 0 gives a NaN loss, which skip_nonfinite skips.
+    step = skip_nonfinite(make_train_step(lambda m, b: (m(b[0]) * b[0].log()).sum()))
+    loader = resumable_loader(TensorDataset(torch.tensor([[0.0]] + [[1.0]] * 7)), batch_size=1)
+    ckpt = checkpoint_every(str(root), every=2, step=step)
+    events = Events(resume_from(ckpt), NonFiniteAlarm(every=4, include_skipped=True), ckpt)
+
+    def kill(event: Event) -> None:
+        raise KilledError
+
+    if kill_at is not None:
+        events.on("step_end", kill, once=kill_at, last=True)  # after the save, as a kill is
+    with pytest.raises(NonFiniteError, match="non-finite loss") as raised:
+        run(step, state, loader, events=events, max_steps=8)
+    return str(raised.value)
+
+
+def test_non_finite_alarm_flags_before_a_kill_still_raise_after_the_resume(
+    tmp_path: Path,
+) -> None:
+    # Uninterrupted, the NaN of update 1 or 2 is read at update 4. Killed at 3 after the save
+    # at 2, the resumed run lost the flags: it trained on to the end without the alarm.
+    want = _alarm_run(tmp_path / "whole")
+    with pytest.raises(KilledError):
+        _alarm_run(tmp_path / "resumed", kill_at=3)
+    assert _alarm_run(tmp_path / "resumed") == want

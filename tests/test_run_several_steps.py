@@ -26,6 +26,7 @@ from steplib import (
     iterate,
     make_train_step,
     run,
+    skip_nonfinite,
 )
 from steplib.checkpoint import load, save
 from steplib.errors import NonFiniteError
@@ -185,3 +186,42 @@ def test_a_checkpoint_fingerprints_every_step_of_the_run(tmp_path: Any) -> None:
 def test_bad_several_step_arguments_are_refused_with_the_fix(call: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call(_state(), _batches(2))
+
+
+@pytest.mark.parametrize("several", [True, False])
+def test_steps_that_never_update_the_counted_optimizer_are_refused(several: bool) -> None:
+    # The run counts G's updates (G is the state's first optimizer); D's step alone never
+    # advanced them: step_end never fired (no evaluation, checkpoint or log every N updates)
+    # and max_steps alone would never have stopped the run.
+    d_step = _steps()["D"]
+    seen: list[int] = []
+    events = Events().on("step_end", lambda e: seen.append(e.step))
+    with pytest.raises(ValueError, match=r"update \['D'\] but not 'G', the state's first"):
+        run({"D": d_step} if several else d_step, _state(), _batches(4), events=events)
+    assert seen == []
+    # What the message offers: D's own state, whose counters are D's.
+    state = _state()
+    done = run(d_step, state["D"], _batches(4), events=events)
+    assert (seen, state.with_lane(done)["D"].step) == ([1, 2], 2)
+
+
+def test_a_non_finite_update_of_one_step_raises_the_alarm_though_another_step_skipped() -> None:
+    # D applies its NaN update (no skip_nonfinite); G, whose loss runs through D, skips its
+    # own. The alarm masked every step's flags with the last step's (G's) skip: D's weights
+    # became NaN and no alarm was ever raised.
+    steps = {
+        "D": make_train_step(_d_loss, optimizer="D"),
+        "G": skip_nonfinite(make_train_step(_g_loss, optimizer="G")),
+    }
+    data = _batches(6)
+    data[2] = (torch.full_like(data[2][0], float("nan")), data[2][1])
+    with pytest.raises(NonFiniteError, match=r"loss of step 'D' .* at step 3 .*batch index 2"):
+        run(steps, _state(), data, events=[NonFiniteAlarm(every=2)])
+
+
+def test_the_alarm_takes_steps_named_otherwise_than_the_state_has_optimizers() -> None:
+    model = nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_train_step(lambda m, b: m(b).pow(2).mean())
+    done = run({"main": step}, state, [torch.ones(2, 2)] * 3, events=[NonFiniteAlarm(every=1)])
+    assert done.step == 3

@@ -11,7 +11,7 @@ from torchmetrics import MeanMetric
 
 from steplib import ConfigError, Evaluator, Events, TrainState, make_eval_step, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
-from steplib.handlers import Scheduler
+from steplib.handlers import EarlyStopping, Scheduler
 
 VALUES = [3.0, 2.0, 2.5, 2.4, 2.6, 1.0, 1.5, 1.4]
 STEP = make_train_step(lambda m, b: m(b).pow(2).mean())
@@ -85,3 +85,14 @@ def test_what_cannot_work_is_refused_with_the_fix() -> None:
     state = TrainState.create(model=model, optimizer=opt, scheduler=step_lr)
     with pytest.raises(ConfigError, match=r"stepped.*twice|step it again"):
         run(STEP, state, [torch.ones(3, 2)], events=[Scheduler(step_lr)])
+
+
+def test_a_plateau_scheduler_or_early_stopping_given_an_unattached_evaluator_is_refused() -> None:
+    # The evaluator left out of the run never evaluated: the plateau scheduler never stepped
+    # and early stopping never checked, in silence.
+    state, evaluator, plateau = _build(VALUES)
+    with pytest.raises(ConfigError, match=r"Scheduler was given an Evaluator that is not attached"):
+        run(STEP, state, [torch.ones(2, 2)] * 4, events=[plateau])
+    stopper = EarlyStopping(evaluator, patience=1)
+    with pytest.raises(ConfigError, match=r"EarlyStopping was given an Evaluator that is not"):
+        run(STEP, state, [torch.ones(2, 2)] * 4, events=[stopper])

@@ -14,8 +14,8 @@ position, possibly sharded. An export is for using the model: one file holding
 :func:`export_best` is the handler that exports only when a monitored value improves, next to
 (and independent of) ``checkpoint_every``'s own retention.
 
-Imports ``state``, ``events``, ``handlers.stopping``, ``distributed`` and the checkpoint package's
-storage (never ``loop`` or ``step``).
+Imports ``state``, ``events``, ``handlers.stopping``, ``handlers.evaluation``, ``distributed``
+and the checkpoint package's storage (never ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from steplib.distributed.collectives import every_rank
 from steplib.distributed.parallelize import inner_module
 from steplib.errors import ConfigError, ExportError, describe
 from steplib.events import Event
+from steplib.handlers.evaluation import Evaluator
 from steplib.handlers.stopping import BestValue, monitored_value
 from steplib.state import TrainState
 
@@ -237,6 +238,7 @@ class ExportBest:
         min_delta: an improvement must beat the best by more than this.
         format: ``"torch"`` or ``"safetensors"`` (see :func:`export_model`).
         storage_options: passed to fsspec, or ``None``.
+        model: the module to export (``None``: ``state.model``).
 
     Attributes:
         best: a ``BestValue``: the best value so far (``.value``) and the step it was seen at
@@ -259,23 +261,45 @@ class ExportBest:
         min_delta: float,
         format: str,
         storage_options: Mapping[str, Any] | None,
+        model: nn.Module | None = None,
     ) -> None:
         self.url = url
         self.monitor = monitor
         self.format = format
         self.storage_options = storage_options
+        self.model = model
         self.best = BestValue(mode=mode, min_delta=min_delta)
 
     def __call__(self, event: Event) -> None:
         """Export ``event.state`` if the monitored value improved on the best so far."""
         value = monitored_value("export_best", self.monitor, event)
+        if value is None:  # another update's score: this model was not evaluated
+            return
         # Rank 0's value decides on every rank: under FSDP2 the export is a collective, and
         # a rank that decided otherwise would leave the others waiting in it.
         value = _from_rank0(value, getattr(event.state, "device", torch.device("cpu")))
+        exported = self.model if self.model is not None else event.state
+        self._check_evaluated(event, _unwrapped(exported))
         if self.best.update(value, step=event.step):
             export_model(
-                event.state, self.url, format=self.format, storage_options=self.storage_options
+                exported, self.url, format=self.format, storage_options=self.storage_options
             )
+
+    def _check_evaluated(self, event: Event, exported: nn.Module) -> None:
+        # The score must be the exported module's: an Evaluator(model=ema.module) scores the
+        # average, and state.model exported under its score would be silently wrong.
+        attached = event.events.attached() if event.events is not None else []
+        for ev in (h for h in attached if isinstance(h, Evaluator) and h.history):
+            step, values = ev.history[-1]
+            evaluated = inner_module(_unwrapped(ev.model if ev.model is not None else event.state))
+            if step == event.step and self.monitor in values and evaluated is not exported:
+                raise ConfigError(
+                    f"export_best(monitor={self.monitor!r}) exports "
+                    f"{'state.model' if self.model is None else 'its model='}, but the Evaluator "
+                    f"recording it evaluates {'state.model' if ev.model is None else 'its model='}"
+                    ": one model's file under the other's score. Export the evaluated module: "
+                    "export_best(..., model=ema.module) for Evaluator(..., model=ema.module)."
+                )
 
     def state_dict(self) -> dict[str, Any]:
         """The best value and its step (save it with a checkpoint's ``extras``)."""
@@ -305,6 +329,7 @@ def export_best(
     min_delta: float = 0.0,
     format: str = "torch",
     storage_options: Mapping[str, Any] | None = None,
+    model: nn.Module | None = None,
 ) -> ExportBest:
     """A handler that exports the model (:func:`export_model`) each time ``monitor`` improves.
 
@@ -323,13 +348,16 @@ def export_best(
         min_delta: an improvement must beat the best by more than this.
         format: ``"torch"`` or ``"safetensors"`` (see :func:`export_model`).
         storage_options: passed to fsspec.
+        model: the module to export, the one whose score ``monitor`` is: ``ema.module`` for an
+            ``Evaluator(..., model=ema.module)``; ``None``: ``state.model``.
 
     Returns:
         An :class:`ExportBest` handler (``.best`` holds the best value and its step).
 
     Raises:
         ConfigError: a bad argument, or safetensors missing (at build time); at a call,
-            ``monitor`` missing from ``state.extras`` (the message lists what is there).
+            ``monitor`` missing from ``state.extras`` (the message lists what is there), or
+            recorded by an attached ``Evaluator`` of another module than the one exported.
 
     Example:
         >>> from steplib import Events, TrainState, make_train_step, run
@@ -354,6 +382,11 @@ def export_best(
         )
     errors.mode("export_best", mode)
     _check_format("export_best", format)
+    if model is not None and not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"export_best(model=...) received {describe(model)}; pass the module to export "
+            "(e.g. ema.module, the one the evaluator evaluates) or None for state.model."
+        )
     resolve(url, storage_options, caller="export_best")  # a bad URL fails now, not at a best
     return ExportBest(
         url,
@@ -362,4 +395,5 @@ def export_best(
         min_delta=min_delta,
         format=format,
         storage_options=storage_options,
+        model=model,
     )

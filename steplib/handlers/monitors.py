@@ -21,8 +21,9 @@ from steplib.cadence import due
 from steplib.errors import ConfigError, NonFiniteError, describe
 from steplib.events import Event, Handler, Stop
 
-# Where a micro-batch was: step, epoch, batch index in the epoch, micro-step.
-_Where = tuple[int, int, int | None, int]
+# Where a micro-batch was: the step's name ("" for one step), the update, the epoch, the batch
+# index in the epoch, the micro-step.
+_Where = tuple[str, int, int, int | None, int]
 
 
 class NonFiniteAlarm(Handler):
@@ -32,7 +33,8 @@ class NonFiniteAlarm(Handler):
     Each micro-batch's finiteness is kept as a tensor on the device; the flags are read in one
     host transfer every ``every`` updates, so the alarm names the exact batch without a host sync
     per step. With accumulation, a non-final micro-batch is judged by its own loss, the final
-    one by the window's loss and gradient norm.
+    one by the window's loss and gradient norm. With several steps (a GAN's D and G) each
+    step's windows are judged by its own loss, gradient norm and skip.
 
     Args:
         every: read the flags every this many updates (and at ``fit_end``).
@@ -62,47 +64,87 @@ class NonFiniteAlarm(Handler):
             )
         self.include_skipped = include_skipped
         self.action = action
-        # Per micro-batch of the open window, then of the closed windows not read yet: a device
-        # flag pair [loss bad, grad norm bad] and where it was (step, epoch, batch, micro-step).
-        self._window: list[torch.Tensor] = []
-        self._window_where: list[_Where] = []
+        # Per step, the micro-batches of its open window; then those of the closed windows not
+        # read yet: a device flag pair [loss bad, grad norm bad] and where it was (_Where).
+        self._window: dict[str, list[torch.Tensor]] = {}
+        self._window_where: dict[str, list[_Where]] = {}
         self._pending: list[torch.Tensor] = []
         self._pending_where: list[_Where] = []
+        self._flagged: dict[str, Any] = {}  # per step, the last output flagged
 
     def on_micro_step_end(self, event: Event) -> None:
-        """Flag this micro-batch's loss (device ops only)."""
-        # Several steps (a GAN): a non-finite loss of any of them.
-        losses = [out.loss.detach() for out in (event.outputs or {"": event.output}).values()]
-        bad = ~torch.isfinite(torch.stack(losses)).all()
-        self._window.append(torch.stack((bad, torch.zeros_like(bad))))
-        # The update this micro-batch belongs to: while its window is open, the next one.
-        window = getattr(event.state, "window", None)
-        window_open = window is not None and window.size > 0
-        step = event.step + 1 if window_open else event.step
-        self._window_where.append((step, event.epoch, event.batch_index, event.micro_step))
+        """Flag each step's loss of this micro-batch (device ops only)."""
+        for name, out in (event.outputs or {"": event.output}).items():
+            self._flag(event, name, out)
 
     def on_step_end(self, event: Event) -> Stop | None:
-        """Close the window (gradient norm, skipped mask); read the flags on the interval."""
-        out = event.output
-        if not self._window:  # a window the loop flushed, with no micro-step event of its own
-            self.on_micro_step_end(event)
-        window = self._window
-        if out.grad_norm is not None:
-            grad_bad = ~torch.isfinite(out.grad_norm.detach()).to(window[-1].device)
-            window[-1] = window[-1] | torch.stack((torch.zeros_like(grad_bad), grad_bad))
-        if not self.include_skipped:
-            keep = ~out.skipped.to(window[-1].device)
-            window = [flags & keep for flags in window]
-        self._pending.extend(window)
-        self._pending_where.extend(self._window_where)
-        self._window, self._window_where = [], []
+        """Flag what the loop flushed (no micro-step event of its own); read on the interval."""
+        for name, out in (event.outputs or {"": event.output}).items():
+            if out is not self._flagged.get(name):
+                self._flag(event, name, out)
         if due(self.every, event):
             return self.check(event)
         return None
 
+    def _flag(self, event: Event, name: str, out: Any) -> None:
+        self._flagged[name] = out
+        bad = ~torch.isfinite(out.loss.detach()).all()
+        window = self._window.setdefault(name, [])
+        window.append(torch.stack((bad, torch.zeros_like(bad))))
+        # The update (of the run's counter) this micro-batch belongs to: while the counted
+        # window is open, the next one.
+        counted = getattr(event.state, "window", None)
+        step = event.step + 1 if counted is not None and counted.size > 0 else event.step
+        where = (name, step, event.epoch, event.batch_index, event.micro_step)
+        self._window_where.setdefault(name, []).append(where)
+        # Its own optimizer's window: the step's name is its optimizer's in a GAN's state.
+        named = name in getattr(event.state, "names", ())
+        own = getattr(event.state[name] if named else event.state, "window", None)
+        if own is not None and own.size > 0:
+            return  # this step's window is still open: its skip is not decided yet
+        # The window closed at this micro-batch: its gradient norm and its own skip.
+        if out.grad_norm is not None:
+            grad_bad = ~torch.isfinite(out.grad_norm.detach()).all().to(window[-1].device)
+            window[-1] = window[-1] | torch.stack((torch.zeros_like(grad_bad), grad_bad))
+        if not self.include_skipped:
+            keep = ~out.skipped.to(window[-1].device)
+            window = [flags & keep.to(flags.device) for flags in window]
+        self._pending.extend(window)
+        self._pending_where.extend(self._window_where[name])
+        self._window[name], self._window_where[name] = [], []
+
     def on_fit_end(self, event: Event) -> Stop | None:
         """Read the flags left (:meth:`check`)."""
         return self.check(event)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The flags not read yet and where each was (of the open windows and of the closed
+        ones). Attached to a run, they are saved with each checkpoint and restored on resume
+        (``checkpoint.contents``), so that a NaN flagged before a kill still raises at the
+        read after the resume, naming its own step, as without the interruption.
+
+        Example:
+            >>> NonFiniteAlarm().state_dict()
+            {'window': {}, 'window_where': {}, 'pending': [], 'pending_where': []}
+        """
+        return {
+            "window": {name: list(flags) for name, flags in self._window.items()},
+            "window_where": {
+                name: [list(w) for w in where] for name, where in self._window_where.items()
+            },
+            "pending": list(self._pending),
+            "pending_where": [list(where) for where in self._pending_where],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the flags stay where they were loaded:
+        :meth:`check` brings them to one device)."""
+        self._window = {name: list(flags) for name, flags in state["window"].items()}
+        self._window_where = {
+            name: [_where(w) for w in where] for name, where in state["window_where"].items()
+        }
+        self._pending = list(state["pending"])
+        self._pending_where = [_where(where) for where in state["pending_where"]]
 
     def check(self, event: Event | None = None) -> Stop | None:
         """Read the pending flags (one host transfer); raise or stop at the first bad one."""
@@ -110,11 +152,17 @@ class NonFiniteAlarm(Handler):
         self._pending, self._pending_where = [], []
         if not pending:
             return None
-        flags = torch.stack(pending).tolist()  # the one host read
-        for (loss_bad, grad_bad), (step, epoch, batch, micro) in zip(flags, where, strict=True):
+        # Flags restored at a resume may sit on the CPU (as loaded), the new ones on the GPU.
+        device = pending[-1].device
+        flags = torch.stack([f.to(device) for f in pending]).tolist()  # the one host read
+        for (loss_bad, grad_bad), (name, step, epoch, batch, micro) in zip(
+            flags, where, strict=True
+        ):
             if not (loss_bad or grad_bad):
                 continue
-            what = "loss" if loss_bad else "gradient norm"
+            what = ("loss" if loss_bad else "gradient norm") + (
+                f" of step {name!r}" if name else ""
+            )
             message = (
                 f"non-finite {what} (NaN or inf) at step {step} (epoch {epoch}, batch index "
                 f"{batch}, micro-step {micro}). Look at that batch for NaN/inf or extreme "
@@ -125,6 +173,11 @@ class NonFiniteAlarm(Handler):
                 return Stop(message)
             raise NonFiniteError(message)
         return None
+
+
+def _where(saved: Any) -> _Where:
+    name, step, epoch, batch, micro = saved
+    return str(name), int(step), int(epoch), None if batch is None else int(batch), int(micro)
 
 
 class GradNormMonitor(Handler):

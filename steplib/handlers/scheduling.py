@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 
@@ -71,6 +72,7 @@ class Scheduler(Handler):
             )
         self.scheduler = scheduler
         self.metric: str | None = getattr(metric, "monitor", metric)
+        self.evaluator = None if metric is None or isinstance(metric, str) else metric
         if metric is not None and not (isinstance(self.metric, str) and self.metric):
             raise ConfigError(
                 f"Scheduler(metric=...) received {describe(metric)}, which names no value. Pass "
@@ -92,11 +94,15 @@ class Scheduler(Handler):
             self.step(event)
 
     def check(self, event: Event) -> None:
-        """Refuse a scheduler that the state steps too (per update).
+        """Refuse a scheduler that the state steps too (per update), and an evaluator given as
+        ``metric`` that is not attached to the run (it would never step the scheduler).
 
         Raises:
-            ConfigError: ``event.state`` (or one of its optimizers') holds this scheduler.
+            ConfigError: ``event.state`` (or one of its optimizers') holds this scheduler; the
+                evaluator is not attached to ``event.events``.
         """
+        if self.evaluator is not None:
+            errors.evaluator_attached("Scheduler", self.evaluator, event.events)
         state = event.state
         held = [state.scheduler] + [state[n].scheduler for n in getattr(state, "names", ())]
         if any(s is self.scheduler for s in held):

@@ -10,7 +10,8 @@
 Every stop decision is taken jointly when a process group is initialised (one small all-reduce
 on the check's interval): a rank that stops alone leaves the others waiting in a collective.
 
-Imports ``events``, ``errors``, ``distributed`` (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``state``, ``errors``, ``distributed`` (handlers never import ``loop`` or
+``step``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from steplib.cadence import due
 from steplib.distributed.collectives import any_rank
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler, Stop
+from steplib.state import EVALUATED_AT
 
 
 def _device(event: Event) -> torch.device | None:
@@ -85,9 +87,11 @@ class BestValue:
         self.value, self.step = state["value"], state["step"]
 
 
-def monitored_value(owner: str, monitor: str, event: Event) -> float:
+def monitored_value(owner: str, monitor: str, event: Event) -> float | None:
     """``event.state.extras[monitor]`` as a float: what a handler that watches a value reads
-    (:class:`EarlyStopping`, :func:`~steplib.handlers.export.export_best`).
+    (:class:`EarlyStopping`, :func:`~steplib.handlers.export.export_best`); ``None`` when an
+    evaluation of another update put it there (``extras[EVALUATED_AT]``), so that a value is
+    never counted again, nor credited to a later model, by a check between two evaluations.
 
     Args:
         owner: the handler's name, for the error message.
@@ -95,7 +99,8 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float:
         event: the event whose state holds the value.
 
     Returns:
-        The value as a float (a one-element tensor is read with ``.item()``).
+        The value as a float (a one-element tensor is read with ``.item()``), or ``None`` when
+        it is another update's.
 
     Raises:
         ConfigError: ``monitor`` is not in ``state.extras``; the message lists the numbers that
@@ -106,6 +111,10 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float:
         >>> event = Event("step_end", state=SimpleNamespace(extras={"val_loss": 0.5}), step=3)
         >>> monitored_value("EarlyStopping", "val_loss", event)
         0.5
+        >>> extras = {"val_loss": 0.5, "evaluated_at": {"val_loss": 2}}  # update 2's model
+        >>> event = Event("step_end", state=SimpleNamespace(extras=extras), step=3)
+        >>> monitored_value("EarlyStopping", "val_loss", event) is None
+        True
     """
     extras: Mapping[str, Any] = getattr(event.state, "extras", None) or {}
     if monitor not in extras:
@@ -116,6 +125,8 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float:
             "one of them, and register this handler after the evaluation handler that puts the "
             "value there, on the same event and interval (e.g. both every=100)."
         )
+    if extras.get(EVALUATED_AT, {}).get(monitor, event.step) != event.step:
+        return None
     value = extras[monitor]
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
@@ -137,7 +148,7 @@ class EarlyStopping(Handler):
     after each of the evaluator's evaluations, with its metric and mode::
 
         evaluator = Evaluator(eval_step, val, metrics=..., every=500, monitor="val_loss")
-        events = Events(evaluator, EarlyStopping(evaluator, patience=3))  # in this order
+        events = Events(evaluator, EarlyStopping(evaluator, patience=3))  # in either order
 
     or give it a name and register it after the evaluation handler, on the same interval:
     ``events.on("step_end", EarlyStopping("val_loss", patience=3), every=500)``.
@@ -191,24 +202,30 @@ class EarlyStopping(Handler):
                 f"register it: events.on('step_end', stopper, every=500)."
             )
 
-    def on_step_end(self, event: Event) -> Stop | None:
-        """Check on the updates the evaluator evaluates at (its ``every``)."""
-        every = None if self.evaluator is None else self.evaluator.every
-        return self(event) if every is not None and due(every, event) else None
+    def on_fit_start(self, event: Event) -> None:
+        """Refuse an evaluator that is not attached to the run (it would never evaluate).
 
-    def on_epoch_end(self, event: Event) -> Stop | None:
-        """Check at epoch end when the evaluator evaluates there (``at_epoch_end``)."""
-        return self(event) if self.evaluator is not None and self.evaluator.at_epoch_end else None
+        Raises:
+            ConfigError: the evaluator given is not attached to ``event.events``.
+        """
+        if self.evaluator is not None:
+            errors.evaluator_attached("EarlyStopping", self.evaluator, event.events)
+
+    def on_validation_end(self, event: Event) -> Stop | None:
+        """Check after each of the evaluator's evaluations: on the ``validation_end`` it
+        emits, so that the check sees this evaluation's value whichever of the two was
+        attached first (at ``step_end`` a stopper attached first saw the previous one's)."""
+        return self(event)
 
     def __call__(self, event: Event) -> Stop | None:
         """Check ``event.state.extras[monitor]`` (a host number: no device read)."""
         if self.evaluator is not None:
             evaluations = len(self.evaluator.history)
-            if evaluations == self._evaluations:  # the evaluator skipped this event
+            if evaluations == self._evaluations:  # another evaluator's validation_end
                 return None
             self._evaluations = evaluations
         value = monitored_value("EarlyStopping", self.monitor, event)
-        return self.update(value, step=event.step)
+        return None if value is None else self.update(value, step=event.step)
 
     def update(self, value: float, *, step: int) -> Stop | None:
         """Count one check of ``value`` at ``step``; a :class:`Stop` when patience ran out."""
