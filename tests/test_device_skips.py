@@ -4,7 +4,7 @@ training as the host-decided reference, bit for bit, with the scheduler settled 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from steplib import (
 )
 from steplib.checkpoint import load, save
 from steplib.errors import TooManySkipsError
+from steplib.step import device_skips
 from steplib.step.device_skips import decides_on_device
 from steplib.testing import assert_no_host_sync
 from tests.checkpoint_helpers import memory_dir
@@ -168,6 +169,40 @@ def test_a_checkpoint_settles_the_scheduler_and_resume_is_bit_exact(memory_dir: 
     for got, expected in zip(resumed.model.parameters(), want.model.parameters(), strict=True):
         assert torch.equal(got, expected)
     assert int(resumed.skipped_updates) == int(want.skipped_updates) == 2
+    assert resumed.scheduler.state_dict() == want.scheduler.state_dict()  # type: ignore[union-attr]
+
+
+class _LandsAnUpdateLate(device_skips.HostCopy):
+    """A host copy that lands one call after the next is made, as a CUDA copy can."""
+
+    made: ClassVar[list[_LandsAnUpdateLate]] = []
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__(tensor)
+        self.made.append(self)
+
+    def ready(self) -> bool:
+        return self.made[-1] is not self
+
+
+def test_a_checkpoint_of_a_position_still_on_the_device_resumes_exactly(
+    memory_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on CUDA: the scheduler object is an update behind its position when the save comes.
+    # Before, the checkpoint held that older position and the resumed schedule ran late.
+    monkeypatch.setattr(device_skips, "HostCopy", _LandsAnUpdateLate)
+    _LandsAnUpdateLate.made.clear()
+    batches, step, resumed_step = _batches(9), _fp16_step(), _fp16_step()
+    state = _train(_state(), batches[:2], step)  # two applied updates
+    assert state.scheduler.last_epoch == 1  # type: ignore[union-attr]  # the second in flight
+    url = save(state, memory_dir, step=step)
+    assert state.scheduler.last_epoch == 2  # type: ignore[union-attr]  # settled by the save
+    want = _train(state, batches[2:], step)
+    resumed = _train(load(url, _state(seed=5)), batches[2:], resumed_step)
+    step.settle(want)  # both schedulers as their positions, to compare
+    resumed_step.settle(resumed)
+    for got, expected in zip(resumed.model.parameters(), want.model.parameters(), strict=True):
+        assert torch.equal(got, expected)
     assert resumed.scheduler.state_dict() == want.scheduler.state_dict()  # type: ignore[union-attr]
 
 

@@ -82,6 +82,24 @@ def test_gpu_skips_decided_on_the_device_make_no_host_sync() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_gpu_a_checkpoint_holds_the_schedule_position_kept_on_the_device(tmp_path) -> None:
+    from steplib.checkpoint import save
+    from steplib.errors import ConfigError
+
+    model = tiny_model(0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    step = skip_nonfinite(amp_wrap(make_train_step(token_loss), dtype=torch.float16))
+    with pytest.raises(ConfigError, match="step=step"):  # the position may be in the step
+        save(state, str(tmp_path / "without"))
+    for batch in _cuda(make_batches(4)):
+        state, _ = step(state, batch)
+    save(state, str(tmp_path / "with"), step=step)
+    assert sched.last_epoch == 4  # settled by the save: the object may lag an update or two
+
+
 def test_gpu_min_loss_scale_names_the_update_below_it_without_a_host_sync() -> None:
     model = tiny_model(0).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)

@@ -24,6 +24,7 @@ from steplib.checkpoint.contents import (
     is_sharded,
     prunes_here,
     run_data,
+    settle_schedulers,
     with_handlers,
 )
 from steplib.checkpoint.manifest import (
@@ -108,6 +109,7 @@ class Checkpointer(Handler):
         self._run_data = run_data(self.given.data, event)
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
         storage.check_writable(directory, caller=repr(self))
+        settle_schedulers(self.given.step, event.state, repr(self))  # a refusal before training
         if world_size() > 1 and not is_sharded(event.state):  # pipeline stages, say
             self._check_apart(directory)
         if prunes_here(event.state):

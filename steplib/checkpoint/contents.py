@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.checkpoint.manifest import fingerprint
 from steplib.distributed.parallelize import is_parallel_model
@@ -99,6 +100,26 @@ def check_arguments(
             )
     fingerprint(step, caller=caller)  # a Step, several by name, or None
     return extras
+
+
+def settle_schedulers(step: Any, state: TrainState, caller: str) -> None:
+    """Set the schedulers to the positions ``step`` keeps on the device (on CUDA the objects lag
+    an update or two behind: a fused optimizer's ``LambdaLR`` in a step that may skip); without
+    the step, ``ConfigError`` where such a position may be."""
+    if step is not None:
+        for one in step.values() if isinstance(step, Mapping) else (step,):
+            one.settle(state)
+        return
+    for lane in lanes(state):
+        fused = getattr(lane.optimizer, "_step_supports_amp_scaling", False)
+        if fused and type(lane.scheduler) is LambdaLR and lane.device.type == "cuda":
+            raise ConfigError(
+                f"{caller} received no step=, and this state's LambdaLR over a fused "
+                f"{type(lane.optimizer).__name__} on CUDA may have its position on the device, "
+                "in the step (its skips are decided there): the scheduler object can be an "
+                "update or two behind, and a checkpoint of it would resume the schedule late. "
+                "Pass the step you train with: step=step."
+            )
 
 
 def gather(

@@ -26,6 +26,7 @@ from steplib.checkpoint.contents import (
     gather,
     is_sharded,
     read_tree,
+    settle_schedulers,
 )
 from steplib.checkpoint.manifest import (
     MANIFEST,
@@ -89,6 +90,7 @@ class Checkpoints:
         extras = check_arguments(caller, state, data=self.data, extras=self.extras, step=self.step)
         directory = storage.resolve(self.directory, self.storage_options, caller=caller)
         numbers = check_metrics(metrics, caller)
+        settle_schedulers(self.step, state, caller)
         sharded = is_sharded(state)
         check_options(self, caller, sharded=sharded)
         tensors, layout, world = None, SINGLE, 1

@@ -144,6 +144,13 @@ class Step:
         """The composition as plain data: ``[{"wrapper": name, **settings}, ...]`` in order."""
         return [{"wrapper": name, **settings} for name, settings in self.applied]
 
+    def settle(self, state: TrainState) -> None:
+        """Set ``state``'s schedulers to the positions this step keeps on the device (a host
+        wait, on CUDA): a checkpoint calls it before it saves them."""
+        for lane in [state[name] for name in state.names] or [state]:
+            if lane.scheduler is not None:
+                self.plan.skips.settle(lane.scheduler)
+
     def _close(
         self, state: TrainState, aux: Mapping[str, torch.Tensor], report: GradReport | None
     ) -> tuple[TrainState, StepOutput]:

@@ -78,6 +78,11 @@ class HostCopy:
     def ready(self) -> bool:
         return self._event is None or bool(self._event.query())
 
+    def wait(self) -> None:
+        """Wait until the copy has landed (a host wait: only where a value is needed now)."""
+        if self._event is not None:
+            self._event.synchronize()
+
     def read(self) -> float:
         """The value (an int for an integer tensor); call only when :meth:`ready` (it is then a
         read of host memory)."""
@@ -161,6 +166,19 @@ class SkipMemory:
         while schedule.landing and schedule.landing[0].ready():  # in order; on the CPU at once
             landed = int(schedule.landing.pop(0).read())
         if landed is not None and landed != schedule.written:
+            _set_position(scheduler, landed)
+            schedule.written = landed
+
+    def settle(self, scheduler: Any) -> None:
+        """Set the scheduler object to its device position now, waiting for the last host copy:
+        what a checkpoint saves must be the position, not one an update or two old."""
+        schedule = self._schedules.get(scheduler)
+        if schedule is None or not schedule.landing:
+            return
+        schedule.landing[-1].wait()
+        landed = int(schedule.landing[-1].read())
+        schedule.landing.clear()
+        if landed != schedule.written:
             _set_position(scheduler, landed)
             schedule.written = landed
 

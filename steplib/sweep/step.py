@@ -136,6 +136,10 @@ class SweepStep:
         """The composition as plain data, the sweep first."""
         return [{"wrapper": name, **settings} for name, settings in self.applied]
 
+    def settle(self, state: TrainState) -> None:
+        """As :meth:`Step.settle`: the scheduler's device position, set on it for a save."""
+        self.step.settle(state)
+
     def _close(
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
