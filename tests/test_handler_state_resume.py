@@ -186,6 +186,14 @@ def test_early_stopping_keeps_its_patience_and_stops_at_the_same_update(
     assert got.stopper.state_dict() == want.stopper.state_dict()
 
 
+def test_a_run_resumed_after_its_early_stop_stops_at_once(tmp_path: Path) -> None:
+    # A finished job run again (a scheduler's requeue): before, it trained on until the next
+    # evaluation, and its last checkpoint was no longer the model early stopping had kept.
+    assert _train(tmp_path).state.step == STOPS_AT
+    again = _train(tmp_path)
+    assert again.state.step == STOPS_AT and again.losses == []
+
+
 def test_export_best_keeps_its_best_and_exports_only_a_new_best(runs: tuple[Run, Run]) -> None:
     want, got = runs
     assert got.exporter.state_dict() == want.exporter.state_dict()

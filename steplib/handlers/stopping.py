@@ -202,14 +202,21 @@ class EarlyStopping(Handler):
                 f"register it: events.on('step_end', stopper, every=500)."
             )
 
-    def on_fit_start(self, event: Event) -> None:
-        """Refuse an evaluator that is not attached to the run (it would never evaluate).
+    def on_fit_start(self, event: Event) -> Stop | None:
+        """Refuse an evaluator that is not attached to the run (it would never evaluate); stop
+        at once a run resumed after this stopper had stopped it (not one check later).
 
         Raises:
             ConfigError: the evaluator given is not attached to ``event.events``.
         """
         if self.evaluator is not None:
             errors.evaluator_attached("EarlyStopping", self.evaluator, event.events)
+        if self.wait < self.patience:
+            return None
+        return Stop(
+            f"early stopping: resumed after its stop ({self.monitor} had not improved for "
+            f"{self.wait} checks; best {self.best.value} at step {self.best.step})"
+        )
 
     def on_validation_end(self, event: Event) -> Stop | None:
         """Check after each of the evaluator's evaluations: on the ``validation_end`` it
