@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from steplib import ConfigError
+from steplib import ConfigError, TrainState
+from steplib.checkpoint import load, save
 from steplib.data import ResumableLoader, resumable_loader
 from steplib.data.loader import restore_position
 
@@ -117,3 +120,40 @@ def test_persistent_workers_are_refused() -> None:
             persistent_workers=True,
             generator=torch.Generator().manual_seed(0),
         )
+
+
+class _Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample ``i`` with a random augmentation from each generator a transform may draw from."""
+
+    def __len__(self) -> int:
+        return 11
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        noise = [int(torch.randint(1000, ())), random.randrange(1000), int(np.random.randint(1000))]
+        return torch.tensor([index, *noise])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", [1, 2, 5])
+def test_worker_augmentations_resume_where_they_were(cut: int, tmp_path: Any) -> None:
+    # Workers draw augmentations from their own generators (seeded base_seed + worker id at
+    # each epoch's start). A resumed worker started from that seed again: the rest of the epoch
+    # repeated the first batches' random crops and flips, unlike the uninterrupted run.
+    def loader() -> ResumableLoader:
+        return resumable_loader(_Augmented(), batch_size=2, seed=3, num_workers=2)
+
+    want = _epochs(loader(), 2)
+    interrupted = loader()
+    iterator = iter(interrupted)
+    seen = [next(iterator).tolist() for _ in range(cut)]
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    url = save(state, str(tmp_path), data=interrupted)
+    del iterator
+    resumed = loader()
+    load(url, state, data=resumed)
+    assert [seen + [b.tolist() for b in resumed], [b.tolist() for b in resumed]] == want

@@ -22,9 +22,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib.data.shards import SHARDED, ShardedSampler
+from steplib.data.worker_rng import WorkerRng
 from steplib.distributed.process_group import rank, world_size
 from steplib.errors import ConfigError, describe
 
@@ -50,18 +52,28 @@ class ResumableLoader(StatefulDataLoader):
     ``len(loader)`` is the number of batches the next pass yields: the rest of an interrupted
     epoch right after :meth:`load_state_dict`, a full epoch otherwise.
 
+    With worker processes, ``loader.dataset`` is the given dataset wrapped in a
+    :class:`~steplib.data.worker_rng.WorkerRng` (``loader.dataset.dataset`` is yours): each
+    worker's generators are then part of the position, so random augmentations drawn in the
+    workers resume where they were.
+
     Args:
         *args, **kwargs: a ``StatefulDataLoader``'s, with a ``generator`` and without
             ``persistent_workers`` (:func:`resumable_loader` sets them right).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        workers = kwargs.get("num_workers", args[4] if len(args) > 4 else 0)
+        if workers and not isinstance(dataset, IterableDataset):
+            # The workers' generators (random augmentations) then resume where they were,
+            # instead of from their seeds again (see steplib.data.worker_rng).
+            dataset = WorkerRng(dataset)
         # torchdata calls the deprecated torch.set_vital in its constructor; the warning is
         # about torchdata's code, not the caller's, and would fail test suites that turn
         # warnings into errors.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
-            super().__init__(*args, **kwargs)
+            super().__init__(dataset, *args, **kwargs)
         if self.persistent_workers and self.num_workers > 0:
             # Persistent workers reuse one iterator across epochs, so an epoch's start (the
             # generator state the order derives from) cannot be captured.
