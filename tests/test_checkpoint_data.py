@@ -32,6 +32,27 @@ def test_len_is_the_batches_of_the_next_pass() -> None:
     assert len(resumed) == 4  # ... then full epochs
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_len_after_a_resume_survives_a_save_before_the_pass(workers: int) -> None:
+    # state_dict() creates the resumed epoch's iterator; len() then said a full epoch, so the
+    # loop never closed the last window on the last batch (an extra flush call: another
+    # sequence of updates than the uninterrupted run).
+    loader = resumable_loader(DATA, batch_size=3, seed=1, num_workers=workers)
+    iterator = iter(loader)
+    next(iterator)
+    resumed = resumable_loader(DATA, batch_size=3, seed=1, num_workers=workers)
+    resumed.load_state_dict(loader.state_dict())
+    again = resumed.state_dict()
+    assert len(resumed) == 3
+    rest = [b.tolist() for b in resumed]
+    assert rest == [b.tolist() for b in iterator]
+    assert len(resumed) == 4
+    other = resumable_loader(DATA, batch_size=3, seed=1, num_workers=workers)
+    other.load_state_dict(again)
+    assert len(other) == 3
+    assert [b.tolist() for b in other] == rest
+
+
 def test_each_seed_shuffles_differently_and_epochs_differ() -> None:
     first = _epochs(resumable_loader(DATA, batch_size=3, seed=1), 2)
     assert first[0] != first[1]

@@ -197,7 +197,7 @@ class ResumableLoader(StatefulDataLoader):
             self._epoch_start_rng = self.generator.get_state()
             return super()._get_iterator()
         start, now = self._pending
-        self._pending, self._pending_left = None, None
+        self._pending = None  # _pending_left: until the pass begins (__iter__), see __len__
         # From the epoch's starting state, the restored iterator draws what the original one
         # drew (the permutation, then the worker base seed); torchdata then rewinds to replay
         # the permutation, and the generator is finally set to where the saved run was.
@@ -205,6 +205,13 @@ class ResumableLoader(StatefulDataLoader):
         iterator = super()._get_iterator()
         self.generator.set_state(now)
         self._epoch_start_rng = start
+        return iterator
+
+    def __iter__(self) -> Any:
+        # The resumed pass begins: the next one is a full epoch. Not in _get_iterator, which
+        # state_dict() also calls (a save right after the resume, before the loop reads len).
+        iterator = super().__iter__()
+        self._pending_left = None
         return iterator
 
     def __len__(self) -> int:
