@@ -53,6 +53,28 @@ def test_len_after_a_resume_survives_a_save_before_the_pass(workers: int) -> Non
     assert [b.tolist() for b in other] == rest
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{"dataset": torch.arange(16)}, {"batch_size": 3}, {"shuffle": False}],
+)
+def test_a_position_is_refused_by_a_loader_built_otherwise(change: dict[str, Any]) -> None:
+    # A dataset grown between the runs: the rest of the epoch repeated samples already seen
+    # and left others out. Another batch size: len() counted the rest in the old batches, so
+    # the loop closed the last window on the wrong batch. Unshuffled: the rest of the sequential
+    # order, after samples seen in the shuffled one. All in silence.
+    loader = resumable_loader(torch.arange(12), batch_size=2, seed=0)
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    built = {"batch_size": 2, "seed": 0, **change}
+    resumed = resumable_loader(built.pop("dataset", torch.arange(12)), **built)
+    with pytest.raises(ConfigError, match=r"Build the loader as the saving run did"):
+        resumed.load_state_dict(loader.state_dict())
+    same = resumable_loader(torch.arange(12), batch_size=2, seed=0)
+    same.load_state_dict(loader.state_dict())
+    assert [b.tolist() for b in same] == [b.tolist() for b in iterator]
+
+
 def test_each_seed_shuffles_differently_and_epochs_differ() -> None:
     first = _epochs(resumable_loader(DATA, batch_size=3, seed=1), 2)
     assert first[0] != first[1]

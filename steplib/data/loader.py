@@ -97,7 +97,8 @@ class ResumableLoader(StatefulDataLoader):
 
         Returns:
             ``{"loader": torchdata's state, "generator": the generator now,
-            "epoch_start_generator": the generator before this epoch's iterator drew from it}``;
+            "epoch_start_generator": the generator before this epoch's iterator drew from it,
+            "layout": the dataset size, batch size and sampler the position counts in}``;
             with a :class:`~steplib.data.shards.ShardedSampler`, ``{"sharded": the position
             in the global order}`` (see ``ShardedSampler.position``), which any world size
             can continue from.
@@ -109,7 +110,14 @@ class ResumableLoader(StatefulDataLoader):
             "loader": loader_state,
             "generator": self.generator.get_state(),
             "epoch_start_generator": self._epoch_start_rng.clone(),
+            "layout": self._layout(),
         }
+
+    def _layout(self) -> dict[str, Any]:
+        # What the position's batch count and sample order mean: loaded into a loader that
+        # differs here, it would skip other samples or count the epoch's batches wrongly.
+        size = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        return {"size": size, "batch_size": self.batch_size, "sampler": type(self.sampler).__name__}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a position returned by :meth:`state_dict`.
@@ -124,7 +132,8 @@ class ResumableLoader(StatefulDataLoader):
 
         Raises:
             ConfigError: ``state_dict`` was not made by a ``ResumableLoader`` of the same kind
-                (sharded or not), or a sharded one cannot continue here.
+                (sharded or not); a position inside an epoch, saved by a loader over another
+                dataset size, batch size or shuffling; or a sharded one cannot continue here.
         """
         sharded = isinstance(self.sampler, ShardedSampler)
         if sharded or (isinstance(state_dict, Mapping) and SHARDED in state_dict):
@@ -139,6 +148,16 @@ class ResumableLoader(StatefulDataLoader):
         loader_state = state_dict["loader"]
         yielded = _batches_yielded(loader_state)
         finished = bool(loader_state.get(_FINISHED, False))
+        # After an ended epoch a loader built otherwise may start the next one; before, not.
+        saved = state_dict.get("layout")
+        if saved is not None and saved != self._layout() and not finished:
+            raise ConfigError(
+                f"ResumableLoader.load_state_dict received a position saved by a loader over "
+                f"{saved}; this one has {self._layout()}, so the position would skip other "
+                "samples or miscount the epoch's batches. Build the loader as the saving run "
+                "did (the same dataset, batch_size and shuffle); to resume with "
+                "another batch size, use resumable_loader(..., shard=True) in both runs."
+            )
         full = super().__len__()
         self.epoch_completed_on_load = yielded is not None and yielded >= full and not finished
         if self.epoch_completed_on_load or finished:
