@@ -242,8 +242,12 @@ def _mix(seed: int, rank: int) -> list[int]:
 RngState = dict[str, Any]
 
 
-def capture_rng() -> RngState:
+def capture_rng(*, cuda: bool = True) -> RngState:
     """The current state of every global generator, as plain data.
+
+    Args:
+        cuda: also capture the CUDA generators. ``False`` in a forked ``DataLoader`` worker,
+            where starting CUDA fails (``"cuda"`` is then ``None``).
 
     Returns:
         ``{"torch": ByteTensor, "cuda": [ByteTensor per device] or None, "numpy": dict or None,
@@ -258,10 +262,10 @@ def capture_rng() -> RngState:
         >>> torch.equal(torch.rand(2), a)
         True
     """
-    cuda = None
-    if torch.cuda.is_available():
+    cuda_states = None
+    if cuda and torch.cuda.is_available():
         # One state per device: a process may drive several GPUs (model parallel).
-        cuda = [s.clone() for s in torch.cuda.get_rng_state_all()]
+        cuda_states = [s.clone() for s in torch.cuda.get_rng_state_all()]
     numpy_state = None
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -275,7 +279,7 @@ def capture_rng() -> RngState:
     version, internal, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": cuda,
+        "cuda": cuda_states,
         "numpy": numpy_state,
         "python": [version, list(internal), gauss_next],
     }

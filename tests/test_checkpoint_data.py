@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from steplib import ConfigError
+from steplib import ConfigError, TrainState
+from steplib.checkpoint import load, save
 from steplib.data import ResumableLoader, resumable_loader
 from steplib.data.loader import restore_position
 
@@ -27,6 +30,49 @@ def test_len_is_the_batches_of_the_next_pass() -> None:
     assert len(resumed) == 3  # the rest of the interrupted epoch ...
     assert len(list(resumed)) == 3
     assert len(resumed) == 4  # ... then full epochs
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_len_after_a_resume_survives_a_save_before_the_pass(workers: int) -> None:
+    # state_dict() creates the resumed epoch's iterator; len() then said a full epoch, so the
+    # loop never closed the last window on the last batch (an extra flush call: another
+    # sequence of updates than the uninterrupted run).
+    loader = resumable_loader(DATA, batch_size=3, seed=1, num_workers=workers)
+    iterator = iter(loader)
+    next(iterator)
+    resumed = resumable_loader(DATA, batch_size=3, seed=1, num_workers=workers)
+    resumed.load_state_dict(loader.state_dict())
+    again = resumed.state_dict()
+    assert len(resumed) == 3
+    rest = [b.tolist() for b in resumed]
+    assert rest == [b.tolist() for b in iterator]
+    assert len(resumed) == 4
+    other = resumable_loader(DATA, batch_size=3, seed=1, num_workers=workers)
+    other.load_state_dict(again)
+    assert len(other) == 3
+    assert [b.tolist() for b in other] == rest
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"dataset": torch.arange(16)}, {"batch_size": 3}, {"shuffle": False}],
+)
+def test_a_position_is_refused_by_a_loader_built_otherwise(change: dict[str, Any]) -> None:
+    # A dataset grown between the runs: the rest of the epoch repeated samples already seen
+    # and left others out. Another batch size: len() counted the rest in the old batches, so
+    # the loop closed the last window on the wrong batch. Unshuffled: the rest of the sequential
+    # order, after samples seen in the shuffled one. All in silence.
+    loader = resumable_loader(torch.arange(12), batch_size=2, seed=0)
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    built = {"batch_size": 2, "seed": 0, **change}
+    resumed = resumable_loader(built.pop("dataset", torch.arange(12)), **built)
+    with pytest.raises(ConfigError, match=r"Build the loader as the saving run did"):
+        resumed.load_state_dict(loader.state_dict())
+    same = resumable_loader(torch.arange(12), batch_size=2, seed=0)
+    same.load_state_dict(loader.state_dict())
+    assert [b.tolist() for b in same] == [b.tolist() for b in iterator]
 
 
 def test_each_seed_shuffles_differently_and_epochs_differ() -> None:
@@ -117,3 +163,40 @@ def test_persistent_workers_are_refused() -> None:
             persistent_workers=True,
             generator=torch.Generator().manual_seed(0),
         )
+
+
+class _Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample ``i`` with a random augmentation from each generator a transform may draw from."""
+
+    def __len__(self) -> int:
+        return 11
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        noise = [int(torch.randint(1000, ())), random.randrange(1000), int(np.random.randint(1000))]
+        return torch.tensor([index, *noise])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", [1, 2, 5])
+def test_worker_augmentations_resume_where_they_were(cut: int, tmp_path: Any) -> None:
+    # Workers draw augmentations from their own generators (seeded base_seed + worker id at
+    # each epoch's start). A resumed worker started from that seed again: the rest of the epoch
+    # repeated the first batches' random crops and flips, unlike the uninterrupted run.
+    def loader() -> ResumableLoader:
+        return resumable_loader(_Augmented(), batch_size=2, seed=3, num_workers=2)
+
+    want = _epochs(loader(), 2)
+    interrupted = loader()
+    iterator = iter(interrupted)
+    seen = [next(iterator).tolist() for _ in range(cut)]
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    url = save(state, str(tmp_path), data=interrupted)
+    del iterator
+    resumed = loader()
+    load(url, state, data=resumed)
+    assert [seen + [b.tolist() for b in resumed], [b.tolist() for b in resumed]] == want

@@ -462,3 +462,30 @@ def test_pytest_plugin_provides_the_fixtures(tmp_path: Path) -> None:
     )
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     assert "1 passed" in child.stdout
+
+
+def test_steps_equivalent_compares_buffers_a_stray_forward_moves() -> None:
+    # A step that runs the model once more per batch (a check, a log) trains the same
+    # parameters, but BatchNorm's running statistics move twice: the evaluated model differs.
+    # Only parameters and the optimizer were compared, so the helper said "equivalent".
+    def build(extra_forward: bool) -> Any:
+        def factory() -> tuple[Any, TrainState]:
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3),
+                torch.nn.Flatten(0),
+            )  # fmt: skip
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+                if extra_forward:
+                    with torch.no_grad():
+                        model(batch[0])
+                return mean_loss(model, batch)
+
+            return make_train_step(loss_fn), TrainState.create(model=model, optimizer=opt)
+
+        return factory
+
+    assert_steps_equivalent(build(False), build(False), make_batches(3))
+    with pytest.raises(AssertionError, match=r"at update 1 .*buffer '1.running_mean' differs"):
+        assert_steps_equivalent(build(False), build(True), make_batches(3))

@@ -22,9 +22,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib.data.shards import SHARDED, ShardedSampler
+from steplib.data.worker_rng import WorkerRng
 from steplib.distributed.process_group import rank, world_size
 from steplib.errors import ConfigError, describe
 
@@ -50,18 +52,28 @@ class ResumableLoader(StatefulDataLoader):
     ``len(loader)`` is the number of batches the next pass yields: the rest of an interrupted
     epoch right after :meth:`load_state_dict`, a full epoch otherwise.
 
+    With worker processes, ``loader.dataset`` is the given dataset wrapped in a
+    :class:`~steplib.data.worker_rng.WorkerRng` (``loader.dataset.dataset`` is yours): each
+    worker's generators are then part of the position, so random augmentations drawn in the
+    workers resume where they were.
+
     Args:
         *args, **kwargs: a ``StatefulDataLoader``'s, with a ``generator`` and without
             ``persistent_workers`` (:func:`resumable_loader` sets them right).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        workers = kwargs.get("num_workers", args[4] if len(args) > 4 else 0)
+        if workers and not isinstance(dataset, IterableDataset):
+            # The workers' generators (random augmentations) then resume where they were,
+            # instead of from their seeds again (see steplib.data.worker_rng).
+            dataset = WorkerRng(dataset)
         # torchdata calls the deprecated torch.set_vital in its constructor; the warning is
         # about torchdata's code, not the caller's, and would fail test suites that turn
         # warnings into errors.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
-            super().__init__(*args, **kwargs)
+            super().__init__(dataset, *args, **kwargs)
         if self.persistent_workers and self.num_workers > 0:
             # Persistent workers reuse one iterator across epochs, so an epoch's start (the
             # generator state the order derives from) cannot be captured.
@@ -85,7 +97,8 @@ class ResumableLoader(StatefulDataLoader):
 
         Returns:
             ``{"loader": torchdata's state, "generator": the generator now,
-            "epoch_start_generator": the generator before this epoch's iterator drew from it}``;
+            "epoch_start_generator": the generator before this epoch's iterator drew from it,
+            "layout": the dataset size, batch size and sampler the position counts in}``;
             with a :class:`~steplib.data.shards.ShardedSampler`, ``{"sharded": the position
             in the global order}`` (see ``ShardedSampler.position``), which any world size
             can continue from.
@@ -97,7 +110,14 @@ class ResumableLoader(StatefulDataLoader):
             "loader": loader_state,
             "generator": self.generator.get_state(),
             "epoch_start_generator": self._epoch_start_rng.clone(),
+            "layout": self._layout(),
         }
+
+    def _layout(self) -> dict[str, Any]:
+        # What the position's batch count and sample order mean: loaded into a loader that
+        # differs here, it would skip other samples or count the epoch's batches wrongly.
+        size = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        return {"size": size, "batch_size": self.batch_size, "sampler": type(self.sampler).__name__}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a position returned by :meth:`state_dict`.
@@ -112,7 +132,8 @@ class ResumableLoader(StatefulDataLoader):
 
         Raises:
             ConfigError: ``state_dict`` was not made by a ``ResumableLoader`` of the same kind
-                (sharded or not), or a sharded one cannot continue here.
+                (sharded or not); a position inside an epoch, saved by a loader over another
+                dataset size, batch size or shuffling; or a sharded one cannot continue here.
         """
         sharded = isinstance(self.sampler, ShardedSampler)
         if sharded or (isinstance(state_dict, Mapping) and SHARDED in state_dict):
@@ -127,6 +148,16 @@ class ResumableLoader(StatefulDataLoader):
         loader_state = state_dict["loader"]
         yielded = _batches_yielded(loader_state)
         finished = bool(loader_state.get(_FINISHED, False))
+        # After an ended epoch a loader built otherwise may start the next one; before, not.
+        saved = state_dict.get("layout")
+        if saved is not None and saved != self._layout() and not finished:
+            raise ConfigError(
+                f"ResumableLoader.load_state_dict received a position saved by a loader over "
+                f"{saved}; this one has {self._layout()}, so the position would skip other "
+                "samples or miscount the epoch's batches. Build the loader as the saving run "
+                "did (the same dataset, batch_size and shuffle); to resume with "
+                "another batch size, use resumable_loader(..., shard=True) in both runs."
+            )
         full = super().__len__()
         self.epoch_completed_on_load = yielded is not None and yielded >= full and not finished
         if self.epoch_completed_on_load or finished:
@@ -185,7 +216,7 @@ class ResumableLoader(StatefulDataLoader):
             self._epoch_start_rng = self.generator.get_state()
             return super()._get_iterator()
         start, now = self._pending
-        self._pending, self._pending_left = None, None
+        self._pending = None  # _pending_left: until the pass begins (__iter__), see __len__
         # From the epoch's starting state, the restored iterator draws what the original one
         # drew (the permutation, then the worker base seed); torchdata then rewinds to replay
         # the permutation, and the generator is finally set to where the saved run was.
@@ -193,6 +224,13 @@ class ResumableLoader(StatefulDataLoader):
         iterator = super()._get_iterator()
         self.generator.set_state(now)
         self._epoch_start_rng = start
+        return iterator
+
+    def __iter__(self) -> Any:
+        # The resumed pass begins: the next one is a full epoch. Not in _get_iterator, which
+        # state_dict() also calls (a save right after the resume, before the loop reads len).
+        iterator = super().__iter__()
+        self._pending_left = None
         return iterator
 
     def __len__(self) -> int:

@@ -30,7 +30,7 @@ from steplib.testing.runs import (
     tolerance,
 )
 
-_ORDER = "after every update: the loss, then every parameter, then the optimizer state"
+_ORDER = "after every update: the loss, then every parameter and buffer, then the optimizer state"
 
 
 def assert_steps_equivalent(
@@ -52,7 +52,7 @@ def assert_steps_equivalent(
     from the same seeded generators, so dropout draws the same masks in both. The runs advance
     in lockstep, one update at a time (each with its own copy of the global generators), and
     are compared before the first update and after every update: the loss reported by the
-    update, every parameter (by position; named as in A's model), and the optimizer's
+    update, every parameter and buffer (by position; named as in A's model), and the optimizer's
     hyperparameters and per-parameter state. A step with ``flush`` is flushed after the last
     batch, so a last, shorter window counts.
 

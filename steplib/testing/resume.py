@@ -61,7 +61,7 @@ def verify_resume(
       does not restore them fails), ``load(...)`` and the run continues to the end.
 
     After every call the counters and the loss are compared, after every update also every
-    parameter, the optimizer (hyperparameters and state), the scheduler, the scaler and
+    parameter and buffer, the optimizer (hyperparameters and state), the scheduler, the scaler and
     ``state.extras``; and the counters of the final states.
 
     Data: ``batches`` is either a list of batches (fed in order, one pass per epoch; its

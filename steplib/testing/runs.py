@@ -201,7 +201,10 @@ def tolerance(caller: str, atol: float, rtol: float, **given: float | None) -> T
 
 
 def parameter_values(state: Any) -> Values:
-    return [(f"parameter {name!r}", p.detach()) for name, p in state.model.named_parameters()]
+    """Every parameter, then every buffer (BatchNorm's running statistics: trained state too,
+    which a step that runs the model once too often moves while the parameters agree)."""
+    values = [(f"parameter {name!r}", p.detach()) for name, p in state.model.named_parameters()]
+    return values + [(f"buffer {name!r}", b) for name, b in state.model.named_buffers()]
 
 
 def optimizer_values(state: Any) -> Values:
