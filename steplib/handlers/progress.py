@@ -4,7 +4,9 @@ samples/s or batches/s, named by what is counted).
 The bar advances on every ``step_end`` from host counters alone. It reads tensors (a host sync)
 only every ``every`` updates and at the end: in between, the target counts and the
 token-weighted loss are summed as tensors where the step left them, so a GPU is never made to
-wait per step. The rate counts the ``num_targets`` a ``loss_fn`` reports: tokens for
+wait per step. An update skipped as non-finite (``skip_nonfinite``) is left out of the loss
+(as :class:`~steplib.handlers.TrainMetrics` leaves it out) and shown as ``skipped``.
+The rate counts the ``num_targets`` a ``loss_fn`` reports: tokens for
 ``(loss_sum, num_targets)``; a plain mean loss counts one per micro-batch, so its rate is
 named batches/s (samples/s with ``samples_per_step``).
 
@@ -72,8 +74,9 @@ class ProgressBar(Handler):
     """
 
     # Device-side sums since the last refresh, by step name ("" for a run of one step): the
-    # targets and the loss times the targets; and the latest LR.
-    _sums: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # targets (the rate's), and over the updates not skipped the targets and the loss times
+    # the targets (the shown loss's), and the skipped updates; and the latest LR.
+    _sums: dict[str, tuple[torch.Tensor, ...]]
     _lr: torch.Tensor | None
 
     def __init__(
@@ -148,15 +151,20 @@ class ProgressBar(Handler):
         if self.disable or not self.keys or event.output is None:
             return
         # Device-side sums: no host read here. Weighting each update's loss by its targets
-        # gives the token-weighted mean loss over the interval; several steps, one each.
+        # gives the token-weighted mean loss over the interval; several steps, one each. A
+        # skipped update (skip_nonfinite) trained nothing: its loss (often NaN) is left out of
+        # the shown loss, as TrainMetrics leaves it out, and counted as skipped.
         outputs = event.outputs or {"": event.output}
         for name, out in outputs.items():
             targets = out.num_targets.detach().float()
-            loss = out.loss.detach().float() * targets
+            loss = out.loss.detach().float()
+            skipped = out.skipped.to(loss.device).expand_as(loss)
+            # where(), not a product: NaN * 0 is NaN.
+            kept = torch.where(skipped, 0.0, targets.to(loss.device).expand_as(loss))
+            sums = (targets, kept, torch.where(skipped, 0.0, loss * kept), skipped.float())
             if name in self._sums:
-                before_targets, before_loss = self._sums[name]
-                targets, loss = before_targets + targets, before_loss + loss
-            self._sums[name] = (targets, loss)
+                sums = tuple(a + b for a, b in zip(self._sums[name], sums, strict=True))
+            self._sums[name] = sums
         self._counted_name = name  # the last step's targets are what the rate counts
         self._lr = event.output.lr
         self._micro_step = event.micro_step
@@ -197,15 +205,20 @@ class ProgressBar(Handler):
         # One read for everything: each step's (targets, loss sums) and the LR; a sweep's loss
         # and LR hold one value per copy ([N]).
         names = list(self._sums)
-        parts = [torch.cat([t.reshape(1), loss.flatten()]) for t, loss in self._sums.values()]
+        parts = [torch.cat([s.reshape(-1) for s in sums]) for sums in self._sums.values()]
         values = iter(torch.cat([p.double() for p in (*parts, self._lr.flatten())]).tolist())
         losses: dict[str, list[float]] = {}
         counts: dict[str, float] = {}
+        skips: dict[str, list[float]] = {}
         for name, part in zip(names, parts, strict=True):
-            t, *sums = (next(values) for _ in range(part.numel()))
-            counts[name] = t
+            copies = (part.numel() - 1) // 3  # a sweep's copies, else 1
+            counts[name] = next(values)
+            kept, sums, skipped = ([next(values) for _ in range(copies)] for _ in range(3))
             key = "loss" if not name else f"{name}/loss"
-            losses[key] = [v / t if t > 0 else float("nan") for v in sums]
+            means = zip(sums, kept, strict=True)
+            losses[key] = [v / t if t > 0 else float("nan") for v, t in means]
+            if any(skipped):
+                skips["skipped" if not name else f"{name}/skipped"] = skipped
         lrs = list(values)
         targets = counts[self._counted_name]
         # Measured after the read, so on a GPU the interval covers work that has finished.
@@ -225,22 +238,32 @@ class ProgressBar(Handler):
         self.stats = {
             "step": step,
             **{k: v[0] if len(v) == 1 else v for k, v in losses.items()},
+            **{k: _count(v) for k, v in skips.items()},
             "lr": lrs[0] if len(lrs) == 1 else lrs,
             f"{unit}_per_s": rate,
             unit: int(self._counted) if self._counted.is_integer() else self._counted,
         }
         shown = {
             **{k.replace("/", " "): _range(v, ".4f", best=True) for k, v in losses.items()},
+            **{k.replace("/", " "): str(_count(v)) for k, v in skips.items()},
             "lr": _range(lrs, ".3g"),
             f"{unit}/s": _si(rate),
         }  # "D loss" for a step named D
-        kinds = {k: "rate" if "/" in k else "loss" if k.endswith("loss") else k for k in shown}
+        kinds = {
+            k: "rate" if "/" in k else "loss" if k.endswith(("loss", "skipped")) else k
+            for k in shown
+        }
         postfix = {k: v for k, v in shown.items() if kinds[k] in self.keys}
         assert self._bar is not None
         self._bar.set_postfix(postfix, refresh=True)
 
 
 _SHOWN = ("loss", "lr", "rate")
+
+
+def _count(values: list[float]) -> int | list[int]:
+    """Skipped updates: one number, or a sweep's one per copy."""
+    return int(values[0]) if len(values) == 1 else [int(v) for v in values]
 
 
 def _range(values: list[float], spec: str, *, best: bool = False) -> str:
