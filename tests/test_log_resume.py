@@ -5,6 +5,7 @@ again by the resumed run, so the file sinks drop them (TensorBoard hides them, p
 from __future__ import annotations
 
 import csv
+import io
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from steplib import Events, TrainState, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
+from steplib.handlers import ProgressBar, Throughput
 from steplib.handlers.logging import CSVLogger, JsonlLogger, Log, TensorBoardLogger
 
 
@@ -95,3 +97,31 @@ def test_a_resumed_runs_tensorboard_points_hold_each_step_once(tmp_path: Path) -
     reader = EventAccumulator(tb_dir)
     reader.Reload()
     assert [point.step for point in reader.Scalars("loss")] == list(range(1, 11))
+
+
+def _counted_run(root: Path, max_steps: int) -> tuple[ProgressBar, list[dict]]:
+    """A run to ``max_steps`` with a bar and a Throughput attached before resume_from."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_train_step(lambda m, batch: m(batch).pow(2).mean())  # a mean: batches/s
+    data = resumable_loader(torch.randn(400, 2), batch_size=4)
+    ckpt = checkpoint_every(str(root / "ckpt"), every=50, step=step)
+    bar = ProgressBar(every=5, file=io.StringIO(), samples_per_step=4)
+    speed = Throughput()
+    reads: list[dict] = []
+    events = Events(bar, speed, resume_from(ckpt), ckpt)
+    events.on("step_end", lambda event: reads.append(speed.read(event)), every=5)
+    run(step, state, data, events=events, max_steps=max_steps)
+    return bar, reads
+
+
+def test_a_bar_and_throughput_attached_before_resume_from_count_this_runs_updates(
+    tmp_path: Path,
+) -> None:
+    """They read where the counters start at fit_start; a resume_from after them swapped the
+    resumed state in later, so they counted the earlier run's 60 updates as this run's."""
+    _counted_run(tmp_path, 60)
+    bar, reads = _counted_run(tmp_path, 70)  # resumes at 60 and makes 10 updates
+    assert bar.stats["samples"] == 10 * 4  # was 70 * 4
+    assert [sorted(r) for r in reads] == [["batches_per_s", "steps_per_s"]] * 2  # was tokens

@@ -78,6 +78,7 @@ class ProgressBar(Handler):
     # the targets (the shown loss's), and the skipped updates; and the latest LR.
     _sums: dict[str, tuple[torch.Tensor, ...]]
     _lr: torch.Tensor | None
+    _last_step: int | None  # the update the bar counted last; None until the run's first
 
     def __init__(
         self,
@@ -135,8 +136,9 @@ class ProgressBar(Handler):
             disable=self.disable,
             dynamic_ncols=True,
         )
-        self._last_step = self._step_since = event.step
-        self._micro_step = self._micro_since = event.micro_step
+        # Where the counters start is taken from the first update (its step_end): a
+        # resume_from attached after the bar swaps in the resumed state after this call.
+        self._last_step = None
 
     def on_step_end(self, event: Event) -> None:
         """Count the update; every ``every`` updates, read the sums and refresh the numbers.
@@ -146,6 +148,10 @@ class ProgressBar(Handler):
         if self._bar is None:  # used without fit_start (e.g. the user's own loop)
             self.on_fit_start(event)
         assert self._bar is not None
+        if self._last_step is None:  # the first update: it covers event.batches micro-batches
+            self._last_step = self._step_since = event.step - 1
+            self._micro_step = self._micro_since = event.micro_step - event.batches
+            self._bar.n = self._bar.initial = self._last_step  # as if opened here (a resume)
         self._bar.update(event.step - self._last_step)
         self._last_step = event.step
         if self.disable or not self.keys or event.output is None:
@@ -194,7 +200,7 @@ class ProgressBar(Handler):
     def _reset(self) -> None:
         self._sums, self._lr, self._counted_name = {}, None, ""
         self._counted = 0.0
-        self._last_step = 0
+        self._last_step = None
         # Host counters at the last refresh: the interval's micro-batches and updates.
         self._micro_step = self._micro_since = self._step_since = 0
         self._since = time.perf_counter()
