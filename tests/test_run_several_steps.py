@@ -225,3 +225,26 @@ def test_the_alarm_takes_steps_named_otherwise_than_the_state_has_optimizers() -
     step = make_train_step(lambda m, b: m(b).pow(2).mean())
     done = run({"main": step}, state, [torch.ones(2, 2)] * 3, events=[NonFiniteAlarm(every=1)])
     assert done.step == 3
+
+
+def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:
+    # G (counted) updates every 3 batches, D every 2: D's windows close at batches 2, 4 and 6,
+    # between G's updates; at G's update of batch 3, D's call reported one micro-batch, which
+    # the bar added and then added again inside D's window loss.
+    windows: dict[str, list[tuple[float, float]]] = {"D": [], "G": []}
+
+    def closed(event: Event) -> None:
+        assert event.outputs is not None
+        for name, out in event.outputs.items():
+            if bool(out.did_update):
+                windows[name].append((float(out.loss), float(out.num_targets)))
+
+    bar = ProgressBar(every=2, file=io.StringIO())
+    events = Events().on("micro_step_end", closed)
+    bar.attach(events)
+    run(_steps(), _state(), _batches(6), events=events)
+    assert [len(windows["D"]), len(windows["G"])] == [3, 2]
+    for name in ("D", "G"):
+        targets = sum(t for _, t in windows[name])
+        loss = sum(loss * t for loss, t in windows[name]) / targets
+        assert bar.stats[f"{name}/loss"] == pytest.approx(loss, rel=1e-6)

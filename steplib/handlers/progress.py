@@ -79,6 +79,7 @@ class ProgressBar(Handler):
     _sums: dict[str, tuple[torch.Tensor, ...]]
     _lr: torch.Tensor | None
     _last_step: int | None  # the update the bar counted last; None until the run's first
+    _added: list[Any]  # the outputs added at the last micro_step_end
 
     def __init__(
         self,
@@ -156,26 +157,44 @@ class ProgressBar(Handler):
         self._last_step = event.step
         if self.disable or not self.keys or event.output is None:
             return
-        # Device-side sums: no host read here. Weighting each update's loss by its targets
-        # gives the token-weighted mean loss over the interval; several steps, one each. A
-        # skipped update (skip_nonfinite) trained nothing: its loss (often NaN) is left out of
-        # the shown loss, as TrainMetrics leaves it out, and counted as skipped.
-        outputs = event.outputs or {"": event.output}
-        for name, out in outputs.items():
-            targets = out.num_targets.detach().float()
-            loss = out.loss.detach().float()
-            skipped = out.skipped.to(loss.device).expand_as(loss)
-            # where(), not a product: NaN * 0 is NaN.
-            kept = torch.where(skipped, 0.0, targets.to(loss.device).expand_as(loss))
-            sums = (targets, kept, torch.where(skipped, 0.0, loss * kept), skipped.float())
-            if name in self._sums:
-                sums = tuple(a + b for a, b in zip(self._sums[name], sums, strict=True))
-            self._sums[name] = sums
+        self._add(event)
+        name = list(event.outputs or {"": None})[-1]
         self._counted_name = name  # the last step's targets are what the rate counts
         self._lr = event.output.lr
         self._micro_step = event.micro_step
         if due(self.every, event):
             self._refresh(event.step)
+
+    def on_micro_step_end(self, event: Event) -> None:
+        """Add the windows that closed on this batch (another step's may close between two
+        updates of the counted one)."""
+        if not self.disable and self.keys and event.output is not None:
+            self._add(event)
+
+    def _add(self, event: Event) -> None:
+        # Device-side sums: no host read here. Each step's windows are added once, on the call
+        # that closes them (its loss is the window's, over the window's targets): a call
+        # inside another step's open window reports one micro-batch, which the window's loss
+        # counts again when it closes. Weighting each window's loss by its targets gives the
+        # token-weighted mean loss over the interval; several steps, one each. A skipped
+        # update (skip_nonfinite) trained nothing: its loss (often NaN) is left out of the
+        # shown loss, as TrainMetrics leaves it out, and counted as skipped.
+        outputs = event.outputs or {"": event.output}
+        added, self._added = self._added, list(outputs.values())
+        for name, out in outputs.items():
+            if any(out is seen for seen in added):  # this batch's, added at micro_step_end
+                continue
+            loss = out.loss.detach().float()
+            skipped = out.skipped.to(loss.device).expand_as(loss)
+            closed = (out.did_update.to(loss.device) | skipped).expand_as(loss)
+            targets = torch.where(closed, out.num_targets.detach().float().to(loss.device), 0.0)
+            # where(), not a product: NaN * 0 is NaN.
+            kept = torch.where(skipped, 0.0, targets)
+            weighted = torch.where(kept > 0, loss * kept, 0.0)
+            sums = (targets.reshape(-1)[:1], kept, weighted, skipped.float())  # one rate count
+            if name in self._sums:
+                sums = tuple(a + b for a, b in zip(self._sums[name], sums, strict=True))
+            self._sums[name] = sums
 
     def on_fit_end(self, event: Event) -> None:
         """Show the last numbers and close the bar."""
@@ -199,6 +218,7 @@ class ProgressBar(Handler):
 
     def _reset(self) -> None:
         self._sums, self._lr, self._counted_name = {}, None, ""
+        self._added = []
         self._counted = 0.0
         self._last_step = None
         # Host counters at the last refresh: the interval's micro-batches and updates.
@@ -222,7 +242,8 @@ class ProgressBar(Handler):
             kept, sums, skipped = ([next(values) for _ in range(copies)] for _ in range(3))
             key = "loss" if not name else f"{name}/loss"
             means = zip(sums, kept, strict=True)
-            losses[key] = [v / t if t > 0 else float("nan") for v, t in means]
+            if any(kept) or any(skipped):  # a step none of whose windows closed: nothing new
+                losses[key] = [v / t if t > 0 else float("nan") for v, t in means]
             if any(skipped):
                 skips["skipped" if not name else f"{name}/skipped"] = skipped
         lrs = list(values)
