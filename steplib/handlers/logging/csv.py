@@ -29,7 +29,7 @@ class CSVLogger(FileSink):
         url: a local path or fsspec URL (parent directories are created).
         append: continue an existing file (its header is read back; the rows at the step of
             the first record and after, which a killed run wrote after the checkpoint this run
-            resumed from, are dropped, with a warning); ``False`` starts afresh.
+            resumed from, are dropped, and logged); ``False`` starts afresh.
         keys: the names to write (and ``step``); ``None``: every name of the record, as for
             every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only.

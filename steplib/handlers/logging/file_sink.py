@@ -7,7 +7,7 @@ run writes again, and the error messages that name the URL are written once, her
 
 from __future__ import annotations
 
-import warnings
+import logging
 from typing import IO, Any
 
 import fsspec
@@ -15,6 +15,8 @@ import fsspec
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
 from steplib.handlers.logging.base import Record, Sink
+
+_log = logging.getLogger("steplib.logging")
 
 
 class FileSink(Sink):
@@ -29,7 +31,9 @@ class FileSink(Sink):
     A file continued (``append=True``) by a run resumed from a checkpoint holds the records the
     killed run wrote after that checkpoint: the resumed run writes those steps again. So the
     first record a sink writes drops the records the file holds at its step and after (as
-    TensorBoard's ``purge_step`` does), with a warning that says how many.
+    TensorBoard's ``purge_step`` does), logged (``logging``, ``steplib.logging``, INFO) with how
+    many. A run started afresh into a file of an earlier run therefore replaces it from its
+    first record on: pass ``append=False`` or another file to keep the earlier one.
 
     Attributes:
         url: the destination, a local path or fsspec URL.
@@ -93,7 +97,7 @@ class FileSink(Sink):
 
     def continue_at(self, record: Record) -> None:
         """At the first record of an appending sink, drop the file's records at its step or
-        after (a resumed run writes them again), warning how many; later records do nothing.
+        after (a resumed run writes them again), logging how many; later records do nothing.
 
         Raises:
             LogWriteError: the file cannot be read or rewritten; the message names the URL.
@@ -105,12 +109,13 @@ class FileSink(Sink):
         kept, dropped = self.records_before(self.read_all(record), step)
         if dropped:
             self.replace_contents(kept, record)
-            warnings.warn(
-                f"{type(self).__name__}({self.url!r}) dropped {dropped} record(s) at step "
-                f"{step} or later from the file it continues: this run writes those steps "
-                "again (it resumed from a checkpoint taken before them). Pass append=False, "
-                "or another file, to keep an earlier run's records.",
-                stacklevel=3,
+            _log.info(
+                "%s(%r) dropped %d record(s) at step %d or later from the file it continues: "
+                "this run writes those steps again",
+                type(self).__name__,
+                self.url,
+                dropped,
+                step,
             )
 
     def records_before(self, data: bytes, step: int) -> tuple[bytes, int]:

@@ -23,7 +23,7 @@ class JsonlLogger(FileSink):
         url: where to write.
         append: keep the lines already there (a resumed run continues its log: the lines at
             the step of its first record and after, which the killed run wrote after the
-            checkpoint, are dropped, with a warning); ``False`` starts the file afresh.
+            checkpoint, are dropped, and logged); ``False`` starts the file afresh.
         keys: the names to write (and ``step``); ``None``: every name of the record, as for
             every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only (other ranks open nothing and write nothing).
