@@ -18,7 +18,16 @@ import tqdm
 
 import steplib.handlers.logging.console
 import steplib.handlers.progress
-from steplib import ConfigError, Event, Events, TrainState, accumulate, make_train_step, run
+from steplib import (
+    ConfigError,
+    Event,
+    Events,
+    TrainState,
+    accumulate,
+    iterate,
+    make_train_step,
+    run,
+)
 from steplib.handlers import ProgressBar
 from steplib.handlers.terminal import tqdm_class
 from steplib.step import skip_nonfinite
@@ -307,3 +316,14 @@ def test_bar_leaves_skipped_updates_out_of_its_loss_and_says_how_many() -> None:
     assert bar.stats["loss"] == pytest.approx(loss, rel=1e-6)  # was NaN
     assert bar.stats["skipped"] == 2
     assert bar.stats["tokens"] == sum(int(o.num_targets) for o in outputs)  # all went through
+
+
+def test_a_run_broken_off_before_its_first_update_closes_the_bar() -> None:
+    state, step, batches = _setup(8)
+    bar = ProgressBar(every=2, file=io.StringIO())
+    loop = iterate(accumulate(step, 4), state, batches, events=bar.attach(Events()))
+    for index, _ in enumerate(loop):  # micro-batches of the first window, then a break
+        if index == 1:
+            break
+    loop.close()
+    assert bar.closed and bar.stats == {}

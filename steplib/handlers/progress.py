@@ -198,7 +198,7 @@ class ProgressBar(Handler):
 
     def on_fit_end(self, event: Event) -> None:
         """Show the last numbers and close the bar."""
-        if self._bar is not None and self._sums:
+        if self._bar is not None and self._sums and self._lr is not None:  # an update ran
             self._refresh(event.step)
         self.close()
 
