@@ -187,11 +187,13 @@ class ProgressBar(Handler):
             loss = out.loss.detach().float()
             skipped = out.skipped.to(loss.device).expand_as(loss)
             closed = (out.did_update.to(loss.device) | skipped).expand_as(loss)
-            targets = torch.where(closed, out.num_targets.detach().float().to(loss.device), 0.0)
+            count = out.num_targets.detach().float().to(loss.device)
+            targets = torch.where(closed, count, 0.0)
             # where(), not a product: NaN * 0 is NaN.
             kept = torch.where(skipped, 0.0, targets)
             weighted = torch.where(kept > 0, loss * kept, 0.0)
-            sums = (targets.reshape(-1)[:1], kept, weighted, skipped.float())  # one rate count
+            counted = torch.where(closed.any(), count, 0.0).reshape(-1)[:1]  # the rate's count
+            sums = (counted, kept, weighted, skipped.float())
             if name in self._sums:
                 sums = tuple(a + b for a, b in zip(self._sums[name], sums, strict=True))
             self._sums[name] = sums
