@@ -166,9 +166,10 @@ class ProgressBar(Handler):
             self._refresh(event.step)
 
     def on_micro_step_end(self, event: Event) -> None:
-        """Add the windows that closed on this batch (another step's may close between two
-        updates of the counted one)."""
-        if not self.disable and self.keys and event.output is not None:
+        """Add the windows that closed on this batch (in a run of several steps, another
+        step's may close between two updates of the counted one; a single step's windows close
+        on the batches of its step_end, which adds them)."""
+        if not self.disable and self.keys and event.outputs is not None:
             self._add(event)
 
     def _add(self, event: Event) -> None:
