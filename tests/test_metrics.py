@@ -96,6 +96,7 @@ def test_skipped_updates_are_left_out_of_the_loss_mean() -> None:
             loss=torch.tensor(loss),
             num_targets=torch.tensor(targets),
             skipped=torch.tensor(skipped),
+            did_update=torch.tensor(not skipped),
             lr=torch.tensor(0.5, dtype=torch.float64),
             aux={"acc": torch.tensor(1.0)},
         )
@@ -116,6 +117,7 @@ def test_skipped_updates_are_left_out_of_the_aux_means() -> None:
             loss=torch.tensor(float("nan") if skipped else 1.0),
             num_targets=torch.tensor(4),
             skipped=torch.tensor(skipped),
+            did_update=torch.tensor(not skipped),
             lr=torch.tensor(0.5),
             aux={"acc": torch.tensor(acc), "nll": torch.tensor(float("nan") if skipped else 2.0)},
         )

@@ -82,9 +82,13 @@ class TrainMetrics(Handler):
         loss = out.loss.detach().float()
         targets = out.num_targets.to(loss.device, torch.float32)
         skipped = out.skipped.to(loss.device)
+        # A window counts once, on the call that closes it (its loss is the window's): in a run
+        # of several steps the last step's window may still be open at the counted step's
+        # update, and that call reports one micro-batch, which its window's loss counts again.
+        left_out = skipped | ~out.did_update.to(loss.device)  # skipped, or no window closed
         # where(), not a product: a skipped update's loss may be NaN, and NaN * 0 is NaN.
-        weighted = torch.where(skipped, 0.0, loss * targets)
-        targets = torch.where(skipped, 0.0, targets)
+        weighted = torch.where(left_out, 0.0, loss * targets)
+        targets = torch.where(left_out, 0.0, targets)
         if self._loss is None or self._targets is None or self._skipped is None:
             self._loss, self._targets, self._skipped = weighted, targets, skipped.float()
         else:
