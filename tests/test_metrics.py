@@ -4,6 +4,7 @@ at the logging interval; across 2 ranks the aux means are reduced and only rank 
 from __future__ import annotations
 
 import io
+import math
 import os
 import tempfile
 from types import SimpleNamespace
@@ -95,6 +96,7 @@ def test_skipped_updates_are_left_out_of_the_loss_mean() -> None:
             loss=torch.tensor(loss),
             num_targets=torch.tensor(targets),
             skipped=torch.tensor(skipped),
+            did_update=torch.tensor(not skipped),
             lr=torch.tensor(0.5, dtype=torch.float64),
             aux={"acc": torch.tensor(1.0)},
         )
@@ -105,6 +107,29 @@ def test_skipped_updates_are_left_out_of_the_loss_mean() -> None:
     assert values["loss"] == pytest.approx((2.0 * 4 + 5.0 * 2) / 6)
     assert values["num_targets"] == 6 and values["skipped"] == 1 and values["updates"] == 3
     assert "acc" not in values  # aux=[] keeps none
+
+
+def test_skipped_updates_are_left_out_of_the_aux_means() -> None:
+    train = TrainMetrics()
+
+    def out(acc: float, skipped: bool):
+        return SimpleNamespace(
+            loss=torch.tensor(float("nan") if skipped else 1.0),
+            num_targets=torch.tensor(4),
+            skipped=torch.tensor(skipped),
+            did_update=torch.tensor(not skipped),
+            lr=torch.tensor(0.5),
+            aux={"acc": torch.tensor(acc), "nll": torch.tensor(float("nan") if skipped else 2.0)},
+        )
+
+    for o in (out(0.5, False), out(0.0, True), out(1.0, False)):
+        train.update(Event("step_end", state=None, output=o))
+    values = train.read(None)
+    # The two updates trained: their means, as the loss's (it was 0.5 and NaN).
+    assert values["acc"] == pytest.approx(0.75) and values["nll"] == pytest.approx(2.0)
+    assert values["skipped"] == 1
+    train.update(Event("step_end", state=None, output=out(0.0, True)))
+    assert math.isnan(train.read(None)["acc"])  # every update skipped: no mean
 
 
 def _sync_free_run(every: int, extra_reader=None) -> tuple[list[str], ListLogger]:

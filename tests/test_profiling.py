@@ -43,6 +43,21 @@ def test_one_trace_per_cycle_holding_the_step_operators(tmp_path: Path) -> None:
     assert any(str(op).startswith("Optimizer.step") for op in ops)  # and the update
 
 
+def test_a_continued_runs_traces_are_named_by_its_updates_and_keep_the_earlier_ones(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_train_step(lambda model, batch: model(batch).pow(2).mean())
+    for _ in range(2):  # a run, then one continuing its state (as a resumed run does)
+        profiler = Profiler(str(tmp_path), wait=1, warmup=1, active=2)
+        state = run(step, state, [torch.ones(3, 8)] * 6, events=profiler.attach(Events()))
+    # The second run's cycle recorded updates 9 and 10; it overwrote step4's trace before.
+    assert [os.path.basename(p) for p in profiler.traces] == ["trace_rank0_step10.json"]
+    assert sorted(os.listdir(tmp_path)) == ["trace_rank0_step10.json", "trace_rank0_step4.json"]
+
+
 def test_an_exception_stops_the_profiler(tmp_path: Path) -> None:
     profiler = Profiler(str(tmp_path), wait=0, warmup=1, active=10)
     with pytest.raises(RuntimeError, match="boom"):

@@ -18,9 +18,19 @@ import tqdm
 
 import steplib.handlers.logging.console
 import steplib.handlers.progress
-from steplib import ConfigError, Event, Events, TrainState, accumulate, make_train_step, run
+from steplib import (
+    ConfigError,
+    Event,
+    Events,
+    TrainState,
+    accumulate,
+    iterate,
+    make_train_step,
+    run,
+)
 from steplib.handlers import ProgressBar
 from steplib.handlers.terminal import tqdm_class
+from steplib.step import skip_nonfinite
 from tests.host_reads import on_host_read
 
 
@@ -282,3 +292,38 @@ def test_tqdm_auto_draws_where_ipywidgets_is_found(monkeypatch: pytest.MonkeyPat
     found.__spec__ = importlib.machinery.ModuleSpec("ipywidgets", None)
     monkeypatch.setitem(sys.modules, "ipywidgets", found)
     assert tqdm_class() is importlib.import_module("tqdm.auto").tqdm
+
+
+def test_bar_leaves_skipped_updates_out_of_its_loss_and_says_how_many() -> None:
+    state, _, batches = _setup(8)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        nan = float("nan") if x.shape[0] == 4 else 0.0  # batches 2 and 6: skipped
+        return F.cross_entropy(model(x), y, reduction="sum") + nan, y.numel()
+
+    step = skip_nonfinite(make_train_step(loss_fn))
+    outputs: list = []
+    events = Events().on("step_end", lambda e: outputs.append(e.output))
+    bar = ProgressBar(every=8, file=io.StringIO())
+    bar.attach(events)
+    run(step, state, batches, events=events)
+
+    trained = [o for o in outputs if not bool(o.skipped)]
+    assert len(trained) == 6
+    targets = sum(float(o.num_targets) for o in trained)
+    loss = sum(float(o.loss) * float(o.num_targets) for o in trained) / targets
+    assert bar.stats["loss"] == pytest.approx(loss, rel=1e-6)  # was NaN
+    assert bar.stats["skipped"] == 2
+    assert bar.stats["tokens"] == sum(int(o.num_targets) for o in outputs)  # all went through
+
+
+def test_a_run_broken_off_before_its_first_update_closes_the_bar() -> None:
+    state, step, batches = _setup(8)
+    bar = ProgressBar(every=2, file=io.StringIO())
+    loop = iterate(accumulate(step, 4), state, batches, events=bar.attach(Events()))
+    for index, _ in enumerate(loop):  # micro-batches of the first window, then a break
+        if index == 1:
+            break
+    loop.close()
+    assert bar.closed and bar.stats == {}

@@ -30,7 +30,7 @@ from steplib import (
 )
 from steplib.checkpoint import load, save
 from steplib.errors import NonFiniteError
-from steplib.handlers import NonFiniteAlarm
+from steplib.handlers import NonFiniteAlarm, TrainMetrics
 from steplib.handlers.logging import event_record
 
 
@@ -225,3 +225,49 @@ def test_the_alarm_takes_steps_named_otherwise_than_the_state_has_optimizers() -
     step = make_train_step(lambda m, b: m(b).pow(2).mean())
     done = run({"main": step}, state, [torch.ones(2, 2)] * 3, events=[NonFiniteAlarm(every=1)])
     assert done.step == 3
+
+
+def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:
+    # G (counted) updates every 3 batches, D every 2: D's windows close at batches 2, 4 and 6,
+    # between G's updates; at G's update of batch 3, D's call reported one micro-batch, which
+    # the bar added and then added again inside D's window loss.
+    windows: dict[str, list[tuple[float, float]]] = {"D": [], "G": []}
+
+    def closed(event: Event) -> None:
+        assert event.outputs is not None
+        for name, out in event.outputs.items():
+            if bool(out.did_update):
+                windows[name].append((float(out.loss), float(out.num_targets)))
+
+    bar = ProgressBar(every=2, file=io.StringIO())
+    events = Events().on("micro_step_end", closed)
+    bar.attach(events)
+    run(_steps(), _state(), _batches(6), events=events)
+    assert [len(windows["D"]), len(windows["G"])] == [3, 2]
+    for name in ("D", "G"):
+        targets = sum(t for _, t in windows[name])
+        loss = sum(loss * t for loss, t in windows[name]) / targets
+        assert bar.stats[f"{name}/loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_train_metrics_count_the_last_steps_windows_once() -> None:
+    # G (counted) updates on every batch, D (the last step, which TrainMetrics follows) every 2:
+    # at G's update of an odd batch D's call reports one micro-batch, which D's window loss
+    # counts again at the next batch.
+    windows: list[tuple[float, float]] = []
+
+    def closed(event: Event) -> None:
+        assert event.outputs is not None
+        if bool(event.outputs["D"].did_update):
+            windows.append((float(event.outputs["D"].loss), float(event.outputs["D"].num_targets)))
+
+    steps = {"G": make_train_step(_g_loss, optimizer="G"), "D": _steps()["D"]}
+    train = TrainMetrics()
+    events = Events().on("micro_step_end", closed)
+    train.attach(events)
+    reads: list[dict[str, Any]] = []
+    events.on("step_end", lambda event: reads.append(train.read(event)), every=4)
+    run(steps, _state(), _batches(4), events=events)
+    targets = sum(t for _, t in windows)
+    assert reads[0]["num_targets"] == targets == 4  # was 6: two micro-batches twice
+    assert reads[0]["loss"] == pytest.approx(sum(loss * t for loss, t in windows) / targets)

@@ -10,8 +10,9 @@ transfer) when a logger asks, every N updates::
 
 The loss mean is token-weighted (sum of loss sums / sum of targets over the interval), the
 same normalisation the step uses, and leaves out updates that were skipped as non-finite. An
-aux value is averaged over the updates that reported it. With a process group, the aux sums
-are all-reduced at read time (the loss and target counts of a step are already global).
+aux value is averaged over the updates that reported it and were not skipped. With a process
+group, the aux sums are all-reduced at read time (the loss and target counts of a step are
+already global).
 
 For evaluation metrics use torchmetrics (:func:`steplib.handlers.evaluate`).
 
@@ -63,7 +64,8 @@ class TrainMetrics(Handler):
         self._loss: torch.Tensor | None = None  # sum of loss * targets, non-skipped updates
         self._targets: torch.Tensor | None = None  # sum of targets, non-skipped updates
         self._skipped: torch.Tensor | None = None  # skipped updates
-        self._aux: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (sum, count)
+        # name -> (sum, count) over the updates not skipped; both on the device.
+        self._aux: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._lr: torch.Tensor | None = None
         self._updates = 0
 
@@ -80,9 +82,13 @@ class TrainMetrics(Handler):
         loss = out.loss.detach().float()
         targets = out.num_targets.to(loss.device, torch.float32)
         skipped = out.skipped.to(loss.device)
+        # A window counts once, on the call that closes it (its loss is the window's): in a run
+        # of several steps the last step's window may still be open at the counted step's
+        # update, and that call reports one micro-batch, which its window's loss counts again.
+        left_out = skipped | ~out.did_update.to(loss.device)  # skipped, or no window closed
         # where(), not a product: a skipped update's loss may be NaN, and NaN * 0 is NaN.
-        weighted = torch.where(skipped, 0.0, loss * targets)
-        targets = torch.where(skipped, 0.0, targets)
+        weighted = torch.where(left_out, 0.0, loss * targets)
+        targets = torch.where(left_out, 0.0, targets)
         if self._loss is None or self._targets is None or self._skipped is None:
             self._loss, self._targets, self._skipped = weighted, targets, skipped.float()
         else:
@@ -92,9 +98,15 @@ class TrainMetrics(Handler):
         for name, value in out.aux.items():
             if self.aux is not None and name not in self.aux:
                 continue
-            value = value.detach().float().mean()
-            total, count = self._aux.get(name, (None, 0))
-            self._aux[name] = (value if total is None else total + value, count + 1)
+            # A skipped update trained nothing: its aux values (often NaN) are left out, as
+            # its loss is; where(), not a product (NaN * 0 is NaN).
+            dropped = skipped.any()
+            value = torch.where(dropped, 0.0, value.detach().float().mean().to(loss.device))
+            kept = (~dropped).float()
+            if name in self._aux:
+                total, count = self._aux[name]
+                value, kept = total + value, count + kept
+            self._aux[name] = (value, kept)
         self._lr = out.lr
         self._updates += 1
 
@@ -121,7 +133,11 @@ class TrainMetrics(Handler):
         :meth:`read` brings them to the device of the latest update)."""
         self._loss, self._targets = state["loss"], state["targets"]
         self._skipped, self._lr = state["skipped"], state["lr"]
-        self._aux = {name: (total, int(count)) for name, (total, count) in state["aux"].items()}
+        self._aux = {
+            # An int in older checkpoints.
+            name: (total, torch.as_tensor(count, dtype=torch.float32))
+            for name, (total, count) in state["aux"].items()
+        }
         self._updates = int(state["updates"])
 
     def read(self, event: Event | None) -> dict[str, Any]:
@@ -142,18 +158,16 @@ class TrainMetrics(Handler):
         if self._loss is None or self._targets is None or self._skipped is None:
             return {}
         names = list(self._aux)
-        aux = [self._aux[name][0] for name in names]
-        counts = [float(self._aux[name][1]) for name in names]
+        aux = [self._aux[name][0] for name in names] + [self._aux[name][1] for name in names]
         device = self._loss.device
         # A resumed interval's sums may sit on the CPU (as loaded) and the new ones on the GPU.
         sums = torch.stack([t.to(device) for t in (self._loss, self._targets, self._skipped, *aux)])
         if names and dist.is_available() and dist.is_initialized():
-            # Aux values are per rank; the loss and targets a step reports are already summed
-            # over ranks, so they are not reduced again.
-            local = torch.cat([sums[3:], torch.tensor(counts, device=device)])
+            # Aux values and their counts are per rank; the loss and targets a step reports are
+            # already summed over ranks, so they are not reduced again.
+            local = sums[3:].clone()
             dist.all_reduce(local)
-            sums = torch.cat([sums[:3], local[: len(names)]])
-            counts = local[len(names) :].tolist()
+            sums = torch.cat([sums[:3], local])
         values = sums.tolist()  # the one host read of the interval
         lr = self._lr.item() if self._lr is not None else None
         loss_sum, targets, skipped = values[:3]
@@ -165,7 +179,9 @@ class TrainMetrics(Handler):
         }
         if skipped:
             record["skipped"] = int(skipped)
-        for name, total, count in zip(names, values[3:], counts, strict=True):
-            record[f"aux.{name}" if name in _RESERVED else name] = total / count
+        totals, counts = values[3 : 3 + len(names)], values[3 + len(names) :]
+        for name, total, count in zip(names, totals, counts, strict=True):
+            mean = total / count if count > 0 else float("nan")  # NaN: every update skipped
+            record[f"aux.{name}" if name in _RESERVED else name] = mean
         self.reset()
         return record

@@ -30,7 +30,8 @@ class Profiler(Handler):
 
     Args:
         trace_dir: a local directory for the traces (created); files are named
-            ``trace_rank{r}_step{n}.json`` (``n``: the update the cycle ended at).
+            ``trace_rank{r}_step{n}.json`` (``n``: the run's update the cycle ended at,
+            ``state.step``, so a resumed run's traces do not overwrite the earlier run's).
         wait: updates skipped first.
         warmup: updates recorded and discarded.
         active: updates recorded and written.
@@ -91,6 +92,9 @@ class Profiler(Handler):
         self.options = options
         self.traces: list[str] = []
         self._profiler: profile | None = None
+        # The run's update count (state.step), which names a trace: the profiler's own count
+        # starts at 0 at each start, so a resumed run's names would repeat (and overwrite).
+        self._step = 0
 
     def on_fit_start(self, event: Event) -> None:
         """:meth:`start`."""
@@ -107,6 +111,7 @@ class Profiler(Handler):
     def start(self, event: Event | None = None) -> None:
         """Start profiling (on rank 0 unless ``all_ranks``)."""
         self.stop()
+        self._step = event.step if event is not None else 0
         if not (self.all_ranks or is_main()):
             return
         os.makedirs(self.trace_dir, exist_ok=True)
@@ -122,6 +127,7 @@ class Profiler(Handler):
         """Tell the profiler an update ended (its schedule counts these)."""
         if self._profiler is None:
             return
+        self._step = event.step  # before step(), which may write the trace
         with warnings.catch_warnings():
             # torch warns, at the start of a second cycle, that a cycle's events are cleared
             # when it ends. That is intended here: each cycle's trace is written as it ends.
@@ -138,6 +144,6 @@ class Profiler(Handler):
             profiler.stop()
 
     def _write(self, profiler: profile) -> None:
-        path = os.path.join(self.trace_dir, f"trace_rank{rank()}_step{profiler.step_num}.json")
+        path = os.path.join(self.trace_dir, f"trace_rank{rank()}_step{self._step}.json")
         profiler.export_chrome_trace(path)
         self.traces.append(path)

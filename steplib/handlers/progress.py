@@ -4,7 +4,9 @@ samples/s or batches/s, named by what is counted).
 The bar advances on every ``step_end`` from host counters alone. It reads tensors (a host sync)
 only every ``every`` updates and at the end: in between, the target counts and the
 token-weighted loss are summed as tensors where the step left them, so a GPU is never made to
-wait per step. The rate counts the ``num_targets`` a ``loss_fn`` reports: tokens for
+wait per step. An update skipped as non-finite (``skip_nonfinite``) is left out of the loss
+(as :class:`~steplib.handlers.TrainMetrics` leaves it out) and shown as ``skipped``.
+The rate counts the ``num_targets`` a ``loss_fn`` reports: tokens for
 ``(loss_sum, num_targets)``; a plain mean loss counts one per micro-batch, so its rate is
 named batches/s (samples/s with ``samples_per_step``).
 
@@ -72,9 +74,12 @@ class ProgressBar(Handler):
     """
 
     # Device-side sums since the last refresh, by step name ("" for a run of one step): the
-    # targets and the loss times the targets; and the latest LR.
-    _sums: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # targets (the rate's), and over the updates not skipped the targets and the loss times
+    # the targets (the shown loss's), and the skipped updates; and the latest LR.
+    _sums: dict[str, tuple[torch.Tensor, ...]]
     _lr: torch.Tensor | None
+    _last_step: int | None  # the update the bar counted last; None until the run's first
+    _added: list[Any]  # the outputs added at the last micro_step_end
 
     def __init__(
         self,
@@ -132,8 +137,9 @@ class ProgressBar(Handler):
             disable=self.disable,
             dynamic_ncols=True,
         )
-        self._last_step = self._step_since = event.step
-        self._micro_step = self._micro_since = event.micro_step
+        # Where the counters start is taken from the first update (its step_end): a
+        # resume_from attached after the bar swaps in the resumed state after this call.
+        self._last_step = None
 
     def on_step_end(self, event: Event) -> None:
         """Count the update; every ``every`` updates, read the sums and refresh the numbers.
@@ -143,29 +149,59 @@ class ProgressBar(Handler):
         if self._bar is None:  # used without fit_start (e.g. the user's own loop)
             self.on_fit_start(event)
         assert self._bar is not None
+        if self._last_step is None:  # the first update: it covers event.batches micro-batches
+            self._last_step = self._step_since = event.step - 1
+            self._micro_step = self._micro_since = event.micro_step - event.batches
+            self._bar.n = self._bar.initial = self._last_step  # as if opened here (a resume)
         self._bar.update(event.step - self._last_step)
         self._last_step = event.step
         if self.disable or not self.keys or event.output is None:
             return
-        # Device-side sums: no host read here. Weighting each update's loss by its targets
-        # gives the token-weighted mean loss over the interval; several steps, one each.
-        outputs = event.outputs or {"": event.output}
-        for name, out in outputs.items():
-            targets = out.num_targets.detach().float()
-            loss = out.loss.detach().float() * targets
-            if name in self._sums:
-                before_targets, before_loss = self._sums[name]
-                targets, loss = before_targets + targets, before_loss + loss
-            self._sums[name] = (targets, loss)
+        self._add(event)
+        name = list(event.outputs or {"": None})[-1]
         self._counted_name = name  # the last step's targets are what the rate counts
         self._lr = event.output.lr
         self._micro_step = event.micro_step
         if due(self.every, event):
             self._refresh(event.step)
 
+    def on_micro_step_end(self, event: Event) -> None:
+        """Add the windows that closed on this batch (in a run of several steps, another
+        step's may close between two updates of the counted one; a single step's windows close
+        on the batches of its step_end, which adds them)."""
+        if not self.disable and self.keys and event.outputs is not None:
+            self._add(event)
+
+    def _add(self, event: Event) -> None:
+        # Device-side sums: no host read here. Each step's windows are added once, on the call
+        # that closes them (its loss is the window's, over the window's targets): a call
+        # inside another step's open window reports one micro-batch, which the window's loss
+        # counts again when it closes. Weighting each window's loss by its targets gives the
+        # token-weighted mean loss over the interval; several steps, one each. A skipped
+        # update (skip_nonfinite) trained nothing: its loss (often NaN) is left out of the
+        # shown loss, as TrainMetrics leaves it out, and counted as skipped.
+        outputs = event.outputs or {"": event.output}
+        added, self._added = self._added, list(outputs.values())
+        for name, out in outputs.items():
+            if any(out is seen for seen in added):  # this batch's, added at micro_step_end
+                continue
+            loss = out.loss.detach().float()
+            skipped = out.skipped.to(loss.device).expand_as(loss)
+            closed = (out.did_update.to(loss.device) | skipped).expand_as(loss)
+            count = out.num_targets.detach().float().to(loss.device)
+            targets = torch.where(closed, count, 0.0)
+            # where(), not a product: NaN * 0 is NaN.
+            kept = torch.where(skipped, 0.0, targets)
+            weighted = torch.where(kept > 0, loss * kept, 0.0)
+            counted = torch.where(closed.any(), count, 0.0).reshape(-1)[:1]  # the rate's count
+            sums = (counted, kept, weighted, skipped.float())
+            if name in self._sums:
+                sums = tuple(a + b for a, b in zip(self._sums[name], sums, strict=True))
+            self._sums[name] = sums
+
     def on_fit_end(self, event: Event) -> None:
         """Show the last numbers and close the bar."""
-        if self._bar is not None and self._sums:
+        if self._bar is not None and self._sums and self._lr is not None:  # an update ran
             self._refresh(event.step)
         self.close()
 
@@ -185,8 +221,9 @@ class ProgressBar(Handler):
 
     def _reset(self) -> None:
         self._sums, self._lr, self._counted_name = {}, None, ""
+        self._added = []
         self._counted = 0.0
-        self._last_step = 0
+        self._last_step = None
         # Host counters at the last refresh: the interval's micro-batches and updates.
         self._micro_step = self._micro_since = self._step_since = 0
         self._since = time.perf_counter()
@@ -197,15 +234,21 @@ class ProgressBar(Handler):
         # One read for everything: each step's (targets, loss sums) and the LR; a sweep's loss
         # and LR hold one value per copy ([N]).
         names = list(self._sums)
-        parts = [torch.cat([t.reshape(1), loss.flatten()]) for t, loss in self._sums.values()]
+        parts = [torch.cat([s.reshape(-1) for s in sums]) for sums in self._sums.values()]
         values = iter(torch.cat([p.double() for p in (*parts, self._lr.flatten())]).tolist())
         losses: dict[str, list[float]] = {}
         counts: dict[str, float] = {}
+        skips: dict[str, list[float]] = {}
         for name, part in zip(names, parts, strict=True):
-            t, *sums = (next(values) for _ in range(part.numel()))
-            counts[name] = t
+            copies = (part.numel() - 1) // 3  # a sweep's copies, else 1
+            counts[name] = next(values)
+            kept, sums, skipped = ([next(values) for _ in range(copies)] for _ in range(3))
             key = "loss" if not name else f"{name}/loss"
-            losses[key] = [v / t if t > 0 else float("nan") for v in sums]
+            means = zip(sums, kept, strict=True)
+            if any(kept) or any(skipped):  # a step none of whose windows closed: nothing new
+                losses[key] = [v / t if t > 0 else float("nan") for v, t in means]
+            if any(skipped):
+                skips["skipped" if not name else f"{name}/skipped"] = skipped
         lrs = list(values)
         targets = counts[self._counted_name]
         # Measured after the read, so on a GPU the interval covers work that has finished.
@@ -225,22 +268,32 @@ class ProgressBar(Handler):
         self.stats = {
             "step": step,
             **{k: v[0] if len(v) == 1 else v for k, v in losses.items()},
+            **{k: _count(v) for k, v in skips.items()},
             "lr": lrs[0] if len(lrs) == 1 else lrs,
             f"{unit}_per_s": rate,
             unit: int(self._counted) if self._counted.is_integer() else self._counted,
         }
         shown = {
             **{k.replace("/", " "): _range(v, ".4f", best=True) for k, v in losses.items()},
+            **{k.replace("/", " "): str(_count(v)) for k, v in skips.items()},
             "lr": _range(lrs, ".3g"),
             f"{unit}/s": _si(rate),
         }  # "D loss" for a step named D
-        kinds = {k: "rate" if "/" in k else "loss" if k.endswith("loss") else k for k in shown}
+        kinds = {
+            k: "rate" if "/" in k else "loss" if k.endswith(("loss", "skipped")) else k
+            for k in shown
+        }
         postfix = {k: v for k, v in shown.items() if kinds[k] in self.keys}
         assert self._bar is not None
         self._bar.set_postfix(postfix, refresh=True)
 
 
 _SHOWN = ("loss", "lr", "rate")
+
+
+def _count(values: list[float]) -> int | list[int]:
+    """Skipped updates: one number, or a sweep's one per copy."""
+    return int(values[0]) if len(values) == 1 else [int(v) for v in values]
 
 
 def _range(values: list[float], spec: str, *, best: bool = False) -> str:

@@ -231,7 +231,9 @@ class Throughput(Handler):
 
     def on_fit_start(self, event: Event) -> None:
         """Start the clock."""
-        self._micro_step = event.micro_step
+        # Where the micro-batches start is taken from the first update: a resume_from
+        # attached after this handler swaps in the resumed state after this call.
+        self._micro_step = None
         self._start()
 
     def on_step_end(self, event: Event) -> None:
@@ -243,8 +245,9 @@ class Throughput(Handler):
         out = event.output
         if out is None or out is self._last:
             return
-        # Without fit_start (the user's own loop), the counter started at 0.
-        self._micro_steps += event.micro_step - (self._micro_step or 0)
+        if self._micro_step is None:  # the first update covers event.batches micro-batches
+            self._micro_step = event.micro_step - event.batches
+        self._micro_steps += event.micro_step - self._micro_step
         self._micro_step = event.micro_step
         self._last = out
         self._steps += 1

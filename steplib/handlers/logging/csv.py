@@ -13,7 +13,6 @@ from typing import Any
 
 import orjson
 
-from steplib.errors import LogWriteError
 from steplib.handlers.logging.base import Record, check_keys, select
 from steplib.handlers.logging.file_sink import FileSink
 
@@ -28,7 +27,9 @@ class CSVLogger(FileSink):
 
     Args:
         url: a local path or fsspec URL (parent directories are created).
-        append: continue an existing file (its header is read back); ``False`` starts afresh.
+        append: continue an existing file (its header is read back; the rows at the step of
+            the first record and after, which a killed run wrote after the checkpoint this run
+            resumed from, are dropped, and logged); ``False`` starts afresh.
         keys: the names to write (and ``step``); ``None``: every name of the record, as for
             every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only.
@@ -75,6 +76,7 @@ class CSVLogger(FileSink):
         if not self.active:
             return
         record = select(record, self.keys)
+        self.continue_at(record)
         new = [name for name in record if name not in self.fields]
         if new and self.fields:
             self._rewrite([*self.fields, *new], record)
@@ -84,30 +86,32 @@ class CSVLogger(FileSink):
         self.write_bytes(_csv_line([_cell(record.get(name)) for name in self.fields]), record)
 
     def _rewrite(self, fields: list[str], record: Record) -> None:
-        self.write_bytes(b"", record)  # the closed check, with its message
-        temporary = f"{self._path}.rewrite-tmp"
-        try:
-            assert self._file is not None
-            self._file.close()
-            self._file = None
-            with self._fs.open(self._path, "rb") as file:
-                rows = list(csv.reader(io.StringIO(file.read().decode())))[1:]
-            width = len(fields)
-            lines = [
-                _csv_line(fields),
-                *(_csv_line(row + [""] * (width - len(row))) for row in rows),
-            ]
-            with self._fs.open(temporary, "wb") as file:
-                file.write(b"".join(lines))
-            self._fs.mv(temporary, self._path)
-            self._file = self._fs.open(self._path, "ab")
-        except Exception as error:
-            raise LogWriteError(
-                f"CSVLogger could not rewrite {self.url!r} with the new column(s) "
-                f"{fields[len(self.fields) :]}: {error!r}. The rows written before are kept; "
-                "check that the location is writable, or give this record its own CSVLogger."
-            ) from error
+        rows = self._rows(self.read_all(record))
+        width = len(fields)
+        lines = [_csv_line(fields), *(_csv_line(row + [""] * (width - len(row))) for row in rows)]
+        self.replace_contents(b"".join(lines), record)
         self.fields = fields
+
+    def records_before(self, data: bytes, step: int) -> tuple[bytes, int]:
+        """The header and the rows of ``data`` whose step is below ``step``."""
+        if "step" not in self.fields:
+            return data, 0
+        column = self.fields.index("step")
+        rows = self._rows(data)
+        kept = [row for row in rows if not _at_or_after(row, column, step)]
+        lines = [_csv_line(self.fields), *(_csv_line(row) for row in kept)]
+        return b"".join(lines), len(rows) - len(kept)
+
+    @staticmethod
+    def _rows(data: bytes) -> list[list[str]]:
+        return list(csv.reader(io.StringIO(data.decode())))[1:]
+
+
+def _at_or_after(row: list[str], column: int, step: int) -> bool:
+    try:
+        return int(row[column]) >= step
+    except (IndexError, ValueError):  # no step in this row: kept
+        return False
 
 
 def _csv_line(cells: Sequence[Any]) -> bytes:

@@ -1,12 +1,13 @@
 """The shared base of the sinks that write one file through fsspec (JSONL, CSV).
 
 Opening when the sink is built (so that a bad destination fails before training), flushing each
-write (so that a crash loses at most the record being written), and the error messages that
-name the URL are written once, here.
+write (so that a crash loses at most the record being written), dropping the records a resumed
+run writes again, and the error messages that name the URL are written once, here.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import IO, Any
 
 import fsspec
@@ -15,15 +16,24 @@ from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
 from steplib.handlers.logging.base import Record, Sink
 
+_log = logging.getLogger("steplib.logging")
+
 
 class FileSink(Sink):
     """Base of the sinks that append bytes to one file through fsspec, flushing each write
     (:class:`~steplib.handlers.logging.jsonl.JsonlLogger`,
     :class:`~steplib.handlers.logging.csv.CSVLogger`).
 
-    A subclass calls :meth:`open_file` from its constructor and :meth:`write_bytes` from its
-    ``write``; ``close`` and ``repr`` are shared. The file is opened when the sink is built, so a
-    bad destination fails before training starts.
+    A subclass calls :meth:`open_file` from its constructor, and :meth:`continue_at` then
+    :meth:`write_bytes` from its ``write``; ``close`` and ``repr`` are shared. The file is opened
+    when the sink is built, so a bad destination fails before training starts.
+
+    A file continued (``append=True``) by a run resumed from a checkpoint holds the records the
+    killed run wrote after that checkpoint: the resumed run writes those steps again. So the
+    first record a sink writes drops the records the file holds at its step and after (as
+    TensorBoard's ``purge_step`` does), logged (``logging``, ``steplib.logging``, INFO) with how
+    many. A run started afresh into a file of an earlier run therefore replaces it from its
+    first record on: pass ``append=False`` or another file to keep the earlier one.
 
     Attributes:
         url: the destination, a local path or fsspec URL.
@@ -65,6 +75,7 @@ class FileSink(Sink):
         self.url = url
         self.active = is_main() or not rank_zero_only
         self._file = None
+        self._continuing = append  # until the first record: drop the steps it writes again
         if not self.active:
             return
         try:
@@ -83,6 +94,70 @@ class FileSink(Sink):
 
     def before_open(self, append: bool) -> None:
         """Read what the sink needs from an existing file (a CSV header) before appending."""
+
+    def continue_at(self, record: Record) -> None:
+        """At the first record of an appending sink, drop the file's records at its step or
+        after (a resumed run writes them again), logging how many; later records do nothing.
+
+        Raises:
+            LogWriteError: the file cannot be read or rewritten; the message names the URL.
+        """
+        step = record.get("step")
+        if not self._continuing or self._file is None or not isinstance(step, int):
+            return
+        self._continuing = False
+        kept, dropped = self.records_before(self.read_all(record), step)
+        if dropped:
+            self.replace_contents(kept, record)
+            _log.info(
+                "%s(%r) dropped %d record(s) at step %d or later from the file it continues: "
+                "this run writes those steps again",
+                type(self).__name__,
+                self.url,
+                dropped,
+                step,
+            )
+
+    def records_before(self, data: bytes, step: int) -> tuple[bytes, int]:
+        """The part of the file's ``data`` before ``step``, and the number of records left out."""
+        raise NotImplementedError
+
+    def read_all(self, record: Record) -> bytes:
+        """What the file holds (after flushing this sink's own writes)."""
+        self.write_bytes(b"", record)  # the closed check (with its message) and a flush
+        try:
+            with self._fs.open(self._path, "rb") as file:
+                return bytes(file.read())
+        except Exception as error:
+            raise LogWriteError(
+                f"{type(self).__name__} could not read back {self.url!r} before writing "
+                f"{record!r}: {error!r}. Check that the location is readable, or pass "
+                "append=False."
+            ) from error
+
+    def replace_contents(self, data: bytes, record: Record) -> None:
+        """Replace the file with ``data`` (through a temporary file, then moved over it, so a
+        failure leaves the old file whole) and reopen it for appending.
+
+        Raises:
+            LogWriteError: the rewrite fails; the message names the URL.
+        """
+        self.write_bytes(b"", record)  # the closed check, with its message
+        temporary = f"{self._path}.rewrite-tmp"
+        try:
+            assert self._file is not None
+            self._file.close()
+            self._file = None
+            with self._fs.open(temporary, "wb") as file:
+                file.write(data)
+            self._fs.mv(temporary, self._path)
+            self._file = self._fs.open(self._path, "ab")
+        except Exception as error:
+            raise LogWriteError(
+                f"{type(self).__name__} could not rewrite {self.url!r} before writing "
+                f"{record!r}: {error!r}. The records written before are kept; check that the "
+                "location is writable."
+            ) from error
 
     def write_bytes(self, data: bytes, record: Record) -> None:
         """Append ``data`` (the encoding of ``record``) and flush it.

@@ -21,8 +21,9 @@ class JsonlLogger(FileSink):
 
     Args:
         url: where to write.
-        append: keep the lines already there (a resumed run continues its log); ``False``
-            starts the file afresh.
+        append: keep the lines already there (a resumed run continues its log: the lines at
+            the step of its first record and after, which the killed run wrote after the
+            checkpoint, are dropped, and logged); ``False`` starts the file afresh.
         keys: the names to write (and ``step``); ``None``: every name of the record, as for
             every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only (other ranks open nothing and write nothing).
@@ -68,4 +69,20 @@ class JsonlLogger(FileSink):
                 f"JsonlLogger({self.url!r}) cannot write a value of {record!r} as JSON: {error}. "
                 "Log numbers, strings, lists or tensors' .item() values."
             ) from error
+        self.continue_at(record)
         self.write_bytes(line, record)
+
+    def records_before(self, data: bytes, step: int) -> tuple[bytes, int]:
+        """The lines of ``data`` whose ``step`` is below ``step`` (lines without one are kept)."""
+        kept: list[bytes] = []
+        dropped = 0
+        for line in data.splitlines(keepends=True):
+            try:
+                written = orjson.loads(line).get("step")
+            except (orjson.JSONDecodeError, AttributeError):  # not a record: not ours to judge
+                written = None
+            if isinstance(written, int) and written >= step:
+                dropped += 1
+            else:
+                kept.append(line)
+        return b"".join(kept), dropped

@@ -18,7 +18,10 @@ class TensorBoardLogger(Sink):
     counters (``step``, ``micro_step``, ``time``, ``epoch``, ``num_targets``, ``updates``) are
     not plotted unless ``keys`` names them (``time`` is the wall time of the points);
     non-numbers (lists, strings) are skipped. A name is written once per step: a second record
-    at the same step (an evaluation's, the one at ``fit_end``) adds no duplicate point.
+    at the same step (an evaluation's, the one at ``fit_end``) adds no duplicate point. The
+    first record's step is the writer's ``purge_step``: the points a killed run wrote in this
+    directory at that step and after, which a run resumed from an earlier checkpoint writes
+    again, are hidden, so each step has one point.
 
     Args:
         log_dir: the run's directory (``tensorboard --logdir`` its parent).
@@ -50,8 +53,11 @@ class TensorBoardLogger(Sink):
         self._last_step: dict[str, int] = {}  # per name: one point per step
         self.active = is_main() or not rank_zero_only
         self._writer: Any = None
-        if not self.active:
-            return
+        self._purged = False  # the writer is reopened at the first record, with its step
+        if self.active:
+            self._writer = self._open()
+
+    def _open(self, purge_step: int | None = None) -> Any:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
@@ -60,10 +66,10 @@ class TensorBoardLogger(Sink):
                 "pip install 'steplib[tb]' (or pip install tensorboard)."
             ) from error
         try:
-            self._writer = SummaryWriter(log_dir=log_dir)
+            return SummaryWriter(log_dir=self.log_dir, purge_step=purge_step)
         except Exception as error:
             raise LogWriteError(
-                f"TensorBoardLogger could not open {log_dir!r}: {error!r}. Check that the "
+                f"TensorBoardLogger could not open {self.log_dir!r}: {error!r}. Check that the "
                 "directory can be created and written."
             ) from error
 
@@ -82,6 +88,10 @@ class TensorBoardLogger(Sink):
             )
         step = int(record.get("step", 0))
         wall_time = record.get("time")
+        if not self._purged:  # a resumed run writes its steps again: hide the killed run's
+            self._purged = True
+            self._writer.close()
+            self._writer = self._open(purge_step=step)
         try:
             for name, value in select(record, self.keys, default_skip=COUNTERS).items():
                 if name == "step" or isinstance(value, bool) or not isinstance(value, int | float):

@@ -1,0 +1,128 @@
+"""A log continued by a run resumed after a kill holds each step once, as the log of the same
+run without the kill: the records the killed run wrote after its last checkpoint are written
+again by the resumed run, so the file sinks drop them (TensorBoard hides them, purge_step)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from steplib import Events, TrainState, make_train_step, run
+from steplib.checkpoint import checkpoint_every, resume_from
+from steplib.data import resumable_loader
+from steplib.handlers import ProgressBar, Throughput
+from steplib.handlers.logging import CSVLogger, JsonlLogger, Log, TensorBoardLogger
+
+
+class _KilledError(Exception):
+    pass
+
+
+def _run(root: Path, out: Path, *, kill_at: int | None) -> None:
+    """Ten updates, a checkpoint every 4, each update logged to a JSONL file (a bare sink) and
+    a CSV file (through Log); killed after update ``kill_at`` is logged."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_train_step(lambda m, batch: m(batch).pow(2).mean())
+    data = resumable_loader(
+        torch.randn(40, 2, generator=torch.Generator().manual_seed(1)), batch_size=4
+    )
+    ckpt = checkpoint_every(str(root / "ckpt"), every=4, step=step)
+    with JsonlLogger(str(out / "m.jsonl")) as jsonl, CSVLogger(str(out / "m.csv")) as table:
+        events = Events(resume_from(ckpt), ckpt, Log(table, every=1))
+        events.on("step_end", jsonl)
+
+        def kill(event) -> None:
+            if event.step == kill_at:
+                raise _KilledError
+
+        events.on("step_end", kill)
+        run(step, state, data, events=events, max_steps=10)
+
+
+def _jsonl(path: Path) -> list[tuple[int, float]]:
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    return [(line["step"], line["loss"]) for line in lines]
+
+
+def _csv(path: Path) -> list[tuple[str, str]]:
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    return [(row["step"], row["loss"]) for row in rows]
+
+
+def test_a_resumed_runs_jsonl_and_csv_logs_hold_each_step_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _run(tmp_path / "reference", tmp_path / "reference", kill_at=None)
+    with pytest.raises(_KilledError):
+        _run(tmp_path / "killed", tmp_path / "killed", kill_at=6)  # checkpoint at 4
+    with caplog.at_level(logging.INFO, logger="steplib.logging"):
+        _run(tmp_path / "killed", tmp_path / "killed", kill_at=None)
+    assert "dropped 2 record(s) at step 5" in caplog.text
+
+    reference = _jsonl(tmp_path / "reference" / "m.jsonl")
+    assert [s for s, _ in reference] == list(range(1, 11))
+    assert _jsonl(tmp_path / "killed" / "m.jsonl") == reference
+    assert _csv(tmp_path / "killed" / "m.csv") == _csv(tmp_path / "reference" / "m.csv")
+
+
+def test_a_log_continued_at_later_steps_keeps_every_record(tmp_path: Path) -> None:
+    url = str(tmp_path / "m.jsonl")
+    with JsonlLogger(url) as log:
+        log.write({"step": 1, "loss": 2.0})
+    with JsonlLogger(url) as log:
+        log.write({"step": 2, "loss": 1.0})
+    assert _jsonl(Path(url)) == [(1, 2.0), (2, 1.0)]
+
+
+def test_a_resumed_runs_tensorboard_points_hold_each_step_once(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")  # the `tb` extra; CI installs it
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        EventAccumulator,
+    )
+
+    tb_dir = str(tmp_path / "tb")
+    torch.manual_seed(0)
+    for kill_at in (6, None):
+        with TensorBoardLogger(tb_dir) as tb:
+            start = 1 if kill_at else 5  # the resumed run starts after the checkpoint at 4
+            for step in range(start, (kill_at or 10) + 1):
+                tb.write({"step": step, "loss": float(step)})
+    reader = EventAccumulator(tb_dir)
+    reader.Reload()
+    assert [point.step for point in reader.Scalars("loss")] == list(range(1, 11))
+
+
+def _counted_run(root: Path, max_steps: int) -> tuple[ProgressBar, list[dict]]:
+    """A run to ``max_steps`` with a bar and a Throughput attached before resume_from."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_train_step(lambda m, batch: m(batch).pow(2).mean())  # a mean: batches/s
+    data = resumable_loader(torch.randn(400, 2), batch_size=4)
+    ckpt = checkpoint_every(str(root / "ckpt"), every=50, step=step)
+    bar = ProgressBar(every=5, file=io.StringIO(), samples_per_step=4)
+    speed = Throughput()
+    reads: list[dict] = []
+    events = Events(bar, speed, resume_from(ckpt), ckpt)
+    events.on("step_end", lambda event: reads.append(speed.read(event)), every=5)
+    run(step, state, data, events=events, max_steps=max_steps)
+    return bar, reads
+
+
+def test_a_bar_and_throughput_attached_before_resume_from_count_this_runs_updates(
+    tmp_path: Path,
+) -> None:
+    """They read where the counters start at fit_start; a resume_from after them swapped the
+    resumed state in later, so they counted the earlier run's 60 updates as this run's."""
+    _counted_run(tmp_path, 60)
+    bar, reads = _counted_run(tmp_path, 70)  # resumes at 60 and makes 10 updates
+    assert bar.stats["samples"] == 10 * 4  # was 70 * 4
+    assert [sorted(r) for r in reads] == [["batches_per_s", "steps_per_s"]] * 2  # was tokens
