@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import warnings
 from pathlib import Path
 
 import orjson
@@ -80,6 +81,24 @@ def test_a_log_continued_at_later_steps_keeps_every_record(tmp_path: Path) -> No
     with JsonlLogger(url) as log:
         log.write({"step": 2, "loss": 1.0})
     assert _jsonl(Path(url)) == [(1, 2.0), (2, 1.0)]
+
+
+def test_a_run_from_the_start_into_an_earlier_runs_log_warns_that_it_replaces_it(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "m.jsonl")
+    with JsonlLogger(url) as log:
+        for step in (1, 2, 3):
+            log.write({"step": step, "loss": 9.0})
+    said = r"replaces the 3 record\(s\) an earlier run wrote"
+    with pytest.warns(UserWarning, match=said), JsonlLogger(url) as log:
+        log.write({"step": 1, "loss": 1.0})
+    assert _jsonl(Path(url)) == [(1, 1.0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said so: the file starts afresh
+        with JsonlLogger(url, append=False) as log:
+            log.write({"step": 1, "loss": 0.5})
+    assert _jsonl(Path(url)) == [(1, 0.5)]
 
 
 def test_a_resumed_runs_tensorboard_points_hold_each_step_once(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ run writes again, and the error messages that name the URL are written once, her
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import IO, Any
 
 import fsspec
@@ -33,7 +34,8 @@ class FileSink(Sink):
     first record a sink writes drops the records the file holds at its step and after (as
     TensorBoard's ``purge_step`` does), logged (``logging``, ``steplib.logging``, INFO) with how
     many. A run started afresh into a file of an earlier run therefore replaces it from its
-    first record on: pass ``append=False`` or another file to keep the earlier one.
+    first record on, with a warning: pass ``append=False`` to say so, or another file to keep
+    the earlier one.
 
     Attributes:
         url: the destination, a local path or fsspec URL.
@@ -107,6 +109,14 @@ class FileSink(Sink):
             return
         self._continuing = False
         kept, dropped = self.records_before(self.read_all(record), step)
+        if dropped and step <= 1:  # a run from the start: the file is an earlier run's log
+            warnings.warn(
+                f"{type(self).__name__}({self.url!r}) replaces the {dropped} record(s) an "
+                f"earlier run wrote there from step {step} on (append=True, and this run starts "
+                "at its beginning). Pass append=False to start the file afresh, or another path "
+                "to keep them.",
+                stacklevel=2,
+            )
         if dropped:
             self.replace_contents(kept, record)
             _log.info(
