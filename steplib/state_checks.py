@@ -108,7 +108,8 @@ def check_names(optimizers: Mapping[Any, Any], schedulers: Any, scalers: Any) ->
 
     Raises:
         ConfigError: no optimizer, a name that is not a string, a single scheduler or scaler
-            where a dict by name is needed, or a name that is not an optimizer's.
+            where a dict by name is needed, a name that is not an optimizer's, or one scaler
+            under two names.
     """
     names = tuple(optimizers)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -132,7 +133,24 @@ def check_names(optimizers: Mapping[Any, Any], schedulers: Any, scalers: Any) ->
                 f"TrainState.create({label}=...) names {unknown}, which are not optimizers of "
                 f"this state ({list(names)}). Use the optimizers' names as keys."
             )
+    _check_own_scalers(scalers)
     return names
+
+
+def _check_own_scalers(scalers: Mapping[str, Any] | None) -> None:
+    """Refuse one GradScaler under two names: each optimizer's update changes the scale, so
+    the other's open window would hold gradients scaled by the old scale, unscaled by the new."""
+    seen: dict[int, str] = {}
+    for name, scaler in (scalers or {}).items():
+        first = seen.setdefault(id(scaler), name)
+        if first != name:
+            raise ConfigError(
+                f"TrainState.create(scaler=...) received one GradScaler for both {first!r} and "
+                f"{name!r}. Each optimizer's update changes the scale, so the gradients the "
+                "other has accumulated so far would be unscaled by a scale they were not scaled "
+                f"by. Give each its own: scaler={{{first!r}: torch.amp.GradScaler(device), "
+                f"{name!r}: torch.amp.GradScaler(device)}}."
+            )
 
 
 def trained(optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:

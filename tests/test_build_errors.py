@@ -225,6 +225,28 @@ def test_num_targets_as_a_non_scalar_or_bool_tensor_is_refused(count, fragment):
     assert "mask.sum()" in message
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16]
+)
+def test_num_targets_in_a_dtype_that_cannot_count_a_window_is_refused(dtype):
+    # Summed over a window in its own dtype, 2049 + 2050 float16 targets count as 4096 and
+    # int8 counts wrap around: the gradient would be divided by a wrong count, in silence.
+    count = torch.tensor(100, dtype=dtype)
+    with pytest.raises(LossFnError) as info:
+        _call_with(lambda m, b: (F.mse_loss(m(b[0]), b[1], reduction="sum"), count))
+    message = str(info.value)
+    assert f"dtype {dtype}" in message
+    assert "mask.sum(dtype=torch.int64)" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.float64])
+def test_num_targets_in_a_dtype_wide_enough_to_count_is_accepted(dtype):
+    count = torch.tensor(3, dtype=dtype)
+    step = make_train_step(lambda m, b: (F.mse_loss(m(b[0]), b[1], reduction="sum"), count))
+    _, out = step(_state(), _batch())
+    assert bool(out.did_update) and out.num_targets.dtype == dtype
+
+
 def test_a_refused_loss_fn_result_leaves_the_state_unchanged():
     state = _state()
     step = make_train_step(lambda m, b: (m(b[0]) - b[1]) ** 2)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from steplib import TrainState, accumulate, clip, make_train_step
+from steplib import TrainState, accumulate, clip, make_train_step, skip_nonfinite
 from tests.reference import concat, make_batches, mean_loss, reference_loop, tiny_model, token_loss
 
 
@@ -67,3 +67,38 @@ def test_law3_no_grad_norm_reported_without_clipping() -> None:
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     _, out = make_train_step(mean_loss)(state, make_batches(1)[0])
     assert out.grad_norm is None
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_value": 1.0}, {"max_value": 1.0, "max_norm": 1.0}], ids=["value", "both"]
+)
+def test_value_clipping_does_not_hide_an_infinite_gradient_from_skip_nonfinite(limits) -> None:
+    # d sqrt(w)/dw is inf at w = 0 while the loss is finite. The value clamp turned the inf into
+    # max_value, the norm skip_nonfinite reads was finite, and the update was applied.
+    weight = torch.nn.Parameter(torch.tensor([0.0, 1.0]))
+    model = torch.nn.ParameterList([weight])
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = skip_nonfinite(clip(make_train_step(lambda m, b: m[0].sqrt().sum()), **limits))
+    state, out = step(state, None)
+    assert not bool(out.did_update) and bool(out.skipped)
+    assert out.grad_norm is not None and not torch.isfinite(out.grad_norm)
+    assert weight.tolist() == [0.0, 1.0] and int(state.skipped_updates) == 1
+
+
+def test_value_clipping_alone_reports_the_norm_before_the_clamp() -> None:
+    batch = make_batches(1)[0]
+    ref = tiny_model(0)
+    mean_loss(ref, batch).backward()
+    want_norm = torch.nn.utils.get_total_norm(
+        [p.grad for p in ref.parameters() if p.grad is not None]
+    )
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+
+    model = tiny_model(0)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    state, out = clip(make_train_step(mean_loss), max_value=0.01)(state, batch)
+    assert out.grad_norm is not None
+    torch.testing.assert_close(out.grad_norm, want_norm)
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(got, want)

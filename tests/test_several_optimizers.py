@@ -246,6 +246,23 @@ def test_the_errors_say_which_optimizer_and_the_fix() -> None:
         make_train_step(g_loss, optimizer="G")(single, batch)
 
 
+def test_one_scaler_shared_by_two_optimizers_is_refused_with_the_fix() -> None:
+    # D's update grows or backs off the shared scale while G's window is open: G's earlier
+    # micro-batches were scaled by the old scale and would be unscaled by the new one (with
+    # growth_interval=1 G trained 0.025 away from the unscaled run), in silence.
+    g, d = _nets()
+    opt_g, opt_d, _, scaler = _optimizers(g, d)
+    with pytest.raises(ConfigError) as info:
+        TrainState.create(
+            model={"G": g, "D": d},
+            optimizer={"G": opt_g, "D": opt_d},
+            scaler={"G": scaler, "D": scaler},
+        )
+    message = str(info.value)
+    assert "one GradScaler for both 'G' and 'D'" in message
+    assert "'D': torch.amp.GradScaler(device)" in message
+
+
 def test_optimizers_swapped_between_named_models_are_refused() -> None:
     # The "G" step would train D, and the "D" step G: every loss right, the wrong net moved.
     g, d = _nets()

@@ -23,7 +23,9 @@ def clip(
     Clipping always sees the normalised, unscaled gradients of the whole window, whatever
     order ``clip`` and ``amp_wrap`` were applied in. Value clipping (``max_value``) runs first,
     then norm clipping, which is ``torch.nn.utils.clip_grad_norm_`` itself (the reported norm
-    is the one it returns, measured before clipping).
+    is the one it returns, measured before clipping). With ``max_value`` alone the reported
+    norm is the one before the clamp; a gradient that was inf or NaN before the clamp reports a
+    non-finite norm in every case, so that ``skip_nonfinite`` skips that update.
 
     Args:
         step: the step to wrap.
@@ -61,13 +63,20 @@ def clip(
     order = float(norm_type)
 
     def clip_grads(grads: Gradients) -> None:
+        unclamped = None
         if value is not None:  # value limits apply first, to the normalised gradients
+            # Measured before the clamp, which turns an inf gradient into +-max_value: the norm
+            # must stay non-finite for skip_nonfinite (which reads it) to skip that update.
+            grads.grad_norm = unclamped = grads.norm(order)
             torch.nn.utils.clip_grad_value_(grads.params, value)
         if limit is not None:
             # torch.nn.utils.clip_grad_norm_'s formula, over the norm of the whole model (every
             # rank and stage); the scaling folds in a pending division by the window's count.
-            grads.grad_norm = norm = grads.norm(order)
+            norm = grads.norm(order)
             grads.scale_(torch.clamp(limit / (norm + 1e-6), max=1.0))
+            # The norm clip_grad_norm_ returns; a non-finite one from before the value clamp.
+            kept = norm if unclamped is None else torch.where(unclamped.isfinite(), norm, unclamped)
+            grads.grad_norm = kept
 
     settings = {"max_norm": limit, "norm_type": order, "max_value": value}
     return add_part(

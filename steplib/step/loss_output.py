@@ -38,8 +38,8 @@ def parse_loss_output(result: Any) -> LossOutput:
 
     Raises:
         LossFnError: the result is not one of the accepted forms, the loss is not a scalar
-            tensor with a gradient, ``num_targets`` is not an int or 0-dim tensor, or ``aux``
-            is not a mapping of names to tensors.
+            tensor with a gradient, ``num_targets`` is not an int or a 0-dim tensor of 32 bits
+            or more, or ``aux`` is not a mapping of names to tensors.
     """
     if isinstance(result, torch.Tensor):  # the common case first: a plain scalar loss
         _check_loss(result)
@@ -142,6 +142,15 @@ def _check_count(count: Any) -> None:
         raise LossFnError(
             f"loss_fn returned num_targets as a tensor of shape {tuple(count.shape)} and dtype "
             f"{count.dtype}; it must be a 0-dim numeric tensor. Reduce it: mask.sum()."
+        )
+    if isinstance(count, torch.Tensor) and (count.dtype.itemsize < 4 or count.dtype.is_complex):
+        # The window adds the counts in their dtype: float16 counts exactly only to 2048,
+        # bfloat16 to 256, int8/int16 wrap around; the gradient is then divided by a wrong count.
+        raise LossFnError(
+            f"loss_fn returned num_targets as a tensor of dtype {count.dtype}, which cannot hold "
+            "a window's target count exactly (the counts are summed in it over the window). "
+            "Count in int64 or float32: mask.sum() or mask.sum(dtype=torch.int64), not a "
+            "float16/bfloat16/int8/int16 sum."
         )
 
 
