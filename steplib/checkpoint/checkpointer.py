@@ -253,7 +253,10 @@ class Checkpointer(Handler):
 def _warn_newer(owner: str, directory: Location, state: TrainState) -> None:
     # Until the run passes them they are the newest: kept by keep_last over the run's own
     # (deleted as they are written) and loaded by a resume.
-    here, names = checkpoint_key(state), [c.name for c in scan(directory)[0]]
+    here = checkpoint_key(state)
+    if not any((sort_key(name) or here) > here for name in storage.list_names(directory)):
+        return  # the usual case, from one listing: the manifests were read by prune already
+    names = [c.name for c in scan(directory)[0]]
     newer = [name for name in names if (sort_key(name) or here) > here]
     if newer and checkpoint_name(state) not in names:  # the state was not loaded from here
         warnings.warn(

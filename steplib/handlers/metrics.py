@@ -95,12 +95,12 @@ class TrainMetrics(Handler):
             self._loss = self._loss + weighted
             self._targets = self._targets + targets
             self._skipped = self._skipped + skipped
+        # A skipped update trained nothing: its aux values (often NaN) are left out, as its
+        # loss is; where(), not a product (NaN * 0 is NaN).
+        dropped = skipped.any()
         for name, value in out.aux.items():
             if self.aux is not None and name not in self.aux:
                 continue
-            # A skipped update trained nothing: its aux values (often NaN) are left out, as
-            # its loss is; where(), not a product (NaN * 0 is NaN).
-            dropped = skipped.any()
             value = torch.where(dropped, 0.0, value.detach().float().mean().to(loss.device))
             kept = (~dropped).float()
             if name in self._aux:
