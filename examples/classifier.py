@@ -33,7 +33,7 @@ def main(root: str = "runs/classifier", epochs: int = 4) -> float:
         eval_step, val, metrics=acc, every=20, monitor="val_accuracy", mode="max", sinks=[tb]
     )
     stop = sl.EarlyStopping(evaluator, patience=3)
-    keep_best = sl.checkpoint_every(root, every=20, keep_best=1, metric=evaluator, step=step)
+    keep_best = sl.checkpoint_every(root, every=20, keep_best=1, metric=evaluator)
     handlers = [evaluator, stop, keep_best, sl.handlers.Log(tb, every=10), sl.ProgressBar()]
     state = sl.run(step, state, train, events=handlers, max_epochs=epochs)
     best = load(best_checkpoint(root, evaluator), state, step=step)

@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
     events = Events()
     if args.resume:
         # First on fit_start, so that every handler after it sees the resumed state.
-        events.on("fit_start", resume_from(checkpoints, data=loader, step=step))
+        events.on("fit_start", resume_from(checkpoints, data=loader))
     elif old := list_checkpoints(checkpoints):
         # A fresh run replaces the last run's checkpoints, as it replaces its metrics.
         print(f"fresh run: removing {len(old)} checkpoint(s) of the last run in {checkpoints}")
@@ -413,7 +413,6 @@ def main(argv: Sequence[str] | None = None) -> TrainState:
             keep_best=1,
             metric="val_loss",
             data=loader,
-            step=step,
             background=True,
         )
         preempted = preemption(saver)  # SIGTERM / SIGUSR1: save at the next update, then stop

@@ -34,7 +34,7 @@ def main(root: str = "runs/fine_tune", max_steps: int = 12) -> sl.TrainState:
     def unfreeze(event: sl.Event) -> None:
         body.requires_grad_(True)  # saved with each checkpoint: a resume past it keeps it
 
-    ckpt = sl.checkpoint_every(root, every=3, step=step)
+    ckpt = sl.checkpoint_every(root, every=3)
     events = sl.Events(sl.resume_from(ckpt), ckpt).on("step_end", unfreeze, once=UNFREEZE_AT)
     return sl.run(step, state, loader, events=events, max_steps=max_steps)
 

@@ -66,9 +66,7 @@ def main(
     evaluator = sl.Evaluator(
         sl.make_eval_step(sample_error), noise, metrics=error, every=25, monitor="val_error"
     )
-    ckpt = sl.checkpoint_every(
-        root, every=25, keep_last=2, keep_best=1, metric=evaluator, step=steps
-    )
+    ckpt = sl.checkpoint_every(root, every=25, keep_last=2, keep_best=1, metric=evaluator)
     state = sl.run(
         steps,  # D's step, then G's, on each batch; state.step counts G's updates (its first)
         state,

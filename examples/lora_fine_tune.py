@@ -96,7 +96,7 @@ def main(root: str = "runs/lora", max_steps: int = 8, accumulation: int = 2) -> 
     loader = sl.resumable_loader(sequences(64), batch_size=4, seed=0, collate_fn=pad)
     # The adapters, their optimizer state, the counters, RNG and data position: not the base,
     # which a resume takes from where it came from (and checks by its digest).
-    ckpt = sl.checkpoint_every(root, every=2, keep_last=2, step=step, trainable_only=True)
+    ckpt = sl.checkpoint_every(root, every=2, keep_last=2, trainable_only=True)
     events: Any = sl.Events(sl.resume_from(ckpt), ckpt)
     return sl.run(step, state, loader, events=events, max_steps=max_steps)
 

@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     checkpoints = f"{args.out}/checkpoints"
     # accelerator.load_state(latest) when resuming
-    events.on("fit_start", resume_from(checkpoints, data=position, step=step))
+    events.on("fit_start", resume_from(checkpoints, data=position))
     # accelerator.save_state(f"step_{n}") every 20 updates; keep the newest 2
-    checkpoint_every(checkpoints, every=20, keep_last=2, data=position, step=step).attach(events)
+    checkpoint_every(checkpoints, every=20, keep_last=2, data=position).attach(events)
     train_metrics = TrainMetrics()
     train_metrics.attach(events)
     losses: list[torch.Tensor] = []

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checkpoints = f"{args.output_dir}/checkpoints"
     events = Events()
     # trainer.train(resume_from_checkpoint=True)
-    events.on("fit_start", resume_from(checkpoints, data=train_loader, step=step))
+    events.on("fit_start", resume_from(checkpoints, data=train_loader))
     train_metrics = TrainMetrics()
     train_metrics.attach(events)
     losses: list[torch.Tensor] = []
@@ -218,7 +218,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             keep_best=1,
             metric="eval_loss",
             data=train_loader,
-            step=step,
         ).attach(events)
         # logging_steps
         sources = [train_metrics.read, LRMonitor().read]

@@ -121,7 +121,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         keep_last=1,
         keep_best=2,
         metric="val_loss",
-        step=step,
     ).attach(events)
 
     # trainer.terminate() from a handler -> return Stop(reason).

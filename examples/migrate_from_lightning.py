@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # trainer.fit(..., ckpt_path="last"): continue from the newest checkpoint, if any. First,
     # so that the handlers after it see the resumed state.
     checkpoints = f"{args.out}/checkpoints"
-    events.on("fit_start", resume_from(checkpoints, data=train_loader, step=step))
+    events.on("fit_start", resume_from(checkpoints, data=train_loader))
     train_metrics = TrainMetrics()  # self.log("train_loss", loss): a mean kept on the device
     train_metrics.attach(events)
     losses: list[torch.Tensor] = []
@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             keep_best=1,
             metric="val_loss",
             data=train_loader,
-            step=step,
         ).attach(events)
         # log_every_n_steps=10
         events.on("step_end", Log(csv, sources=[train_metrics.read]), every=10)

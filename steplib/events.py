@@ -49,11 +49,11 @@ class Event:
             ``validation_end``.
         checkpoint: the ``CheckpointInfo`` (``url``, ``step``, ``epoch``, ``metrics``, ...) of
             the checkpoint just committed, for ``checkpoint_end``.
-        data: for ``fit_start``, the batches ``run`` draws from (their position is saved).
+        data, train_step: for ``fit_start``, the batches ``run`` draws from and the step it
+            calls (or its steps by name): a checkpoint saves their position and composition.
         events: the :class:`Events` emitting this event (:meth:`Events.emit` sets it): where a
             handler emits an event of its own and finds the attached handlers.
-        outputs: in a run of several steps (``run({"D": d_step, "G": g_step}, ...)``), each
-            step's ``StepOutput`` by name (those that ran); else ``None``.
+        outputs: in a run of several steps, each one's ``StepOutput`` by name (those that ran).
         batches: the batches this event covers, for step events: 1 for ``micro_step_end``,
             the update's window for ``step_end`` (what ``every=Batches(n)`` counts).
     """
@@ -69,6 +69,7 @@ class Event:
     metrics: Mapping[str, Any] | None = None
     checkpoint: Any = None
     data: Any = None
+    train_step: Any = None
     events: Events | None = None
     outputs: Mapping[str, Any] | None = None
     batches: int = 0
@@ -337,9 +338,8 @@ class Events:
                 "Event: events.on(name, lambda event: ...)."
             )
         check_every_or_once(name, every, once)
-        # A new list, not an insert: an emission under way iterates the old one, so that a
-        # handler registered during it is called from the next event on (as for remove). The
-        # list keeps the `last` handlers at its end, each group in registration order.
+        # A new list, not an insert: an emission under way iterates the old one (a handler
+        # registered during it runs from the next event). `last` handlers stay at its end.
         old = self._handlers[name]
         at = len(old) if last else sum(1 for r in old if not r.last)
         new = Registration(handler, every, once, self._adding, last)

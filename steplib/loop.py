@@ -120,11 +120,7 @@ def iterate(
     _check_args(step, state, data, max_steps, max_epochs, feed)
     if not isinstance(events, Events):  # None, or a list of handler objects
         events = Events(*(events or ()))
-    if isinstance(step, Mapping):
-        call, flush = _several(step, feed or {})
-    else:
-        call, flush = _one(step)
-    return _iterate(call, flush, state, data, events, max_steps, max_epochs)
+    return _iterate(step, feed or {}, state, data, events, max_steps, max_epochs)
 
 
 def _one(step: StepLike) -> tuple[_Call, _Flush]:
@@ -164,15 +160,16 @@ def _several(steps: Steps, feed: Mapping[str, Feed]) -> tuple[_Call, _Flush]:
 
 
 def _iterate(
-    call: _Call,
-    flush: _Flush,
+    step: StepLike | Steps,
+    feed: Mapping[str, Feed],
     state: TrainState,
     data: Iterable[Any],
     events: Events,
     max_steps: int | None,
     max_epochs: int | None,
 ) -> Generator[tuple[TrainState, Outputs], None, TrainState]:
-    started = events.emit(Event("fit_start", state, data=data, events=events))
+    call, flush = _several(step, feed) if isinstance(step, Mapping) else _one(step)
+    started = events.emit(Event("fit_start", state, data=data, train_step=step, events=events))
     state, stop = started.state, started.stop
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
@@ -241,8 +238,8 @@ def run(
 ) -> TrainState:
     """Drive ``step`` over ``data`` and return the final state; see :func:`iterate`.
 
-    Emits ``fit_start`` (with ``data`` and ``events`` in the event, where a checkpoint finds
-    the loader and the handlers whose state it saves), then per epoch ``epoch_start``,
+    Emits ``fit_start`` (with ``data``, ``train_step`` and ``events``: where a checkpoint finds
+    the loader, the step(s) and the handlers whose state it saves), then per epoch ``epoch_start``,
     ``micro_step_end`` after every call of the step(s), ``step_end`` after every update,
     ``epoch_end``, and finally ``fit_end`` (or ``exception``, then re-raises).
 

@@ -132,9 +132,7 @@ def first_leg(
     records: list[Record] = []
     events = recorder(records, Events())
     if at_step is not None:
-        checkpoint_every(directory, every=at_step, data=loader, step=step, at_end=False).attach(
-            events
-        )
+        checkpoint_every(directory, every=at_step, data=loader, at_end=False).attach(events)
         events.on("step_end", lambda e: Stop("saved"), once=at_step)
     else:
 
@@ -152,7 +150,7 @@ def resume(setup: Setup, directory: str) -> dict[str, Any]:
     """A fresh process's run: resume from ``directory`` and train to the end."""
     step, state, loader = build(setup)
     records: list[Record] = []
-    events = Events().on("fit_start", resume_from(directory, data=loader, step=step))
+    events = Events().on("fit_start", resume_from(directory, data=loader))
     state = run(step, state, loader, events=recorder(records, events), max_steps=setup.steps)
     return result(state, records)
 
@@ -174,15 +172,15 @@ def logged_run(setup: Setup, directory: str, log_path: str, *, background: bool)
         os.write(fd, (line + "\n").encode())
 
     step, state, loader = build(setup)
-    events = Events().on("fit_start", resume_from(directory, data=loader, step=step))
+    events = Events().on("fit_start", resume_from(directory, data=loader))
     events.on("fit_start", lambda e: log(f"start {e.step}"))
     events.on("micro_step_end", lambda e: log(f"loss {e.micro_step} {float(e.output.loss).hex()}"))
     # The checkpoint handler saves after the other handlers (last=True): these two lines
     # bracket its save as the last handlers too, in registration order.
     events.on("step_end", lambda e: log(f"saving {e.step}"), last=True)
-    checkpoint_every(
-        directory, every=1, keep_last=2, data=loader, step=step, background=background
-    ).attach(events)
+    checkpoint_every(directory, every=1, keep_last=2, data=loader, background=background).attach(
+        events
+    )
     events.on("step_end", lambda e: log(f"saved {e.step}"), last=True)
     state = run(step, state, loader, events=events, max_steps=setup.steps)
     torch.save(result(state, []), log_path + ".final.pt")
@@ -206,7 +204,7 @@ def sigterm_run(setup: Setup, directory: str, ready_file: str) -> int:
     update 3 so the parent knows when to send SIGTERM. Returns the handler's exit code."""
     step, state, loader = build(setup)
     slow: Callable[[Any], None] = lambda e: time.sleep(0.02)  # noqa: E731
-    checkpointer = checkpoint_every(directory, every=1000, data=loader, step=step, at_end=False)
+    checkpointer = checkpoint_every(directory, every=1000, data=loader, at_end=False)
     handler = preemption(checkpointer)
     events = handler.attach(checkpointer.attach(Events()))
     events.on("step_end", slow)

@@ -69,7 +69,7 @@ def test_every_n_batches_fires_on_the_update_that_holds_the_nth_batch(tmp_path: 
         every=Batches(10),
         sanity_batches=0,
     )
-    ckpt = checkpoint_every(str(tmp_path), every=Batches(10), step=STEP, at_end=False)
+    ckpt = checkpoint_every(str(tmp_path), every=Batches(10), at_end=False)
     events = Events(Log(sink, every=Batches(10)), evaluator, ckpt)
     events.on("step_end", lambda e: seen.append(e.step), every=Batches(10))
     events.on("micro_step_end", lambda e: micro.append(e.micro_step), every=Batches(10))
@@ -86,7 +86,7 @@ def test_every_n_batches_fires_on_the_update_that_holds_the_nth_batch(tmp_path: 
 
 
 def test_a_resumed_run_goes_on_counting_batches_where_it_stopped(tmp_path: Any) -> None:
-    ckpt = checkpoint_every(str(tmp_path), every=2, step=STEP, at_end=False)
+    ckpt = checkpoint_every(str(tmp_path), every=2, at_end=False)
     run(STEP, _state(), data(), events=Events(ckpt), max_steps=4)  # saved at update 4: batch 16
     seen: list[int] = []
     events = Events(resume_from(ckpt), ckpt)

@@ -200,7 +200,7 @@ def test_what_a_power_loss_can_do_to_a_non_durable_checkpoint_is_detected_and_sk
     warns = power_loss is not _lose_the_rename
     with _warns(warns):
         assert latest(directory) == older
-    resumed = Events().on("fit_start", resume_from(directory, step=step))
+    resumed = Events().on("fit_start", resume_from(directory))
     with _warns(warns):
         # max_steps=2: the older checkpoint's step, so the run resumes and stops at once.
         state = run(step, make_state(seed=3), make_batches(2), events=resumed, max_steps=2)

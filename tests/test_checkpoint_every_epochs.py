@@ -18,7 +18,7 @@ from tests.reference import make_batches, mean_loss
 def test_checkpoints_land_every_two_epochs_and_resuming_from_one_is_exact(tmp_path: Path) -> None:
     step, data = make_train_step(mean_loss), make_batches(3)
     losses: list[float] = []
-    events = Events(checkpoint_every(str(tmp_path), epochs=2, at_end=False, step=step))
+    events = Events(checkpoint_every(str(tmp_path), epochs=2, at_end=False))
     events.on("step_end", functools.partial(_record, losses))
     final = run(step, make_state(), data, events=events, max_epochs=5)
     saved = list_checkpoints(str(tmp_path))

@@ -148,7 +148,7 @@ def test_sigterm_in_a_separate_process_saves_exits_cleanly_and_resumes_exactly(
         state = run(step, state, loader, events=recorder(want, Events()), max_steps=stop)
         step, fresh, loader = build(setup)
         got: list[Record] = []
-        events = Events().on("fit_start", resume_from(str(directory), data=loader, step=step))
+        events = Events().on("fit_start", resume_from(str(directory), data=loader))
         resumed = run(step, fresh, loader, events=recorder(got, events), max_steps=stop)
     finally:
         torch.set_num_threads(threads)

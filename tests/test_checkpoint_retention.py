@@ -138,7 +138,7 @@ def test_checkpoint_every_keeps_the_best_by_a_metric_from_extras(tmp_path: Path)
 
     events = Events().on("step_end", evaluate)
     checkpoint_every(
-        directory, every=1, keep_last=2, keep_best=1, metric="val_loss", mode="min", step=step
+        directory, every=1, keep_last=2, keep_best=1, metric="val_loss", mode="min"
     ).attach(events)
     run(step, make_state(), make_batches(6), events=events)
     kept = list_checkpoints(directory)
@@ -192,7 +192,6 @@ def test_a_misspelt_keep_best_metric_is_refused_before_anything_is_pruned(
         keep_best=1,
         metric="val_acuracy",  # misspelt
         mode="max",
-        step=step,
         background=background,
     )
     ckpt.attach(events)

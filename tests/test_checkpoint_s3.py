@@ -127,7 +127,6 @@ def test_s3_checkpoint_every_in_background_then_resume(s3: dict[str, Any], bucke
         keep_last=2,
         background=True,
         data=loader,
-        step=step,
         storage_options=s3,
     ).attach(Events())
     full = run(step, make_state(dropout=0.1), loader, events=events, max_steps=6)
@@ -137,7 +136,7 @@ def test_s3_checkpoint_every_in_background_then_resume(s3: dict[str, Any], bucke
     assert not fs.exists(f"{bucket_dir.removeprefix('s3://')}/step-00000002/model.pt")
 
     loader = resumable_loader(batches, batch_size=None, shuffle=True, seed=0)
-    resume = resume_from(bucket_dir, data=loader, step=step, storage_options=s3)
+    resume = resume_from(bucket_dir, data=loader, storage_options=s3)
     resumed = run(
         step,
         make_state(seed=9, dropout=0.1),

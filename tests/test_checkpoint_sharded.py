@@ -118,7 +118,7 @@ def _ddp_run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     checkpointer.prune = counting_prune  # a forked rank: the patch dies with the process
     state, step, loader = build("ddp", rank)
     events = Events()
-    checkpoint_every(f"{root}/keep", every=1, keep_last=2, data=loader, step=step).attach(events)
+    checkpoint_every(f"{root}/keep", every=1, keep_last=2, data=loader).attach(events)
     saves: dict[str, Any] = {}
     events.on("step_end", _async_and_sync_at(root, loader, step, saves))
     state, losses = train(state, step, loader, events=events)
@@ -158,7 +158,7 @@ def _ddp_run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results["latest"] = latest(keep)
-        resumed = resume_from(keep, data=loader, step=step)(Event("fit_start", state=state))
+        resumed = resume_from(keep, data=loader)(Event("fit_start", state=state))
         results["resume_from"] = (resumed.state.step, resumed.state.epoch)  # type: ignore[union-attr]
     results["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
 
@@ -391,7 +391,7 @@ def _preempted(rank: int, world: int, *, root: str, inside_agreement: bool) -> d
     # The module (the package's name `preemption` is the function that builds the handler).
     preemption_module: Any = importlib.import_module("steplib.checkpoint.resume")
     state, step, loader = build("ddp", rank)
-    checkpointer = checkpoint_every(f"{root}/preempt", every=100, data=loader, step=step)
+    checkpointer = checkpoint_every(f"{root}/preempt", every=100, data=loader)
     handler = preemption(checkpointer)
     events = handler.attach(checkpointer.attach(Events()))
     agree, calls = preemption_module.max_over_ranks, itertools.count(1)

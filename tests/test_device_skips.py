@@ -14,6 +14,7 @@ from steplib import (
     TrainState,
     accumulate,
     amp_wrap,
+    checkpoint_every,
     clip,
     make_train_step,
     run,
@@ -204,6 +205,20 @@ def test_a_checkpoint_of_a_position_still_on_the_device_resumes_exactly(
     for got, expected in zip(resumed.model.parameters(), want.model.parameters(), strict=True):
         assert torch.equal(got, expected)
     assert resumed.scheduler.state_dict() == want.scheduler.state_dict()  # type: ignore[union-attr]
+
+
+def test_checkpoint_every_settles_the_position_through_the_step_run_calls(
+    memory_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No step= named: the handler takes the step from the run's fit_start. Before, it had none
+    # and saved the scheduler object's lagging position (on CPU nothing refused it).
+    monkeypatch.setattr(device_skips, "HostCopy", _LandsAnUpdateLate)
+    _LandsAnUpdateLate.made.clear()
+    ckpt = checkpoint_every(memory_dir, every=2, at_end=False)
+    run(_fp16_step(), _state(), _batches(9)[:2], events=[ckpt])  # two applied updates
+    assert ckpt.last_saved is not None
+    scheduler: Any = load(ckpt.last_saved, _state(seed=5)).scheduler
+    assert scheduler.last_epoch == 2
 
 
 def test_run_settles_the_scheduler_before_fit_end() -> None:

@@ -73,7 +73,7 @@ def _run(rank: int, world: int, *, root: str) -> dict[str, Any]:
     del state, steps, models  # free the reducers before building the next ones
 
     state, steps, loader, models = _build(rank)
-    ckpt = checkpoint_every(root, every=2, step=steps, at_end=False)
+    ckpt = checkpoint_every(root, every=2, at_end=False)
     events = Events(ckpt).on("step_end", lambda e: Stop("interrupted"), once=STOP_AT)
     first = run(steps, state, loader, events=events, max_epochs=EPOCHS)
     assert (first.step, first.epoch) == (STOP_AT, 1)

@@ -117,11 +117,11 @@ def _train(root: Path, *, kill_at: int | None = None, names_nothing: bool = Fals
     train, ema, mine = TrainMetrics(), EMA(model, decay=0.5), LossTotal()
     losses: list[tuple[int, float]] = []
     records: list[tuple[int, dict[str, Any]]] = []
-    ckpt = checkpoint_every(str(root / "ckpt"), every=EVERY, step=step)
+    ckpt = checkpoint_every(str(root / "ckpt"), every=EVERY)
     if names_nothing:
         events = Events(resume_from(ckpt), evaluator, stopper)
     else:  # the form of the earlier docs, which runs on steplib before handler states too
-        events = Events().on("fit_start", resume_from(str(root / "ckpt"), step=step))
+        events = Events().on("fit_start", resume_from(str(root / "ckpt")))
         events.add(evaluator, stopper)
     events.on("step_end", exporter, every=EVERY)
     events.add(train, ema, mine)
@@ -311,7 +311,7 @@ def _grad_norm_reads(root: Path, *, kill_at: int | None = None) -> list[tuple[in
     gen = torch.Generator().manual_seed(1)
     loader = resumable_loader(TensorDataset(torch.randn(8, 2, generator=gen)), batch_size=1)
     monitor, reads = GradNormMonitor(), []
-    ckpt = checkpoint_every(str(root), every=2, step=step)
+    ckpt = checkpoint_every(str(root), every=2)
     events = Events(resume_from(ckpt), monitor, ckpt)
     events.on("step_end", lambda e: reads.append((e.step, monitor.read(e))), every=4)
 
@@ -341,7 +341,7 @@ def _alarm_run(root: Path, *, kill_at: int | None = None) -> str:
     # log(0) * 0 is NaN: the batch holding 0 gives a NaN loss, which skip_nonfinite skips.
     step = skip_nonfinite(make_train_step(lambda m, b: (m(b[0]) * b[0].log()).sum()))
     loader = resumable_loader(TensorDataset(torch.tensor([[0.0]] + [[1.0]] * 7)), batch_size=1)
-    ckpt = checkpoint_every(str(root), every=2, step=step)
+    ckpt = checkpoint_every(str(root), every=2)
     events = Events(resume_from(ckpt), NonFiniteAlarm(every=4, include_skipped=True), ckpt)
 
     def kill(event: Event) -> None:

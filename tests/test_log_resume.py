@@ -35,7 +35,7 @@ def _run(root: Path, out: Path, *, kill_at: int | None) -> None:
     data = resumable_loader(
         torch.randn(40, 2, generator=torch.Generator().manual_seed(1)), batch_size=4
     )
-    ckpt = checkpoint_every(str(root / "ckpt"), every=4, step=step)
+    ckpt = checkpoint_every(str(root / "ckpt"), every=4)
     with JsonlLogger(str(out / "m.jsonl")) as jsonl, CSVLogger(str(out / "m.csv")) as table:
         events = Events(resume_from(ckpt), ckpt, Log(table, every=1))
         events.on("step_end", jsonl)
@@ -126,7 +126,7 @@ def _counted_run(root: Path, max_steps: int) -> tuple[ProgressBar, list[dict]]:
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     step = make_train_step(lambda m, batch: m(batch).pow(2).mean())  # a mean: batches/s
     data = resumable_loader(torch.randn(400, 2), batch_size=4)
-    ckpt = checkpoint_every(str(root / "ckpt"), every=50, step=step)
+    ckpt = checkpoint_every(str(root / "ckpt"), every=50)
     bar = ProgressBar(every=5, file=io.StringIO(), samples_per_step=4)
     speed = Throughput()
     reads: list[dict] = []

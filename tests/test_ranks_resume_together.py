@@ -39,7 +39,7 @@ def _loader() -> Any:
 def _train(root: str, steps: int, *, seed: int = 0) -> tuple[Any, Any, Any]:
     step, state = _build("gpipe", seed=seed)
     directory = f"{root}/stage-{pipeline_stage(step).stage_index}"
-    ckpt = checkpoint_every(directory, every=1, step=step)
+    ckpt = checkpoint_every(directory, every=1)
     resume = resume_from(ckpt)
     state = run(step, state, _loader(), events=Events(resume, ckpt), max_steps=steps)
     return state, resume, directory
@@ -79,7 +79,7 @@ def test_stages_resume_the_newest_checkpoint_every_stage_holds(tmp_path: Path) -
 
 def _rank_1_preempted(rank: int, world: int, *, root: str) -> dict[str, Any]:
     step, state = _build("gpipe")
-    ckpt = checkpoint_every(f"{root}/stage-{rank}", every=100, step=step)
+    ckpt = checkpoint_every(f"{root}/stage-{rank}", every=100)
     handler = preemption(ckpt)
 
     def signal_rank_1(event: Any) -> None:
@@ -102,7 +102,7 @@ def test_a_signal_to_one_stage_stops_every_stage_at_the_same_update(tmp_path: Pa
 
 def _one_directory(rank: int, world: int, *, root: str) -> str:
     step, state = _build("gpipe")
-    ckpt = checkpoint_every(root, every=1, step=step)  # no stage in the name
+    ckpt = checkpoint_every(root, every=1)  # no stage in the name
     try:
         run(step, state, _loader(), events=Events(ckpt), max_steps=2)
     except ConfigError as err:

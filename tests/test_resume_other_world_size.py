@@ -141,7 +141,7 @@ def _two_ranks(rank: int, world: int, *, root: str) -> dict[str, Any]:
         seen = []
         state, step, loader = _build(rank, world, seen=seen)
         torch.manual_seed(999)  # nothing of this process's RNG may matter (no dropout)
-        events = Events().on("fit_start", resume_from(f"{root}/at{at}", data=loader, step=step))
+        events = Events().on("fit_start", resume_from(f"{root}/at{at}", data=loader))
         loaded: list[torch.Tensor] = []
         events.on("fit_start", functools.partial(_record_params, loaded))  # after the resume
         state, losses = _train(state, step, loader, events, max_steps=UPDATES)

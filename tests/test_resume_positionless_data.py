@@ -23,7 +23,7 @@ def _run(root: Path, data: Any, max_steps: int | None = None, **cadence: Any) ->
     model = torch.nn.Linear(2, 1)
     state = sl.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
     step = sl.make_train_step(lambda m, b: m(b[0]).pow(2).mean())
-    ckpt = sl.checkpoint_every(str(root), step=step, at_end=False, **cadence)
+    ckpt = sl.checkpoint_every(str(root), at_end=False, **cadence)
     events = [sl.resume_from(ckpt), ckpt]
     return sl.run(step, state, data, events=events, max_steps=max_steps, max_epochs=2)
 

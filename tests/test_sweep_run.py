@@ -149,7 +149,7 @@ def test_resume_restores_the_stopped_copies_and_the_stoppers_state(tmp_path: Pat
     def one_run(kill_at: int | None) -> tuple[Copies, SweepEarlyStopping]:
         copies, state, step = build()
         stopper = SweepEarlyStopping("val_loss", patience=2)
-        ckpt = sl.checkpoint_every(str(tmp_path / str(kill_at)), every=4, step=step)
+        ckpt = sl.checkpoint_every(str(tmp_path / str(kill_at)), every=4)
         loader = sl.resumable_loader(data(32), batch_size=None, seed=1)
         events = sl.Events(sl.resume_from(ckpt), evaluator(copies), stopper, ckpt)
         sl.run(step, state, loader, events=events, max_steps=kill_at or 32)
@@ -157,7 +157,7 @@ def test_resume_restores_the_stopped_copies_and_the_stoppers_state(tmp_path: Pat
             return copies, stopper
         copies, state, step = build()  # a new process: everything rebuilt
         stopper = SweepEarlyStopping("val_loss", patience=2)
-        ckpt = sl.checkpoint_every(str(tmp_path / str(kill_at)), every=4, step=step)
+        ckpt = sl.checkpoint_every(str(tmp_path / str(kill_at)), every=4)
         loader = sl.resumable_loader(data(32), batch_size=None, seed=1)
         events = sl.Events(sl.resume_from(ckpt), evaluator(copies), stopper, ckpt)
         sl.run(step, state, loader, events=events, max_steps=32)

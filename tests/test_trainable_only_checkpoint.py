@@ -51,7 +51,7 @@ def _data() -> sl.data.ResumableLoader:
 
 def _run(root: Path, max_steps: int) -> sl.TrainState:
     step = sl.make_train_step(_loss)
-    ckpt = sl.checkpoint_every(str(root), every=2, step=step, trainable_only=True)
+    ckpt = sl.checkpoint_every(str(root), every=2, trainable_only=True)
     return sl.run(step, _state(), _data(), events=sl.Events(sl.resume_from(ckpt), ckpt),
                   max_steps=max_steps)  # fmt: skip
 

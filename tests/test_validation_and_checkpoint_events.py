@@ -88,9 +88,7 @@ def test_checkpoint_end_reports_each_committed_checkpoint_once_complete_on_disk(
         reported.append((event.step, info))
 
     events = Events().on("step_end", lambda e: params.update({e.step: _copies(e.state)}))
-    events.add(
-        checkpoint_every(directory, every=2, keep_last=1, step=step, background=in_background)
-    )
+    events.add(checkpoint_every(directory, every=2, keep_last=1, background=in_background))
     events.on("checkpoint_end", on_checkpoint)
     run(step, make_state(), make_batches(5), events=events)
     # Every 2 updates, and the final state at fit_end: each reported once, in order.

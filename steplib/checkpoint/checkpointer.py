@@ -23,7 +23,6 @@ from steplib.checkpoint.contents import (
     check_metrics,
     is_sharded,
     prunes_here,
-    run_data,
     settle_schedulers,
     with_handlers,
 )
@@ -91,7 +90,7 @@ class Checkpointer(Handler):
     last_saved: str | None = dataclasses.field(default=None, init=False)
 
     def __post_init__(self, background: bool) -> None:
-        self._run_data = self.given.data  # else the stateful loader run() draws from
+        self._run = self.given  # with the loader and step(s) of run's fit_start
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
@@ -106,10 +105,10 @@ class Checkpointer(Handler):
         own state, this rank's alone (``ConfigError``); remove a killed save's debris; warn of
         newer checkpoints there."""
         self._saved_at = _position(event.state)
-        self._run_data = run_data(self.given.data, event)
+        self._run = self.given.for_run(event)
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
         storage.check_writable(directory, caller=repr(self))
-        settle_schedulers(self.given.step, event.state, repr(self))  # a refusal before training
+        settle_schedulers(self._run.step, event.state, repr(self))  # a refusal before training
         if world_size() > 1 and not is_sharded(event.state):  # pipeline stages, say
             self._check_apart(directory)
         if prunes_here(event.state):
@@ -187,11 +186,8 @@ class Checkpointer(Handler):
                 )
             # At fit end or a preemption, perhaps before any evaluation: saved, not refused.
             _log.warning("%s It was saved without pruning, so that no best one is lost.", found)
-        given = dataclasses.replace(
-            self.given,
-            data=self._run_data,
-            extras=with_handlers("checkpoint_every", self.given.extras, event.events),
-        )
+        extras = with_handlers("checkpoint_every", self.given.extras, event.events)
+        given = dataclasses.replace(self._run, extras=extras)
         here, taken = prunes_here(state), time.time()
 
         def committed(url: str) -> None:  # in the writer's thread for a background save
@@ -286,7 +282,6 @@ def checkpoint_every(
     mode: str | None = None,
     data: Any = None,
     extras: Mapping[str, Any] | None = None,
-    step: Any = None,
     metrics: Metrics | None = None,
     background: bool = False,
     at_end: bool = True,
@@ -307,8 +302,9 @@ def checkpoint_every(
             ``keep_best`` by ``metric`` (``None``: all).
         metric: what ``keep_best`` ranks by: a metric's name, or the ``Evaluator`` monitoring it.
         mode: ``"min"`` (default) or ``"max"``: whether lower or higher ``metric`` is better.
-        data, extras, step, storage_options, durable, trainable_only: as for ``save`` (by
-            default the stateful loader ``run`` draws from and the attached handlers are saved).
+        data, extras, storage_options, durable, trainable_only: as for ``save``. The stateful
+            loader ``run`` draws from, the step(s) it calls and the attached handlers are saved
+            without being named (``data`` names another loader).
         metrics: ``event -> {name: number}`` recorded with each save (:func:`default_metrics`).
         background: write in a background thread (:class:`AsyncSaver`); errors surface later.
         at_end: also save at ``fit_end`` if the state changed since the last save.
@@ -326,7 +322,7 @@ def checkpoint_every(
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
-        >>> ckpt = checkpoint_every("memory://doctest-every/ckpt", every=2, keep_last=2, step=step)
+        >>> ckpt = checkpoint_every("memory://doctest-every/ckpt", every=2, keep_last=2)
         >>> _ = run(step, state, [torch.ones(4, 2)] * 5, events=[ckpt])
         >>> [c.step for c in list_checkpoints("memory://doctest-every/ckpt")]
         [4, 5]
@@ -352,7 +348,7 @@ def checkpoint_every(
         metric, mode = errors.monitor_and_mode(caller, metric, mode)
     mode = mode or "min"
     check_retention(caller, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
-    given = Checkpoints(directory, data, extras, step, storage_options, durable, trainable_only)
+    given = Checkpoints(directory, data, extras, None, storage_options, durable, trainable_only)
     check_options(given, caller)
     settings = (every, epochs, keep_last, keep_best, metric, mode, metrics or default_metrics)
     return Checkpointer(given, *settings, background, at_end, typed)

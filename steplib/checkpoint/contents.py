@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from steplib.checkpoint.manifest import fingerprint
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
-from steplib.events import Event, Events
+from steplib.events import Events
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
 
@@ -114,11 +114,13 @@ def settle_schedulers(step: Any, state: TrainState, caller: str) -> None:
         fused = getattr(lane.optimizer, "_step_supports_amp_scaling", False)
         if fused and type(lane.scheduler) is LambdaLR and lane.device.type == "cuda":
             raise ConfigError(
-                f"{caller} received no step=, and this state's LambdaLR over a fused "
+                f"{caller} has no step (save's step=, or the Step run calls), and this state's "
+                f"LambdaLR over a fused "
                 f"{type(lane.optimizer).__name__} on CUDA may have its position on the device, "
                 "in the step (its skips are decided there): the scheduler object can be an "
                 "update or two behind, and a checkpoint of it would resume the schedule late. "
-                "Pass the step you train with: step=step."
+                "Pass the step you train with: save(..., step=step), or run(step, ...) with a "
+                "Step (make_train_step and its wrappers) for checkpoint_every."
             )
 
 
@@ -332,8 +334,3 @@ def with_handlers(
             found[f"{kind}[{counts[kind]}]"] = handler
             counts[kind] += 1
     return {**named, HANDLERS: HandlerStates(found)}
-
-
-def run_data(data: Any, event: Event) -> Any:
-    """``data``, else the ``fit_start`` event's loader if it is stateful, else ``None``."""
-    return data if data is not None else event.data if is_stateful(event.data) else None

@@ -25,6 +25,7 @@ from steplib.checkpoint.contents import (
     check_metrics,
     gather,
     is_sharded,
+    is_stateful,
     read_tree,
     settle_schedulers,
 )
@@ -41,6 +42,7 @@ from steplib.checkpoint.manifest import (
 from steplib.checkpoint.restore import apply, check_fingerprint
 from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from steplib.events import Event
 from steplib.state import TrainState
 
 
@@ -103,6 +105,15 @@ class Checkpoints:
             files = gather(state, data=self.data, extras=extras, trainable_only=self.trainable_only)
         manifest = Manifest.of(state, metrics=numbers, step=self.step, layout=layout, world=world)
         return Plan(self, directory, files, tensors, manifest)
+
+    def for_run(self, event: Event) -> Checkpoints:
+        """These with the ``fit_start`` event's loader (unless ``data`` is given; if stateful)
+        and its step(s), if Steps (a checkpoint records their composition and settles them)."""
+        data = event.data if self.data is None and is_stateful(event.data) else self.data
+        step = event.train_step
+        ones = step.values() if isinstance(step, Mapping) else (step,)
+        steps = all(callable(getattr(one, "settle", None)) for one in ones)
+        return dataclasses.replace(self, data=data, step=step if steps else None)
 
     def save(self, state: TrainState, *, metrics: Any = None, caller: str = "save") -> str:
         return write(self.plan(state, metrics=metrics, caller=caller))

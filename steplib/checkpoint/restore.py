@@ -64,7 +64,7 @@ def check_fingerprint(
             f"load: checkpoint {checkpoint} was trained by the step {_chain(saved)}, this step "
             f"is {_chain(now)}: {'; '.join(differences)}. The counters and the accumulation "
             "window mean something else under another composition. Build the step as the "
-            "checkpoint's, or pass step=None to load without this check."
+            "checkpoint's, or load it unchecked by hand: load(url, state), without step=."
         )
 
 

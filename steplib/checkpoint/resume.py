@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any
 
 from steplib.checkpoint.checkpointer import Checkpointer
-from steplib.checkpoint.contents import is_sharded, run_data, with_handlers
+from steplib.checkpoint.contents import is_sharded, with_handlers
 from steplib.checkpoint.pipeline import Checkpoints, GlooGroup
 from steplib.checkpoint.storage import StorageOptions
 from steplib.distributed import world_size
@@ -38,11 +38,8 @@ class Resume(Handler):
 
     def on_fit_start(self, event: Event) -> NewState | None:
         """Load the newest valid checkpoint into the state, its loader and its handlers."""
-        given = dataclasses.replace(
-            self.given,
-            data=run_data(self.given.data, event),
-            extras=with_handlers("resume_from", self.given.extras, event.events),
-        )
+        extras = with_handlers("resume_from", self.given.extras, event.events)
+        given = dataclasses.replace(self.given.for_run(event), extras=extras)
         apart = world_size() > 1 and not is_sharded(event.state)
         found = given.load_newest(event.state, group=self._group.get() if apart else None)
         if found is None:
@@ -84,7 +81,6 @@ def resume_from(
     *,
     data: Any = None,
     extras: Mapping[str, Any] | None = None,
-    step: Any = None,
     storage_options: StorageOptions = None,
 ) -> Resume:
     """A ``fit_start`` handler: continue from the newest valid checkpoint in ``directory``,
@@ -94,15 +90,17 @@ def resume_from(
 
     Args:
         directory: the directory of checkpoints, or the ``checkpoint_every`` handler.
-        data, extras, step, storage_options: as for ``load`` (by default the handler's, and
-            the stateful loader ``run`` draws from).
+        data, extras, storage_options: as for ``load`` (by default the handler's, and the
+            stateful loader ``run`` draws from); the step(s) ``run`` calls are checked against
+            the checkpoint's composition.
 
     Returns:
         A :class:`Resume` handler: ``Events(resume_from(ckpt), ..., ckpt)``.
 
     Raises:
         CorruptCheckpointError: at ``fit_start``, when every checkpoint is corrupt.
-        ConfigError: at ``fit_start``, when the newest does not fit (other handlers, model...).
+        ConfigError: at ``fit_start``, when the newest does not fit (other handlers, model,
+            step...).
 
     Example:
         >>> import torch
@@ -113,7 +111,7 @@ def resume_from(
         >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
         >>> step = make_train_step(lambda m, b: m(b).pow(2).mean())
         >>> data = resumable_loader(torch.ones(12, 2), batch_size=4)  # its position is saved
-        >>> ckpt = checkpoint_every("memory://doctest-resume/ckpt", every=1, step=step)
+        >>> ckpt = checkpoint_every("memory://doctest-resume/ckpt", every=1)
         >>> [run(step, state, data, events=[resume_from(ckpt), ckpt]).step
         ...  for _ in range(2)]  # the second run resumes at 3, for its next epoch
         [3, 6]
@@ -123,8 +121,7 @@ def resume_from(
         directory, storage_options = own.directory, storage_options or own.storage_options
         data = own.data if data is None else data
         extras = own.extras if extras is None else extras
-        step = own.step if step is None else step
-    return Resume(Checkpoints(directory, data, extras, step, storage_options))
+    return Resume(Checkpoints(directory, data, extras, None, storage_options))
 
 
 class Preemption(Handler):

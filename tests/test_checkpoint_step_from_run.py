@@ -1,0 +1,75 @@
+"""The checkpoint handlers take the step(s) from the run, as they take its loader and handlers:
+``checkpoint_every`` records the composition of what ``run`` calls and ``resume_from`` checks
+it, without ``step=`` named a second time (before, a run that did not repeat it was saved
+unfingerprinted and resumed under another composition in silence)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from steplib import (
+    ConfigError,
+    Events,
+    TrainState,
+    accumulate,
+    checkpoint_every,
+    clip,
+    make_train_step,
+    resume_from,
+    run,
+)
+from steplib.checkpoint import latest, load
+from tests.checkpoint_helpers import make_state, memory_dir
+from tests.reference import make_batches, mean_loss
+from tests.test_several_optimizers import _nets, _state, d_loss, g_loss
+
+__all__ = ["memory_dir"]
+
+
+def test_a_resume_under_another_composition_is_refused_without_naming_the_step(
+    memory_dir: str,
+) -> None:
+    saved_with = clip(accumulate(make_train_step(mean_loss), 2), max_norm=1.0)
+    run(saved_with, make_state(), make_batches(4), events=[checkpoint_every(memory_dir, epochs=1)])
+    other = accumulate(make_train_step(mean_loss), 4)  # the counters would mean another thing
+    with pytest.raises(ConfigError, match=r"accumulate k=2 in the checkpoint, 4 now"):
+        run(other, make_state(), make_batches(4), events=[resume_from(memory_dir)])
+    resumed = run(saved_with, make_state(), make_batches(4), events=[resume_from(memory_dir)])
+    assert resumed.step == 4  # the same composition resumes (at 2, for its next epoch)
+
+
+def test_several_steps_are_recorded_by_name_and_their_order_checked(memory_dir: str) -> None:
+    batches = [(torch.randn(6, 2), torch.randn(6, 4)) for _ in range(2)]
+    steps = {
+        "D": make_train_step(d_loss, optimizer="D"),
+        "G": make_train_step(g_loss, optimizer="G"),
+    }
+    run(steps, _state(*_nets()), batches, events=[checkpoint_every(memory_dir, every=1)])
+    swapped = {"G": steps["G"], "D": steps["D"]}
+    with pytest.raises(ConfigError, match="trained by the step"):
+        run(swapped, _state(*_nets()), batches, events=[resume_from(memory_dir)])
+
+
+class _OwnStep:
+    """A step of the user's own: what ``run`` needs (a call and ``flush``), no composition."""
+
+    def __init__(self) -> None:
+        self.inner = make_train_step(mean_loss)
+
+    def __call__(self, state: TrainState, batch: Any, *, close_window: bool = False) -> Any:
+        return self.inner(state, batch, close_window=close_window)
+
+    def flush(self, state: TrainState) -> Any:
+        return self.inner.flush(state)
+
+
+def test_a_step_of_the_users_own_is_saved_without_a_composition(memory_dir: str) -> None:
+    events = Events(checkpoint_every(memory_dir, every=2))
+    state = run(_OwnStep(), make_state(), make_batches(4), events=events)
+    url = latest(memory_dir)
+    assert url is not None
+    # No fingerprint to compare: a Step loads it, as a checkpoint saved by hand without step=.
+    assert load(url, make_state(), step=make_train_step(mean_loss)).step == state.step
