@@ -263,6 +263,29 @@ def test_no_host_sync_reports_a_read_the_step_swallowed_and_reads_inside_torch()
     assert "capturable=True or fused=True" in message
 
 
+def test_no_host_sync_catches_the_comparisons_that_answer_a_python_bool() -> None:
+    # Before, torch.equal / allclose passed on the CPU: on a GPU each waits for the device.
+    def comparing(compare: Any) -> Any:
+        def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+            loss = mean_loss(model, batch)
+            return loss * 0 if compare(loss) else loss
+
+        return loss_fn
+
+    _, state = _build()()
+    functions = (torch.equal, torch.allclose, torch.is_nonzero)
+    cases = {
+        r"torch\.equal\(\)": lambda loss: torch.equal(loss, loss.detach()),
+        r"Tensor\.allclose\(\)": lambda loss: loss.allclose(torch.zeros(())),
+        r"torch\.is_nonzero\(\)": lambda loss: torch.is_nonzero(loss > 100),
+    }
+    for read, compare in cases.items():
+        with pytest.raises(AssertionError, match=read + r" read a tensor on the host"):
+            assert_no_host_sync(make_train_step(comparing(compare)), state, make_batches(1))
+    assert (torch.equal, torch.allclose, torch.is_nonzero) == functions  # put back
+    assert torch.equal(torch.ones(2), torch.ones(2)) and torch.ones(2).allclose(torch.ones(2))
+
+
 # --- verify_resume ---------------------------------------------------------------------------
 
 

@@ -20,7 +20,10 @@ from steplib.step.device_skips import HostCopy
 
 # Every way Python code reads a tensor's value on the host. On a GPU each waits for the device
 # to finish the queued work; on a CPU they are free, which is why a CPU run never shows the cost.
+# The comparisons that answer a Python bool are methods and torch functions both.
+_COMPARISONS = ("equal", "allclose", "is_nonzero")
 HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")
+HOST_READS += _COMPARISONS
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, steplib))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
@@ -40,9 +43,11 @@ def assert_no_host_sync(step: Any, state: Any, batches: Iterable[Any]) -> Any:
     """Run ``step`` over ``batches`` with host reads made to raise; return the final state.
 
     While the step runs, ``Tensor.item``, ``__bool__``, ``__float__``, ``__int__``,
-    ``__index__``, ``cpu``, ``tolist`` and ``numpy`` raise (``.cpu()`` too on a CPU tensor: it
-    is a device-to-host copy on a GPU), and on CUDA ``torch.cuda.set_sync_debug_mode("error")``
-    also catches syncs those methods miss (``torch.nonzero``, boolean-mask indexing). Batches
+    ``__index__``, ``cpu``, ``tolist``, ``numpy`` and the comparisons that answer a Python bool
+    (``equal``, ``allclose``, ``is_nonzero``, as methods and as ``torch.`` functions) raise
+    (``.cpu()`` too on a CPU tensor: it is a device-to-host copy on a GPU), and on CUDA
+    ``torch.cuda.set_sync_debug_mode("error")`` also catches syncs those miss (``torch.nonzero``,
+    boolean-mask indexing, ``.to("cpu")``: on a CPU they read nothing on the host). Batches
     are fetched outside the patch (a sampler may read tensors); a step with ``flush`` is
     flushed at the end, so the update path runs even when the last window is open.
     Everything is restored afterwards, also on failure. A read that the step's own code
@@ -114,18 +119,19 @@ def _checked(call: Any, state: Any, where: str, found: list[str]) -> Any:
 def _host_reads_raise(found: list[str], where: str) -> Iterator[None]:
     # Most of these are defined on torch's C base class, not on torch.Tensor itself: remember
     # which, so that restoring deletes our attribute instead of leaving a copy on the subclass.
-    saved = {name: vars(torch.Tensor).get(name, _MISSING) for name in HOST_READS}
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    reads = [(torch.Tensor, name) for name in HOST_READS] + [(torch, n) for n in _COMPARISONS]
+    saved = {(owner, name): vars(owner).get(name, _MISSING) for owner, name in reads}
+    originals = {(owner, name): getattr(owner, name) for owner, name in reads}
 
-    def raising(name: str) -> Any:
+    def raising(owner: Any, name: str) -> Any:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if sys._getframe(1).f_code is _LANDED_READ and self.device.type == "cpu":
-                return originals[name](self, *args, **kwargs)
+                return originals[owner, name](self, *args, **kwargs)
             frames = _stack_frames(sys._getframe(1))
             message = (
-                f"assert_no_host_sync: Tensor.{name}() read a tensor on the host during the "
-                f"call on {where} (on a GPU it waits for every queued kernel). "
-                + _describe_frames(frames)
+                f"assert_no_host_sync: {owner.__name__}.{name}() read a tensor "
+                f"on the host during the call on {where} (on a GPU it waits for every queued "
+                "kernel). " + _describe_frames(frames)
             )
             if not found:
                 found.append(message)
@@ -134,15 +140,15 @@ def _host_reads_raise(found: list[str], where: str) -> Iterator[None]:
         return read
 
     try:
-        for name in HOST_READS:
-            setattr(torch.Tensor, name, raising(name))
+        for owner, name in reads:
+            setattr(owner, name, raising(owner, name))
         yield
     finally:
-        for name, original in saved.items():
+        for (owner, name), original in saved.items():
             if original is _MISSING:
-                delattr(torch.Tensor, name)
+                delattr(owner, name)
             else:
-                setattr(torch.Tensor, name, original)
+                setattr(owner, name, original)
 
 
 @contextlib.contextmanager
