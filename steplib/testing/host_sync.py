@@ -22,8 +22,8 @@ from steplib.step.device_skips import HostCopy
 # to finish the queued work; on a CPU they are free, which is why a CPU run never shows the cost.
 # The comparisons that answer a Python bool are methods and torch functions both.
 _COMPARISONS = ("equal", "allclose", "is_nonzero")
-HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")
-HOST_READS += _COMPARISONS
+_VALUES = ("item", "__bool__", "__float__", "__int__", "__index__", "cpu", "tolist", "numpy")
+HOST_READS = (*_VALUES, *_COMPARISONS)
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, steplib))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
