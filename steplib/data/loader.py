@@ -91,6 +91,10 @@ class ResumableLoader(StatefulDataLoader):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
         self.epoch_completed_on_load = False
+        # Set by resumable_loader: the world size it was built for, and whether shard= was
+        # left unsaid (see _check_ranks).
+        self._built_for_ranks: int | None = None
+        self._shard_unsaid = False
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch and the generator states (plain data).
@@ -206,8 +210,25 @@ class ResumableLoader(StatefulDataLoader):
         )
         super().load_state_dict({})  # a fresh iterator: the sampler starts at the position
 
+    def _check_ranks(self) -> None:
+        # A loader built before init_distributed saw one process: refuse, at its first pass,
+        # what would then give every rank the whole dataset in the same order.
+        ranks = world_size()
+        if self._built_for_ranks is None or ranks in (1, self._built_for_ranks):
+            return
+        if isinstance(self.sampler, ShardedSampler):
+            raise ConfigError(
+                f"resumable_loader(shard=True) was built for {self._built_for_ranks} rank(s) "
+                f"but iterates in a process group of {ranks}: it was built before "
+                "init_distributed(), so every rank would read the whole dataset. Build the "
+                "loader after steplib.distributed.init_distributed()."
+            )
+        if self._shard_unsaid:
+            raise ConfigError(_unsaid_shard(ranks))
+
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
+        self._check_ranks()
         if isinstance(self.sampler, ShardedSampler):
             self.sampler.start_epoch()
             self.generator.manual_seed(self.sampler.worker_seed())
@@ -248,7 +269,7 @@ def resumable_loader(
     num_workers: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pin_memory: bool = False,
-    shard: bool = False,
+    shard: bool | None = None,
 ) -> ResumableLoader:
     """A data loader over a map-style ``dataset`` whose position belongs in a checkpoint.
 
@@ -267,11 +288,18 @@ def resumable_loader(
         num_workers: worker processes (0 loads in the main process).
         collate_fn: how samples become a batch (torch's default collation when ``None``).
         pin_memory: copy batches into pinned memory (faster host-to-GPU copies).
-        shard: share every epoch out among the ranks of the default process group (each rank
-            gets ``len(dataset) // world_size`` samples, as from ``DistributedSampler(...,
-            drop_last=True)``; build it on every rank with the same ``seed``), with a
-            position that another world size can resume from; see "Resuming on another
-            number of ranks" below. ``batch_size`` is then per rank.
+        shard: ``True``: share every epoch out among the ranks of the default process group
+            (each rank gets ``len(dataset) // world_size`` samples, as from
+            ``DistributedSampler(..., drop_last=True)``; build it on every rank with the same
+            ``seed``, after ``init_distributed()``), with a position that another world size
+            can resume from; see "Resuming on another number of ranks" below. ``batch_size``
+            is then per rank. ``False``: every rank iterates its whole ``dataset`` (right when
+            each rank's dataset is already its own, or when every rank must see the same
+            batch: tensor and pipeline parallelism). ``None`` (the default): ``False`` in one
+            process; refused in a process group of several ranks (also at the first pass of
+            a loader built before ``init_distributed()``), where the same dataset and seed on
+            every rank would give every rank the same batches, so the global batch would be
+            ``world_size`` copies of one.
 
     Resuming on another number of ranks: with ``shard=True`` a checkpoint keeps the epoch and
     the number of samples all ranks have consumed together, not a per-rank position. Loaded on
@@ -291,8 +319,8 @@ def resumable_loader(
 
     Raises:
         ConfigError: ``batch_size`` or ``num_workers`` out of range, ``seed`` not an int, an
-            empty ``dataset``, or ``shard=True`` with ``len(dataset)`` smaller than the number
-            of ranks.
+            empty ``dataset``, ``shard=True`` with ``len(dataset)`` smaller than the number
+            of ranks, or ``shard`` left unsaid in a process group of several ranks.
 
     Example:
         >>> import torch
@@ -340,9 +368,11 @@ def resumable_loader(
             "there is nothing to train on. Check the path, split or filter that built it, and "
             "pass a dataset with at least one sample."
         )
+    ranks = world_size()
+    if shard is None and ranks > 1:
+        raise ConfigError(_unsaid_shard(ranks))
     sampler = None
     if shard:
-        ranks = world_size()
         if len(dataset) < ranks:
             raise ConfigError(
                 f"resumable_loader(shard=True) received a dataset of {len(dataset)} samples for "
@@ -352,7 +382,7 @@ def resumable_loader(
         sampler = ShardedSampler(
             len(dataset), rank=rank(), world_size=ranks, seed=seed, shuffle=shuffle
         )
-    return ResumableLoader(
+    loader = ResumableLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -362,6 +392,20 @@ def resumable_loader(
         collate_fn=collate_fn,
         pin_memory=pin_memory,
         generator=torch.Generator().manual_seed(seed),
+    )
+    loader._built_for_ranks, loader._shard_unsaid = ranks, shard is None
+    return loader
+
+
+def _unsaid_shard(ranks: int) -> str:
+    """The refusal of ``resumable_loader`` without ``shard=`` on ``ranks`` ranks."""
+    return (
+        f"resumable_loader(...) runs on {ranks} ranks without shard=...: every rank would "
+        "iterate the whole dataset, and with the same dataset and seed every rank would get "
+        f"the same batches, so each update would average {ranks} copies of one batch. Pass "
+        "shard=True to share every epoch out among the ranks; or shard=False when each "
+        "rank's dataset is already its own, or every rank must see the same batch (tensor or "
+        "pipeline parallelism)."
     )
 
 
