@@ -65,3 +65,20 @@ def test_a_loader_built_before_the_process_group_is_refused_at_its_first_pass(sh
             assert "after steplib.distributed.init_distributed()" in message
         else:
             assert "runs on 2 ranks without shard=" in message, message
+
+
+def _seed_per_rank(rank: int, world: int) -> str:
+    try:
+        resumable_loader(DATA, batch_size=2, seed=rank, shard=True)
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_shard_true_with_a_seed_per_rank_is_refused_since_samples_would_repeat() -> None:
+    # Unrefused, ranks 0 and 1 read [4, 7, 3, 0, 6] and [6, 2, 8, 3, 4]: 3, 4 and 6 twice,
+    # 1, 5 and 9 never.
+    for message in run_ranks(_seed_per_rank):
+        assert "'seed': 0" in message and "'seed': 1" in message, message
+        assert "read twice per epoch and others never" in message
+        assert "seed=0" in message

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -320,7 +321,9 @@ def resumable_loader(
     Raises:
         ConfigError: ``batch_size`` or ``num_workers`` out of range, ``seed`` not an int, an
             empty ``dataset``, ``shard=True`` with ``len(dataset)`` smaller than the number
-            of ranks, or ``shard`` left unsaid in a process group of several ranks.
+            of ranks or with another ``seed``, dataset length or ``shuffle`` on some rank (a
+            collective at build time), or ``shard`` left unsaid in a process group of several
+            ranks.
 
     Example:
         >>> import torch
@@ -379,6 +382,7 @@ def resumable_loader(
                 f"{ranks} ranks: some rank would get no data. Use at most "
                 f"{max(len(dataset), 1)} ranks, or a larger dataset."
             )
+        _check_one_order(len(dataset), seed, shuffle, ranks)
         sampler = ShardedSampler(
             len(dataset), rank=rank(), world_size=ranks, seed=seed, shuffle=shuffle
         )
@@ -395,6 +399,26 @@ def resumable_loader(
     )
     loader._built_for_ranks, loader._shard_unsaid = ranks, shard is None
     return loader
+
+
+def _check_one_order(size: int, seed: int, shuffle: bool, ranks: int) -> None:
+    """Refuse ranks that would share out different global orders (one collective, at build
+    time): each would take its share of another permutation, so some samples would be read
+    twice per epoch and others never."""
+    if ranks == 1:
+        return
+    mine = {"seed": seed, "len(dataset)": size, "shuffle": shuffle}
+    every: list[Any] = [None] * ranks
+    dist.all_gather_object(every, mine)
+    for other, theirs in enumerate(every):
+        if theirs != mine:
+            raise ConfigError(
+                f"resumable_loader(shard=True) was built with {mine} on rank {rank()} but "
+                f"with {theirs} on rank {other}: each rank would take its share of another "
+                "order, so some samples would be read twice per epoch and others never. Build "
+                f"it alike on every rank: the same dataset and shuffle, the same seed (e.g. "
+                f"seed={every[0]['seed']}); the ranks still read different samples."
+            )
 
 
 def _unsaid_shard(ranks: int) -> str:
