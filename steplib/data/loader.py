@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
 from steplib.data.worker_rng import WorkerRng
-from steplib.distributed.process_group import rank, world_size
+from steplib.distributed.process_group import world_size
 from steplib.errors import ConfigError, describe
 
 # torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
@@ -92,8 +92,7 @@ class ResumableLoader(StatefulDataLoader):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
         self.epoch_completed_on_load = False
-        # Set by resumable_loader: the world size it was built for, and whether shard= was
-        # left unsaid (see _check_ranks).
+        # Set by resumable_loader, for steplib.data.rank_share.check_still_shared.
         self._built_for_ranks: int | None = None
         self._shard_unsaid = False
 
@@ -211,25 +210,13 @@ class ResumableLoader(StatefulDataLoader):
         )
         super().load_state_dict({})  # a fresh iterator: the sampler starts at the position
 
-    def _check_ranks(self) -> None:
-        # A loader built before init_distributed saw one process: refuse, at its first pass,
-        # what would then give every rank the whole dataset in the same order.
-        ranks = world_size()
-        if self._built_for_ranks is None or ranks in (1, self._built_for_ranks):
-            return
-        if isinstance(self.sampler, ShardedSampler):
-            raise ConfigError(
-                f"resumable_loader(shard=True) was built for {self._built_for_ranks} rank(s) "
-                f"but iterates in a process group of {ranks}: it was built before "
-                "init_distributed(), so every rank would read the whole dataset. Build the "
-                "loader after steplib.distributed.init_distributed()."
-            )
-        if self._shard_unsaid:
-            raise ConfigError(_unsaid_shard(ranks))
-
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
-        self._check_ranks()
+        check_still_shared(
+            self._built_for_ranks,
+            sharded=isinstance(self.sampler, ShardedSampler),
+            unsaid=self._shard_unsaid,
+        )
         if isinstance(self.sampler, ShardedSampler):
             self.sampler.start_epoch()
             self.generator.manual_seed(self.sampler.worker_seed())
@@ -371,21 +358,7 @@ def resumable_loader(
             "there is nothing to train on. Check the path, split or filter that built it, and "
             "pass a dataset with at least one sample."
         )
-    ranks = world_size()
-    if shard is None and ranks > 1:
-        raise ConfigError(_unsaid_shard(ranks))
-    sampler = None
-    if shard:
-        if len(dataset) < ranks:
-            raise ConfigError(
-                f"resumable_loader(shard=True) received a dataset of {len(dataset)} samples for "
-                f"{ranks} ranks: some rank would get no data. Use at most "
-                f"{max(len(dataset), 1)} ranks, or a larger dataset."
-            )
-        _check_one_order(len(dataset), seed, shuffle, ranks)
-        sampler = ShardedSampler(
-            len(dataset), rank=rank(), world_size=ranks, seed=seed, shuffle=shuffle
-        )
+    sampler = share_sampler(shard, dataset, seed=seed, shuffle=shuffle)  # None: not shared
     loader = ResumableLoader(
         dataset,
         batch_size=batch_size,
@@ -397,40 +370,8 @@ def resumable_loader(
         pin_memory=pin_memory,
         generator=torch.Generator().manual_seed(seed),
     )
-    loader._built_for_ranks, loader._shard_unsaid = ranks, shard is None
+    loader._built_for_ranks, loader._shard_unsaid = world_size(), shard is None
     return loader
-
-
-def _check_one_order(size: int, seed: int, shuffle: bool, ranks: int) -> None:
-    """Refuse ranks that would share out different global orders (one collective, at build
-    time): each would take its share of another permutation, so some samples would be read
-    twice per epoch and others never."""
-    if ranks == 1:
-        return
-    mine = {"seed": seed, "len(dataset)": size, "shuffle": shuffle}
-    every: list[Any] = [None] * ranks
-    dist.all_gather_object(every, mine)
-    for other, theirs in enumerate(every):
-        if theirs != mine:
-            raise ConfigError(
-                f"resumable_loader(shard=True) was built with {mine} on rank {rank()} but "
-                f"with {theirs} on rank {other}: each rank would take its share of another "
-                "order, so some samples would be read twice per epoch and others never. Build "
-                f"it alike on every rank: the same dataset and shuffle, the same seed (e.g. "
-                f"seed={every[0]['seed']}); the ranks still read different samples."
-            )
-
-
-def _unsaid_shard(ranks: int) -> str:
-    """The refusal of ``resumable_loader`` without ``shard=`` on ``ranks`` ranks."""
-    return (
-        f"resumable_loader(...) runs on {ranks} ranks without shard=...: every rank would "
-        "iterate the whole dataset, and with the same dataset and seed every rank would get "
-        f"the same batches, so each update would average {ranks} copies of one batch. Pass "
-        "shard=True to share every epoch out among the ranks; or shard=False when each "
-        "rank's dataset is already its own, or every rank must see the same batch (tensor or "
-        "pipeline parallelism)."
-    )
 
 
 def restore_position(data: Any, position: Any) -> bool:
