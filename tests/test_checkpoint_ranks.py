@@ -51,7 +51,11 @@ def _gan(rank: int, *, seed: int = 0) -> tuple[TrainState, Any, Any]:
     gen = torch.Generator().manual_seed(10 + rank)
     data = TensorDataset(torch.randn(24, 2, generator=gen) + 1, torch.randn(24, 4, generator=gen))
     torch.manual_seed(100 + rank)  # dropout differs per rank, as in real runs
-    return state, _Both(d_step, g_step), resumable_loader(data, batch_size=4, seed=rank)
+    return (
+        state,
+        _Both(d_step, g_step),
+        resumable_loader(data, batch_size=4, seed=rank, shard=False),
+    )
 
 
 class _Both:

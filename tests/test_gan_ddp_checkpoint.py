@@ -40,7 +40,7 @@ def _build(rank: int) -> tuple[TrainState, Any, Any, Any, nn.Module, nn.Module]:
     g_step = ddp_wrap(accumulate(make_train_step(g_loss, optimizer="G"), 2))
     gen = torch.Generator().manual_seed(10 + rank)  # each rank its own data
     data = TensorDataset(torch.randn(24, 2, generator=gen) + 1, torch.randn(24, 4, generator=gen))
-    loader = resumable_loader(data, batch_size=4, seed=rank)
+    loader = resumable_loader(data, batch_size=4, seed=rank, shard=False)
     torch.manual_seed(100 + rank)  # each rank its own dropout masks
     return state, d_step, g_step, loader, g, d
 

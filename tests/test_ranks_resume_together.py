@@ -33,7 +33,8 @@ from tests.test_pipeline import _batches, _build
 
 def _loader() -> Any:
     x, y = (torch.cat(parts) for parts in zip(*_batches(6), strict=True))
-    return resumable_loader(TensorDataset(x, y), batch_size=8, seed=3)
+    # every pipeline stage reads the same batch
+    return resumable_loader(TensorDataset(x, y), batch_size=8, seed=3, shard=False)
 
 
 def _train(root: str, steps: int, *, seed: int = 0) -> tuple[Any, Any, Any]:

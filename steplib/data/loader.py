@@ -25,9 +25,10 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
 from steplib.data.worker_rng import WorkerRng
-from steplib.distributed.process_group import rank, world_size
+from steplib.distributed.process_group import world_size
 from steplib.errors import ConfigError, describe
 
 # torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
@@ -91,6 +92,9 @@ class ResumableLoader(StatefulDataLoader):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
         self.epoch_completed_on_load = False
+        # Set by resumable_loader, for steplib.data.rank_share.check_still_shared.
+        self._built_for_ranks: int | None = None
+        self._shard_unsaid = False
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch and the generator states (plain data).
@@ -208,6 +212,11 @@ class ResumableLoader(StatefulDataLoader):
 
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
+        check_still_shared(
+            self._built_for_ranks,
+            sharded=isinstance(self.sampler, ShardedSampler),
+            unsaid=self._shard_unsaid,
+        )
         if isinstance(self.sampler, ShardedSampler):
             self.sampler.start_epoch()
             self.generator.manual_seed(self.sampler.worker_seed())
@@ -248,7 +257,7 @@ def resumable_loader(
     num_workers: int = 0,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pin_memory: bool = False,
-    shard: bool = False,
+    shard: bool | None = None,
 ) -> ResumableLoader:
     """A data loader over a map-style ``dataset`` whose position belongs in a checkpoint.
 
@@ -267,11 +276,18 @@ def resumable_loader(
         num_workers: worker processes (0 loads in the main process).
         collate_fn: how samples become a batch (torch's default collation when ``None``).
         pin_memory: copy batches into pinned memory (faster host-to-GPU copies).
-        shard: share every epoch out among the ranks of the default process group (each rank
-            gets ``len(dataset) // world_size`` samples, as from ``DistributedSampler(...,
-            drop_last=True)``; build it on every rank with the same ``seed``), with a
-            position that another world size can resume from; see "Resuming on another
-            number of ranks" below. ``batch_size`` is then per rank.
+        shard: ``True``: share every epoch out among the ranks of the default process group
+            (each rank gets ``len(dataset) // world_size`` samples, as from
+            ``DistributedSampler(..., drop_last=True)``; build it on every rank with the same
+            ``seed``, after ``init_distributed()``), with a position that another world size
+            can resume from; see "Resuming on another number of ranks" below. ``batch_size``
+            is then per rank. ``False``: every rank iterates its whole ``dataset`` (right when
+            each rank's dataset is already its own, or when every rank must see the same
+            batch: tensor and pipeline parallelism). ``None`` (the default): ``False`` in one
+            process; refused in a process group of several ranks (also at the first pass of
+            a loader built before ``init_distributed()``), where the same dataset and seed on
+            every rank would give every rank the same batches, so the global batch would be
+            ``world_size`` copies of one.
 
     Resuming on another number of ranks: with ``shard=True`` a checkpoint keeps the epoch and
     the number of samples all ranks have consumed together, not a per-rank position. Loaded on
@@ -291,8 +307,10 @@ def resumable_loader(
 
     Raises:
         ConfigError: ``batch_size`` or ``num_workers`` out of range, ``seed`` not an int, an
-            empty ``dataset``, or ``shard=True`` with ``len(dataset)`` smaller than the number
-            of ranks.
+            empty ``dataset``, ``shard=True`` with ``len(dataset)`` smaller than the number
+            of ranks or with another ``seed``, dataset length or ``shuffle`` on some rank (a
+            collective at build time), or ``shard`` left unsaid in a process group of several
+            ranks.
 
     Example:
         >>> import torch
@@ -340,19 +358,8 @@ def resumable_loader(
             "there is nothing to train on. Check the path, split or filter that built it, and "
             "pass a dataset with at least one sample."
         )
-    sampler = None
-    if shard:
-        ranks = world_size()
-        if len(dataset) < ranks:
-            raise ConfigError(
-                f"resumable_loader(shard=True) received a dataset of {len(dataset)} samples for "
-                f"{ranks} ranks: some rank would get no data. Use at most "
-                f"{max(len(dataset), 1)} ranks, or a larger dataset."
-            )
-        sampler = ShardedSampler(
-            len(dataset), rank=rank(), world_size=ranks, seed=seed, shuffle=shuffle
-        )
-    return ResumableLoader(
+    sampler = share_sampler(shard, dataset, seed=seed, shuffle=shuffle)  # None: not shared
+    loader = ResumableLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -363,6 +370,8 @@ def resumable_loader(
         pin_memory=pin_memory,
         generator=torch.Generator().manual_seed(seed),
     )
+    loader._built_for_ranks, loader._shard_unsaid = world_size(), shard is None
+    return loader
 
 
 def restore_position(data: Any, position: Any) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -14,8 +15,8 @@ def _active(group: Any) -> bool:
 
 
 def max_over_ranks(value: float, *, device: torch.device | None = None, group: Any = None) -> float:
-    """The largest ``value`` over the ranks of ``group`` (default: all). A host read: call it
-    from handlers, never inside a step.
+    """The largest ``value`` over the ranks of ``group`` (default: all), NaN when any rank's
+    is NaN (as ``torch.max``). A host read: call it from handlers, never inside a step.
 
     Args:
         value: this rank's number.
@@ -24,7 +25,7 @@ def max_over_ranks(value: float, *, device: torch.device | None = None, group: A
         group: the process group, ``None`` for the default one.
 
     Returns:
-        The largest value, the same on every rank.
+        The largest value, the same on every rank; NaN when any rank gave NaN.
 
     Example:
         >>> max_over_ranks(3.0)  # no process group: the value itself
@@ -32,9 +33,15 @@ def max_over_ranks(value: float, *, device: torch.device | None = None, group: A
     """
     if not _active(group):
         return float(value)
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    # A NaN travels as a flag: the backends' MAX keeps or drops a NaN depending on which
+    # rank holds it (gloo: max(1, nan) on ranks 0, 1 is 1; max(nan, 1) is nan).
+    nan = math.isnan(value)
+    tensor = torch.tensor(
+        [-math.inf if nan else float(value), float(nan)], dtype=torch.float64, device=device
+    )
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return float(tensor.item())
+    largest, any_nan = tensor.tolist()
+    return math.nan if any_nan else float(largest)
 
 
 def any_rank(flag: bool, *, device: torch.device | None = None, group: Any = None) -> bool:

@@ -21,18 +21,20 @@ def ddp_models(
     state: TrainState,
 ) -> tuple[list[DistributedDataParallel], list[DistributedDataParallel]]:
     """The DDP module(s) whose parameters this step's optimizer updates: the state's model, or
-    (several named models, ``model={"G": DDP(g), "D": DDP(d)}``) those of its optimizer; and
+    (several models, ``model={"G": DDP(g), "D": DDP(d)}``) those holding its optimizer's
+    parameters, refusing a trainable one outside every DDP module; and
     the state's other DDP modules (the models the other optimizers update)."""
     model = state.model
     if isinstance(model, DistributedDataParallel):
         return [model], []
-    lane = state.lane
-    if lane.name is not None:
-        params = {id(p) for p in lane.params}
-        wrapped = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
-        found = [m for m in wrapped if any(id(p) in params for p in m.parameters())]
-        if found:
-            return found, [m for m in wrapped if all(m is not f for f in found)]
+    # The parameters this step's optimizer updates: its lane's with several optimizers, the
+    # one optimizer's otherwise (a student beside a frozen teacher).
+    params = {id(p) for p in state.lane.params or _optimized(state.optimizer)}
+    wrapped = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+    found = [m for m in wrapped if any(id(p) in params for p in m.parameters())]
+    if found:
+        _refuse_unwrapped(model, params, found)
+        return found, [m for m in wrapped if all(m is not f for f in found)]
     raise ConfigError(
         f"ddp_wrap: the state's model is a {type(model).__name__}, not a "
         "DistributedDataParallel module (nor a dict holding the one this step's optimizer "
@@ -41,6 +43,35 @@ def ddp_models(
         "then TrainState.create(model=model, ...); with several models, wrap each: "
         "model={'G': apply_ddp(g), 'D': apply_ddp(d)}."
     )
+
+
+def _optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _refuse_unwrapped(
+    model: nn.Module, params: set[int], found: list[DistributedDataParallel]
+) -> None:
+    """Refuse trainable parameters of this step outside every DDP module: nothing would
+    average their gradients, so each rank would apply its own and the ranks would drift
+    apart, in silence."""
+    covered = {id(p) for m in found for p in m.parameters()}
+    outside = [
+        name
+        for name, p in model.named_parameters()
+        if id(p) in params and id(p) not in covered and p.requires_grad
+    ]
+    if outside:
+        key = outside[0].split(".")[0]
+        names = ", ".join(repr(name) for name in outside[:5])
+        more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        raise ConfigError(
+            f"ddp_wrap: this step's optimizer updates {len(outside)} parameter(s) outside "
+            f"every DistributedDataParallel module ({names}{more}): nothing averages their "
+            "gradients over the ranks, so each rank would apply its own and the ranks would "
+            f"drift apart. Wrap that model too: model={{..., {key!r}: apply_ddp({key})}}, "
+            "or freeze those parameters (requires_grad_(False))."
+        )
 
 
 def average_grads(models: list[DistributedDataParallel]) -> None:

@@ -40,6 +40,11 @@ def assert_ranks_in_sync(model: nn.Module, *, grads: bool = True) -> None:
     whole (``full_tensor()``, a collective every rank makes in the same order). Call it at the
     same point on every rank, e.g. after an update in a test, or every N steps in a handler.
 
+    Buffers are not compared: BatchNorm's running statistics legitimately differ across ranks
+    under DDP (rank 0's are broadcast at the start of each forward, then every rank updates
+    them from its own batch; with ``broadcast_buffers=False`` they differ for good), so a
+    buffer check would fail every correct DDP run with BatchNorm.
+
     Args:
         model: the model on this rank (a DDP-wrapped one is fine).
         grads: also compare gradients where present (they are ``None`` right after an update,
