@@ -27,9 +27,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from steplib.distributed.launch_env import read_launch_env
+from steplib.distributed.process_group import global_rank
 from steplib.errors import ConfigError, describe
 
 try:  # numpy is optional: seeded only when installed.
@@ -119,18 +118,6 @@ def _use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-
-
-def global_rank() -> int:
-    """This process's global rank: the process group's, else the launcher's (0 without one).
-
-    Example:
-        >>> global_rank()  # no process group, no launcher
-        0
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return read_launch_env(os.environ).rank
 
 
 def loader_generator(seed: int) -> torch.Generator:

@@ -452,6 +452,23 @@ def test_log_checks_its_sinks_and_sources() -> None:
         Log([], sources=[3])  # type: ignore[list-item]
 
 
+def test_sinks_built_before_the_process_group_write_on_the_launchers_rank_zero_alone(
+    monkeypatch, tmp_path: Path
+) -> None:
+    # torchrun's rank 1 before init_distributed(): before, it counted itself rank 0 (no group
+    # yet), so every rank opened and wrote the same files.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    paths = [tmp_path / "m.jsonl", tmp_path / "m.csv"]
+    sinks: list = [JsonlLogger(str(paths[0])), CSVLogger(str(paths[1])), ConsoleLogger()]
+    Log(sinks)(Event("step_end", state=None, step=1))
+    assert all(not sink.active for sink in sinks) and not any(p.exists() for p in paths)
+    monkeypatch.setenv("RANK", "0")
+    with JsonlLogger(str(paths[0])) as rank_zero:
+        rank_zero.write({"step": 1})
+    assert paths[0].exists()
+
+
 def test_sinks_write_nothing_on_ranks_other_than_zero(monkeypatch, tmp_path: Path) -> None:
     logging = steplib.handlers.logging
     # Log and each kind of sink ask for the rank in their own module.

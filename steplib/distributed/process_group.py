@@ -92,11 +92,26 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def global_rank() -> int:
+    """This process's global rank: the process group's, else the launcher's (torchrun's
+    ``RANK``, ``SLURM_PROCID``, ...), else 0: what a process is before ``init_distributed()``.
+
+    Example:
+        >>> global_rank()  # no process group, no launcher
+        0
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return read_launch_env(os.environ).rank
+
+
 def is_main() -> bool:
     """Whether this is rank 0: the process that prints, logs and writes metadata.
 
     Returns:
-        ``rank() == 0``; always ``True`` in a single process without a process group.
+        ``global_rank() == 0``: before a process group exists the launcher's rank decides, so
+        a logger or progress bar built before ``init_distributed()`` still writes on one rank;
+        always ``True`` in a single process.
 
     Example:
         >>> is_main()  # one process, no process group
@@ -105,7 +120,7 @@ def is_main() -> bool:
         ...     print("only rank 0 prints this")
         only rank 0 prints this
     """
-    return rank() == 0
+    return global_rank() == 0
 
 
 def barrier() -> None:
