@@ -250,24 +250,38 @@ def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:
         assert bar.stats[f"{name}/loss"] == pytest.approx(loss, rel=1e-6)
 
 
-def test_train_metrics_count_the_last_steps_windows_once() -> None:
-    # G (counted) updates on every batch, D (the last step, which TrainMetrics follows) every 2:
-    # at G's update of an odd batch D's call reports one micro-batch, which D's window loss
-    # counts again at the next batch.
-    windows: list[tuple[float, float]] = []
+def test_train_metrics_report_each_steps_windows_under_its_name() -> None:
+    # G (counted) updates on every batch, D (the last step) every 2. Before the fix the record
+    # held the last step's loss under the plain name, G's not at all, and an aux value of the
+    # calls the counted updates fell on (D's at batches 0 and 2 only, 1 and 3 not).
+    windows: dict[str, list[tuple[float, float]]] = {"D": [], "G": []}
+    aux: dict[str, list[float]] = {"D": [], "G": []}
 
     def closed(event: Event) -> None:
         assert event.outputs is not None
-        if bool(event.outputs["D"].did_update):
-            windows.append((float(event.outputs["D"].loss), float(event.outputs["D"].num_targets)))
+        for name, out in event.outputs.items():
+            aux[name].append(float(out.aux["mean"]))
+            if bool(out.did_update):
+                windows[name].append((float(out.loss), float(out.num_targets)))
 
-    steps = {"G": make_train_step(_g_loss, optimizer="G"), "D": _steps()["D"]}
+    def with_aux(loss_fn: Any) -> Any:
+        return lambda m, b: (loss_fn(m, b), {"mean": b[1].mean()})
+
+    steps = {
+        "G": make_train_step(with_aux(_g_loss), optimizer="G"),
+        "D": accumulate(make_train_step(with_aux(_d_loss), optimizer="D"), 2),
+    }
     train = TrainMetrics()
     events = Events().on("micro_step_end", closed)
     train.attach(events)
     reads: list[dict[str, Any]] = []
     events.on("step_end", lambda event: reads.append(train.read(event)), every=4)
     run(steps, _state(), _batches(4), events=events)
-    targets = sum(t for _, t in windows)
-    assert reads[0]["num_targets"] == targets == 4  # was 6: two micro-batches twice
-    assert reads[0]["loss"] == pytest.approx(sum(loss * t for loss, t in windows) / targets)
+    assert [len(windows["D"]), len(windows["G"])] == [2, 4] and reads[0]["updates"] == 4
+    for name in ("D", "G"):
+        targets = sum(t for _, t in windows[name])
+        loss = sum(loss * t for loss, t in windows[name]) / targets
+        assert reads[0][f"{name}/num_targets"] == targets == 4  # D was 6: 2 batches twice
+        assert reads[0][f"{name}/loss"] == pytest.approx(loss, rel=1e-6)
+        assert reads[0][f"{name}/mean"] == pytest.approx(sum(aux[name]) / 4, rel=1e-6)
+    assert "loss" not in reads[0]
