@@ -250,6 +250,17 @@ def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:
         assert bar.stats[f"{name}/loss"] == pytest.approx(loss, rel=1e-6)
 
 
+def test_the_bar_shows_each_steps_lr_under_its_name() -> None:
+    # G's Adam at 1e-2 is the counted optimizer; D's SGD at 0.1 ran last. The bar showed D's
+    # as the one "lr".
+    out = io.StringIO()
+    bar = ProgressBar(every=2, file=out)
+    run(_steps(), _state(), _batches(6), events=[bar])
+    assert "lr" not in bar.stats
+    assert (bar.stats["G/lr"], bar.stats["D/lr"]) == (pytest.approx(1e-2), pytest.approx(0.1))
+    assert "D lr=0.1, G lr=0.01" in out.getvalue()
+
+
 def test_train_metrics_report_each_steps_windows_under_its_name() -> None:
     # G (counted) updates on every batch, D (the last step) every 2. Before the fix the record
     # held the last step's loss under the plain name, G's not at all, and an aux value of the
