@@ -30,7 +30,7 @@ from steplib import (
 )
 from steplib.checkpoint import load, save
 from steplib.errors import NonFiniteError
-from steplib.handlers import NonFiniteAlarm, TrainMetrics
+from steplib.handlers import GradNormMonitor, NonFiniteAlarm, TrainMetrics
 from steplib.handlers.logging import event_record
 
 
@@ -296,3 +296,26 @@ def test_train_metrics_report_each_steps_windows_under_its_name() -> None:
         assert reads[0][f"{name}/loss"] == pytest.approx(loss, rel=1e-6)
         assert reads[0][f"{name}/mean"] == pytest.approx(sum(aux[name]) / 4, rel=1e-6)
     assert "loss" not in reads[0]
+
+
+def test_the_grad_norm_monitor_reports_each_steps_norms_under_its_name() -> None:
+    # D (last, clipped) closes a window every 2 batches, G (counted, clipped) every 3: at G's
+    # updates D's window was open (no norm), and the monitor refused the run as unclipped.
+    norms: dict[str, list[float]] = {"D": [], "G": []}
+
+    def closed(event: Event) -> None:
+        assert event.outputs is not None
+        for name, out in event.outputs.items():
+            if out.grad_norm is not None:
+                norms[name].append(float(out.grad_norm))
+
+    steps = {"D": _steps()["D"], "G": clip(_steps()["G"], max_norm=1.0)}
+    monitor = GradNormMonitor()
+    events = Events().on("micro_step_end", closed)
+    monitor.attach(events)
+    run(steps, _state(), _batches(6), events=events)
+    read = monitor.read(None)
+    assert [len(norms["D"]), len(norms["G"])] == [3, 2]
+    for name in ("D", "G"):
+        assert read[f"{name}/grad_norm_mean"] == pytest.approx(sum(norms[name]) / len(norms[name]))
+        assert read[f"{name}/grad_norm_max"] == pytest.approx(max(norms[name]))
