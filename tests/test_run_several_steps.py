@@ -227,6 +227,27 @@ def test_the_alarm_takes_steps_named_otherwise_than_the_state_has_optimizers() -
     assert done.step == 3
 
 
+def test_the_alarm_refuses_steps_not_named_by_the_optimizers_of_a_state_of_several() -> None:
+    # D skips its NaN window of batch 0 (no alarm is due), G accumulates 2. Named otherwise
+    # ("critic"), D's step was judged by the counted (G's) window: open at batch 0, so D's
+    # flags waited for G's window to close and were then kept by D's next, unskipped, window:
+    # a false alarm for an update that was skipped.
+    calls = [0]
+
+    def d_loss(model: Any, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        return _d_loss(model, batch) * (float("nan") if calls[0] == 1 else 1.0)
+
+    d_step = skip_nonfinite(make_train_step(d_loss, optimizer="D"))
+    g_step = accumulate(make_train_step(_g_loss, optimizer="G"), 2)
+    done = run({"D": d_step, "G": g_step}, _state(), _batches(4), events=[NonFiniteAlarm(every=1)])
+    assert int(done["D"].skipped_updates) == 1  # skipped, and no alarm
+    calls[0] = 0
+    with pytest.raises(ConfigError, match=r"named \['critic', 'generator'\].*Name each step"):
+        run({"critic": d_step, "generator": g_step}, _state(), _batches(4),
+            events=[NonFiniteAlarm(every=1)])  # fmt: skip
+
+
 def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:
     # G (counted) updates every 3 batches, D every 2: D's windows close at batches 2, 4 and 6,
     # between G's updates; at G's update of batch 3, D's call reported one micro-batch, which

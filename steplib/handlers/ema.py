@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 
@@ -153,7 +154,7 @@ class EMA(Handler):
         steps, if the model's optimizer's window closed in a flush (no micro-batch ran)."""
         self._follow(event.state)
         if event.outputs is not None and self._optimizer is not None:
-            self._average(event, event.outputs, flushed=True)
+            self._average(event, event.outputs)
             return
         out = event.output
         if out is None or out is self._last:
@@ -161,20 +162,13 @@ class EMA(Handler):
         self._last = out
         self.update(did_update=out.did_update)
 
-    def _average(self, event: Event, outputs: Mapping[str, Any], *, flushed: bool = False) -> None:
+    def _average(self, event: Event, outputs: Mapping[str, Any]) -> None:
         name = self._optimizer
         assert name is not None
-        if name not in outputs:
-            if flushed:  # a flush reports only the steps that had a window open
-                return
-            raise ConfigError(
-                f"EMA(model) follows the optimizer {name!r}, which holds the model's "
-                f"parameters, but the run's steps are named {list(outputs)}: no step says it "
-                f"updates {name!r}. Name each step by the optimizer it updates, e.g. "
-                f"run({{{name!r}: step_for_{name}, ...}}, state, data), as the state names "
-                f"them ({list(event.state.names)})."
-            )
-        out = outputs[name]
+        errors.steps_named_by_optimizers("EMA(model)", event)
+        out = outputs.get(name)  # None: no step of the run updates it (or a flush did not)
+        if out is None:
+            return
         # The optimizer's window is empty after this call only if the call closed it (an
         # update, applied or skipped): a host int, no read of out.did_update.
         if out is self._last or event.state[name].window.size != 0:

@@ -73,7 +73,13 @@ class NonFiniteAlarm(Handler):
         self._flagged: dict[str, Any] = {}  # per step, the last output flagged
 
     def on_micro_step_end(self, event: Event) -> None:
-        """Flag each step's loss of this micro-batch (device ops only)."""
+        """Flag each step's loss of this micro-batch (device ops only).
+
+        Raises:
+            ConfigError: in a state of several optimizers, a step of the run not named by
+                the optimizer it updates (whose window says when its skip is decided).
+        """
+        errors.steps_named_by_optimizers("NonFiniteAlarm", event)
         for name, out in (event.outputs or {"": event.output}).items():
             self._flag(event, name, out)
 
@@ -97,7 +103,8 @@ class NonFiniteAlarm(Handler):
         step = event.step + 1 if counted is not None and counted.size > 0 else event.step
         where = (name, step, event.epoch, event.batch_index, event.micro_step)
         self._window_where.setdefault(name, []).append(where)
-        # Its own optimizer's window: the step's name is its optimizer's in a GAN's state.
+        # Its own optimizer's window: the step's name is its optimizer's in a GAN's state
+        # (refused otherwise at micro_step_end).
         named = name in getattr(event.state, "names", ())
         own = getattr(event.state[name] if named else event.state, "window", None)
         if own is not None and own.size > 0:
