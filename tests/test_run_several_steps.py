@@ -30,7 +30,7 @@ from steplib import (
 )
 from steplib.checkpoint import load, save
 from steplib.errors import NonFiniteError
-from steplib.handlers import GradNormMonitor, NonFiniteAlarm, TrainMetrics
+from steplib.handlers import GradNormMonitor, LRMonitor, NonFiniteAlarm, TrainMetrics
 from steplib.handlers.logging import event_record
 
 
@@ -340,3 +340,11 @@ def test_the_grad_norm_monitor_reports_each_steps_norms_under_its_name() -> None
     for name in ("D", "G"):
         assert read[f"{name}/grad_norm_mean"] == pytest.approx(sum(norms[name]) / len(norms[name]))
         assert read[f"{name}/grad_norm_max"] == pytest.approx(max(norms[name]))
+
+
+def test_the_lr_monitor_reads_every_optimizer_under_its_name() -> None:
+    # G's Adam at 1e-2 is the state's first optimizer; D's SGD at 0.1. It logged G's as "lr".
+    reads: list[dict[str, Any]] = []
+    events = Events().on("step_end", lambda event: reads.append(LRMonitor().read(event)))
+    run(_steps(), _state(), _batches(3), events=events)
+    assert reads[-1] == {"G/lr": pytest.approx(1e-2), "D/lr": pytest.approx(0.1)}

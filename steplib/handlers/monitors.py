@@ -316,12 +316,22 @@ class LRMonitor:
 
     def read(self, event: Event) -> dict[str, float | list[float]]:
         """The current LR of every group (after this update's scheduler step); a sweep
-        optimizer's, one per copy."""
-        groups = event.state.optimizer.param_groups
-        rates = [_rate(group) for group in groups]
-        if len(rates) == 1:
-            return {"lr": rates[0]}
-        return {f"lr/group{i}": rate for i, rate in enumerate(rates)}
+        optimizer's, one per copy. A state of several optimizers: each one's under its name
+        (``G/lr``, ``D/lr/group1``), not the first's alone as the run's."""
+        state = event.state
+        names = getattr(state, "names", ())
+        if not names:
+            return _rates(state.optimizer, "")
+        return {
+            k: v for name in names for k, v in _rates(state[name].optimizer, f"{name}/").items()
+        }
+
+
+def _rates(optimizer: Any, prefix: str) -> dict[str, float | list[float]]:
+    rates = [_rate(group) for group in optimizer.param_groups]
+    if len(rates) == 1:
+        return {f"{prefix}lr": rates[0]}
+    return {f"{prefix}lr/group{i}": rate for i, rate in enumerate(rates)}
 
 
 def _rate(group: Mapping[str, Any]) -> float | list[float]:
