@@ -113,7 +113,10 @@ def test_rates_and_mfu_equal_counts_over_the_clock() -> None:
     assert speed.read(None) == {}  # nothing new since the last read
 
 
-def test_tokens_from_a_user_function() -> None:
+@pytest.mark.parametrize(("accumulation", "batches", "per_s"), [(1, 3, 500.0), (4, 8, 2000.0)])
+def test_tokens_from_a_user_function(accumulation: int, batches: int, per_s: float) -> None:
+    # tokens(out) reads out.aux, which is one micro-batch's: it was called on the update's
+    # output alone, so with windows of 4 it counted 1 micro-batch of 4 (500/s, not 2000/s).
     clock = FakeClock()
     speed = Throughput(tokens=lambda out: out.aux["tokens"], clock=clock)
     model = torch.nn.Linear(8, 5)
@@ -125,8 +128,9 @@ def test_tokens_from_a_user_function() -> None:
 
     events = speed.attach(Events())
     events.on("step_end", lambda e: setattr(clock, "now", clock.now + 2.0))
-    run(make_train_step(loss_fn), state, [_batch(4)] * 3, events=events)
-    assert speed.read(None) == {"steps_per_s": 0.5, "tokens_per_s": 500.0}
+    step = accumulate(make_train_step(loss_fn), accumulation)
+    run(step, state, [_batch(4)] * batches, events=events)
+    assert speed.read(None) == {"steps_per_s": 0.5, "tokens_per_s": per_s}
 
 
 @pytest.mark.parametrize(
@@ -155,24 +159,6 @@ def test_a_mean_loss_rate_is_named_batches_not_tokens(accumulation: int, unit: s
     run(step, state, [torch.ones(4, 2)] * 6, events=speed.attach(Events()))
     stats = speed.read(None)
     assert f"{unit or 'batches'}_per_s" in stats and "tokens_per_s" not in stats
-
-
-def test_a_user_count_with_accumulation_counts_every_micro_batch() -> None:
-    # tokens(out) reads out.aux, which is one micro-batch's: it was called on the update's
-    # output alone, so with windows of 4 it counted 1 micro-batch of 4 (8 tokens of 32).
-    clock = FakeClock()
-    speed = Throughput(tokens=lambda out: out.aux["tokens"], clock=clock)
-    model = torch.nn.Linear(8, 5)
-    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-
-    def loss_fn(model, batch):
-        loss, count = _loss_fn(model, batch)
-        return loss, count, {"tokens": torch.tensor(4.0)}
-
-    events = speed.attach(Events())
-    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 1.0))
-    run(accumulate(make_train_step(loss_fn), 4), state, [_batch(4)] * 8, events=events)
-    assert speed.read(None) == {"steps_per_s": 1.0, "tokens_per_s": 16.0}  # 32 in 2 s
 
 
 def test_a_run_of_several_steps_counts_each_steps_tokens_under_its_name() -> None:
