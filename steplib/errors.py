@@ -7,6 +7,7 @@ Imports nothing from steplib, so every module may use it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -186,4 +187,26 @@ def evaluator_attached(owner: str, evaluator: Any, events: Any) -> None:
             f"{owner} was given an Evaluator that is not attached to this run, so it never "
             f"evaluates and {owner} would never act on its values. Attach the evaluator too: "
             "run(..., events=[evaluator, ...])."
+        )
+
+
+def steps_named_by_optimizers(owner: str, event: Any) -> None:
+    """Refuse, for a handler that finds each step's optimizer by the step's name (whose window
+    closed, which model it updates), a run of several steps over a state of several
+    optimizers whose steps are named otherwise: it would judge one step by another
+    optimizer's window, in silence. A state of one optimizer takes any names.
+
+    Raises:
+        ConfigError: a step of the run (``fit_start``'s ``train_step``, else
+            ``event.outputs``) is not named by an optimizer of ``event.state``.
+    """
+    names = getattr(event.state, "names", ())
+    run = getattr(event, "train_step", None)
+    steps = list(run if isinstance(run, Mapping) else event.outputs or ())
+    if names and any(step not in names for step in steps):
+        raise ConfigError(
+            f"{owner} finds the optimizer each step updates by the step's name, but the run's "
+            f"steps are named {steps} and the state's optimizers {list(names)}. Name each "
+            "step by the optimizer it updates, as make_train_step(loss_fn, optimizer=...) "
+            f"names it: run({{{names[0]!r}: step_for_{names[0]}, ...}}, state, data)."
         )

@@ -259,6 +259,13 @@ def test_grad_norm_monitor_without_a_measuring_step_says_how_to_measure() -> Non
         run(make_train_step(_loss_fn), state, batches, events=GradNormMonitor().attach(Events()))
 
 
+def test_grad_norm_monitor_loads_a_checkpoint_of_the_earlier_format() -> None:
+    monitor = GradNormMonitor()
+    sums = {"sum": torch.tensor(3.0), "max": torch.tensor(2.0), "count": torch.tensor(2.0)}
+    monitor.load_state_dict(sums)  # before the sums were kept per step
+    assert monitor.read(None) == {"grad_norm_mean": 1.5, "grad_norm_max": 2.0}
+
+
 def test_lr_monitor_reads_the_scheduled_rate() -> None:
     state, batches = _setup(3)
     sched = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0 / (1 + s))

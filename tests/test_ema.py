@@ -153,3 +153,59 @@ def test_not_a_module_and_a_changed_model_are_config_errors() -> None:
     model.append(torch.nn.Linear(1, 1))
     with pytest.raises(ConfigError, match="changed after EMA"):
         ema.update()
+
+
+def _gan(counted_first: str):
+    torch.manual_seed(0)
+    g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    opts = {
+        "G": torch.optim.SGD(g.parameters(), lr=0.1),
+        "D": torch.optim.SGD(d.parameters(), lr=0.1),
+    }
+    order = [counted_first, *(n for n in opts if n != counted_first)]
+    state = TrainState.create(model={"G": g, "D": d}, optimizer={n: opts[n] for n in order})
+    d_step = make_train_step(lambda m, b: m["D"](m["G"](b).detach()).pow(2).mean(), optimizer="D")
+    g_step = make_train_step(lambda m, b: -m["D"](m["G"](b)).mean(), optimizer="G")
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 2, generator=gen) for _ in range(6)]
+    return state, {"D": accumulate(d_step, 2), "G": g_step}, batches
+
+
+@pytest.mark.parametrize("counted_first", ["D", "G"])
+def test_ema_of_one_model_in_a_run_of_several_steps_follows_that_models_updates(
+    counted_first: str,
+) -> None:
+    # D updates every 2nd batch, G every batch. Before the fix the EMA averaged on the run's
+    # step_end, the first optimizer's updates: with D first, 3 of G's 6 updates.
+    state, steps, batches = _gan(counted_first)
+    ema = EMA(state.model["G"], decay=0.5)
+    run(steps, state, batches, events=[ema])
+
+    ref_state, ref_steps, _ = _gan(counted_first)
+    generator = ref_state.model["G"]
+    average = [p.detach().clone() for p in generator.parameters()]
+    updates = 0
+    for index, batch in enumerate(batches):  # the plain loop: average after each of G's updates
+        last = index == len(batches) - 1
+        ref_state, _ = ref_steps["D"](ref_state, batch, close_window=last)
+        ref_state, out = ref_steps["G"](ref_state, batch, close_window=last)
+        if bool(out.did_update):
+            updates += 1
+            for a, p in zip(average, generator.parameters(), strict=True):
+                a.copy_(0.5 * a + 0.5 * p.detach())
+    assert updates == 6 and ema.updates == 6
+    for mine, theirs in zip(ema.module.parameters(), average, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_ema_in_a_run_of_several_steps_refuses_what_it_cannot_follow() -> None:
+    state, steps, batches = _gan("D")
+    # The whole ModuleDict: G's and D's optimizers both update it.
+    with pytest.raises(
+        ConfigError, match=r"optimizers \['D', 'G'\] of the state.*EMA\(generator\)"
+    ):
+        run(steps, state, batches, events=[EMA(state.model)])
+    # Steps not named by the optimizers they update: which one updates G is not known.
+    renamed = {"critic": steps["D"], "generator": steps["G"]}
+    with pytest.raises(ConfigError, match=r"Name each step by the optimizer it updates"):
+        run(renamed, state, batches, events=[EMA(state.model["G"])])

@@ -92,3 +92,38 @@ def test_live_plot_refuses_bad_arguments() -> None:
 
 def test_outside_jupyter_auto_is_text() -> None:
     assert LivePlot().notebook is False
+
+
+def test_a_run_of_several_steps_draws_each_steps_loss_over_its_own_windows() -> None:
+    # G (counted) updates every batch, D (the last step) every 2. Before the fix the one
+    # "loss" curve was D's, and at G's updates of odd batches D's open window's micro-batch.
+    torch.manual_seed(0)
+    g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    state = sl.TrainState.create(
+        model={"G": g, "D": d},
+        optimizer={"G": torch.optim.SGD(g.parameters(), lr=0.1),
+                   "D": torch.optim.SGD(d.parameters(), lr=0.1)},
+    )  # fmt: skip
+    d_loss = lambda m, b: m["D"](m["G"](b).detach()).pow(2).mean()  # noqa: E731
+    g_loss = lambda m, b: -m["D"](m["G"](b)).mean()  # noqa: E731
+    steps = {
+        "G": sl.make_train_step(g_loss, optimizer="G"),
+        "D": sl.accumulate(sl.make_train_step(d_loss, optimizer="D"), 2),
+    }
+    closed: list[dict[str, float]] = []  # each batch: the loss of each window it closed
+
+    def record(event: sl.Event) -> None:
+        assert event.outputs is not None
+        closed.append({n: float(o.loss) for n, o in event.outputs.items() if bool(o.did_update)})
+
+    out = io.StringIO()
+    plot = LivePlot(every=2, mode="text", file=out)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 2, generator=gen) for _ in range(4)]
+    sl.run(steps, state, batches, events=sl.Events().on("micro_step_end", record).add(plot))
+    assert plot.steps == [1, 2, 3, 4]
+    for drawn, want in zip(plot.losses, closed, strict=True):
+        assert drawn["G"] == pytest.approx(want["G"])
+        assert drawn["D"] == pytest.approx(want["D"]) if "D" in want else drawn["D"] != drawn["D"]
+    assert out.getvalue().splitlines()[-1].startswith("step 4: G loss ")
+    assert plot.figure().axes[0].get_legend() is not None  # one curve per step

@@ -66,20 +66,26 @@ def _setup():
 def test_running_means_equal_the_token_weighted_values_by_hand() -> None:
     state, step, batches = _setup()
     outputs: list = []
+    micro: list = []  # every micro-batch's output: the aux means are over each window's
     sink = ListLogger()
     train = TrainMetrics()
     events = Events().on("step_end", lambda e: outputs.append(e.output))
+    events.on("micro_step_end", lambda e: micro.append(e.output))
     train.attach(events)
     events.on("step_end", Log(sink, sources=[train.read]), every=3)
     run(step, state, batches, events=events, max_epochs=2)  # 8 updates: read at 3, 6
 
     assert [r["step"] for r in sink.records] == [3, 6]
-    for record, window in zip(sink.records, (outputs[:3], outputs[3:6]), strict=True):
+    intervals = zip(
+        sink.records, (outputs[:3], outputs[3:6]), (micro[:6], micro[6:12]), strict=True
+    )
+    for record, window, batches in intervals:
         targets = sum(float(o.num_targets) for o in window)
         loss = sum(float(o.loss) * float(o.num_targets) for o in window) / targets
         assert record["loss"] == pytest.approx(loss, rel=1e-6)
         assert record["num_targets"] == int(targets) and record["updates"] == 3
-        assert record["acc"] == pytest.approx(sum(float(o.aux["acc"]) for o in window) / 3)
+        # Every micro-batch of the 3 windows: was the closing micro-batch's alone.
+        assert record["acc"] == pytest.approx(sum(float(o.aux["acc"]) for o in batches) / 6)
         assert record["aux.loss"] == record["acc"]  # an aux named like a field is prefixed
         assert record["lr"] == pytest.approx(0.1)
         assert "skipped" not in record
@@ -218,3 +224,33 @@ def test_two_ranks_reduce_aux_means_write_on_rank_zero_and_stop_together(monkeyp
     assert (r0["active"], r1["active"]) == (True, False)
     assert [line["step"] for line in lines] == [2]  # written once, by rank 0
     assert lines[0]["rank"] == pytest.approx(0.5)  # the mean of rank 0's 0 and rank 1's 1
+
+
+def test_an_open_windows_aux_sums_survive_a_state_dict_round_trip() -> None:
+    # With accumulation the aux of a window's earlier micro-batches waits for the window to
+    # close: a checkpoint taken mid-window carries it, so the resumed read equals the whole.
+    import copy
+
+    state, step, batches = _setup()  # windows of 2
+    outs = []
+    for batch in batches[:4]:
+        state, out = step(state, batch)
+        outs.append(out)
+    whole, first, second = TrainMetrics(), TrainMetrics(), TrainMetrics()
+    for out in outs:
+        whole.update(Event("micro_step_end", state=None, output=out))
+    for out in outs[:3]:  # stopped inside the second window
+        first.update(Event("micro_step_end", state=None, output=out))
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    second.update(Event("micro_step_end", state=None, output=outs[3]))
+    assert second.read(None) == whole.read(None)
+
+
+def test_a_checkpoint_of_the_earlier_format_loads() -> None:
+    train = TrainMetrics()
+    sums = {"loss": torch.tensor(8.0), "targets": torch.tensor(4.0), "skipped": torch.tensor(0.0)}
+    old = {**sums, "aux": {"acc": [torch.tensor(1.5), 2]}, "lr": torch.tensor(0.1), "updates": 2}
+    train.load_state_dict(old)
+    assert train.read(None) == pytest.approx(
+        {"loss": 2.0, "num_targets": 4, "updates": 2, "lr": 0.1, "acc": 0.75}
+    )

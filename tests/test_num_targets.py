@@ -88,3 +88,44 @@ def test_a_device_count_is_never_read_on_the_host() -> None:
         lambda m, b: (F.mse_loss(m(b[0]), b[1], reduction="sum"), torch.tensor(-1))
     )
     assert_no_host_sync(step, state, [_batch(), _batch()])
+
+
+class _Holds(torch.autograd.Function):
+    """Identity whose graph node holds ``big`` (a Python attribute): alive while the graph is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
+        ctx.big = big
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def test_a_count_with_a_graph_does_not_keep_the_graph_alive_in_the_window() -> None:
+    # A soft count computed from the model (weights.sum()) requires grad. Before the fix the
+    # window summed it as it was: every micro-batch's graph stayed alive in state.window until
+    # the update, and after it in the output (a leak of one graph per micro-batch).
+    import gc
+    import weakref
+
+    state, _ = _setup()
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> Any:
+        x, y = batch
+        out = model(x)
+        big = torch.zeros(1000)
+        held.append(weakref.ref(big))
+        count = _Holds.apply(torch.sigmoid(out), big).sum()
+        return F.mse_loss(out, y, reduction="sum"), count
+
+    step = accumulate(make_train_step(loss_fn), 3)
+    outs = []
+    for _ in range(3):
+        state, out = step(state, _batch())
+        outs.append(out)
+        gc.collect()
+        assert all(ref() is None for ref in held), "a micro-batch's graph is still alive"
+    assert not any(out.num_targets.requires_grad for out in outs)

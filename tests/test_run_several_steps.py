@@ -30,7 +30,7 @@ from steplib import (
 )
 from steplib.checkpoint import load, save
 from steplib.errors import NonFiniteError
-from steplib.handlers import NonFiniteAlarm, TrainMetrics
+from steplib.handlers import GradNormMonitor, LRMonitor, NonFiniteAlarm, TrainMetrics
 from steplib.handlers.logging import event_record
 
 
@@ -227,6 +227,27 @@ def test_the_alarm_takes_steps_named_otherwise_than_the_state_has_optimizers() -
     assert done.step == 3
 
 
+def test_the_alarm_refuses_steps_not_named_by_the_optimizers_of_a_state_of_several() -> None:
+    # D skips its NaN window of batch 0 (no alarm is due), G accumulates 2. Named otherwise
+    # ("critic"), D's step was judged by the counted (G's) window: open at batch 0, so D's
+    # flags waited for G's window to close and were then kept by D's next, unskipped, window:
+    # a false alarm for an update that was skipped.
+    calls = [0]
+
+    def d_loss(model: Any, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        return _d_loss(model, batch) * (float("nan") if calls[0] == 1 else 1.0)
+
+    d_step = skip_nonfinite(make_train_step(d_loss, optimizer="D"))
+    g_step = accumulate(make_train_step(_g_loss, optimizer="G"), 2)
+    done = run({"D": d_step, "G": g_step}, _state(), _batches(4), events=[NonFiniteAlarm(every=1)])
+    assert int(done["D"].skipped_updates) == 1  # skipped, and no alarm
+    calls[0] = 0
+    with pytest.raises(ConfigError, match=r"named \['critic', 'generator'\].*Name each step"):
+        run({"critic": d_step, "generator": g_step}, _state(), _batches(4),
+            events=[NonFiniteAlarm(every=1)])  # fmt: skip
+
+
 def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:
     # G (counted) updates every 3 batches, D every 2: D's windows close at batches 2, 4 and 6,
     # between G's updates; at G's update of batch 3, D's call reported one micro-batch, which
@@ -250,24 +271,80 @@ def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:
         assert bar.stats[f"{name}/loss"] == pytest.approx(loss, rel=1e-6)
 
 
-def test_train_metrics_count_the_last_steps_windows_once() -> None:
-    # G (counted) updates on every batch, D (the last step, which TrainMetrics follows) every 2:
-    # at G's update of an odd batch D's call reports one micro-batch, which D's window loss
-    # counts again at the next batch.
-    windows: list[tuple[float, float]] = []
+def test_the_bar_shows_each_steps_lr_under_its_name() -> None:
+    # G's Adam at 1e-2 is the counted optimizer; D's SGD at 0.1 ran last. The bar showed D's
+    # as the one "lr".
+    out = io.StringIO()
+    bar = ProgressBar(every=2, file=out)
+    run(_steps(), _state(), _batches(6), events=[bar])
+    assert "lr" not in bar.stats
+    assert (bar.stats["G/lr"], bar.stats["D/lr"]) == (pytest.approx(1e-2), pytest.approx(0.1))
+    assert "D lr=0.1, G lr=0.01" in out.getvalue()
+
+
+def test_train_metrics_report_each_steps_windows_under_its_name() -> None:
+    # G (counted) updates on every batch, D (the last step) every 2. Before the fix the record
+    # held the last step's loss under the plain name, G's not at all, and an aux value of the
+    # calls the counted updates fell on (D's at batches 0 and 2 only, 1 and 3 not).
+    windows: dict[str, list[tuple[float, float]]] = {"D": [], "G": []}
+    aux: dict[str, list[float]] = {"D": [], "G": []}
 
     def closed(event: Event) -> None:
         assert event.outputs is not None
-        if bool(event.outputs["D"].did_update):
-            windows.append((float(event.outputs["D"].loss), float(event.outputs["D"].num_targets)))
+        for name, out in event.outputs.items():
+            aux[name].append(float(out.aux["mean"]))
+            if bool(out.did_update):
+                windows[name].append((float(out.loss), float(out.num_targets)))
 
-    steps = {"G": make_train_step(_g_loss, optimizer="G"), "D": _steps()["D"]}
+    def with_aux(loss_fn: Any) -> Any:
+        return lambda m, b: (loss_fn(m, b), {"mean": b[1].mean()})
+
+    steps = {
+        "G": make_train_step(with_aux(_g_loss), optimizer="G"),
+        "D": accumulate(make_train_step(with_aux(_d_loss), optimizer="D"), 2),
+    }
     train = TrainMetrics()
     events = Events().on("micro_step_end", closed)
     train.attach(events)
     reads: list[dict[str, Any]] = []
     events.on("step_end", lambda event: reads.append(train.read(event)), every=4)
     run(steps, _state(), _batches(4), events=events)
-    targets = sum(t for _, t in windows)
-    assert reads[0]["num_targets"] == targets == 4  # was 6: two micro-batches twice
-    assert reads[0]["loss"] == pytest.approx(sum(loss * t for loss, t in windows) / targets)
+    assert [len(windows["D"]), len(windows["G"])] == [2, 4] and reads[0]["updates"] == 4
+    for name in ("D", "G"):
+        targets = sum(t for _, t in windows[name])
+        loss = sum(loss * t for loss, t in windows[name]) / targets
+        assert reads[0][f"{name}/num_targets"] == targets == 4  # D was 6: 2 batches twice
+        assert reads[0][f"{name}/loss"] == pytest.approx(loss, rel=1e-6)
+        assert reads[0][f"{name}/mean"] == pytest.approx(sum(aux[name]) / 4, rel=1e-6)
+    assert "loss" not in reads[0]
+
+
+def test_the_grad_norm_monitor_reports_each_steps_norms_under_its_name() -> None:
+    # D (last, clipped) closes a window every 2 batches, G (counted, clipped) every 3: at G's
+    # updates D's window was open (no norm), and the monitor refused the run as unclipped.
+    norms: dict[str, list[float]] = {"D": [], "G": []}
+
+    def closed(event: Event) -> None:
+        assert event.outputs is not None
+        for name, out in event.outputs.items():
+            if out.grad_norm is not None:
+                norms[name].append(float(out.grad_norm))
+
+    steps = {"D": _steps()["D"], "G": clip(_steps()["G"], max_norm=1.0)}
+    monitor = GradNormMonitor()
+    events = Events().on("micro_step_end", closed)
+    monitor.attach(events)
+    run(steps, _state(), _batches(6), events=events)
+    read = monitor.read(None)
+    assert [len(norms["D"]), len(norms["G"])] == [3, 2]
+    for name in ("D", "G"):
+        assert read[f"{name}/grad_norm_mean"] == pytest.approx(sum(norms[name]) / len(norms[name]))
+        assert read[f"{name}/grad_norm_max"] == pytest.approx(max(norms[name]))
+
+
+def test_the_lr_monitor_reads_every_optimizer_under_its_name() -> None:
+    # G's Adam at 1e-2 is the state's first optimizer; D's SGD at 0.1. It logged G's as "lr".
+    reads: list[dict[str, Any]] = []
+    events = Events().on("step_end", lambda event: reads.append(LRMonitor().read(event)))
+    run(_steps(), _state(), _batches(3), events=events)
+    assert reads[-1] == {"G/lr": pytest.approx(1e-2), "D/lr": pytest.approx(0.1)}

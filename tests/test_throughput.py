@@ -113,7 +113,10 @@ def test_rates_and_mfu_equal_counts_over_the_clock() -> None:
     assert speed.read(None) == {}  # nothing new since the last read
 
 
-def test_tokens_from_a_user_function() -> None:
+@pytest.mark.parametrize(("accumulation", "batches", "per_s"), [(1, 3, 500.0), (4, 8, 2000.0)])
+def test_tokens_from_a_user_function(accumulation: int, batches: int, per_s: float) -> None:
+    # tokens(out) reads out.aux, which is one micro-batch's: it was called on the update's
+    # output alone, so with windows of 4 it counted 1 micro-batch of 4 (500/s, not 2000/s).
     clock = FakeClock()
     speed = Throughput(tokens=lambda out: out.aux["tokens"], clock=clock)
     model = torch.nn.Linear(8, 5)
@@ -125,8 +128,9 @@ def test_tokens_from_a_user_function() -> None:
 
     events = speed.attach(Events())
     events.on("step_end", lambda e: setattr(clock, "now", clock.now + 2.0))
-    run(make_train_step(loss_fn), state, [_batch(4)] * 3, events=events)
-    assert speed.read(None) == {"steps_per_s": 0.5, "tokens_per_s": 500.0}
+    step = accumulate(make_train_step(loss_fn), accumulation)
+    run(step, state, [_batch(4)] * batches, events=events)
+    assert speed.read(None) == {"steps_per_s": 0.5, "tokens_per_s": per_s}
 
 
 @pytest.mark.parametrize(
@@ -155,3 +159,27 @@ def test_a_mean_loss_rate_is_named_batches_not_tokens(accumulation: int, unit: s
     run(step, state, [torch.ones(4, 2)] * 6, events=speed.attach(Events()))
     stats = speed.read(None)
     assert f"{unit or 'batches'}_per_s" in stats and "tokens_per_s" not in stats
+
+
+def test_a_run_of_several_steps_counts_each_steps_tokens_under_its_name() -> None:
+    # D (counted) closes a window every 2 batches, G every batch, each micro-batch 4 targets.
+    # The count was the last step's output at D's updates: one of G's micro-batches per 2.
+    g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    state = TrainState.create(
+        model={"G": g, "D": d},
+        optimizer={"D": torch.optim.SGD(d.parameters(), lr=0.1),
+                   "G": torch.optim.SGD(g.parameters(), lr=0.1)},
+    )  # fmt: skip
+    d_loss = lambda m, b: (m["D"](m["G"](b).detach()).pow(2).sum(), 4)  # noqa: E731
+    g_loss = lambda m, b: (-m["D"](m["G"](b)).sum(), 4)  # noqa: E731
+    steps = {
+        "D": accumulate(make_train_step(d_loss, optimizer="D"), 2),
+        "G": make_train_step(g_loss, optimizer="G"),
+    }
+    clock = FakeClock()
+    speed = Throughput(clock=clock)
+    events = speed.attach(Events())
+    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 1.0))
+    run(steps, state, [torch.randn(4, 2) for _ in range(8)], events=events)
+    stats = speed.read(None)
+    assert stats == {"steps_per_s": 1.0, "D/tokens_per_s": 8.0, "G/tokens_per_s": 8.0}

@@ -16,6 +16,12 @@ The update runs on the device without reading whether the update was applied: th
 the new parameters is ``(1 - decay) * did_update``, so a skipped update (non-finite gradients)
 leaves the average unchanged, and no host sync is needed.
 
+In a run of several steps (``run({"D": d_step, "G": g_step}, ...)``) the run's ``step_end``
+follows the first optimizer's updates, not necessarily the averaged model's. So the EMA finds,
+at ``fit_start``, the optimizer of the state that holds its model's parameters, and averages
+after each update of that optimizer: on the ``micro_step_end`` where that optimizer's window
+closed, with the output of the step of the same name.
+
 Imports ``events`` and ``errors`` only.
 """
 
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 
@@ -38,8 +45,13 @@ class EMA(Handler):
     Floating-point buffers (batch-norm statistics) are copied from the model, not averaged;
     other buffers too.
 
+    In a run of several steps, the updates followed are those of the optimizer that holds the
+    model's parameters (``EMA(generator)``: G's), whatever optimizer the run counts; the steps
+    are named by the optimizers they update (``{"D": d_step, "G": g_step}``).
+
     Args:
-        model: the trained module (a DDP/FSDP wrapper: pass the inner module).
+        model: the trained module (a DDP/FSDP wrapper: pass the inner module); in a state of
+            several optimizers, a module that exactly one of them updates.
         decay: the weight of the old average, in [0, 1).
         warmup: use ``d = min(decay, (1 + n) / (10 + n))`` after ``n`` applied updates, so the
             average does not stay near the initial weights for thousands of updates.
@@ -47,7 +59,8 @@ class EMA(Handler):
             at the cost of a copy per update).
 
     Raises:
-        ConfigError: ``model`` not a module, ``decay`` not in [0, 1).
+        ConfigError: ``model`` not a module, ``decay`` not in [0, 1); at ``fit_start``, in a
+            state of several optimizers, none or several of them hold the model's parameters.
 
     Example:
         >>> model = torch.nn.Linear(1, 1, bias=False)
@@ -87,16 +100,80 @@ class EMA(Handler):
         self._averaged: list[torch.Tensor] = list(self.module.parameters())
         self._count = torch.zeros((), device=self._averaged[0].device if self._averaged else None)
         self._last: Any = None
+        # The name of the optimizer that updates the model, in a state of several; else None.
+        self._optimizer: str | None = None
+        self._found = False  # whether _optimizer was looked up in this run's state
+
+    def on_fit_start(self, event: Event) -> None:
+        """Find the optimizer that updates the model (in a state of several optimizers).
+
+        Raises:
+            ConfigError: in a state of several optimizers, no optimizer or more than one holds
+                the model's parameters (the message names them and the fix).
+        """
+        self._found = False
+        self._follow(event.state)
+        if self._optimizer is not None:
+            errors.steps_named_by_optimizers("EMA(model)", event)
+
+    def _follow(self, state: Any) -> None:
+        if self._found:
+            return
+        self._found, self._optimizer = True, None
+        names = getattr(state, "names", ())
+        if not names:  # one optimizer: every update of the run is the model's
+            return
+        mine = {id(p) for p in self.model.parameters()}
+        holders = [
+            name
+            for name in names
+            if any(id(p) in mine for g in state[name].optimizer.param_groups for p in g["params"])
+        ]
+        if len(holders) != 1:
+            held = f"optimizers {holders}" if holders else "no optimizer"
+            raise ConfigError(
+                f"EMA(model): {held} of the state ({list(names)}) hold the model's parameters, so "
+                "there is no one optimizer whose updates it follows. Average the model that "
+                "one optimizer updates, one EMA each: EMA(generator) for the optimizer over "
+                "generator.parameters()."
+            )
+        self._optimizer = holders[0]
 
     @property
     def updates(self) -> int:
         """Applied updates averaged so far (reading it is a host sync)."""
         return int(self._count.item())
 
+    def on_micro_step_end(self, event: Event) -> None:
+        """In a run of several steps: average if the model's optimizer closed its window."""
+        if event.outputs is not None:
+            self._follow(event.state)
+            if self._optimizer is not None:
+                self._average(event, event.outputs)
+
     def on_step_end(self, event: Event) -> None:
-        """Average if this update was applied (``event.output.did_update``)."""
+        """Average if this update was applied (``event.output.did_update``); in a run of several
+        steps, if the model's optimizer's window closed in a flush (no micro-batch ran)."""
+        self._follow(event.state)
+        if event.outputs is not None and self._optimizer is not None:
+            self._average(event, event.outputs)
+            return
         out = event.output
         if out is None or out is self._last:
+            return
+        self._last = out
+        self.update(did_update=out.did_update)
+
+    def _average(self, event: Event, outputs: Mapping[str, Any]) -> None:
+        name = self._optimizer
+        assert name is not None
+        errors.steps_named_by_optimizers("EMA(model)", event)
+        out = outputs.get(name)  # None: no step of the run updates it (or a flush did not)
+        if out is None:
+            return
+        # The optimizer's window is empty after this call only if the call closed it (an
+        # update, applied or skipped): a host int, no read of out.did_update.
+        if out is self._last or event.state[name].window.size != 0:
             return
         self._last = out
         self.update(did_update=out.did_update)

@@ -5,8 +5,11 @@ updates (an IPython display handle: one image, never one per redraw). Outside Ju
 one line of text per redraw. A sweep's loss (one per copy) is drawn as one curve per copy.
 
 The losses are kept as device tensors and read on the host once per redraw (one sync per
-``every`` updates, as ``ProgressBar`` does). Drawing needs matplotlib (``pip install
-steplib[plot]``); the text fallback does not.
+``every`` updates, as ``ProgressBar`` does). In a run of several steps (``run({"D": d_step,
+"G": g_step}, ...)``) each step's loss is drawn as its own curve (``D loss``, ``G loss``): at
+each of the run's updates, the token-weighted mean over the windows that step closed since the
+previous one (NaN, a gap, where it closed none), as ``ProgressBar`` shows them. Drawing needs
+matplotlib (``pip install steplib[plot]``); the text fallback does not.
 
 Imports ``events`` and ``errors`` only.
 """
@@ -39,7 +42,8 @@ class LivePlot(Handler):
 
     Attributes:
         steps: the updates drawn so far.
-        losses: the loss at each of them: a list of floats, or of lists for a sweep.
+        losses: the loss at each of them: a list of floats, or of lists for a sweep; in a run
+            of several steps, of dicts by step name (``{"D": 0.69, "G": 0.71}``).
         values: ``{name: [(step, value), ...]}`` of the validation values.
         redraws: how many times the figure (or the text) was drawn.
 
@@ -90,17 +94,51 @@ class LivePlot(Handler):
         self.losses: list[Any] = []
         self.values: dict[str, list[tuple[int, Any]]] = {name: [] for name in self.validation}
         self.redraws = 0
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[Any] = []
         self._handle: Any = None
+        # In a run of several steps, per step since the run's last update: the sums over the
+        # windows it closed (loss * targets, targets), and its last output added.
+        self._sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._seen: dict[str, Any] = {}
+
+    def on_micro_step_end(self, event: Event) -> None:
+        """In a run of several steps, add each step's window that closed on this batch."""
+        for name, out in (event.outputs or {}).items():
+            self._add(name, out)
 
     def on_step_end(self, event: Event) -> None:
         """Keep the update's loss on the device; redraw every ``every`` updates."""
         if event.output is None:
             return
         self.steps.append(event.step)
-        self._pending.append(event.output.loss.detach())
+        if event.outputs is None:
+            self._pending.append(event.output.loss.detach())
+        else:  # each step's windows since the last update (a flush's too)
+            for name, out in event.outputs.items():
+                self._add(name, out)
+            self._pending.append(
+                {
+                    name: torch.where(kept > 0, total / kept, torch.nan)
+                    for name, (total, kept) in self._sums.items()
+                }
+            )
+            self._sums = {}
         if event.step % self.every == 0:
             self.draw()
+
+    def _add(self, name: str, out: Any) -> None:
+        # A window counts once, on the call that closes it: a call inside an open window
+        # reports one micro-batch's loss. A skipped window (its loss often NaN) is left out.
+        if out is self._seen.get(name):
+            return
+        self._seen[name] = out
+        loss = out.loss.detach().float()
+        applied = out.did_update.to(loss.device) & ~out.skipped.to(loss.device)
+        kept = torch.where(applied, out.num_targets.to(loss.device, torch.float32), 0.0)
+        sums = (torch.where(kept > 0, loss * kept, 0.0), kept)  # where(): NaN * 0 is NaN
+        if name in self._sums:
+            sums = (self._sums[name][0] + sums[0], self._sums[name][1] + sums[1])
+        self._sums[name] = sums
 
     def on_validation_end(self, event: Event) -> None:
         """Keep the values named in ``validation`` (host numbers already)."""
@@ -117,7 +155,12 @@ class LivePlot(Handler):
     def draw(self) -> None:
         """Read the pending losses (one host read) and redraw the figure or print a line."""
         if self._pending:
-            self.losses += torch.stack(self._pending).tolist()
+            if isinstance(self._pending[0], dict):  # several steps: one read of them all
+                flat = [loss for losses in self._pending for loss in losses.values()]
+                values = iter(torch.stack(flat).tolist())
+                self.losses += [{n: next(values) for n in losses} for losses in self._pending]
+            else:
+                self.losses += torch.stack(self._pending).tolist()
             self._pending = []
         self.redraws += 1
         if self.notebook:
@@ -129,7 +172,10 @@ class LivePlot(Handler):
         """The latest numbers as one line: ``step 40: loss 0.41`` (a sweep: the range)."""
         if not self.losses:
             return "no update yet"
-        parts = [f"step {self.steps[len(self.losses) - 1]}: loss {_numbers(self.losses[-1])}"]
+        latest = self.losses[-1]
+        named = latest.items() if isinstance(latest, dict) else [("", latest)]
+        losses = ", ".join(f"{name} loss {_numbers(v)}".lstrip() for name, v in named)
+        parts = [f"step {self.steps[len(self.losses) - 1]}: {losses}"]
         for name, seen in self.values.items():
             if seen:
                 parts.append(f"{name} {_numbers(seen[-1][1])}")
@@ -142,7 +188,15 @@ class LivePlot(Handler):
         panels = 1 + bool(any(self.values.values()))
         fig = Figure(figsize=self.figsize, layout="constrained")
         axes = fig.subplots(1, panels, squeeze=False)[0]
-        _curves(axes[0], self.steps[: len(self.losses)], self.losses, "loss")
+        steps = self.steps[: len(self.losses)]
+        if self.losses and isinstance(self.losses[0], dict):  # several steps: one curve each
+            for name in self.losses[-1]:
+                values = [losses.get(name, math.nan) for losses in self.losses]
+                _curves(axes[0], steps, values, f"{name} loss")
+            axes[0].legend(fontsize="small")
+            axes[0].set_ylabel("loss")
+        else:
+            _curves(axes[0], steps, self.losses, "loss")
         axes[0].set_title("training")
         for name, seen in self.values.items():
             if seen and panels > 1:

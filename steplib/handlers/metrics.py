@@ -10,9 +10,15 @@ transfer) when a logger asks, every N updates::
 
 The loss mean is token-weighted (sum of loss sums / sum of targets over the interval), the
 same normalisation the step uses, and leaves out updates that were skipped as non-finite. An
-aux value is averaged over the updates that reported it and were not skipped. With a process
-group, the aux sums are all-reduced at read time (the loss and target counts of a step are
-already global).
+aux value is averaged over the micro-batches of the windows that closed in the interval and
+were not skipped (with accumulation, every micro-batch of a window, not its last alone). With
+a process group, the aux sums are all-reduced at read time (the loss and target counts of a
+step are already global).
+
+In a run of several steps (``run({"D": d_step, "G": g_step}, ...)``) each step's numbers are
+its own, over the windows it closed, under its name as the logs write them: ``D/loss``,
+``G/loss``, ``G/num_targets``, ``D/lr``, ``D/<aux>``; ``updates`` counts the run's (its first
+optimizer's).
 
 For evaluation metrics use torchmetrics (:func:`steplib.handlers.evaluate`).
 
@@ -56,87 +62,114 @@ class TrainMetrics(Handler):
 
     def __init__(self, *, aux: list[str] | tuple[str, ...] | None = None) -> None:
         self.aux = None if aux is None else tuple(aux)
-        self._last: Any = None
+        self._seen: dict[str, Any] = {}  # per step, the last output added
+        self._counted: Any = None  # the output of the last step_end counted in updates
+        # Per step, the aux sums of its open window (name -> (sum, micro-batches)): added to
+        # the interval's when the window closes, so they outlive a read.
+        self._open: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.reset()
 
     def reset(self) -> None:
         """Forget the sums (a read resets them too)."""
-        self._loss: torch.Tensor | None = None  # sum of loss * targets, non-skipped updates
-        self._targets: torch.Tensor | None = None  # sum of targets, non-skipped updates
-        self._skipped: torch.Tensor | None = None  # skipped updates
-        # name -> (sum, count) over the updates not skipped; both on the device.
-        self._aux: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lr: torch.Tensor | None = None
+        # Per step ("" for a run of one step): the sum of loss * targets and of targets over
+        # the windows closed and not skipped, and the skipped updates; all on the device.
+        self._sums: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Per step, aux name -> (sum, count) over the micro-batches of those windows.
+        self._aux: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._lr: dict[str, torch.Tensor] = {}
         self._updates = 0
+
+    def on_micro_step_end(self, event: Event) -> None:
+        """:meth:`update` on every micro-batch (each step's aux, and windows that close)."""
+        self.update(event)
 
     def on_step_end(self, event: Event) -> None:
         """:meth:`update` on every update."""
         self.update(event)
 
     def update(self, event: Event) -> None:
-        """Add one update's loss, targets and aux values (device ops only, no host read)."""
-        out = event.output
-        if out is None or out is self._last:  # read() may already have added this one
+        """Add the event's outputs: a window's loss and targets once, on the call that closes
+        it; each micro-batch's aux values (device ops only, no host read). A ``step_end``
+        counts one update."""
+        if event.output is None:
             return
-        self._last = out
+        for name, out in (event.outputs or {"": event.output}).items():
+            if out is not self._seen.get(name):  # read() may already have added this one
+                self._seen[name] = out
+                self._add(name, out)
+        if event.name == "step_end" and event.output is not self._counted:
+            self._counted = event.output
+            self._updates += 1
+
+    def _add(self, name: str, out: Any) -> None:
         loss = out.loss.detach().float()
-        targets = out.num_targets.to(loss.device, torch.float32)
-        skipped = out.skipped.to(loss.device)
-        # A window counts once, on the call that closes it (its loss is the window's): in a run
-        # of several steps the last step's window may still be open at the counted step's
-        # update, and that call reports one micro-batch, which its window's loss counts again.
-        left_out = skipped | ~out.did_update.to(loss.device)  # skipped, or no window closed
+        device = loss.device
+        targets = out.num_targets.to(device, torch.float32)
+        skipped = out.skipped.to(device)
+        # A window counts once, on the call that closes it (its loss is the window's): a call
+        # inside an open window reports one micro-batch, which the window's loss counts again.
+        left_out = skipped | ~out.did_update.to(device)  # skipped, or no window closed
         # where(), not a product: a skipped update's loss may be NaN, and NaN * 0 is NaN.
-        weighted = torch.where(left_out, 0.0, loss * targets)
-        targets = torch.where(left_out, 0.0, targets)
-        if self._loss is None or self._targets is None or self._skipped is None:
-            self._loss, self._targets, self._skipped = weighted, targets, skipped.float()
+        sums = (torch.where(left_out, 0.0, loss * targets), torch.where(left_out, 0.0, targets))
+        before = self._sums.get(name)
+        if before is None:
+            self._sums[name] = (*sums, skipped.float())
         else:
-            self._loss = self._loss + weighted
-            self._targets = self._targets + targets
-            self._skipped = self._skipped + skipped
-        # A skipped update trained nothing: its aux values (often NaN) are left out, as its
-        # loss is; where(), not a product (NaN * 0 is NaN).
-        dropped = skipped.any()
-        for name, value in out.aux.items():
-            if self.aux is not None and name not in self.aux:
-                continue
-            value = torch.where(dropped, 0.0, value.detach().float().mean().to(loss.device))
-            kept = (~dropped).float()
-            if name in self._aux:
-                total, count = self._aux[name]
-                value, kept = total + value, count + kept
-            self._aux[name] = (value, kept)
-        self._lr = out.lr
-        self._updates += 1
+            self._sums[name] = (before[0] + sums[0], before[1] + sums[1], before[2] + skipped)
+        self._lr[name] = out.lr
+        # Each micro-batch's aux goes into its window's sums; when the window closes they are
+        # added to the interval's, unless it was skipped (its aux values are often NaN). A
+        # flush reports no aux: it closes what the window's micro-batches added.
+        closes = (out.did_update.to(device) | skipped).any()
+        kept = closes & ~skipped.any()
+        window, totals = self._open.setdefault(name, {}), self._aux.setdefault(name, {})
+        values = {k: v for k, v in out.aux.items() if self.aux is None or k in self.aux}
+        for key in dict.fromkeys([*window, *values]):
+            total, count = window.get(key, (torch.zeros((), device=device),) * 2)
+            if key in values:
+                total = total + values[key].detach().float().mean().to(device)
+                count = count + 1
+            done, seen = totals.get(key, (torch.zeros((), device=device),) * 2)
+            totals[key] = (done + torch.where(kept, total, 0.0), seen + torch.where(kept, count, 0))
+            window[key] = (torch.where(closes, 0.0, total), torch.where(closes, 0, count))
 
     def state_dict(self) -> dict[str, Any]:
-        """The sums of the interval not yet read. Attached to a run, they are saved with each
-        checkpoint and restored on resume (``checkpoint.contents``), so that the first record
-        after a resume covers the same updates as without the interruption.
+        """The sums of the interval not yet read, and the aux sums of each open window.
+        Attached to a run, they are saved with each checkpoint and restored on resume
+        (``checkpoint.contents``), so that the first record after a resume covers the same
+        updates as without the interruption.
 
         Example:
             >>> TrainMetrics().state_dict()["updates"]
             0
         """
         return {
-            "loss": self._loss,
-            "targets": self._targets,
-            "skipped": self._skipped,
-            "aux": {name: [total, count] for name, (total, count) in self._aux.items()},
-            "lr": self._lr,
+            "steps": {
+                name: {
+                    "sums": list(sums),
+                    "aux": {k: list(v) for k, v in self._aux.get(name, {}).items()},
+                    "lr": self._lr.get(name),
+                }
+                for name, sums in self._sums.items()
+            },
+            "open": {name: {k: list(v) for k, v in w.items()} for name, w in self._open.items()},
             "updates": self._updates,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (the sums stay where they were loaded:
         :meth:`read` brings them to the device of the latest update)."""
-        self._loss, self._targets = state["loss"], state["targets"]
-        self._skipped, self._lr = state["skipped"], state["lr"]
-        self._aux = {
-            # An int in older checkpoints.
-            name: (total, torch.as_tensor(count, dtype=torch.float32))
-            for name, (total, count) in state["aux"].items()
+        self.reset()
+        if "steps" not in state:  # an older checkpoint: one step's sums, no open window
+            state = _older(state)
+        for name, saved in state["steps"].items():
+            loss, targets, skipped = saved["sums"]
+            self._sums[name] = (loss, targets, skipped)
+            self._aux[name] = {k: _pair(v) for k, v in saved["aux"].items()}
+            if saved["lr"] is not None:
+                self._lr[name] = saved["lr"]
+        self._open = {
+            name: {k: _pair(v) for k, v in w.items()} for name, w in state["open"].items()
         }
         self._updates = int(state["updates"])
 
@@ -145,43 +178,70 @@ class TrainMetrics(Handler):
         group, one all-reduce of the aux sums, so every rank must call it).
 
         Args:
-            event: the event being logged; its output is added first if :meth:`update` has not
-                seen it (so the order of registration does not matter). ``None`` reads as is.
+            event: the event being logged; its outputs are added first if :meth:`update` has
+                not seen them (so the order of registration does not matter). ``None`` reads
+                as is.
 
         Returns:
             ``loss`` (token-weighted mean over the non-skipped updates; NaN if all were
             skipped), ``num_targets`` (sum), ``updates``, ``skipped`` (when any), ``lr`` (of the
-            latest update), and the mean of each aux value. Empty when nothing was added.
+            latest update), and the mean of each aux value. In a run of several steps each
+            step's under its name (``D/loss``, ``G/lr``, ...), ``updates`` the run's. Empty
+            when nothing was added.
         """
         if event is not None:
             self.update(event)
-        if self._loss is None or self._targets is None or self._skipped is None:
+        if not self._sums:
             return {}
-        names = list(self._aux)
-        aux = [self._aux[name][0] for name in names] + [self._aux[name][1] for name in names]
-        device = self._loss.device
+        names = list(self._sums)
+        keys = [(name, key) for name in names for key in self._aux.get(name, {})]
+        aux = [self._aux[n][k][i] for i in (0, 1) for n, k in keys]
+        device = self._sums[names[-1]][0].device
         # A resumed interval's sums may sit on the CPU (as loaded) and the new ones on the GPU.
-        sums = torch.stack([t.to(device) for t in (self._loss, self._targets, self._skipped, *aux)])
-        if names and dist.is_available() and dist.is_initialized():
+        parts = [t.to(device).float() for name in names for t in self._sums[name]]
+        sums = torch.stack([*parts, *(t.to(device).float() for t in aux)])
+        if keys and dist.is_available() and dist.is_initialized():
             # Aux values and their counts are per rank; the loss and targets a step reports are
             # already summed over ranks, so they are not reduced again.
-            local = sums[3:].clone()
+            local = sums[len(parts) :].clone()
             dist.all_reduce(local)
-            sums = torch.cat([sums[:3], local])
+            sums = torch.cat([sums[: len(parts)], local])
         values = sums.tolist()  # the one host read of the interval
-        lr = self._lr.item() if self._lr is not None else None
-        loss_sum, targets, skipped = values[:3]
-        record: dict[str, Any] = {
-            "loss": loss_sum / targets if targets > 0 else float("nan"),
-            "num_targets": int(targets) if float(targets).is_integer() else targets,
-            "updates": self._updates,
-            "lr": lr,
-        }
-        if skipped:
-            record["skipped"] = int(skipped)
-        totals, counts = values[3 : 3 + len(names)], values[3 + len(names) :]
-        for name, total, count in zip(names, totals, counts, strict=True):
-            mean = total / count if count > 0 else float("nan")  # NaN: every update skipped
-            record[f"aux.{name}" if name in _RESERVED else name] = mean
+        record: dict[str, Any] = {"updates": self._updates}
+        for i, name in enumerate(names):
+            prefix = f"{name}/" if name else ""
+            loss_sum, targets, skipped = values[3 * i : 3 * i + 3]
+            lr = self._lr.get(name)
+            record[prefix + "loss"] = loss_sum / targets if targets > 0 else float("nan")
+            count = int(targets) if float(targets).is_integer() else targets
+            record[prefix + "num_targets"] = count
+            record[prefix + "lr"] = lr.item() if lr is not None else None
+            if skipped:
+                record[prefix + "skipped"] = int(skipped)
+        totals, counts = (
+            values[len(parts) : len(parts) + len(keys)],
+            values[len(parts) + len(keys) :],
+        )
+        for (name, key), total, count in zip(keys, totals, counts, strict=True):
+            mean = total / count if count > 0 else float("nan")  # NaN: every window skipped
+            prefix = f"{name}/" if name else ""
+            record[prefix + (f"aux.{key}" if key in _RESERVED else key)] = mean
         self.reset()
         return record
+
+
+def _pair(saved: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    total, count = saved
+    return total, torch.as_tensor(count, dtype=torch.float32)  # an int in older checkpoints
+
+
+def _older(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before the sums were kept per step: one step's (or none)."""
+    steps = {}
+    if state["loss"] is not None:
+        steps[""] = {
+            "sums": [state["loss"], state["targets"], state["skipped"]],
+            "aux": state["aux"],
+            "lr": state["lr"],
+        }
+    return {"steps": steps, "open": {}, "updates": state["updates"]}

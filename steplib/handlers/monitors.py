@@ -72,8 +72,18 @@ class NonFiniteAlarm(Handler):
         self._pending_where: list[_Where] = []
         self._flagged: dict[str, Any] = {}  # per step, the last output flagged
 
+    def on_fit_start(self, event: Event) -> None:
+        """Refuse steps not named by the optimizers they update (a state of several)."""
+        errors.steps_named_by_optimizers("NonFiniteAlarm", event)
+
     def on_micro_step_end(self, event: Event) -> None:
-        """Flag each step's loss of this micro-batch (device ops only)."""
+        """Flag each step's loss of this micro-batch (device ops only).
+
+        Raises:
+            ConfigError: in a state of several optimizers, a step of the run not named by
+                the optimizer it updates (whose window says when its skip is decided).
+        """
+        errors.steps_named_by_optimizers("NonFiniteAlarm", event)
         for name, out in (event.outputs or {"": event.output}).items():
             self._flag(event, name, out)
 
@@ -97,7 +107,8 @@ class NonFiniteAlarm(Handler):
         step = event.step + 1 if counted is not None and counted.size > 0 else event.step
         where = (name, step, event.epoch, event.batch_index, event.micro_step)
         self._window_where.setdefault(name, []).append(where)
-        # Its own optimizer's window: the step's name is its optimizer's in a GAN's state.
+        # Its own optimizer's window: the step's name is its optimizer's in a GAN's state
+        # (refused otherwise at micro_step_end).
         named = name in getattr(event.state, "names", ())
         own = getattr(event.state[name] if named else event.state, "window", None)
         if own is not None and own.size > 0:
@@ -200,69 +211,95 @@ class GradNormMonitor(Handler):
     """
 
     def __init__(self) -> None:
-        self._sum: torch.Tensor | None = None
-        self._max: torch.Tensor | None = None
-        self._count: torch.Tensor | None = None
-        self._last: Any = None
+        # Per step ("" for a run of one step): the sum, max and count of the norms not skipped.
+        self._norms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._seen: dict[str, Any] = {}  # per step, the last output added
+
+    def on_micro_step_end(self, event: Event) -> None:
+        """In a run of several steps, add each step's window that closed with a norm."""
+        if event.outputs is not None:
+            self.update(event)
 
     def on_step_end(self, event: Event) -> None:
         """:meth:`update` on every update."""
         self.update(event)
 
     def update(self, event: Event) -> None:
-        """Add this update's norm (device ops only).
+        """Add this update's norm (device ops only); in a run of several steps, each step's
+        norm of a window that closed, under its name (a step that measures none is left out).
 
         Raises:
             ConfigError: the step does not measure the gradient norm.
         """
-        out = event.output
-        if out is None or out is self._last:
+        if event.outputs is not None:
+            for name, out in event.outputs.items():
+                if out.grad_norm is not None and out is not self._seen.get(name):
+                    self._add(name, out)
             return
-        self._last = out
+        out = event.output
+        if out is None or out is self._seen.get(""):
+            return
         if out.grad_norm is None:
             raise ConfigError(
                 "GradNormMonitor: the step reports no gradient norm (StepOutput.grad_norm is "
                 "None), so there is nothing to monitor. Build the step with clip(step, "
                 "max_norm=1.0) or skip_nonfinite(step), which measure it."
             )
+        self._add("", out)
+
+    def _add(self, name: str, out: Any) -> None:
+        self._seen[name] = out
         keep = ~out.skipped.to(out.grad_norm.device)
         norm = torch.where(keep, out.grad_norm.detach().float(), 0.0)
         count = keep.float()
-        if self._sum is None or self._max is None or self._count is None:
-            self._sum, self._max, self._count = norm, norm, count
+        if name in self._norms:
+            total, largest, seen = self._norms[name]
+            norm, largest, count = total + norm, torch.maximum(largest, norm), seen + count
         else:
-            self._sum, self._count = self._sum + norm, self._count + count
-            self._max = torch.maximum(self._max, norm)
+            largest = norm
+        self._norms[name] = (norm, largest, count)
 
     def state_dict(self) -> dict[str, Any]:
-        """The sums of the interval not yet read (tensors, or ``None``). Attached to a run, they
-        are saved with each checkpoint and restored on resume (``checkpoint.contents``), so
-        that the first read after a resume covers the same updates as without the interruption.
+        """The sums of the interval not yet read, per step. Attached to a run, they are saved
+        with each checkpoint and restored on resume (``checkpoint.contents``), so that the
+        first read after a resume covers the same updates as without the interruption.
 
         Example:
             >>> GradNormMonitor().state_dict()
-            {'sum': None, 'max': None, 'count': None}
+            {'steps': {}}
         """
-        return {"sum": self._sum, "max": self._max, "count": self._count}
+        return {"steps": {name: list(norms) for name, norms in self._norms.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self._sum, self._max, self._count = state["sum"], state["max"], state["count"]
+        """Restore what :meth:`state_dict` returned (or an earlier checkpoint's one step)."""
+        if "steps" not in state:  # before the sums were kept per step
+            one = (state["sum"], state["max"], state["count"])
+            state = {"steps": {"": one} if one[0] is not None else {}}
+        self._norms = {name: (s, m, c) for name, (s, m, c) in state["steps"].items()}
 
     def read(self, event: Event | None) -> dict[str, float]:
         """The mean and max since the last read (empty when no update was seen); resets.
+        In a run of several steps, each step's under its name (``D/grad_norm_mean``).
 
-        ``event``'s own output is added first if :meth:`update` has not seen it.
+        ``event``'s own outputs are added first if :meth:`update` has not seen them.
         """
         if event is not None:
             self.update(event)
-        if self._sum is None or self._max is None or self._count is None:
+        if not self._norms:
             return {}
-        total, largest, count = torch.stack((self._sum, self._max, self._count)).tolist()
-        self._sum = self._max = self._count = None
-        if count == 0:
-            return {}
-        return {"grad_norm_mean": total / count, "grad_norm_max": largest}
+        names = list(self._norms)
+        device = self._norms[names[-1]][0].device
+        flat = [t.to(device).float() for name in names for t in self._norms[name]]
+        values = torch.stack(flat).tolist()  # the one host read
+        self._norms = {}
+        record = {}
+        for i, name in enumerate(names):
+            total, largest, count = values[3 * i : 3 * i + 3]
+            if count > 0:
+                prefix = f"{name}/" if name else ""
+                record[prefix + "grad_norm_mean"] = total / count
+                record[prefix + "grad_norm_max"] = largest
+        return record
 
 
 class LRMonitor:
@@ -283,12 +320,22 @@ class LRMonitor:
 
     def read(self, event: Event) -> dict[str, float | list[float]]:
         """The current LR of every group (after this update's scheduler step); a sweep
-        optimizer's, one per copy."""
-        groups = event.state.optimizer.param_groups
-        rates = [_rate(group) for group in groups]
-        if len(rates) == 1:
-            return {"lr": rates[0]}
-        return {f"lr/group{i}": rate for i, rate in enumerate(rates)}
+        optimizer's, one per copy. A state of several optimizers: each one's under its name
+        (``G/lr``, ``D/lr/group1``), not the first's alone as the run's."""
+        state = event.state
+        names = getattr(state, "names", ())
+        if not names:
+            return _rates(state.optimizer, "")
+        return {
+            k: v for name in names for k, v in _rates(state[name].optimizer, f"{name}/").items()
+        }
+
+
+def _rates(optimizer: Any, prefix: str) -> dict[str, float | list[float]]:
+    rates = [_rate(group) for group in optimizer.param_groups]
+    if len(rates) == 1:
+        return {f"{prefix}lr": rates[0]}
+    return {f"{prefix}lr/group{i}": rate for i, rate in enumerate(rates)}
 
 
 def _rate(group: Mapping[str, Any]) -> float | list[float]:

@@ -42,7 +42,7 @@ class ProgressBar(Handler):
             ``None`` shows a counter.
         every: read the loss, LR and target counts every this many updates (and at the end),
             or every n batches with ``Batches(n)``. In a run of several steps, each step's
-            loss is shown (``D loss``, ``G loss``).
+            loss and LR are shown (``D loss``, ``G loss``, ``D lr``, ``G lr``).
         desc: a label in front of the bar.
         file: where to draw the bar (tqdm's default, stderr, when ``None``).
         disable: draw nothing, and read no tensor. ``None`` (the default): draw on rank 0 only
@@ -75,9 +75,9 @@ class ProgressBar(Handler):
 
     # Device-side sums since the last refresh, by step name ("" for a run of one step): the
     # targets (the rate's), and over the updates not skipped the targets and the loss times
-    # the targets (the shown loss's), and the skipped updates; and the latest LR.
+    # the targets (the shown loss's), and the skipped updates; and the latest LR of each.
     _sums: dict[str, tuple[torch.Tensor, ...]]
-    _lr: torch.Tensor | None
+    _lr: dict[str, torch.Tensor]
     _last_step: int | None  # the update the bar counted last; None until the run's first
     _added: list[Any]  # the outputs added at the last micro_step_end
 
@@ -160,7 +160,8 @@ class ProgressBar(Handler):
         self._add(event)
         name = list(event.outputs or {"": None})[-1]
         self._counted_name = name  # the last step's targets are what the rate counts
-        self._lr = event.output.lr
+        for name, out in (event.outputs or {"": event.output}).items():
+            self._lr[name] = out.lr  # each step's own: "D lr", "G lr"
         self._micro_step = event.micro_step
         if due(self.every, event):
             self._refresh(event.step)
@@ -201,7 +202,7 @@ class ProgressBar(Handler):
 
     def on_fit_end(self, event: Event) -> None:
         """Show the last numbers and close the bar."""
-        if self._bar is not None and self._sums and self._lr is not None:  # an update ran
+        if self._bar is not None and self._sums and self._lr:  # an update ran
             self._refresh(event.step)
         self.close()
 
@@ -220,7 +221,7 @@ class ProgressBar(Handler):
             bar.close()
 
     def _reset(self) -> None:
-        self._sums, self._lr, self._counted_name = {}, None, ""
+        self._sums, self._lr, self._counted_name = {}, {}, ""
         self._added = []
         self._counted = 0.0
         self._last_step = None
@@ -230,12 +231,13 @@ class ProgressBar(Handler):
 
     def _refresh(self, step: int) -> None:
         # The only host reads of the bar: once per interval, of values summed on the device.
-        assert self._sums and self._lr is not None
-        # One read for everything: each step's (targets, loss sums) and the LR; a sweep's loss
+        assert self._sums and self._lr
+        # One read for everything: each step's (targets, loss sums) and LR; a sweep's loss
         # and LR hold one value per copy ([N]).
         names = list(self._sums)
         parts = [torch.cat([s.reshape(-1) for s in sums]) for sums in self._sums.values()]
-        values = iter(torch.cat([p.double() for p in (*parts, self._lr.flatten())]).tolist())
+        rates = [lr.flatten() for lr in self._lr.values()]
+        values = iter(torch.cat([p.double() for p in (*parts, *rates)]).tolist())
         losses: dict[str, list[float]] = {}
         counts: dict[str, float] = {}
         skips: dict[str, list[float]] = {}
@@ -249,7 +251,10 @@ class ProgressBar(Handler):
                 losses[key] = [v / t if t > 0 else float("nan") for v, t in means]
             if any(skipped):
                 skips["skipped" if not name else f"{name}/skipped"] = skipped
-        lrs = list(values)
+        lrs = {
+            "lr" if not name else f"{name}/lr": [next(values) for _ in range(rate.numel())]
+            for name, rate in zip(self._lr, rates, strict=True)
+        }
         targets = counts[self._counted_name]
         # Measured after the read, so on a GPU the interval covers work that has finished.
         now = time.perf_counter()
@@ -269,18 +274,18 @@ class ProgressBar(Handler):
             "step": step,
             **{k: v[0] if len(v) == 1 else v for k, v in losses.items()},
             **{k: _count(v) for k, v in skips.items()},
-            "lr": lrs[0] if len(lrs) == 1 else lrs,
+            **{k: v[0] if len(v) == 1 else v for k, v in lrs.items()},
             f"{unit}_per_s": rate,
             unit: int(self._counted) if self._counted.is_integer() else self._counted,
         }
         shown = {
             **{k.replace("/", " "): _range(v, ".4f", best=True) for k, v in losses.items()},
             **{k.replace("/", " "): str(_count(v)) for k, v in skips.items()},
-            "lr": _range(lrs, ".3g"),
+            **{k.replace("/", " "): _range(v, ".3g") for k, v in lrs.items()},
             f"{unit}/s": _si(rate),
         }  # "D loss" for a step named D
         kinds = {
-            k: "rate" if "/" in k else "loss" if k.endswith(("loss", "skipped")) else k
+            k: "rate" if "/" in k else "lr" if k.endswith("lr") else "loss"  # "D lr": lr
             for k in shown
         }
         postfix = {k: v for k, v in shown.items() if kinds[k] in self.keys}

@@ -8,7 +8,7 @@ that *you* give: steplib does not guess hardware peaks (they depend on the dtype
 clocks and the exact SKU). Look yours up in the vendor's data sheet, e.g. dense bf16 tensor-core
 peak of one GPU.
 
-:class:`Throughput` adds the tokens of each update on the device and reads them once per log
+:class:`Throughput` adds the tokens of each window on the device and reads them once per log
 interval, so it costs no host sync per step::
 
     flops = flops_per_batch(model, batch, loss_fn=loss_fn) * accumulation
@@ -155,8 +155,11 @@ class Throughput(Handler):
     Args:
         samples_per_step: samples per optimizer update (e.g. ``batch_size * accumulation``,
             times the world size for a global rate), for ``samples_per_s``.
-        tokens: ``tokens(output) -> count`` per update (a tensor stays on the device); the
-            default is ``output.num_targets`` (the window's targets, summed over ranks).
+        tokens: ``tokens(output) -> count`` of one micro-batch, given each micro-batch's
+            output (its ``aux`` is that micro-batch's; a tensor stays on the device) and
+            summed; the default counts each window's ``num_targets`` (summed over ranks) on
+            the call that closes it. In a run of several steps, each step's count is its own
+            (``D/tokens_per_s``, ``G/tokens_per_s``).
         unit: what one of those counts, to name the rate ``<unit>_per_s``; ``None``:
             ``tokens``, or ``batches`` when the default count gives one per micro-batch (a
             plain mean loss, whose ``num_targets`` counts micro-batches, not tokens).
@@ -217,9 +220,13 @@ class Throughput(Handler):
         self.peak_flops = peak_flops
         self._clock = clock
         self.stats: dict[str, float] = {}
-        # The last output counted: read() counts the event's own output if update() has not,
-        # so the order of registration does not matter, and nothing is counted twice.
+        self._by_batch = tokens is not None  # a count per micro-batch, else per window
+        # The last output counted, of the run and per step: read() counts the event's own
+        # outputs if update() has not, so the order of registration does not matter, and
+        # nothing is counted twice.
         self._last: Any = None
+        self._seen: dict[str, Any] = {}
+        self._batched = False  # whether micro_step_end events reach it (attached to a run)
         self._micro_step: int | None = None
         self._start()
 
@@ -227,7 +234,7 @@ class Throughput(Handler):
         self._since = self._clock()
         self._steps = 0
         self._micro_steps = 0
-        self._tokens: Any = 0
+        self._tokens: dict[str, Any] = {}  # per step ("" for a run of one step)
 
     def on_fit_start(self, event: Event) -> None:
         """Start the clock."""
@@ -236,14 +243,23 @@ class Throughput(Handler):
         self._micro_step = None
         self._start()
 
+    def on_micro_step_end(self, event: Event) -> None:
+        """Add this micro-batch's tokens (of each step) and the windows it closed."""
+        self._batched = True
+        self._add(event)
+
     def on_step_end(self, event: Event) -> None:
         """:meth:`update` on every update."""
         self.update(event)
 
     def update(self, event: Event) -> None:
-        """Count one update and add its tokens (a device add, no host read)."""
+        """Add the event's tokens (a device add, no host read); a ``step_end`` counts one
+        update."""
         out = event.output
-        if out is None or out is self._last:
+        if out is None:
+            return
+        self._add(event)
+        if event.name != "step_end" or out is self._last:
             return
         if self._micro_step is None:  # the first update covers event.batches micro-batches
             self._micro_step = event.micro_step - event.batches
@@ -251,7 +267,21 @@ class Throughput(Handler):
         self._micro_step = event.micro_step
         self._last = out
         self._steps += 1
-        self._tokens = self._tokens + self.tokens(out)
+
+    def _add(self, event: Event) -> None:
+        for name, out in (event.outputs or {"": event.output}).items():
+            if out is self._seen.get(name):
+                continue
+            self._seen[name] = out
+            if self._by_batch:
+                # An output first seen at step_end, in a run, is a flush's: no micro-batch ran.
+                if event.name == "step_end" and self._batched:
+                    continue
+                count = self.tokens(out)
+            else:  # a window's targets, on the call that closes it
+                closed = (out.did_update | out.skipped).any()
+                count = torch.where(closed, out.num_targets, 0)
+            self._tokens[name] = self._tokens.get(name, 0) + count
 
     def read(self, event: Event | None) -> dict[str, float]:
         """The rates since the last read (one host read of the token sum); restarts the clock.
@@ -265,14 +295,19 @@ class Throughput(Handler):
             self.update(event)
         if self._steps == 0:
             return {}
-        tokens = self._tokens
-        tokens = float(tokens.item() if isinstance(tokens, torch.Tensor) else tokens)
+        names = list(self._tokens)
+        found = [t for t in self._tokens.values() if isinstance(t, torch.Tensor)]
+        device = found[0].device if found else None
+        counts = [torch.as_tensor(self._tokens[n], device=device).double() for n in names]
+        totals = torch.stack(counts).tolist() if counts else []  # the one host read
         # Timed after the read: on a GPU the interval then covers work that has finished.
         elapsed = max(self._clock() - self._since, 1e-9)
         steps_per_s = self._steps / elapsed
         batches = self._micro_steps * world_size()
-        unit = self.unit or ("batches" if tokens == batches else "tokens")
-        stats = {"steps_per_s": steps_per_s, f"{unit}_per_s": tokens / elapsed}
+        stats = {"steps_per_s": steps_per_s}
+        for name, tokens in zip(names, totals, strict=True):
+            unit = self.unit or ("batches" if tokens == batches else "tokens")
+            stats[f"{name}/{unit}_per_s" if name else f"{unit}_per_s"] = tokens / elapsed
         if self.samples_per_step is not None:
             stats["samples_per_s"] = self.samples_per_step * steps_per_s
         if self.flops_per_step is not None:

@@ -90,23 +90,27 @@ class Step:
         size = window.size + 1
         closes = close_window or size >= self.plan.window
         out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
-        loss_sum = out.loss_sum
+        loss_sum, count = out.loss_sum, out.num_targets
         if loss_sum.requires_grad:  # eager: the state and output must not keep the graph alive
             loss_sum = loss_sum.detach()  # (a compiled graph's output has none: no detach)
+        # A count computed from the model (a soft count, weights.sum()) carries its graph: in the
+        # window it would keep every micro-batch's graph alive until the update, and after.
+        if isinstance(count, torch.Tensor) and count.requires_grad:
+            count = count.detach()
         window = Window(
             size,
             # The first micro-batch of a window starts the sum: no add, no zero tensor. At least
             # float32 (a bf16 sum would round), a float64 loss stays float64.
             at_least_float32(loss_sum) if size == 1 else window.loss + loss_sum,
             # int + int stays on the host; a tensor count makes it a device tensor.
-            window.targets + out.num_targets,
+            window.targets + count,
         )
         state = state.replace(micro_step=state.micro_step + 1, window=window)
         if closes:
             return self._close(state, out.aux, out.report)
         return state, StepOutput(
             loss_sum=loss_sum,
-            num_targets=out.num_targets,
+            num_targets=count,
             did_update=False,
             skipped=False,
             grad_norm=None,
