@@ -21,7 +21,7 @@ from steplib import (
     resume_from,
     run,
 )
-from steplib.checkpoint import latest, load
+from steplib.checkpoint import latest, list_checkpoints, load
 from tests.checkpoint_helpers import make_state, memory_dir
 from tests.reference import make_batches, mean_loss
 from tests.test_several_optimizers import _nets, _state, d_loss, g_loss
@@ -48,6 +48,9 @@ def test_several_steps_are_recorded_by_name_and_their_order_checked(memory_dir: 
         "G": make_train_step(g_loss, optimizer="G"),
     }
     run(steps, _state(*_nets()), batches, events=[checkpoint_every(memory_dir, every=1)])
+    # Each step's loss by its name, as the logs name it (before: the last step's as "loss").
+    recorded = list_checkpoints(memory_dir)[-1].metrics
+    assert sorted(recorded) == ["D/loss", "G/loss"]
     swapped = {"G": steps["G"], "D": steps["D"]}
     with pytest.raises(ConfigError, match="trained by the step"):
         run(swapped, _state(*_nets()), batches, events=[resume_from(memory_dir)])

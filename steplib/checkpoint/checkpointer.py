@@ -48,13 +48,15 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 
 def default_metrics(event: Event) -> dict[str, float]:
     """What a checkpoint records without ``metrics``: ``{name: float}`` of the update's
-    ``loss`` and each number in ``state.extras`` evaluated at this update."""
-    loss = getattr(getattr(event, "output", None), "loss", None)
+    ``loss`` (with several steps each one's, ``D/loss``, as the logs name them) and each
+    number in ``state.extras`` evaluated at this update."""
+    outputs = getattr(event, "outputs", None) or {"": getattr(event, "output", None)}
+    losses = {f"{n}/loss" if n else "loss": getattr(o, "loss", None) for n, o in outputs.items()}
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
     fresh = {k: v for k, v in extras.items() if k not in stale}
     numbers = {}
-    for name, value in {"loss": loss, **fresh}.items():
+    for name, value in {**losses, **fresh}.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:  # a sweep's loss is not
             value = value.item()  # a host sync, at save time only
         if isinstance(value, int | float) and not isinstance(value, bool):
