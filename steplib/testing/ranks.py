@@ -37,8 +37,11 @@ def assert_ranks_in_sync(model: nn.Module, *, grads: bool = True) -> None:
     (and the same of its gradient, and whether it has one); one ``all_gather`` brings every
     rank's table to every rank, and each rank compares them. Every rank therefore raises the
     same error, and none waits for another. Sharded parameters (FSDP2 ``DTensor``) are compared
-    whole (``full_tensor()``, a collective every rank makes in the same order). Call it at the
-    same point on every rank, e.g. after an update in a test, or every N steps in a handler.
+    whole (``full_tensor()``, a collective every rank makes in the same order): the same on
+    every rank by construction, so for a model sharded alone (FSDP2 without replicas) the check
+    cannot fail, and catches drift only in the replicated parameters beside the shards. Call it
+    at the same point on every rank, e.g. after an update in a test, or every N steps in a
+    handler.
 
     Buffers are not compared: BatchNorm's running statistics legitimately differ across ranks
     under DDP (rank 0's are broadcast at the start of each forward, then every rank updates
