@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from steplib import ConfigError
 from steplib.distributed import (
@@ -151,6 +152,24 @@ def test_init_distributed_without_rendezvous_says_what_to_set(monkeypatch) -> No
     monkeypatch.setenv("SLURM_NTASKS", "2")
     with pytest.raises(ConfigError, match="MASTER_ADDR/MASTER_PORT"):
         init_distributed()
+
+
+@pytest.mark.parametrize(("backend", "gpus", "device"), [("gloo", 2, 1), ("gloo", 1, None)])
+def test_init_distributed_puts_each_rank_on_its_own_gpu_with_gloo_too(
+    monkeypatch, backend: str, gpus: int, device: int | None
+) -> None:
+    # Before, only nccl set the device: under gloo every rank's .to("cuda") landed on GPU 0.
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: None)
+    init_distributed(backend=backend)
+    assert chosen == ([] if device is None else [device])  # a GPU that exists, or none
 
 
 def test_apply_ddp_without_a_group_says_what_to_call() -> None:

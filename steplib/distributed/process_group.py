@@ -29,8 +29,9 @@ def init_distributed(
     """Initialise the default process group from the launcher's environment.
 
     Picks ``nccl`` when CUDA is available and ``gloo`` otherwise (``backend`` overrides), and
-    sets the CUDA device to the local rank. Without a launcher it does nothing and reports a
-    single process, so the same script runs in a notebook. Calling it again is a no-op.
+    sets the CUDA device to the local rank (with ``gloo`` too, where that GPU exists). Without
+    a launcher it does nothing and reports a single process, so the same script runs in a
+    notebook. Calling it again is a no-op.
 
     Args:
         backend: ``"nccl"``, ``"gloo"`` or another torch.distributed backend; ``None`` picks.
@@ -56,7 +57,8 @@ def init_distributed(
             "MASTER_ADDR=<first node> MASTER_PORT=29500 in the SLURM script."
         )
     chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if chosen == "nccl":
+    # With gloo too: else every rank's .to("cuda") lands on GPU 0. NCCL needs one GPU a rank.
+    if chosen == "nccl" or env.local_rank < torch.cuda.device_count():
         torch.cuda.set_device(env.local_rank)
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
