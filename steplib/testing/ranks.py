@@ -162,8 +162,11 @@ def run_ranks(
     port = _free_port()
     with contextlib.ExitStack() as files:  # where a rank that does not answer writes its stacks
         stacks = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world)]
+        # The ranks meet in a file of this call's own, not at a port that a concurrent call
+        # (another test worker) may have picked too: _free_port's port is free when chosen only.
+        store = os.path.join(files.enter_context(tempfile.TemporaryDirectory()), "store")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world, port, out, stacks[r]))
+            ctx.Process(target=_worker, args=(fn, r, world, port, store, out, stacks[r]))
             for r in range(world)
         ]
         for proc in procs:
@@ -236,7 +239,13 @@ def _where(rank: int, proc: Any, stacks: IO[bytes], timeout: float) -> str:
 
 
 def _worker(
-    fn: Callable[[int, int], Any], rank: int, world: int, port: int, out: Any, stacks: IO[bytes]
+    fn: Callable[[int, int], Any],
+    rank: int,
+    world: int,
+    port: int,
+    store: str,
+    out: Any,
+    stacks: IO[bytes],
 ) -> None:
     torch.set_num_threads(1)  # a forked child must not share the parent's OpenMP pool
     faulthandler.register(_DUMP_STACKS, file=stacks, all_threads=True)
@@ -245,7 +254,11 @@ def _worker(
     os.environ.update({**env, "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+            "gloo",
+            rank=rank,
+            world_size=world,
+            store=dist.FileStore(store, world),
+            timeout=datetime.timedelta(seconds=60),
         )
         buffer = io.BytesIO()
         torch.save(fn(rank, world), buffer)
