@@ -327,6 +327,32 @@ def test_a_parameter_without_gradient_keeps_the_autograd_path() -> None:
     assert _max_diff(model, eager_model) < 1e-6
 
 
+def test_a_layer_frozen_after_warm_up_stops_training_as_in_eager() -> None:
+    # Freezing after the fused graph was planned (fine-tuning's requires_grad_(False)): the
+    # fused graph differentiates with respect to every parameter it was planned with, so the
+    # frozen layer went on training (it moved by ~0.06 here) where autograd gives it no
+    # gradient and the optimizer skips it.
+    batches = _data(12)
+    runs = []
+    for compiled in (False, True):
+        model = _mlp(nn.Tanh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = TrainState.create(model=model, optimizer=opt)
+        step = accumulate(make_train_step(_loss), 2)
+        if compiled:
+            step = compile_step(step, backend="aot_eager")
+        for i, batch in enumerate(batches):
+            if i == 6:  # after three updates: the fused plan is in use
+                model.get_submodule("0").requires_grad_(False)
+                frozen = [p.detach().clone() for p in model.get_submodule("0").parameters()]
+            state, _ = step(state, batch)
+        for got, want in zip(model.get_submodule("0").parameters(), frozen, strict=True):
+            assert torch.equal(got, want)
+        runs.append(model)
+    eager_model, model = runs
+    assert _max_diff(model, eager_model) < 1e-6
+
+
 def test_a_shorter_last_window_matches_eager_without_recompiling() -> None:
     batches = _data(14)
     runs = []

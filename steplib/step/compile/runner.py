@@ -287,7 +287,12 @@ class CompiledRunner(Runner):
         """The fused forward/backward plan for ``state``, or ``None`` where autograd must run."""
         optimizer = state.optimizer
         fused = self.plans.get(optimizer, _MISSING)
-        if fused is not _MISSING and (fused is None or fused.model is state.model):
+        # A parameter frozen since the plan was made (requires_grad_(False)) must get no
+        # gradient, as under autograd: the fused graph would still give it one, and train it.
+        if fused is not _MISSING and (
+            fused is None
+            or (fused.model is state.model and all(p.requires_grad for p in fused.params))
+        ):
             return fused
         fused = None
         plan = step.plan
