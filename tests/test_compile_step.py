@@ -353,6 +353,41 @@ def test_a_layer_frozen_after_warm_up_stops_training_as_in_eager() -> None:
     assert _max_diff(model, eager_model) < 1e-6
 
 
+def test_a_layer_added_to_the_optimizer_after_warm_up_trains_as_in_eager() -> None:
+    # Gradual unfreezing: the backbone joins the optimizer with add_param_group. The fused graph
+    # made before differentiated only the head, so the backbone never moved; and the new
+    # group's LR stayed a float and its Adam step counters float32 (the module doc says why
+    # both are widened).
+    batches = _data(5)
+    runs = []
+    for compiled in (False, True):
+        model = _mlp(nn.Tanh)
+        backbone, head = model.get_submodule("0"), model.get_submodule("2")
+        backbone.requires_grad_(False)
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=0.01)
+        step = accumulate(make_train_step(_loss), 2)
+        if compiled:
+            step = compile_step(step, backend="aot_eager")
+        state = TrainState.create(model=model, optimizer=opt)
+        for i in range(24):
+            if i == 8:  # after four updates: the fused plan is in use
+                backbone.requires_grad_(True)
+                opt.add_param_group({"params": backbone.parameters(), "lr": 5e-3})
+                before = [p.detach().clone() for p in backbone.parameters()]
+            state, _ = step(state, batches[i % len(batches)])
+        moved = [
+            float((p.detach() - b).abs().max())
+            for p, b in zip(backbone.parameters(), before, strict=True)
+        ]
+        assert min(moved) > 1e-3
+        runs.append(model)
+    eager_model, model = runs
+    assert _max_diff(model, eager_model) < 1e-6
+    added = opt.param_groups[1]
+    assert isinstance(added["lr"], torch.Tensor)
+    assert all(opt.state[p]["step"].dtype == torch.float64 for p in added["params"])
+
+
 def test_a_shorter_last_window_matches_eager_without_recompiling() -> None:
     batches = _data(14)
     runs = []

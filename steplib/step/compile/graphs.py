@@ -79,16 +79,32 @@ class FusedPlan:
     names: tuple[str, ...]  # every name of every parameter (a tied weight has several)
     slots: tuple[int, ...]  # for each name, its parameter's index in ``params``
     params: tuple[torch.Tensor, ...]
+    members: tuple[torch.Tensor, ...]  # the optimizer's parameters, group by group, when made
     checked: bool = False  # its first micro-batch ran
+
+    def fits(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the plan still differentiates what autograd would: the same model, the
+        optimizer's parameters unchanged (``add_param_group`` adds a layer to train), and each
+        of them still requiring a gradient (``requires_grad_(False)`` freezes one). Identity
+        checks only: comparing tensors with ``==`` would compare their values."""
+        members = [p for group in optimizer.param_groups for p in group["params"]]
+        return (
+            self.model is model
+            and len(members) == len(self.members)
+            and all(a is b for a, b in zip(members, self.members, strict=True))
+            and all(p.requires_grad for p in self.params)
+        )
 
 
 def make_fused_plan(
     model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any]
 ) -> FusedPlan | None:
     params: list[torch.Tensor] = []
+    members: list[torch.Tensor] = []
     slot_of: dict[int, int] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
+            members.append(p)
             if id(p) not in slot_of:
                 if not p.requires_grad:
                     return None
@@ -103,7 +119,9 @@ def make_fused_plan(
             slots.append(slot_of[id(p)])
     if set(slots) != set(range(len(params))):
         return None  # a parameter of the optimizer that is not the model's
-    return FusedPlan(model, LossModule(model, loss_fn), tuple(names), tuple(slots), tuple(params))
+    return FusedPlan(
+        model, LossModule(model, loss_fn), tuple(names), tuple(slots), tuple(params), tuple(members)
+    )
 
 
 # --- the traced functions ------------------------------------------------------------------
@@ -206,7 +224,11 @@ def _widens_counters(group: Mapping[str, Any]) -> bool:
 
 
 def needs_prepare(optimizer: torch.optim.Optimizer) -> bool:
-    group = optimizer.param_groups[0]
+    # Every group: one added since (add_param_group) has a float LR and float32 counters.
+    return any(_group_needs_prepare(optimizer, group) for group in optimizer.param_groups)
+
+
+def _group_needs_prepare(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> bool:
     if not isinstance(group["lr"], torch.Tensor):
         return True
     if not _widens_counters(group) or not group["params"]:

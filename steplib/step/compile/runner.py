@@ -287,12 +287,10 @@ class CompiledRunner(Runner):
         """The fused forward/backward plan for ``state``, or ``None`` where autograd must run."""
         optimizer = state.optimizer
         fused = self.plans.get(optimizer, _MISSING)
-        # A parameter frozen since the plan was made (requires_grad_(False)) must get no
-        # gradient, as under autograd: the fused graph would still give it one, and train it.
-        if fused is not _MISSING and (
-            fused is None
-            or (fused.model is state.model and all(p.requires_grad for p in fused.params))
-        ):
+        # Made again when it no longer fits: a parameter frozen since must get no gradient and
+        # one added to the optimizer must get one, as under autograd (the fused graph
+        # differentiates exactly the parameters it was made with).
+        if fused is not _MISSING and (fused is None or fused.fits(state.model, optimizer)):
             return fused
         fused = None
         plan = step.plan
