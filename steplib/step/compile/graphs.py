@@ -85,15 +85,23 @@ class FusedPlan:
     def fits(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the plan still differentiates what autograd would: the same model, the
         optimizer's parameters unchanged (``add_param_group`` adds a layer to train), and each
-        of them still requiring a gradient (``requires_grad_(False)`` freezes one). Identity
-        checks only: comparing tensors with ``==`` would compare their values."""
+        of them still requiring a gradient (``requires_grad_(False)`` freezes one) with no
+        gradient hook registered since. Identity checks only: comparing tensors with ``==``
+        would compare their values."""
         members = [p for group in optimizer.param_groups for p in group["params"]]
         return (
             self.model is model
             and len(members) == len(self.members)
             and all(a is b for a, b in zip(members, self.members, strict=True))
-            and all(p.requires_grad for p in self.params)
+            and all(map(autograd_would_match, self.params))
         )
+
+
+def autograd_would_match(p: torch.Tensor) -> bool:
+    """Whether the fused graph gives ``p`` what autograd would: it requires a gradient and has
+    no gradient hook (``register_hook``, e.g. a mask; ``register_post_accumulate_grad_hook``),
+    which the graph's own differentiation never runs (read, never written)."""
+    return p.requires_grad and not p._backward_hooks and not p._post_accumulate_grad_hooks
 
 
 def make_fused_plan(
@@ -106,7 +114,7 @@ def make_fused_plan(
         for p in group["params"]:
             members.append(p)
             if id(p) not in slot_of:
-                if not p.requires_grad:
+                if not autograd_would_match(p):
                     return None
                 slot_of[id(p)] = len(params)
                 params.append(p)
