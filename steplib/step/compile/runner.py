@@ -23,14 +23,13 @@ import torch
 
 from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
+from steplib.step.compile.fused import FusedPlan, make_fused_plan
 from steplib.step.compile.graphs import (
     CompileStats,
-    FusedPlan,
     Region,
     hooked_update,
     inner_backend,
     keep_guards,
-    make_fused_plan,
     micro_acc,
     micro_and_update,
     micro_first,
