@@ -312,7 +312,8 @@ class AbsoluteLR(torch.optim.lr_scheduler.LRScheduler):
         lr_fn: ``lr_fn(n) -> float``, the absolute learning rate for update ``n``.
 
     Raises:
-        ConfigError: ``lr_fn`` is not callable.
+        ConfigError: ``lr_fn`` is not callable, or the optimizer's parameter groups have
+            different learning rates (which it would replace by one).
 
     Example:
         >>> model = torch.nn.Linear(2, 1)
@@ -329,6 +330,16 @@ class AbsoluteLR(torch.optim.lr_scheduler.LRScheduler):
             raise ConfigError(
                 f"AbsoluteLR(optimizer, lr_fn) received lr_fn={describe(lr_fn)}, which is not "
                 "callable. Pass the function that gives the rate: AbsoluteLR(opt, get_lr)."
+            )
+        # Read once, when built: a tensor LR (compile_step's) is read on the host here.
+        rates = [float(group["lr"]) for group in optimizer.param_groups]
+        if len(set(rates)) > 1:
+            raise ConfigError(
+                f"AbsoluteLR(optimizer, lr_fn) received an optimizer whose parameter groups have "
+                f"the learning rates {rates}; AbsoluteLR gives every group lr_fn(n) itself, so "
+                "their different rates would be lost. Schedule a factor of each group's rate "
+                "instead: LambdaLR(optimizer, lambda n: get_lr(n) / base), with base the rate "
+                "get_lr is written for; or give every group the same lr."
             )
         self.lr_fn = lr_fn
         super().__init__(optimizer)

@@ -327,6 +327,99 @@ def test_a_parameter_without_gradient_keeps_the_autograd_path() -> None:
     assert _max_diff(model, eager_model) < 1e-6
 
 
+def test_a_layer_frozen_after_warm_up_stops_training_as_in_eager() -> None:
+    # Freezing after the fused graph was planned (fine-tuning's requires_grad_(False)): the
+    # fused graph differentiates with respect to every parameter it was planned with, so the
+    # frozen layer went on training (it moved by ~0.06 here) where autograd gives it no
+    # gradient and the optimizer skips it.
+    batches = _data(12)
+    runs = []
+    for compiled in (False, True):
+        model = _mlp(nn.Tanh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = TrainState.create(model=model, optimizer=opt)
+        step = accumulate(make_train_step(_loss), 2)
+        if compiled:
+            step = compile_step(step, backend="aot_eager")
+        for i, batch in enumerate(batches):
+            if i == 6:  # after three updates: the fused plan is in use
+                model.get_submodule("0").requires_grad_(False)
+                frozen = [p.detach().clone() for p in model.get_submodule("0").parameters()]
+            state, _ = step(state, batch)
+        for got, want in zip(model.get_submodule("0").parameters(), frozen, strict=True):
+            assert torch.equal(got, want)
+        runs.append(model)
+    eager_model, model = runs
+    assert _max_diff(model, eager_model) < 1e-6
+
+
+def test_a_layer_added_to_the_optimizer_after_warm_up_trains_as_in_eager() -> None:
+    # Gradual unfreezing: the backbone joins the optimizer with add_param_group. The fused graph
+    # made before differentiated only the head, so the backbone never moved; and the new
+    # group's LR stayed a float and its Adam step counters float32 (the module doc says why
+    # both are widened).
+    batches = _data(5)
+    runs = []
+    for compiled in (False, True):
+        model = _mlp(nn.Tanh)
+        backbone, head = model.get_submodule("0"), model.get_submodule("2")
+        backbone.requires_grad_(False)
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=0.01)
+        step = accumulate(make_train_step(_loss), 2)
+        if compiled:
+            step = compile_step(step, backend="aot_eager")
+        state = TrainState.create(model=model, optimizer=opt)
+        for i in range(24):
+            if i == 8:  # after four updates: the fused plan is in use
+                backbone.requires_grad_(True)
+                opt.add_param_group({"params": backbone.parameters(), "lr": 5e-3})
+                before = [p.detach().clone() for p in backbone.parameters()]
+            state, _ = step(state, batches[i % len(batches)])
+        moved = [
+            float((p.detach() - b).abs().max())
+            for p, b in zip(backbone.parameters(), before, strict=True)
+        ]
+        assert min(moved) > 1e-3
+        runs.append(model)
+    eager_model, model = runs
+    assert _max_diff(model, eager_model) < 1e-6
+    added = opt.param_groups[1]
+    assert isinstance(added["lr"], torch.Tensor)
+    assert all(opt.state[p]["step"].dtype == torch.float64 for p in added["params"])
+
+
+def test_gradient_hooks_on_parameters_run_as_in_eager() -> None:
+    # The fused graph differentiates detached copies of the parameters, so autograd's hooks on
+    # them never ran: a gradient mask (pruning) let the masked weights train (by ~0.1), and a
+    # post-accumulate hook was called once (the eager first update) instead of each time.
+    batches = _data(6)
+    runs = []
+    for compiled in (False, True):
+        model = _mlp(nn.Tanh)
+        first = model.get_submodule("0")
+        assert isinstance(first, nn.Linear)
+        mask = torch.rand(first.weight.shape, generator=torch.Generator().manual_seed(3)) > 0.5
+        calls: list[int] = []
+        last = model.get_submodule("2")
+        assert isinstance(last, nn.Linear)
+        last.weight.register_post_accumulate_grad_hook(lambda p, calls=calls: calls.append(1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: a masked entry stays
+        step = accumulate(make_train_step(_loss), 2)
+        if compiled:
+            step = compile_step(step, backend="aot_eager")
+        state = TrainState.create(model=model, optimizer=opt)
+        for i in range(12):
+            if i == 4:  # after two updates: the fused plan is in use
+                first.weight.register_hook(lambda g, mask=mask: g * mask)
+                before = first.weight.detach().clone()
+            state, _ = step(state, batches[i % len(batches)])
+        assert torch.equal(first.weight.detach()[~mask], before[~mask])
+        assert len(calls) == 12
+        runs.append(model)
+    eager_model, model = runs
+    assert _max_diff(model, eager_model) < 1e-6
+
+
 def test_a_shorter_last_window_matches_eager_without_recompiling() -> None:
     batches = _data(14)
     runs = []

@@ -130,6 +130,20 @@ def test_absolute_lr_resumes_from_its_state_dict_without_the_function() -> None:
         AbsoluteLR(opt, 0.1)  # type: ignore[arg-type]
 
 
+def test_absolute_lr_refuses_groups_with_different_rates() -> None:
+    # It gives every group lr_fn(n): a head at 10x the backbone's rate trained at the
+    # backbone's, in silence (both groups were set to lr_fn(0)).
+    model = _lm()
+    params = list(model.parameters())
+    groups: list[dict[str, Any]] = [{"params": params[:1], "lr": 1e-2}, {"params": params[1:]}]
+    opt = torch.optim.SGD(groups, lr=1e-3)
+    with pytest.raises(ConfigError, match=r"rates \[0.01, 0.001\].*LambdaLR"):
+        AbsoluteLR(opt, _get_lr)
+    same = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3)
+    AbsoluteLR(same, _get_lr)  # one rate, given to every group: as documented
+    assert [group["lr"] for group in same.param_groups] == [_get_lr(0)] * 2
+
+
 def test_to_device_moves_every_tensor_of_the_batch_to_the_models_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

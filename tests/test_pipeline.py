@@ -225,6 +225,33 @@ def test_pipeline_bad_input_is_refused_at_build_time_on_every_rank() -> None:
         assert "inputs_and_target" in pair
 
 
+def _tied(rank: int, world: int) -> list[str]:
+    # Layer 4's weight is layer 0's. Split apart, each process would train its own copy from
+    # its stage's share of the gradient (0.12 from the one-process run after 4 updates, when it
+    # was accepted). Four stages on two processes may share it: stages 0 and 2 are rank 0's.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) if i % 2 == 0 else nn.Tanh() for i in range(6)))
+    model.append(nn.Linear(8, CLASSES))
+    model[4].weight = model[0].weight
+    messages = []
+    for points, schedule in ((["2"], "gpipe"), (["2", "4", "6"], "interleaved-1f1b")):
+        stages = split_model(model, split_points=points)
+        try:
+            make_pipeline_step(_loss, stages, n_microbatches=MICRO, schedule=schedule)
+        except ConfigError as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_a_weight_tied_across_processes_is_refused_on_every_rank() -> None:
+    for across, same_process in run_ranks(_tied):
+        assert "stage 0's parameter '0.weight' is also stage 1's '4.weight'" in across
+        assert "processes (0 and 1)" in across and "untie it" in across
+        assert same_process == "no error"  # stages 0 and 2 are both rank 0's
+
+
 def test_split_model_refuses_a_split_that_does_not_match_the_model() -> None:
     model = _model()
     with pytest.raises(ConfigError, match=r"'9' is not a child.*\['0', '1', '2', '3', '4'\]"):

@@ -1,7 +1,8 @@
-"""The pieces ``compile_step``'s runner compiles: the fused forward/backward of one micro-batch,
-phase 2 with the optimizer update (after the closing micro-batch or alone), the update without
-its decorators' graph breaks, the optimizer's preparation (LR and betas as tensors, widened step
-counters), and the regions that count the graphs they compile.
+"""The pieces ``compile_step``'s runner compiles: the fused forward/backward of one micro-batch
+(its plan: :mod:`steplib.step.compile.fused`), phase 2 with the optimizer update (after the
+closing micro-batch or alone), the update without its decorators' graph breaks, the optimizer's
+preparation (LR and betas as tensors, widened step counters), and the regions that count the
+graphs they compile.
 
 See :mod:`steplib.step.compile.runner` for what runs where and why.
 """
@@ -15,11 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.optim import optimizer as optim_module
 
 from steplib.errors import ConfigError
 from steplib.state import TrainState
+from steplib.step.compile.fused import FusedPlan
 from steplib.step.loss_output import NO_AUX, parse_loss_output
 from steplib.step.parts import GradReport
 from steplib.step.phases import process_grads
@@ -54,56 +55,6 @@ class CompileStats:
     def warm(self) -> bool:
         """Two updates done: the first runs eagerly, the second compiles the graphs."""
         return self.updates >= 2
-
-
-class LossModule(nn.Module):
-    """``loss_fn(model, batch)`` as a module, so that ``functional_call`` can swap in the
-    parameters."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> None:
-        super().__init__()
-        self.model = model
-        # A plain attribute: a criterion that is an nn.Module must not become a submodule.
-        object.__setattr__(self, "loss_fn", loss_fn)
-
-    def forward(self, batch: Any) -> Any:
-        return self.loss_fn(self.model, batch)  # type: ignore[operator]
-
-
-@dataclasses.dataclass(eq=False)
-class FusedPlan:
-    """What the fused forward/backward graph of one model and optimizer needs."""
-
-    model: nn.Module
-    module: LossModule
-    names: tuple[str, ...]  # every name of every parameter (a tied weight has several)
-    slots: tuple[int, ...]  # for each name, its parameter's index in ``params``
-    params: tuple[torch.Tensor, ...]
-    checked: bool = False  # its first micro-batch ran
-
-
-def make_fused_plan(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[nn.Module, Any], Any]
-) -> FusedPlan | None:
-    params: list[torch.Tensor] = []
-    slot_of: dict[int, int] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in slot_of:
-                if not p.requires_grad:
-                    return None
-                slot_of[id(p)] = len(params)
-                params.append(p)
-    names: list[str] = []
-    slots: list[int] = []
-    # Every alias of a tied weight is named, so functional_call needs no untying pass.
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in slot_of:
-            names.append("model." + name)
-            slots.append(slot_of[id(p)])
-    if set(slots) != set(range(len(params))):
-        return None  # a parameter of the optimizer that is not the model's
-    return FusedPlan(model, LossModule(model, loss_fn), tuple(names), tuple(slots), tuple(params))
 
 
 # --- the traced functions ------------------------------------------------------------------
@@ -206,15 +157,17 @@ def _widens_counters(group: Mapping[str, Any]) -> bool:
 
 
 def needs_prepare(optimizer: torch.optim.Optimizer) -> bool:
-    group = optimizer.param_groups[0]
-    if not isinstance(group["lr"], torch.Tensor):
-        return True
-    if not _widens_counters(group) or not group["params"]:
-        return False
-    if _is_adam(optimizer) and not isinstance(group["betas"][0], torch.Tensor):
-        return True  # e.g. OneCycleLR wrote beta1 back as a float
-    step = optimizer.state.get(group["params"][0], {}).get("step")
-    return isinstance(step, torch.Tensor) and step.dtype == torch.float32
+    for group in optimizer.param_groups:  # each: one added since (add_param_group) too
+        if not isinstance(group["lr"], torch.Tensor):
+            return True
+        if not _widens_counters(group) or not group["params"]:
+            continue
+        if _is_adam(optimizer) and not isinstance(group["betas"][0], torch.Tensor):
+            return True  # e.g. OneCycleLR wrote beta1 back as a float
+        step = optimizer.state.get(group["params"][0], {}).get("step")
+        if isinstance(step, torch.Tensor) and step.dtype == torch.float32:
+            return True
+    return False
 
 
 def prepare(optimizer: torch.optim.Optimizer) -> None:

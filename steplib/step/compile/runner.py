@@ -23,14 +23,13 @@ import torch
 
 from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
+from steplib.step.compile.fused import FusedPlan, make_fused_plan
 from steplib.step.compile.graphs import (
     CompileStats,
-    FusedPlan,
     Region,
     hooked_update,
     inner_backend,
     keep_guards,
-    make_fused_plan,
     micro_acc,
     micro_and_update,
     micro_first,
@@ -287,7 +286,10 @@ class CompiledRunner(Runner):
         """The fused forward/backward plan for ``state``, or ``None`` where autograd must run."""
         optimizer = state.optimizer
         fused = self.plans.get(optimizer, _MISSING)
-        if fused is not _MISSING and (fused is None or fused.model is state.model):
+        # Made again when it no longer fits: a parameter frozen since must get no gradient and
+        # one added to the optimizer must get one, as under autograd (the fused graph
+        # differentiates exactly the parameters it was made with).
+        if fused is not _MISSING and (fused is None or fused.fits(state.model, optimizer)):
             return fused
         fused = None
         plan = step.plan

@@ -66,7 +66,8 @@ def make_pipeline_step(
     Raises:
         ConfigError: no process group; a number of stages that is not a multiple of the
             group's size (or not equal to it for ``"gpipe"``/``"1f1b"``); one of this
-            process's stages missing; a bad ``loss_fn``, ``n_microbatches`` or ``schedule``, or
+            process's stages missing; a parameter shared by stages on different processes (a
+            tied weight split apart); a bad ``loss_fn``, ``n_microbatches`` or ``schedule``, or
             an ``n_microbatches`` the interleaved schedule cannot divide into rounds;
             processes that disagree on the settings (checked with one collective, after
             which every process raises the same error instead of one hanging).
@@ -222,6 +223,9 @@ def _local_problem(
                 f"is {describe(stages[index])}, not an nn.Module. Pass this process's stage "
                 f"modules (entries {rank}, {rank + size}, ... of the list)."
             )
+    shared = _shared_across_processes(stages, size)
+    if shared is not None:
+        return shared
     if (
         isinstance(n_microbatches, bool)
         or not isinstance(n_microbatches, int)
@@ -258,4 +262,28 @@ def _local_problem(
             f"{size}, and {n_microbatches} is not a multiple of {rounds}. Pass a multiple of "
             f"{size}, e.g. n_microbatches={size * rounds}, or schedule='looped-bfs'."
         )
+    return None
+
+
+def _shared_across_processes(stages: Sequence[Any], size: int) -> str | None:
+    """The problem with a parameter held by two stages on different processes (a tied
+    weight, split apart), else None: each process would train its own copy from its own
+    stage's share of the gradient, and the copies would drift apart in silence. Stages on one
+    process may share one (their optimizer holds it once; its gradient adds up)."""
+    holder: dict[int, tuple[int, str]] = {}
+    for index, stage in enumerate(stages):
+        if not isinstance(stage, nn.Module):
+            continue  # another process's entry, left out: that process checks it
+        for name, p in stage.named_parameters(remove_duplicate=False):
+            first = holder.setdefault(id(p), (index, name))
+            if first[0] % size != index % size:
+                return (
+                    f"make_pipeline_step: stage {first[0]}'s parameter {first[1]!r} is also "
+                    f"stage {index}'s {name!r} (a tied weight), and the two stages run on "
+                    f"different processes ({first[0] % size} and {index % size}). Each would "
+                    "train its own copy from its own stage's share of the gradient, so the "
+                    "copies drift apart. Keep every use of the parameter in one stage (split "
+                    "elsewhere), or untie it on purpose, e.g. model[4].weight = "
+                    "nn.Parameter(model[0].weight.detach().clone())."
+                )
     return None
