@@ -72,6 +72,10 @@ def compile_step(step: Step, **compile_kwargs: Any) -> Step:
         one CUDA graph, and the optimizer's own ``step()`` runs eagerly (dynamo cannot trace
         an optimizer while CUDA graph trees run; an update mutates its inputs, which CUDA
         graphs never capture anyway).
+        Random numbers: on the fused path dropout draws eager's masks; on the autograd path
+        (a model the fused plan cannot take, e.g. with BatchNorm) inductor draws its own, so
+        the losses differ from eager's from the first dropout on; pass
+        ``options={"fallback_random": True}`` for eager's masks there too (slower).
         One semantic difference: on the fused path a parameter that gets no gradient in a
         later window receives zeros, not ``None``, so AdamW's weight decay and momentum still
         move it (the first update checks that every parameter gets one; a model whose
