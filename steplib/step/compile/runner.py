@@ -53,6 +53,9 @@ def compile_step(step: Step, **compile_kwargs: Any) -> Step:
     Apply it last: the wrappers' settings are captured when it is applied. The first update
     runs eagerly and the second compiles (seconds on a CPU); an optimizer loaded from a
     checkpoint compiles at once, so a resumed run equals the uninterrupted one bit for bit.
+    That needs state for every parameter (its proof that each had a gradient): an optimizer
+    that keeps none (``SGD`` without momentum) makes its first update after a resume eagerly,
+    a rounding (~1e-8) apart from the compiled one of the uninterrupted run.
     ``compile_stats(step)`` counts graphs and recompiles.
 
     Args:
