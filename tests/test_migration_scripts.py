@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import math
 import os
 import re
@@ -126,3 +127,17 @@ def test_accelerate_script_on_two_ranks_resumes_inside_an_epoch_where_it_stopped
     shutil.rmtree(tmp_path / "checkpoints" / "step-00000030")
     resumed = result()  # from update 20: 20 updates of 4 micro-batches, 32 batches an epoch
     assert resumed["last_loss"] == whole["last_loss"]  # the mean of updates 26 to 30
+
+
+def test_hf_trainer_script_reports_the_updates_it_trained_not_the_best_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """Stopped early after its best evaluation, the script loads the best checkpoint (whose
+    counters are older): ``steps`` is still the number of updates trained, as HF's
+    ``TrainOutput.global_step`` is, and ``best_step`` the best's. It reported the best's."""
+    argv = ["--output-dir", str(tmp_path), "--learning-rate", "0.2", "--max-steps", "100"]
+    result = _load("hf_trainer").main([*argv, "--early-stopping-patience", "1"])
+    lines = (tmp_path / "trainer_state.jsonl").read_text().splitlines()
+    logged = max(json.loads(line)["step"] for line in lines)
+    assert result["best_step"] < logged < 100, result  # stopped early, after its best
+    assert result["steps"] == logged, result
