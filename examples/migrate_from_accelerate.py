@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 from steplib import (
     Events,
@@ -69,19 +69,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = init_distributed()
     torch.manual_seed(0)  # accelerate.utils.set_seed(0)
     dataset = regression_data(1024, seed=1)
-    events = Events()
-    loader: Any
-    if env.world_size > 1:
-        # accelerator.prepare(train_loader): each process reads its own shard.
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=env.world_size, rank=env.rank, seed=0
-        )
-        loader = DataLoader(dataset, batch_size=16, sampler=sampler)
-        events.on("epoch_start", lambda e: sampler.set_epoch(e.epoch))
-        position = None  # per-rank data positions are not checkpointed (README: Limits)
-    else:
-        # A loader whose position and shuffle order go into the checkpoint.
-        loader = position = resumable_loader(dataset, batch_size=16, seed=0)
+    # accelerator.prepare(train_loader): on several processes each reads its own share of
+    # every epoch (shard=True); its position and shuffle order go into the checkpoint, so a
+    # run resumed inside an epoch (one process or several) reads on where it stopped.
+    loader = resumable_loader(dataset, batch_size=16, seed=0, shard=True)
 
     model: nn.Module = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
     if env.world_size > 1:
@@ -104,10 +95,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         step = ddp_wrap(step)  # no all-reduce until the 4th micro-batch (accumulate's no_sync)
 
     checkpoints = f"{args.out}/checkpoints"
+    events = Events()
     # accelerator.load_state(latest) when resuming
-    events.on("fit_start", resume_from(checkpoints, data=position))
+    events.on("fit_start", resume_from(checkpoints, data=loader))
     # accelerator.save_state(f"step_{n}") every 20 updates; keep the newest 2
-    checkpoint_every(checkpoints, every=20, keep_last=2, data=position).attach(events)
+    checkpoint_every(checkpoints, every=20, keep_last=2, data=loader).attach(events)
     train_metrics = TrainMetrics()
     train_metrics.attach(events)
     losses: list[torch.Tensor] = []

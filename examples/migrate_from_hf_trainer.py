@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sources = [train_metrics.read, LRMonitor().read]
         events.on("step_end", Log(log, sources=sources), every=args.logging_steps)
         state = run(step, state, train_loader, events=events, max_steps=args.max_steps)
+    trained = state.step  # TrainOutput.global_step: loading the best rewinds the counters
 
     # load_best_model_at_end=True
     saved = [c for c in list_checkpoints(checkpoints) if "eval_loss" in c.metrics]
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if best is not None:
         state = load(best.url, state, step=step)
     return {
-        "steps": state.step,
+        "steps": trained,
         **first_and_last(losses),
         "best_eval_loss": best.metrics["eval_loss"] if best is not None else math.nan,
         "best_step": best.step if best is not None else None,

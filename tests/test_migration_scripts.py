@@ -6,11 +6,18 @@ process (torch is imported once for all of them); everything it writes goes to `
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import json
 import math
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -92,3 +99,45 @@ def test_guide_quotes_its_script_verbatim(name: str) -> None:
     for source, code in quoted:
         assert source == f"examples/migrate_from_{name}.py"
         assert code in (ROOT / source).read_text(), f"{name}.md's copy of {source} is out of date"
+
+
+def test_accelerate_script_on_two_ranks_resumes_inside_an_epoch_where_it_stopped(
+    tmp_path: Path,
+) -> None:
+    """Under torchrun the script's data position is saved too: resumed from update 20 (inside
+    the third epoch), its updates 21 to 30 equal those of the run that did not stop. (With a
+    DistributedSampler it trained that epoch's first batches again, with a warning.)"""
+    script = ROOT / "examples" / "migrate_from_accelerate.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"], env["OMP_NUM_THREADS"] = str(ROOT), "1"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
+    launch += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(script)]
+    launch += ["--out", str(tmp_path), "--max-steps", "30"]
+
+    def result() -> dict[str, Any]:
+        done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "CheckpointWarning" not in done.stderr, done.stderr
+        printed = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        assert len(printed) == 2 and printed[0] == printed[1], done.stdout  # both ranks
+        return dict(ast.literal_eval(printed[0]))
+
+    whole = result()  # saves at updates 20 and 30 (its end)
+    assert (whole["steps"], whole["world_size"]) == (30, 2)
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000030")
+    resumed = result()  # from update 20: 20 updates of 4 micro-batches, 32 batches an epoch
+    assert resumed["last_loss"] == whole["last_loss"]  # the mean of updates 26 to 30
+
+
+def test_hf_trainer_script_reports_the_updates_it_trained_not_the_best_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """Stopped early after its best evaluation, the script loads the best checkpoint (whose
+    counters are older): ``steps`` is still the number of updates trained, as HF's
+    ``TrainOutput.global_step`` is, and ``best_step`` the best's. It reported the best's."""
+    argv = ["--output-dir", str(tmp_path), "--learning-rate", "0.2", "--max-steps", "100"]
+    result = _load("hf_trainer").main([*argv, "--early-stopping-patience", "1"])
+    lines = (tmp_path / "trainer_state.jsonl").read_text().splitlines()
+    logged = max(json.loads(line)["step"] for line in lines)
+    assert result["best_step"] < logged < 100, result  # stopped early, after its best
+    assert result["steps"] == logged, result
