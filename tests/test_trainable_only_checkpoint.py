@@ -113,3 +113,27 @@ def test_bad_inputs_are_refused_when_built(tmp_path: Path) -> None:
     frozen.model.requires_grad_(False)
     with pytest.raises(ConfigError, match="no parameter of the model"):
         save(frozen, str(tmp_path), trainable_only=True)
+
+
+def _unfrozen_run(root: Path, max_steps: int) -> sl.TrainState:
+    # Gradual unfreezing: the base's last layer trains from update 3 on (its optimizer holds
+    # every parameter; those without a gradient are skipped).
+    model = Adapted()
+    state = sl.TrainState.create(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    ckpt = sl.checkpoint_every(str(root), every=2, trainable_only=True)
+    events = sl.Events(sl.resume_from(ckpt), ckpt)
+    events.on("step_end", lambda e: model.base[3].requires_grad_(True), once=3)
+    return sl.run(sl.make_train_step(_loss), state, _data(), events=events, max_steps=max_steps)
+
+
+def test_a_run_unfrozen_after_its_start_resumes_over_the_base_it_saved(tmp_path: Path) -> None:
+    # The base a checkpoint names is its own frozen parameters, not those of the model built
+    # anew: a resume after the unfreeze was refused as "another base".
+    whole = _unfrozen_run(tmp_path / "whole", max_steps=9)
+    _unfrozen_run(tmp_path / "resumed", max_steps=5)  # saved at 4 and 5, after the unfreeze
+    resumed = _unfrozen_run(tmp_path / "resumed", max_steps=9)
+    assert resumed.step == whole.step == 9
+    assert resumed.model.get_parameter("base.3.weight").requires_grad
+    theirs = whole.model.state_dict()
+    for name, mine in resumed.model.state_dict().items():
+        assert torch.equal(mine, theirs[name]), name

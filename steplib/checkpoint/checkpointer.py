@@ -37,6 +37,7 @@ from steplib.checkpoint.pipeline import Checkpoints, GlooGroup, check_options
 from steplib.checkpoint.restore import listed
 from steplib.checkpoint.retention import check_retention, prune
 from steplib.checkpoint.storage import Location, StorageOptions
+from steplib.data.epoch_end import at_epoch_end
 from steplib.distributed import is_main, world_size
 from steplib.errors import CheckpointError, CheckpointWarning, ConfigError
 from steplib.events import Emitted, Event, Handler
@@ -95,6 +96,8 @@ class Checkpointer(Handler):
         self._run = self.given  # with the loader and step(s) of run's fit_start
         self._saver = AsyncSaver() if background else None
         self._saved_at: tuple[int, int] | None = None
+        self._update: Event | None = None  # the last step_end: its metrics are a save's there
+        self._deferred = False  # a save due at an epoch's last update, made at its epoch_end
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
         self._group = GlooGroup()  # made on first use, by every rank
 
@@ -119,16 +122,27 @@ class Checkpointer(Handler):
             _warn_newer(repr(self), directory, event.state)
 
     def on_step_end(self, event: Event) -> Emitted:
+        self._update = event
         if self.every is not None and due(self.every, event):
-            return self._save_and_report(event, strict=True)
+            self._deferred = self.ends_epoch()
+            if not self._deferred:
+                return self._save_and_report(event, strict=True)
         return self.report(event)
 
     __call__ = on_step_end
 
     def on_epoch_end(self, event: Event) -> Emitted | None:
-        if self.epochs is not None and due(self.epochs, event):
+        deferred, self._deferred = self._deferred, False
+        if deferred or (self.epochs is not None and due(self.epochs, event)):
             return self._save_and_report(event, strict=True)
         return None
+
+    def ends_epoch(self) -> bool:
+        """Whether the run's loader has yielded its epoch's last batch, whose ``epoch_end`` is
+        still to come. A save now would hold the state before that epoch's ``epoch_end``
+        handlers ran (a per-epoch scheduler, an evaluation), and a resume counts the epoch as
+        ended: they would never run. Saves due then are made at the ``epoch_end``."""
+        return self._run.data is not None and at_epoch_end(self._run.data)
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted:
         """Emit ``checkpoint_end`` for each unreported commit, oldest first, after ``earlier``."""
@@ -171,6 +185,9 @@ class Checkpointer(Handler):
                 self.wait()
             return self.last_saved
         numbers = check_metrics(self.metrics(event), "checkpoint_every")
+        update = self._update  # at an epoch_end: its last update's loss too, as saved there
+        if update and event.name == "epoch_end" and _position(update.state) == _position(state):
+            numbers = {**check_metrics(self.metrics(update), "checkpoint_every"), **numbers}
         # Evaluated at another update: no score, no candidate for best, but it prunes.
         known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
         ranked = self.keep_best is None or self.metric in numbers or known

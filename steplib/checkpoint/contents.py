@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -200,11 +200,13 @@ def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = Fals
 
 
 def trainable_part(
-    model: torch.nn.Module, weights: Mapping[str, Any]
+    model: torch.nn.Module, weights: Mapping[str, Any], frozen: Collection[str] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``weights`` but the frozen parameters (buffers kept: a frozen BatchNorm's move), and the
-    count and digest of those a load must find in place."""
-    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    """``weights`` but the ``frozen`` parameters (by default those not requiring a gradient;
+    buffers kept: a frozen BatchNorm's move), and the count and digest of those a load must
+    find in place."""
+    if frozen is None:
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     if len(frozen) == len(list(model.parameters())):
         raise ConfigError(
             f"trainable_only=True: no parameter of the model ({type(model).__name__}) requires "

@@ -77,8 +77,9 @@ def apply(
     weights = state.model.state_dict()
     base = train_state["base"]  # a checkpoint of the trainable parameters alone
     if base is not None:
-        # What this model would save must be what it holds; the rest, the same frozen base.
-        weights, here = trainable_part(state.model, weights)
+        # The checkpoint's frozen parameters (a resumed model is built before an unfreeze)
+        # must be the same base here; the rest, what it holds.
+        weights, here = trainable_part(state.model, weights, set(train_state["frozen"]))
         if here != base:
             raise ConfigError(
                 f"load: checkpoint {checkpoint} holds the trainable parameters alone "

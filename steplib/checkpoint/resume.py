@@ -161,14 +161,23 @@ class Preemption(Handler):
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_step_end(self, event: Event) -> Stop | None:
-        """After a signal (any rank's, with several ranks): save now and stop the loop."""
+        """After a signal (any rank's, with several ranks): save now (on an epoch's last update,
+        at its epoch_end) and stop the loop."""
         decided = self._decide()
         if decided is None:
             return None
-        self.saved = self.checkpointer.save(event, blocking=True)
-        self._uninstall()
         name = signal.Signals(decided).name
+        if self.checkpointer.ends_epoch():  # saved at its epoch_end, after its handlers
+            return Stop(f"preempted by {name} at step {event.step}, the end of an epoch")
+        self._save(event)
         return Stop(f"preempted by {name} at step {event.step}; saved {self.saved}")
+
+    def on_epoch_end(self, event: Event) -> Emitted | None:
+        """Save if preempted at the epoch's last update (and report it)."""
+        if self.received is None or self.saved is not None:
+            return None
+        self._save(event)
+        return self.checkpointer.report(event)
 
     def on_fit_end(self, event: Event) -> Emitted | None:
         """Save if a signal came after the last update (and report it: the checkpointer's
@@ -179,6 +188,10 @@ class Preemption(Handler):
         return self.checkpointer.report(event)
 
     def on_exception(self, event: Event) -> None:
+        self._uninstall()
+
+    def _save(self, event: Event) -> None:
+        self.saved = self.checkpointer.save(event, blocking=True)
         self._uninstall()
 
     def _decide(self) -> int | None:

@@ -33,10 +33,10 @@ from steplib.errors import ConfigError, describe
 
 # torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
 # that another version degrades to "position unknown" instead of failing.
-_FINISHED = "_iterator_finished"
+FINISHED = "_iterator_finished"
 
 
-def _batches_yielded(loader_state: Mapping[str, Any]) -> int | None:
+def batches_yielded(loader_state: Mapping[str, Any]) -> int | None:
     """Batches of the current epoch already yielded, from torchdata's state (None: unknown)."""
     if "_num_yielded" in loader_state:  # no workers
         return int(loader_state["_num_yielded"])
@@ -150,8 +150,8 @@ class ResumableLoader(StatefulDataLoader):
                 "the same kind of loader: steplib.data.resumable_loader(...)."
             )
         loader_state = state_dict["loader"]
-        yielded = _batches_yielded(loader_state)
-        finished = bool(loader_state.get(_FINISHED, False))
+        yielded = batches_yielded(loader_state)
+        finished = bool(loader_state.get(FINISHED, False))
         # After an ended epoch a loader built otherwise may start the next one; before, not.
         saved = state_dict.get("layout")
         if saved is not None and saved != self._layout() and not finished:
@@ -183,7 +183,7 @@ class ResumableLoader(StatefulDataLoader):
                 batch_size=batch_size, batches=0, finished=False, drop_last=self.drop_last
             )
         loader_state = super().state_dict()
-        yielded = _batches_yielded(loader_state)
+        yielded = batches_yielded(loader_state)
         if yielded is None:
             raise ConfigError(
                 "ResumableLoader(shard=True).state_dict: this torchdata version's state does "
@@ -193,7 +193,7 @@ class ResumableLoader(StatefulDataLoader):
         return self.sampler.position(
             batch_size=batch_size,
             batches=yielded,
-            finished=bool(loader_state.get(_FINISHED, False)),
+            finished=bool(loader_state.get(FINISHED, False)),
             drop_last=self.drop_last,
         )
 
@@ -390,8 +390,8 @@ def restore_position(data: Any, position: Any) -> bool:
     if isinstance(data, ResumableLoader):
         return data.epoch_completed_on_load
     if isinstance(data, StatefulDataLoader) and isinstance(position, Mapping):
-        yielded = _batches_yielded(position)
-        if yielded is not None and yielded >= len(data) and not position.get(_FINISHED, False):
+        yielded = batches_yielded(position)
+        if yielded is not None and yielded >= len(data) and not position.get(FINISHED, False):
             # A plain StatefulDataLoader would yield an empty first pass here; run it now, so
             # that the next pass is the next epoch.
             for _ in data:
