@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from steplib.data.shards import ShardedSampler
+from steplib.distributed.collectives import first_other
 from steplib.distributed.process_group import rank, world_size
 from steplib.errors import ConfigError
 
@@ -77,14 +76,13 @@ def unsaid_shard(ranks: int) -> str:
 
 def _check_one_order(mine: dict[str, Any]) -> None:
     # Each rank would otherwise take its share of another permutation.
-    every: list[Any] = [None] * world_size()
-    dist.all_gather_object(every, mine)  # once, at build time: a host sync is fine here
-    for other, theirs in enumerate(every):
-        if theirs != mine:
-            raise ConfigError(
-                f"resumable_loader(shard=True) was built with {mine} on rank {rank()} but "
-                f"with {theirs} on rank {other}: each rank would take its share of another "
-                "order, so some samples would be read twice per epoch and others never. Build "
-                "it alike on every rank: the same dataset and shuffle, the same seed (e.g. "
-                f"seed={every[0]['seed']}); the ranks still read different samples."
-            )
+    if found := first_other(mine):
+        other, theirs = found
+        raise ConfigError(
+            f"resumable_loader(shard=True) was built with {mine} on rank {rank()} but "
+            f"with {theirs} on rank {other}: each rank would take its share of another "
+            "order, so some samples would be read twice per epoch and others never. Build "
+            "it alike on every rank: the same dataset and shuffle, the same seed (e.g. "
+            f"seed={(theirs if other == 0 else mine)['seed']}, rank 0's); the ranks still read "
+            "different samples."
+        )

@@ -14,6 +14,21 @@ def _active(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
+def first_other(mine: Any) -> tuple[int, Any] | None:
+    """``(rank, theirs)`` of the first rank whose ``mine`` differs from this rank's, else
+    ``None``: one ``all_gather_object``, for build-time checks that every rank did alike.
+
+    Example:
+        >>> first_other({"seed": 0}) is None  # no process group: no other rank
+        True
+    """
+    if not _active(None):
+        return None
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # once, at build time: a host sync is fine here
+    return next(((rank, theirs) for rank, theirs in enumerate(every) if theirs != mine), None)
+
+
 def max_over_ranks(value: float, *, device: torch.device | None = None, group: Any = None) -> float:
     """The largest ``value`` over the ranks of ``group`` (default: all), NaN when any rank's
     is NaN (as ``torch.max``). A host read: call it from handlers, never inside a step.

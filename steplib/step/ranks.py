@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from steplib.distributed.collectives import sum_window
+from steplib.distributed.collectives import first_other, sum_window
 from steplib.errors import ConfigError
 from steplib.state import TrainState
 from steplib.step.core import Step, add_part
@@ -41,13 +41,11 @@ def check_distributed_step(step: Step, part: Part) -> Step:
         )
     wrapped = add_part(step, part)
     mine = wrapped.describe()
-    compositions: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(compositions, mine)  # once, at build time: a host sync is fine here
-    for rank, theirs in enumerate(compositions):
-        if theirs != mine:
-            raise ConfigError(
-                f"{part.name}: rank {dist.get_rank()} built the step {mine} but rank {rank} "
-                f"built {theirs}. Every rank must compose the same wrappers with the same "
-                "settings (build the step from the same code and configuration on every rank)."
-            )
+    if found := first_other(mine):
+        rank, theirs = found
+        raise ConfigError(
+            f"{part.name}: rank {dist.get_rank()} built the step {mine} but rank {rank} "
+            f"built {theirs}. Every rank must compose the same wrappers with the same "
+            "settings (build the step from the same code and configuration on every rank)."
+        )
     return wrapped
