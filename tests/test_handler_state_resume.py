@@ -262,6 +262,29 @@ def test_an_attached_handler_the_checkpoint_does_not_hold_is_refused(tmp_path: P
         _stopper_run(tmp_path, EarlyStopping("val_loss"), EarlyStopping("val_loss"))
 
 
+def _evaluator(prefix: str) -> Evaluator:
+    step = make_eval_step(lambda model, batch: {"value": model(batch[0]).pow(2).mean()})
+    data = [(torch.ones(2, 1),)]
+    metrics = {"loss": torchmetrics.MeanMetric()}
+    return Evaluator(step, data, metrics=metrics, every=1, prefix=prefix, monitor=f"{prefix}loss")
+
+
+def test_evaluators_attached_in_another_order_are_refused_not_crossed(tmp_path: Path) -> None:
+    # Matched by their order, swapped evaluators took each other's best and history in silence.
+    def attempt(*prefixes: str) -> TrainState:
+        model = nn.Linear(1, 1, bias=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = TrainState.create(model=model, optimizer=opt)
+        events = Events(resume_from(str(tmp_path)), *map(_evaluator, prefixes))
+        checkpoint_every(str(tmp_path), epochs=1).attach(events)
+        return run(make_train_step(_loss), state, [(torch.zeros(1),)] * 2, events=events)
+
+    attempt("val_", "test_")
+    with pytest.raises(ConfigError, match=r"Evaluator .*'test_'.* was given the state .*'val_'"):
+        attempt("test_", "val_")
+    assert attempt("val_", "test_").step == 4  # the same order resumes
+
+
 def test_a_checkpoint_from_before_handler_states_loads_with_a_warning(tmp_path: Path) -> None:
     model = nn.Linear(1, 1, bias=False)
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
