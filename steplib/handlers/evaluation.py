@@ -288,8 +288,8 @@ class Evaluator(Handler):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (``ConfigError``, nothing changed, for
-        another evaluator's: a run attaching its evaluators in another order)."""
+        """Restore what :meth:`state_dict` returned (``ConfigError`` for another evaluator's,
+        as a run attaching its evaluators in another order gives it: the run stops there)."""
         mine = {"labels": list(self.datasets), "monitor": self.monitor}
         saved = {key: state.get(key, mine[key]) for key in mine}  # older checkpoints: unknown
         if saved != mine:
