@@ -22,6 +22,12 @@ def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
+def closed_window(out: Any) -> torch.Tensor:
+    """Whether the call that reported ``out`` closed its window, updating or skipping the update:
+    the call whose ``loss`` and ``num_targets`` are the window's (a device bool, no host read)."""
+    return out.did_update | out.skipped
+
+
 class StepOutput:
     """What one call of a step reports. Every value is a tensor left where it was computed:
     reading one (``.item()``, ``float()``) is a host sync, so do it in a handler, not per step.

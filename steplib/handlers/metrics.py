@@ -22,7 +22,7 @@ optimizer's).
 
 For evaluation metrics use torchmetrics (:func:`steplib.handlers.evaluate`).
 
-Imports ``events`` only (handlers never import ``loop`` or ``step``).
+Imports ``events`` and ``output`` only (handlers never import ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from steplib.events import Event, Handler
+from steplib.output import closed_window
 
 # Names a record already uses; an aux value with one of these names is written as "aux.<name>".
 _RESERVED = ("loss", "num_targets", "updates", "skipped", "lr", "step", "epoch", "micro_step")
@@ -120,7 +121,7 @@ class TrainMetrics(Handler):
         # Each micro-batch's aux goes into its window's sums; when the window closes they are
         # added to the interval's, unless it was skipped (its aux values are often NaN). A
         # flush reports no aux: it closes what the window's micro-batches added.
-        closes = (out.did_update.to(device) | skipped).any()
+        closes = closed_window(out).to(device).any()
         kept = closes & ~skipped.any()
         window, totals = self._open.setdefault(name, {}), self._aux.setdefault(name, {})
         values = {k: v for k, v in out.aux.items() if self.aux is None or k in self.aux}

@@ -14,8 +14,8 @@ The bar is ``tqdm.auto``'s: a widget in Jupyter and a text bar in a terminal or 
 in a Jupyter kernel without ipywidgets, ``tqdm.std``'s text bar, chosen before ``tqdm.auto``
 would warn "IProgress not found" (:func:`steplib.handlers.terminal.tqdm_class`).
 
-Imports ``events``, ``errors``, ``distributed`` and ``handlers.terminal`` (handlers never import
-``loop`` or ``step``).
+Imports ``events``, ``errors``, ``distributed``, ``output`` and ``handlers.terminal``
+(handlers never import ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.handlers.terminal import tqdm_class
+from steplib.output import closed_window
 
 
 class ProgressBar(Handler):
@@ -188,7 +189,7 @@ class ProgressBar(Handler):
                 continue
             loss = out.loss.detach().float()
             skipped = out.skipped.to(loss.device).expand_as(loss)
-            closed = (out.did_update.to(loss.device) | skipped).expand_as(loss)
+            closed = closed_window(out).to(loss.device).expand_as(loss)
             count = out.num_targets.detach().float().to(loss.device)
             targets = torch.where(closed, count, 0.0)
             # where(), not a product: NaN * 0 is NaN.

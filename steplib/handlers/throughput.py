@@ -17,7 +17,7 @@ interval, so it costs no host sync per step::
     speed.attach(events)
     events.on("step_end", Log(jsonl, sources=[train.read, speed.read]), every=50)
 
-Imports ``events``, ``errors`` and ``distributed`` only.
+Imports ``events``, ``errors``, ``distributed`` and ``output`` only.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from steplib import errors
 from steplib.distributed import world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
+from steplib.output import closed_window
 
 
 def count_flops(fn: Callable[[], Any]) -> int:
@@ -279,7 +280,7 @@ class Throughput(Handler):
                     continue
                 count = self.tokens(out)
             else:  # a window's targets, on the call that closes it
-                closed = (out.did_update | out.skipped).any()
+                closed = closed_window(out).any()
                 count = torch.where(closed, out.num_targets, 0)
             self._tokens[name] = self._tokens.get(name, 0) + count
 
