@@ -216,6 +216,47 @@ os.write(1, f"gloo threads left: {left}\\n".encode())  # one write: the ranks' l
 """
 
 
+_RUN_THEN_SHUTDOWN = """
+import os, sys, torch, steplib
+from steplib import Events, TrainState, checkpoint_every, ddp_wrap, make_train_step, resume_from
+from steplib import resumable_loader, run
+from steplib.checkpoint import preemption
+from steplib.distributed import apply_ddp, init_distributed, shutdown
+init_distributed()
+data = resumable_loader(torch.utils.data.TensorDataset(torch.ones(16, 4)), batch_size=2, seed=0,
+                        shard=True)
+model = apply_ddp(torch.nn.Linear(4, 1))
+state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+step = ddp_wrap(make_train_step(lambda model, batch: model(batch[0]).pow(2).mean()))
+events = Events()  # kept, with its handlers, as a script's are until it ends
+events.on("fit_start", resume_from(sys.argv[1], data=data))
+saves = checkpoint_every(sys.argv[1], every=2, data=data, background=True)
+saves.attach(events)
+preemption(saves).attach(events)
+state = run(step, state, data, events=events, max_steps=int(sys.argv[2]))
+del model, state, step  # what the user holds of the run
+shutdown()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+left = sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+os.write(1, f"gloo threads left: {left}\\n".encode())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_shutdown_after_a_checkpointed_run_leaves_no_gloo_thread_to_abort_the_exit(
+    tmp_path: Path,
+) -> None:
+    # The checkpoint handler kept the run's last state (so its DDP model and process group)
+    # and its gloo groups after the run: destroy_process_group does not stop gloo's threads,
+    # so they outlived shutdown(), and a finished torchrun job aborted at exit (SIGABRT, CI).
+    script = tmp_path / "run_then_shutdown.py"
+    script.write_text(_RUN_THEN_SHUTDOWN)
+    for max_steps in ("4", "6"):  # saves, then resumes and saves in the background
+        done = _torchrun(str(script), str(tmp_path / "checkpoints"), max_steps)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count("gloo threads left: 0") == 2, done.stdout + done.stderr
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_shutdown_after_ddp_leaves_no_gloo_thread_to_abort_the_exit(tmp_path: Path) -> None:
     # torch.distributed.nn.functional's default arguments held the default group when DDP's

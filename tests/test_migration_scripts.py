@@ -115,11 +115,17 @@ def test_accelerate_script_on_two_ranks_resumes_inside_an_epoch_where_it_stopped
     launch += ["--out", str(tmp_path), "--max-steps", "30"]
 
     def result() -> dict[str, Any]:
-        done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stdout + done.stderr
+        # Each rank's stdout to a file of its own: torchrun runs them unbuffered (-u), so the
+        # two ranks' result lines could interleave on one stream.
+        logs = tmp_path / f"logs-{len(list(tmp_path.glob('logs-*')))}"
+        started = [*launch[:5], f"--log-dir={logs}", "--redirects=1", *launch[5:]]
+        done = subprocess.run(started, env=env, capture_output=True, text=True, timeout=240)
+        outputs = sorted(logs.rglob("stdout.log"))
+        printed = [line for out in outputs for line in out.read_text().splitlines()]
+        assert done.returncode == 0, "\n".join([*printed, done.stdout, done.stderr])
         assert "CheckpointWarning" not in done.stderr, done.stderr
-        printed = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        assert len(printed) == 2 and printed[0] == printed[1], done.stdout  # both ranks
+        printed = [line for line in printed if line.startswith("{")]
+        assert len(printed) == 2 and printed[0] == printed[1], printed  # both ranks
         return dict(ast.literal_eval(printed[0]))
 
     whole = result()  # saves at updates 20 and 30 (its end)

@@ -158,6 +158,7 @@ class Checkpointer(Handler):
         """Save the final state (``at_end``, if it moved); wait for background writes; report."""
         earlier = self._save_and_report(event, strict=False) if self.at_end else None
         self.wait()
+        self._forget_run()
         return self.report(event, earlier=earlier)
 
     def on_exception(self, event: Event) -> Emitted:
@@ -166,7 +167,13 @@ class Checkpointer(Handler):
             self.wait()
         except CheckpointError as err:
             _log.error("background checkpoint failed while the run was failing: %s", err)
+        self._forget_run()
         return self.report(event)
+
+    def _forget_run(self) -> None:
+        # The ended run's state (its DDP model, its process group) is the user's to free: kept
+        # here, it outlived `del state` and shutdown(), and its gloo threads could abort the exit.
+        self._update, self._run = None, self.given
 
     def _save_and_report(self, event: Event, *, strict: bool) -> Emitted:
         if _position(event.state) == self._saved_at:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -217,16 +218,23 @@ def _agreed(
 
 
 class GlooGroup:
-    """A gloo group of its owner's own, made once per default group (a collective)."""
+    """A gloo group of its owner's own, made once per default group (a collective).
+
+    Both groups are held weakly: torch's registry holds them until ``destroy_process_group``,
+    which does not stop gloo's threads; only freeing the group does. A handler that held them
+    kept the threads running after ``shutdown()``, and one of them could abort the finished
+    job's exit (SIGABRT; docs/distributed.md)."""
 
     def __init__(self) -> None:
-        self._group: Any = None
-        self._of: Any = None
+        self._group: Callable[[], Any] = lambda: None
+        self._of: Callable[[], Any] = lambda: None
 
     def get(self) -> Any:
-        if self._group is None or self._of is not dist.group.WORLD:
-            self._group, self._of = dist.new_group(backend="gloo"), dist.group.WORLD
-        return self._group
+        group = self._group()
+        if group is None or self._of() is not dist.group.WORLD:
+            group = dist.new_group(backend="gloo")
+            self._group, self._of = weakref.ref(group), weakref.ref(dist.group.WORLD)
+        return group
 
 
 def write(plan: Plan, *, group: Any = None) -> str:

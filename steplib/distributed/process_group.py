@@ -4,6 +4,7 @@ process group is torch.distributed's own, and every query works without one (one
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 
 import torch
@@ -145,10 +146,11 @@ def shutdown() -> None:
     group (the default one and the groups made from it: the gloo groups of ``preemption`` and
     ``AsyncSaver``).
 
-    The barrier lets every rank leave its last collective before any tears its connections
-    down; destroying the groups joins gloo's worker threads, so none is left to abort the
-    interpreter's exit (SIGABRT after a finished run; docs/distributed.md says why they
-    outlived the group before, and the import at the top of this module that prevents it).
+    It first collects reference cycles, which can hold a model the script freed (and so its
+    group). The barrier lets every rank leave its last collective before any tears its
+    connections down; freeing the groups joins gloo's worker threads, so none is left to
+    abort the interpreter's exit (SIGABRT after a finished run; docs/distributed.md says what
+    held them before).
 
     Call it on every rank, after the run (``run`` waits for background checkpoints at its end;
     close an ``AsyncSaver`` of your own first) and after freeing DDP/FSDP models (a live DDP
@@ -163,6 +165,9 @@ def shutdown() -> None:
         False
     """
     if dist.is_available() and dist.is_initialized():
+        # A model the script freed can still be held by a reference cycle (torch's DCP
+        # state_dict helpers leave one); until a collection frees it, its group lives on.
+        gc.collect()
         if dist.get_world_size() > 1:
             dist.barrier()  # every rank is out of its last collective before any leaves
         dist.destroy_process_group()  # all groups: the default one last
