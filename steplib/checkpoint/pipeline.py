@@ -218,12 +218,9 @@ def _agreed(
 
 
 class GlooGroup:
-    """A gloo group of its owner's own, made once per default group (a collective).
-
-    Both groups are held weakly: torch's registry holds them until ``destroy_process_group``,
-    which does not stop gloo's threads; only freeing the group does. A handler that held them
-    kept the threads running after ``shutdown()``, and one of them could abort the finished
-    job's exit (SIGABRT; docs/distributed.md)."""
+    """A gloo group of its owner's own, made once per default group (a collective). Both are
+    held weakly: torch holds them until ``destroy_process_group``; held here, they outlived it,
+    and their gloo threads could abort the job's exit (docs/distributed.md)."""
 
     def __init__(self) -> None:
         self._group: Callable[[], Any] = lambda: None
