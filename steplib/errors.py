@@ -210,3 +210,28 @@ def steps_named_by_optimizers(owner: str, event: Any) -> None:
             "step by the optimizer it updates, as make_train_step(loss_fn, optimizer=...) "
             f"names it: run({{{names[0]!r}: step_for_{names[0]}, ...}}, state, data)."
         )
+
+
+def same_handler(owner: str, built: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    """Refuse a saved handler state that a handler built otherwise wrote. ``built`` is what
+    tells this handler from another of its class (an evaluator's sets and monitor, an EMA's
+    decay); its ``state_dict`` saves it. A checkpoint matches a run's handlers of one class by
+    their order, so another order, or other settings, would carry on from another handler's
+    best, patience or averages, in silence.
+
+    Raises:
+        ConfigError: ``state`` records other settings (one it lacks counts as ``built``'s).
+
+    Example:
+        >>> same_handler("EarlyStopping", {"monitor": "val_loss"}, {"monitor": "val_loss"})
+    """
+    saved = {key: state.get(key, value) for key, value in built.items()}
+    if saved != dict(built):
+        settings = [", ".join(f"{k}={v!r}" for k, v in kept.items()) for kept in (built, saved)]
+        raise ConfigError(
+            f"{owner} built with {settings[0]} was given the state of one built with "
+            f"{settings[1]}: a checkpoint matches a run's handlers of one class by their order, "
+            "and this run attaches them in another order or built this one otherwise. Attach "
+            "them, with their settings, as the run that saved it did; or load the state alone "
+            "by hand, the handlers starting afresh: load(latest(directory), state)."
+        )

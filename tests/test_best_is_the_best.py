@@ -167,6 +167,12 @@ def test_early_stopping_attached_before_its_evaluator_checks_each_evaluation_at_
         == stops("evaluator")
         == (
             8,
-            {"best": {"value": 1.0, "step": 4}, "wait": 2, "evaluations": 4},
+            {
+                "monitor": "val_mean",
+                "mode": "min",
+                "best": {"value": 1.0, "step": 4},
+                "wait": 2,
+                "evaluations": 4,
+            },
         )
     )

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torchmetrics
 from torch import nn
+from torch.optim.lr_scheduler import ExponentialLR, StepLR
 from torch.utils.data import TensorDataset
 
 from steplib import Event, Events, TrainState, clip, make_train_step, run, skip_nonfinite
@@ -42,6 +43,8 @@ from steplib.handlers import (
     export_best,
 )
 from steplib.handlers.eval_step import make_eval_step
+from steplib.handlers.scheduling import Scheduler
+from steplib.sweep import SweepEarlyStopping
 
 VALUES = {2: 3.0, 4: 1.0, 6: 2.0, 8: 2.5, 10: 1.5, 12: 1.6, 14: 1.7, 16: 1.8, 18: 1.9, 20: 2.0}
 EVERY, KILL_AT, MAX_STEPS, STOPS_AT = 2, 6, 20, 10
@@ -283,6 +286,65 @@ def test_evaluators_attached_in_another_order_are_refused_not_crossed(tmp_path: 
     with pytest.raises(ConfigError, match=r"Evaluator .*'test_'.* was given the state .*'val_'"):
         attempt("test_", "val_")
     assert attempt("val_", "test_").step == 4  # the same order resumes
+
+
+def test_handlers_of_one_class_attached_in_another_order_are_refused_not_crossed(
+    tmp_path: Path,
+) -> None:
+    # Matched by class and order, swapped stoppers took each other's best and patience: the
+    # val_accuracy one carried on from a best loss, the val_loss one from a best accuracy.
+    def stoppers(*monitors: str) -> list[EarlyStopping]:
+        return [EarlyStopping(m, mode="max" if "acc" in m else "min") for m in monitors]
+
+    _stopper_run(tmp_path, *stoppers("val_loss", "val_accuracy"))
+    refused = r"EarlyStopping built with monitor='val_accuracy', mode='max' was given the state"
+    with pytest.raises(ConfigError, match=refused):
+        _stopper_run(tmp_path, *stoppers("val_accuracy", "val_loss"))
+    with pytest.warns(CheckpointWarning, match="trains on those batches again"):  # a list
+        assert _stopper_run(tmp_path, *stoppers("val_loss", "val_accuracy")).step == 4
+
+
+def _plateau(metric: str) -> Scheduler:
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+    return Scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer), metric=metric)
+
+
+def _per_epoch(kind: type) -> Scheduler:
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+    return Scheduler(kind(optimizer, **{"step_size": 1} if kind is StepLR else {"gamma": 0.5}))
+
+
+BUILT_OTHERWISE = {
+    "early stopping, another value": (
+        lambda: EarlyStopping("val_loss"),
+        lambda: EarlyStopping("val_accuracy", mode="max"),
+    ),
+    "export_best, another mode": (
+        lambda: export_best("memory://built/model.pt", monitor="val_loss"),
+        lambda: export_best("memory://built/model.pt", monitor="val_loss", mode="max"),
+    ),
+    "a plateau fed another value": (lambda: _plateau("val_loss"), lambda: _plateau("val_ppl")),
+    "another kind of scheduler": (lambda: _per_epoch(StepLR), lambda: _per_epoch(ExponentialLR)),
+    "sweep early stopping": (
+        lambda: SweepEarlyStopping("val_loss"),
+        lambda: SweepEarlyStopping("val_loss", mode="max"),
+    ),
+    "an EMA of another decay": (
+        lambda: EMA(nn.Linear(1, 1), decay=0.9),
+        lambda: EMA(nn.Linear(1, 1), decay=0.99),
+    ),
+}
+
+
+@pytest.mark.parametrize("built", BUILT_OTHERWISE.values(), ids=BUILT_OTHERWISE)
+def test_a_handler_refuses_the_state_of_one_built_otherwise(built: tuple[Any, Any]) -> None:
+    # torch's schedulers load any state into any scheduler (a StepLR's into an ExponentialLR
+    # gives it a step_size); a stopper went on from a best of another value, in silence.
+    saving, other = built
+    saved = saving().state_dict()
+    saving().load_state_dict(saved)  # its own kind loads
+    with pytest.raises(ConfigError, match=r"was given the state of one built with"):
+        other().load_state_dict(saved)
 
 
 def test_a_checkpoint_from_before_handler_states_loads_with_a_warning(tmp_path: Path) -> None:

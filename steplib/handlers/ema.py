@@ -209,12 +209,7 @@ class EMA(Handler):
 
     def state_dict(self) -> dict[str, Any]:
         """The averaged weights, the decay and the update count (for a checkpoint's extras)."""
-        return {
-            "module": self.module.state_dict(),
-            "decay": self.decay,
-            "warmup": self.warmup,
-            "count": self._count.clone(),
-        }
+        return {**self._built(), "module": self.module.state_dict(), "count": self._count.clone()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -223,11 +218,9 @@ class EMA(Handler):
             ConfigError: the saved decay or warmup differs from this EMA's (a resumed run
                 would average differently).
         """
-        if state["decay"] != self.decay or state["warmup"] != self.warmup:
-            raise ConfigError(
-                f"EMA.load_state_dict: the saved EMA has decay={state['decay']}, "
-                f"warmup={state['warmup']}; this one decay={self.decay}, warmup={self.warmup}. "
-                "Build the EMA with the saved settings to resume it."
-            )
+        errors.same_handler("EMA", self._built(), state)
         self.module.load_state_dict(state["module"])
         self._count.copy_(state["count"])
+
+    def _built(self) -> dict[str, Any]:
+        return {"decay": self.decay, "warmup": self.warmup}

@@ -279,8 +279,7 @@ class Evaluator(Handler):
             (0.5, 10)
         """
         return {
-            "labels": list(self.datasets),  # which evaluator's: checked at load
-            "monitor": self.monitor,
+            **self._built(),  # which evaluator's: checked at load
             "best": self.best.state_dict(),
             "improved": self.improved,
             "history": [[step, dict(values)] for step, values in self.history],
@@ -290,19 +289,14 @@ class Evaluator(Handler):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (``ConfigError`` for another evaluator's,
         as a run attaching its evaluators in another order gives it: the run stops there)."""
-        mine = {"labels": list(self.datasets), "monitor": self.monitor}
-        saved = {key: state.get(key, mine[key]) for key in mine}  # older checkpoints: unknown
-        if saved != mine:
-            raise ConfigError(
-                f"Evaluator {mine} was given the state of the Evaluator {saved}: a checkpoint "
-                "matches a run's evaluators by their order, and this run attaches them in "
-                "another order, which would cross their bests and histories. Attach them in "
-                "the order of the run that saved it."
-            )
+        errors.same_handler("Evaluator", self._built(), state)
         self.best.load_state_dict(state["best"])
         self.improved = bool(state["improved"])
         self.history = [(int(step), dict(values)) for step, values in state["history"]]
         self._evaluated_step = state["evaluated_step"]
+
+    def _built(self) -> dict[str, Any]:
+        return {"labels": list(self.datasets), "monitor": self.monitor}
 
     def _monitored(self, values: Mapping[str, Any]) -> float | None:
         if self.monitor is None:

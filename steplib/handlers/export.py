@@ -263,11 +263,8 @@ class ExportBest:
         storage_options: Mapping[str, Any] | None,
         model: nn.Module | None = None,
     ) -> None:
-        self.url = url
-        self.monitor = monitor
-        self.format = format
-        self.storage_options = storage_options
-        self.model = model
+        self.url, self.monitor, self.format = url, monitor, format
+        self.storage_options, self.model = storage_options, model
         self.best = BestValue(mode=mode, min_delta=min_delta)
 
     def __call__(self, event: Event) -> None:
@@ -302,12 +299,16 @@ class ExportBest:
                 )
 
     def state_dict(self) -> dict[str, Any]:
-        """The best value and its step (save it with a checkpoint's ``extras``)."""
-        return {"best": self.best.state_dict()}
+        """The best value and its step, and what it watches (checked at load)."""
+        return {**self._built(), "best": self.best.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (a resumed run exports only on a new best)."""
+        """Restore what :meth:`state_dict` returned (``ConfigError``: another value's)."""
+        errors.same_handler("export_best", self._built(), state)
         self.best.load_state_dict(state["best"])
+
+    def _built(self) -> dict[str, Any]:
+        return {"monitor": self.monitor, "mode": self.best.mode}
 
     def __repr__(self) -> str:
         return f"export_best({self.url!r}, monitor={self.monitor!r}, mode={self.best.mode!r})"

@@ -132,9 +132,16 @@ class Scheduler(Handler):
         self.scheduler.step(float(values[self.metric]))
 
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler's state (saved with each checkpoint, without being named)."""
-        return dict(self.scheduler.state_dict())
+        """The scheduler's state (saved with each checkpoint, without being named), and what
+        the scheduler is (checked at load)."""
+        return {**self._built(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.scheduler.load_state_dict(state)
+        """Restore what :meth:`state_dict` returned (``ConfigError`` for the state of another
+        kind of scheduler, or one fed another value: torch's schedulers load any state).
+        """
+        errors.same_handler("Scheduler", self._built(), state)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def _built(self) -> dict[str, Any]:
+        return {"kind": type(self.scheduler).__name__, "metric": self.metric}

@@ -252,14 +252,20 @@ class EarlyStopping(Handler):
     def state_dict(self) -> dict[str, Any]:
         """The best value, the checks waited and the evaluations seen. Attached to a run, it
         is saved with each checkpoint and restored on resume (``checkpoint.contents``)."""
-        return {"best": self.best.state_dict(), "wait": self.wait, "evaluations": self._evaluations}
+        best = self.best.state_dict()
+        return {**self._built(), "best": best, "wait": self.wait, "evaluations": self._evaluations}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (a resumed run keeps its patience)."""
+        """Restore what :meth:`state_dict` returned (a resumed run keeps its patience;
+        ``ConfigError`` for the state of one that watched another value)."""
+        errors.same_handler("EarlyStopping", self._built(), state)
         self.best.load_state_dict(state["best"])
         self.wait = int(state["wait"])
         # Absent from a state saved before steplib 0.2.0: as if no evaluation had been seen.
         self._evaluations = int(state.get("evaluations", 0))
+
+    def _built(self) -> dict[str, Any]:
+        return {"monitor": self.monitor, "mode": self.best.mode}
 
 
 class TimeLimit(Handler):

@@ -195,12 +195,18 @@ class SweepEarlyStopping(Handler):
         return value > best + self.min_delta
 
     def state_dict(self) -> dict[str, Any]:
-        """Each copy's best value and evaluations waited (saved with each checkpoint)."""
-        return {"best": list(self.best), "wait": list(self.wait)}
+        """Each copy's best value and evaluations waited (saved with each checkpoint), and
+        what it watches (checked at load)."""
+        return {**self._built(), "best": list(self.best), "wait": list(self.wait)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (``ConfigError`` for the state of one that
+        watched another value)."""
+        errors.same_handler("SweepEarlyStopping", self._built(), state)
         self.best, self.wait = list(state["best"]), [int(w) for w in state["wait"]]
+
+    def _built(self) -> dict[str, Any]:
+        return {"monitor": self.monitor, "mode": self.mode}
 
 
 class SuccessiveHalving(Handler):
