@@ -260,6 +260,9 @@ def _worker(
             store=dist.FileStore(store, world),
             timeout=datetime.timedelta(seconds=60),
         )
+        # Gloo's connections are up on this rank, perhaps not yet on the others: a rank whose
+        # fn ends at once would close them mid-handshake ("Connection closed by peer").
+        dist.barrier()
         buffer = io.BytesIO()
         torch.save(fn(rank, world), buffer)
         out.put((rank, "ok", buffer.getvalue()))
