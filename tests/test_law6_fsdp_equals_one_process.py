@@ -111,6 +111,25 @@ def test_fsdp_flush_after_the_data_ended_is_refused_with_the_fix() -> None:
         assert "close_window=True" in message
 
 
+def _several_models(rank: int, world: int) -> str:
+    models = {"G": _model(), "D": _model()}
+    optimizers = {n: torch.optim.SGD(m.parameters(), lr=0.1) for n, m in models.items()}
+    state = TrainState.create(model=models, optimizer=optimizers)
+    step = fsdp_wrap(make_train_step(lambda model, batch: _loss(model["G"], batch), optimizer="G"))
+    try:
+        step(state, make_batches(1, seed=rank)[0])
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_fsdp_wrap_over_several_models_points_to_ddp_not_to_apply_fsdp() -> None:
+    # It said "a ModuleDict, not an FSDP2-sharded module: apply_fsdp(model, blocks=...)",
+    # which cannot be followed for a dict of models.
+    for message in run_ranks(_several_models):
+        assert "several models (G, D)" in message and "apply_ddp(g)" in message
+
+
 def test_fsdp_wrap_without_a_process_group_says_what_to_call() -> None:
     with pytest.raises(ConfigError, match="init_distributed"):
         fsdp_wrap(make_train_step(_loss))

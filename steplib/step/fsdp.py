@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
+
 from steplib.errors import ConfigError
 from steplib.state import TrainState
 from steplib.step.core import Step
@@ -83,6 +85,13 @@ def _fsdp_model(state: TrainState) -> Any:
     from torch.distributed.fsdp import FSDPModule
 
     model = state.model
+    if isinstance(model, torch.nn.ModuleDict) and not isinstance(model, FSDPModule):
+        raise ConfigError(
+            f"fsdp_wrap: the state holds several models ({', '.join(model)}), and fsdp_wrap "
+            "trains one FSDP2-sharded model. Train several models on several ranks under DDP: "
+            "model={'G': apply_ddp(g), 'D': apply_ddp(d)} and ddp_wrap(step) for each step "
+            "(docs/several_models.md)."
+        )
     if not isinstance(model, FSDPModule):
         raise ConfigError(
             f"fsdp_wrap: the state's model is a {type(model).__name__}, not an FSDP2-sharded "
