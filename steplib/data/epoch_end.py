@@ -10,6 +10,7 @@ from typing import Any
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib.data.loader import FINISHED, ResumableLoader, batches_yielded
+from steplib.data.shards import ShardedSampler
 
 
 def at_epoch_end(data: Any) -> bool:
@@ -30,6 +31,16 @@ def at_epoch_end(data: Any) -> bool:
     if loader_state.get(FINISHED, False):
         return True
     yielded = batches_yielded(loader_state)
+    if isinstance(data.sampler, ShardedSampler) and yielded is not None:
+        # Its pass may be the rest of a resumed epoch, whose batches torchdata counts from the
+        # pass's start: the sampler knows where that pass began.
+        where = data.sampler.position(
+            batch_size=data.batch_size or 1,
+            batches=yielded,
+            finished=False,
+            drop_last=data.drop_last,
+        )
+        return bool(where["uncounted_epoch_end"])
     try:
         return yielded is not None and yielded >= StatefulDataLoader.__len__(data)
     except TypeError:  # unsized: where its epoch ends is unknown before the pass ends
