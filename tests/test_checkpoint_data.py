@@ -75,6 +75,18 @@ def test_a_position_is_refused_by_a_loader_built_otherwise(change: dict[str, Any
     assert [b.tolist() for b in same] == [b.tolist() for b in iterator]
 
 
+def test_a_position_inside_an_epoch_is_refused_by_a_loader_with_other_workers() -> None:
+    # torchdata keeps a position per worker and loads none into another number of them: the
+    # resume failed inside torchdata with a bare AssertionError, naming nothing to change.
+    loader = resumable_loader(torch.arange(12), batch_size=2, seed=0, num_workers=1)
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    resumed = resumable_loader(torch.arange(12), batch_size=2, seed=0)
+    with pytest.raises(ConfigError, match=r"'workers': 1\}.*shuffle and num_workers"):
+        resumed.load_state_dict(loader.state_dict())
+
+
 def test_each_seed_shuffles_differently_and_epochs_differ() -> None:
     first = _epochs(resumable_loader(DATA, batch_size=3, seed=1), 2)
     assert first[0] != first[1]

@@ -121,8 +121,11 @@ class ResumableLoader(StatefulDataLoader):
     def _layout(self) -> dict[str, Any]:
         # What the position's batch count and sample order mean: loaded into a loader that
         # differs here, it would skip other samples or count the epoch's batches wrongly.
+        # num_workers too: torchdata keeps a position per worker, and loads none into another
+        # number of them (its bare AssertionError).
         size = len(self.dataset) if hasattr(self.dataset, "__len__") else None
-        return {"size": size, "batch_size": self.batch_size, "sampler": type(self.sampler).__name__}
+        sampler, workers = type(self.sampler).__name__, self.num_workers
+        return {"size": size, "batch_size": self.batch_size, "sampler": sampler, "workers": workers}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a position returned by :meth:`state_dict`.
@@ -138,7 +141,8 @@ class ResumableLoader(StatefulDataLoader):
         Raises:
             ConfigError: ``state_dict`` was not made by a ``ResumableLoader`` of the same kind
                 (sharded or not); a position inside an epoch, saved by a loader over another
-                dataset size, batch size or shuffling; or a sharded one cannot continue here.
+                dataset size, batch size, shuffling or number of workers; or a sharded one
+                cannot continue here.
         """
         sharded = isinstance(self.sampler, ShardedSampler)
         if sharded or (isinstance(state_dict, Mapping) and SHARDED in state_dict):
@@ -160,7 +164,7 @@ class ResumableLoader(StatefulDataLoader):
                 f"ResumableLoader.load_state_dict received a position saved by a loader over "
                 f"{saved}; this one has {self._layout()}, so the position would skip other "
                 "samples or miscount the epoch's batches. Build the loader as the saving run "
-                "did (the same dataset, batch_size and shuffle); to resume with "
+                "did (the same dataset, batch_size, shuffle and num_workers); to resume with "
                 "another batch size, use resumable_loader(..., shard=True) in both runs."
             )
         full = super().__len__()
