@@ -495,3 +495,20 @@ def test_sinks_write_nothing_on_ranks_other_than_zero(monkeypatch, tmp_path: Pat
     with JsonlLogger(str(paths[0]), rank_zero_only=False) as log_anyway:
         log_anyway.write({"step": 3})
     assert paths[0].exists()
+
+
+def test_a_sink_that_writes_on_every_rank_writes_there_through_log_too(
+    monkeypatch, tmp_path: Path
+) -> None:
+    # Rank 1's own file: registered alone the sink wrote it, through a Log it stayed empty
+    # (Log wrote on rank 0 only, whatever the sink was built to do).
+    logging = steplib.handlers.logging
+    for module in (logging.base, logging.file_sink):
+        monkeypatch.setattr(module, "is_main", lambda: False)
+    alone, through_log = tmp_path / "alone.jsonl", tmp_path / "log.jsonl"
+    with JsonlLogger(str(alone), rank_zero_only=False) as sink:
+        sink(Event("step_end", state=None, step=1))
+    with Log(JsonlLogger(str(through_log), rank_zero_only=False)) as log:
+        log(Event("step_end", state=None, step=1))
+    assert [orjson.loads(line)["step"] for line in through_log.read_bytes().splitlines()] == [1]
+    assert len(alone.read_bytes().splitlines()) == 1
