@@ -512,3 +512,17 @@ def test_a_sink_that_writes_on_every_rank_writes_there_through_log_too(
         log(Event("step_end", state=None, step=1))
     assert [orjson.loads(line)["step"] for line in through_log.read_bytes().splitlines()] == [1]
     assert len(alone.read_bytes().splitlines()) == 1
+
+
+def test_a_tensor_from_a_log_source_is_written_as_the_number_it_holds(tmp_path: Path) -> None:
+    # Before, the CSV wrote "tensor(0.1235)" (four digits, not a number), TensorBoard left it
+    # out and the JSONL refused the record; a tensor of the step's own output was read.
+    def source(event: Event) -> dict:
+        return {"acc": torch.tensor(0.123456789), "vec": torch.tensor([1.5, 2.5])}
+
+    path = tmp_path / "m.csv"
+    with Log(CSVLogger(str(path)), sources=[source]) as log:
+        log(Event("step_end", state=None, step=1))
+    row = next(csv.DictReader(path.read_text().splitlines()))
+    assert torch.tensor(float(row["acc"])) == torch.tensor(0.123456789)  # the same float32
+    assert orjson.loads(row["vec"]) == [1.5, 2.5]

@@ -237,8 +237,10 @@ class Log(Handler):
     Args:
         sinks: one :class:`Sink` or a sequence of them.
         sources: functions ``source(event) -> {name: value}``; the default writes the step's
-            own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
-            :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
+            own values (:func:`event_record`). A tensor value is read as :func:`event_record`
+            reads one: a one-element tensor becomes a number, a larger one a list. Typical:
+            ``[train.read, speed.read]`` for a :class:`~steplib.handlers.TrainMetrics` and a
+            :class:`~steplib.handlers.Throughput`.
         every: write every this many updates when registered with :meth:`attach` (or in a
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
             yourself with ``events.on``.
@@ -306,7 +308,9 @@ class Log(Handler):
         """Write one record of ``event`` (registered with ``events.on``: on each call)."""
         record = event_counters(event)
         for source in self.sources:
-            record.update(source(event))
+            # A tensor a source returns is read here, as event_record reads the step's: every
+            # sink then gets a number (the CSV wrote "tensor(0.1235)", TensorBoard skipped it).
+            record.update({name: _number(value) for name, value in source(event).items()})
         # Each sink's own rank choice: one built with rank_zero_only=False writes on every
         # rank, as it does registered alone (a sink without `active` writes on rank 0).
         main = is_main()
