@@ -216,26 +216,28 @@ def reader_attached(owner: str, reader: Any, event: Any, example: str) -> None:
         )
 
 
-def steps_named_by_optimizers(owner: str, event: Any) -> None:
-    """Refuse, for a handler that finds each step's optimizer by the step's name (whose window
-    closed, which model it updates), a run of several steps over a state of several
-    optimizers whose steps are named otherwise: it would judge one step by another
-    optimizer's window, in silence. A state of one optimizer takes any names.
+def step_optimizers(owner: str, event: Any) -> dict[str, str]:
+    """For a handler that follows each step's optimizer (its window, the model it updates),
+    in a run of several steps over a state of several optimizers: each step's name -> the name
+    of the optimizer it updates (``make_train_step(..., optimizer="D")``; a step that names
+    none, by its own name). ``{}`` for one step or a state of one optimizer.
 
     Raises:
-        ConfigError: a step of the run (``fit_start``'s ``train_step``, else
-            ``event.outputs``) is not named by an optimizer of ``event.state``.
+        ConfigError: a step of the run (``fit_start``'s ``train_step``) updates no optimizer
+            of ``event.state`` that it names or is named after: its window is not known.
     """
     names = getattr(event.state, "names", ())
     run = getattr(event, "train_step", None)
-    steps = list(run if isinstance(run, Mapping) else event.outputs or ())
-    if names and any(step not in names for step in steps):
+    if not names or not isinstance(run, Mapping):
+        return {}
+    found = {name: getattr(step, "optimizer", None) or name for name, step in run.items()}
+    if unknown := [name for name, optimizer in found.items() if optimizer not in names]:
         raise ConfigError(
-            f"{owner} finds the optimizer each step updates by the step's name, but the run's "
-            f"steps are named {steps} and the state's optimizers {list(names)}. Name each "
-            "step by the optimizer it updates, as make_train_step(loss_fn, optimizer=...) "
-            f"names it: run({{{names[0]!r}: step_for_{names[0]}, ...}}, state, data)."
+            f"{owner} follows the optimizer each step updates, but the run's steps {unknown} "
+            f"name none of the state's optimizers {list(names)}. Build each step with the "
+            f"optimizer it updates: make_train_step(loss_fn, optimizer={names[0]!r})."
         )
+    return found
 
 
 def same_handler(owner: str, built: Mapping[str, Any], state: Mapping[str, Any]) -> None:

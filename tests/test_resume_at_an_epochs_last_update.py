@@ -7,6 +7,9 @@ Each epoch is 3 batches in windows of 2 (``accumulate``): 2 updates, the second 
 epoch; ``every=2`` lands on every epoch's last update. A plain ``StatefulDataLoader`` resumed
 inside an epoch says the full epoch's ``len()``: that epoch's last window is flushed after its
 pass ended, and a save there resumed the epoch as not ended, without its ``epoch_end``.
+A sharded loader (``shard=True``) resumed inside an epoch yields the rest of it in a fresh pass:
+the end of that pass was compared with a whole epoch's batches, never reached, and the save
+was made before the ``epoch_end`` (the per-epoch step was lost at the next resume).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ def _train(
     data = TensorDataset(x, y)
     if loader == "resumable_loader":
         batches: Any = resumable_loader(data, batch_size=2, seed=0)
+    elif loader == "sharded":
+        batches = resumable_loader(data, batch_size=2, seed=0, shard=True)
     else:
         batches = StatefulDataLoader(data, batch_size=2)
     evaluator = Evaluator(
@@ -93,7 +98,7 @@ def _train(
     }
 
 
-@pytest.fixture(scope="module", params=["resumable_loader", "StatefulDataLoader"])
+@pytest.fixture(scope="module", params=["resumable_loader", "sharded", "StatefulDataLoader"])
 def loader(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

@@ -227,11 +227,15 @@ def test_the_alarm_takes_steps_named_otherwise_than_the_state_has_optimizers() -
     assert done.step == 3
 
 
-def test_the_alarm_refuses_steps_not_named_by_the_optimizers_of_a_state_of_several() -> None:
-    # D skips its NaN window of batch 0 (no alarm is due), G accumulates 2. Named otherwise
-    # ("critic"), D's step was judged by the counted (G's) window: open at batch 0, so D's
-    # flags waited for G's window to close and were then kept by D's next, unskipped, window:
-    # a false alarm for an update that was skipped.
+@pytest.mark.parametrize("names", [("D", "G"), ("critic", "generator")])
+def test_the_alarm_judges_each_step_by_the_window_of_the_optimizer_it_updates(
+    names: tuple[str, str],
+) -> None:
+    # D skips its NaN window of batch 0 (no alarm is due), G accumulates 2. Judged by the
+    # counted (G's) window, open at batch 0, D's flags waited for G's window to close and were
+    # then kept by D's next, unskipped, window: a false alarm for an update that was skipped.
+    # Named otherwise than their optimizers ("critic"), the steps were refused; each is now
+    # judged by the optimizer it was built with.
     calls = [0]
 
     def d_loss(model: Any, batch: Any) -> torch.Tensor:
@@ -240,12 +244,24 @@ def test_the_alarm_refuses_steps_not_named_by_the_optimizers_of_a_state_of_sever
 
     d_step = skip_nonfinite(make_train_step(d_loss, optimizer="D"))
     g_step = accumulate(make_train_step(_g_loss, optimizer="G"), 2)
-    done = run({"D": d_step, "G": g_step}, _state(), _batches(4), events=[NonFiniteAlarm(every=1)])
+    steps = dict(zip(names, (d_step, g_step), strict=True))
+    done = run(steps, _state(), _batches(4), events=[NonFiniteAlarm(every=1)])
     assert int(done["D"].skipped_updates) == 1  # skipped, and no alarm
-    calls[0] = 0
-    with pytest.raises(ConfigError, match=r"named \['critic', 'generator'\].*Name each step"):
-        run({"critic": d_step, "generator": g_step}, _state(), _batches(4),
-            events=[NonFiniteAlarm(every=1)])  # fmt: skip
+
+
+class _OwnStep:
+    """A step of the user's own: no ``optimizer`` to read."""
+
+    def __call__(self, state: Any, batch: Any, *, close_window: bool = False) -> Any:
+        return state, None
+
+    def flush(self, state: Any) -> Any:
+        return state, None
+
+
+def test_the_alarm_refuses_a_step_that_updates_no_optimizer_of_the_state() -> None:
+    with pytest.raises(ConfigError, match=r"steps \['mine'\] name none of the state's"):
+        run({"mine": _OwnStep()}, _state(), _batches(4), events=[NonFiniteAlarm(every=1)])
 
 
 def test_the_bar_shows_each_steps_loss_over_its_own_windows() -> None:

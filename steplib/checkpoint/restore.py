@@ -19,7 +19,7 @@ from steplib.checkpoint.contents import (
     trainable_part,
 )
 from steplib.checkpoint.manifest import fingerprint
-from steplib.data.loader import restore_position
+from steplib.data.epoch_end import restore_position
 from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
 from steplib.state import TrainState, Window

@@ -27,7 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
-from steplib.data.worker_rng import WorkerRng
+from steplib.data.worker_rng import WORKERS, WorkerRng, worker_states
 from steplib.distributed.process_group import world_size
 from steplib.errors import ConfigError, describe
 
@@ -105,10 +105,11 @@ class ResumableLoader(StatefulDataLoader):
             "layout": the dataset size, batch size and sampler the position counts in}``;
             with a :class:`~steplib.data.shards.ShardedSampler`, ``{"sharded": the position
             in the global order}`` (see ``ShardedSampler.position``), which any world size
-            can continue from.
+            can continue from, ``"workers": the state of each worker process}`` (mid-epoch,
+            with workers; loaded on the same world size, batch size and ``num_workers``).
         """
         if isinstance(self.sampler, ShardedSampler):
-            return {SHARDED: self._sharded_position()}
+            return self._sharded_state()
         loader_state = super().state_dict()  # may create the epoch's iterator (and draw)
         return {
             "loader": loader_state,
@@ -175,13 +176,14 @@ class ResumableLoader(StatefulDataLoader):
         self._pending = (state_dict["epoch_start_generator"], state_dict["generator"])
         self._pending_left = None if yielded is None else full - yielded
 
-    def _sharded_position(self) -> dict[str, Any]:
+    def _sharded_state(self) -> dict[str, Any]:
         assert isinstance(self.sampler, ShardedSampler)
         batch_size = self.batch_size or 1
         if self._iterator is None:  # no epoch begun since built or resumed: no iterator made
-            return self.sampler.position(
+            position = self.sampler.position(
                 batch_size=batch_size, batches=0, finished=False, drop_last=self.drop_last
             )
+            return {SHARDED: position, WORKERS: getattr(self.dataset, "resume_states", None)}
         loader_state = super().state_dict()
         yielded = batches_yielded(loader_state)
         if yielded is None:
@@ -190,12 +192,15 @@ class ResumableLoader(StatefulDataLoader):
                 "not say how many batches were yielded, so the position cannot be saved. "
                 "Install torchdata 0.10 or 0.11."
             )
-        return self.sampler.position(
+        position = self.sampler.position(
             batch_size=batch_size,
             batches=yielded,
             finished=bool(loader_state.get(FINISHED, False)),
             drop_last=self.drop_last,
         )
+        # Within the epoch, its workers go on; a next epoch's start from their seeds.
+        within = position["epoch"] == self.sampler.epoch and self.num_workers > 0
+        return {SHARDED: position, WORKERS: worker_states(loader_state) if within else None}
 
     def _load_sharded(self, state_dict: Any) -> None:
         if not isinstance(self.sampler, ShardedSampler):
@@ -205,10 +210,18 @@ class ResumableLoader(StatefulDataLoader):
                 "as the saving run did: resumable_loader(dataset, ..., shard=True)."
             )
         position = state_dict.get(SHARDED) if isinstance(state_dict, Mapping) else None
+        position = position if position is not None else state_dict
         self.epoch_completed_on_load = self.sampler.resume(
-            position if position is not None else state_dict, batch_size=self.batch_size or 1
+            position, batch_size=self.batch_size or 1
         )
         super().load_state_dict({})  # a fresh iterator: the sampler starts at the position
+        # Only the same ranks, batch size and workers make the batches the saved workers
+        # made; elsewhere the workers start from their seeds (not carried over).
+        states = state_dict.get(WORKERS) if isinstance(state_dict, Mapping) else None
+        if isinstance(self.dataset, WorkerRng):
+            saved = states and [position["world_size"], position["batch_size"], len(states)]
+            here = [self.sampler.world_size, self.batch_size or 1, self.num_workers]
+            self.dataset.resume_states = states if saved == here else None
 
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
@@ -220,7 +233,10 @@ class ResumableLoader(StatefulDataLoader):
         if isinstance(self.sampler, ShardedSampler):
             self.sampler.start_epoch()
             self.generator.manual_seed(self.sampler.worker_seed())
-            return super()._get_iterator()
+            iterator = super()._get_iterator()
+            if isinstance(self.dataset, WorkerRng):
+                self.dataset.resume_states = None  # the pass's workers hold their copies
+            return iterator
         if self._pending is None:
             self._epoch_start_rng = self.generator.get_state()
             return super()._get_iterator()
@@ -298,7 +314,8 @@ def resumable_loader(
     count; otherwise ``load`` raises ``ConfigError`` with the batch size to use). The
     parameters then follow the uninterrupted run on the new world size when the samples per
     update are the same (keep ``batch_size x world_size x accumulation``). What is not
-    carried over: the per-rank RNG states (dropout continues from the process's own). Without
+    carried over: the per-rank RNG states (dropout continues from the process's own; on the
+    same world size, ``batch_size`` and ``num_workers`` they are, the workers' too). Without
     ``shard=True`` each rank's position is its own and ``load`` refuses it on another world
     size.
 
@@ -372,29 +389,3 @@ def resumable_loader(
     )
     loader._built_for_ranks, loader._shard_unsaid = world_size(), shard is None
     return loader
-
-
-def restore_position(data: Any, position: Any) -> bool:
-    """Load a saved position into ``data`` (anything with ``load_state_dict``).
-
-    Args:
-        data: a :class:`ResumableLoader`, a ``StatefulDataLoader`` or any object with
-            ``state_dict`` / ``load_state_dict``.
-        position: what ``data.state_dict()`` returned when the checkpoint was taken.
-
-    Returns:
-        Whether that position was the end of an epoch that the loop had not yet counted (every
-        batch yielded, the pass not yet ended): the caller should then count the epoch as done.
-    """
-    data.load_state_dict(position)
-    if isinstance(data, ResumableLoader):
-        return data.epoch_completed_on_load
-    if isinstance(data, StatefulDataLoader) and isinstance(position, Mapping):
-        yielded = batches_yielded(position)
-        if yielded is not None and yielded >= len(data) and not position.get(FINISHED, False):
-            # A plain StatefulDataLoader would yield an empty first pass here; run it now, so
-            # that the next pass is the next epoch.
-            for _ in data:
-                pass
-            return True
-    return False

@@ -46,8 +46,8 @@ class EMA(Handler):
     other buffers too.
 
     In a run of several steps, the updates followed are those of the optimizer that holds the
-    model's parameters (``EMA(generator)``: G's), whatever optimizer the run counts; the steps
-    are named by the optimizers they update (``{"D": d_step, "G": g_step}``).
+    model's parameters (``EMA(generator)``: G's), whatever optimizer the run counts and
+    whatever the steps are named (each updates the optimizer it was built with).
 
     Args:
         model: the trained module (a DDP/FSDP wrapper: pass the inner module); in a state of
@@ -100,8 +100,10 @@ class EMA(Handler):
         self._averaged: list[torch.Tensor] = list(self.module.parameters())
         self._count = torch.zeros((), device=self._averaged[0].device if self._averaged else None)
         self._last: Any = None
-        # The name of the optimizer that updates the model, in a state of several; else None.
+        # The name of the optimizer that updates the model, in a state of several; else None;
+        # and the names of the run's steps that update it.
         self._optimizer: str | None = None
+        self._steps: list[str] = []
         self._found = False  # whether _optimizer was looked up in this run's state
 
     def on_fit_start(self, event: Event) -> None:
@@ -113,8 +115,11 @@ class EMA(Handler):
         """
         self._found = False
         self._follow(event.state)
-        if self._optimizer is not None:
-            errors.steps_named_by_optimizers("EMA(model)", event)
+        steps = errors.step_optimizers("EMA(model)", event)
+        if steps:
+            self._steps = [
+                step for step, optimizer in steps.items() if optimizer == self._optimizer
+            ]
 
     def _follow(self, state: Any) -> None:
         if self._found:
@@ -138,6 +143,7 @@ class EMA(Handler):
                 "generator.parameters()."
             )
         self._optimizer = holders[0]
+        self._steps = [self._optimizer]  # without the run's steps: named by their optimizers
 
     @property
     def updates(self) -> int:
@@ -167,16 +173,15 @@ class EMA(Handler):
     def _average(self, event: Event, outputs: Mapping[str, Any]) -> None:
         name = self._optimizer
         assert name is not None
-        errors.steps_named_by_optimizers("EMA(model)", event)
-        out = outputs.get(name)  # None: no step of the run updates it (or a flush did not)
-        if out is None:
-            return
         # The optimizer's window is empty after this call only if the call closed it (an
         # update, applied or skipped): a host int, no read of out.did_update.
-        if out is self._last or event.state[name].window.size != 0:
+        if event.state[name].window.size != 0:
             return
-        self._last = out
-        self.update(did_update=out.did_update)
+        for step in self._steps:
+            out = outputs.get(step)  # None: that step did not run (or a flush did not update)
+            if out is not None and out is not self._last:
+                self._last = out
+                self.update(did_update=out.did_update)
 
     @torch.no_grad()
     def update(self, *, did_update: torch.Tensor | bool = True) -> None:

@@ -71,19 +71,19 @@ class NonFiniteAlarm(Handler):
         self._pending: list[torch.Tensor] = []
         self._pending_where: list[_Where] = []
         self._flagged: dict[str, Any] = {}  # per step, the last output flagged
+        self._optimizers: dict[str, str] = {}  # per step, the optimizer it updates (several)
 
     def on_fit_start(self, event: Event) -> None:
-        """Refuse steps not named by the optimizers they update (a state of several)."""
-        errors.steps_named_by_optimizers("NonFiniteAlarm", event)
-
-    def on_micro_step_end(self, event: Event) -> None:
-        """Flag each step's loss of this micro-batch (device ops only).
+        """Find the optimizer each step updates (a state of several), whose window says when
+        the step's skip is decided.
 
         Raises:
-            ConfigError: in a state of several optimizers, a step of the run not named by
-                the optimizer it updates (whose window says when its skip is decided).
+            ConfigError: a step of the run that updates no optimizer of the state.
         """
-        errors.steps_named_by_optimizers("NonFiniteAlarm", event)
+        self._optimizers = errors.step_optimizers("NonFiniteAlarm", event)
+
+    def on_micro_step_end(self, event: Event) -> None:
+        """Flag each step's loss of this micro-batch (device ops only)."""
         for name, out in (event.outputs or {"": event.output}).items():
             self._flag(event, name, out)
 
@@ -107,10 +107,10 @@ class NonFiniteAlarm(Handler):
         step = event.step + 1 if counted is not None and counted.size > 0 else event.step
         where = (name, step, event.epoch, event.batch_index, event.micro_step)
         self._window_where.setdefault(name, []).append(where)
-        # Its own optimizer's window: the step's name is its optimizer's in a GAN's state
-        # (refused otherwise at micro_step_end).
-        named = name in getattr(event.state, "names", ())
-        own = getattr(event.state[name] if named else event.state, "window", None)
+        # Its own optimizer's window (a GAN's state); else the state's.
+        optimizer = self._optimizers.get(name, name)
+        named = optimizer in getattr(event.state, "names", ())
+        own = getattr(event.state[optimizer] if named else event.state, "window", None)
         if own is not None and own.size > 0:
             return  # this step's window is still open: its skip is not decided yet
         # The window closed at this micro-batch: its gradient norm and its own skip.
