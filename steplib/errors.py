@@ -190,6 +190,32 @@ def evaluator_attached(owner: str, evaluator: Any, events: Any) -> None:
         )
 
 
+def reader_attached(owner: str, reader: Any, event: Any, example: str) -> None:
+    """Refuse a log source that sums the updates since its last read (``TrainMetrics``,
+    ``Throughput``, ``GradNormMonitor``) read at an event of a run it is not attached to: it
+    saw only the updates it was read at, and would report them as the whole interval's (a
+    ``Log(every=50)`` would write one update's loss as the mean of fifty), in silence.
+
+    Args:
+        owner: the reader's class name, for the message.
+        reader: the reader whose ``read`` was called.
+        event: the event it was read at.
+        example: a variable name for the reader in the message's fix (``train``, ``speed``).
+
+    Raises:
+        ConfigError: ``event.events`` (the run's) does not hold ``reader``.
+    """
+    events = getattr(event, "events", None)
+    if events is not None and not any(h is reader for h in events.attached()):
+        raise ConfigError(
+            f"{owner}.read was called at {event.name} (step {event.step}) of a run that this "
+            f"{owner} is not attached to, so it saw only the updates it was read at, not every "
+            "update since its last read. Attach it to the run as well: run(..., events=["
+            f"{example}, Log(sinks, sources=[{example}.read], every=50)]), or "
+            f"{example}.attach(events)."
+        )
+
+
 def step_optimizers(owner: str, event: Any) -> dict[str, str]:
     """For a handler that follows each step's optimizer (its window, the model it updates),
     in a run of several steps over a state of several optimizers: each step's name -> the name

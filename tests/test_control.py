@@ -173,6 +173,34 @@ def test_time_limit_stops_before_the_budget_is_crossed() -> None:
     assert final.step == 5 and seen == [5]
 
 
+@pytest.mark.parametrize("limit_first", [True, False], ids=["limit-first", "resume-first"])
+def test_time_limit_of_a_resumed_run_times_its_own_updates(tmp_path: Path, limit_first) -> None:
+    # 10 s per update, a budget of 35 s: the resumed run stops after its 3rd update (30 s
+    # used, one more would end at 40 s). Counted from update 0, not from the resumed one, the
+    # limit took 30 s / 103 updates for one update's time and ran a 4th, past the budget.
+    from steplib.checkpoint import checkpoint_every, resume_from
+    from steplib.data import resumable_loader
+
+    now = [0.0]
+
+    def go(max_steps: int, seconds: float) -> tuple[int, float]:
+        state, _ = _setup()
+        batches = resumable_loader(
+            list(zip(torch.randn(480, 4), torch.arange(480) % 3, strict=True)), batch_size=4
+        )
+        now[0] = 0.0
+        ckpt = checkpoint_every(str(tmp_path), every=100)
+        limit = TimeLimit(seconds, clock=lambda: now[0])
+        handlers = [limit, resume_from(ckpt)] if limit_first else [resume_from(ckpt), limit]
+        events = Events().on("step_end", lambda e: now.__setitem__(0, now[0] + 10.0))
+        events.add(*handlers, ckpt)
+        final = run(make_train_step(_loss_fn), state, batches, events=events, max_steps=max_steps)
+        return final.step, now[0]
+
+    assert go(100, 1e9) == (100, 1000.0)
+    assert go(120, 35.0) == (103, 30.0)
+
+
 def test_time_limit_with_the_real_clock_stops_a_long_run() -> None:
     state, batches = _setup(2000)
     final = run(make_train_step(_loss_fn), state, batches, events=TimeLimit(0.2).attach(Events()))

@@ -495,3 +495,34 @@ def test_sinks_write_nothing_on_ranks_other_than_zero(monkeypatch, tmp_path: Pat
     with JsonlLogger(str(paths[0]), rank_zero_only=False) as log_anyway:
         log_anyway.write({"step": 3})
     assert paths[0].exists()
+
+
+def test_a_sink_that_writes_on_every_rank_writes_there_through_log_too(
+    monkeypatch, tmp_path: Path
+) -> None:
+    # Rank 1's own file: registered alone the sink wrote it, through a Log it stayed empty
+    # (Log wrote on rank 0 only, whatever the sink was built to do).
+    logging = steplib.handlers.logging
+    for module in (logging.base, logging.file_sink):
+        monkeypatch.setattr(module, "is_main", lambda: False)
+    alone, through_log = tmp_path / "alone.jsonl", tmp_path / "log.jsonl"
+    with JsonlLogger(str(alone), rank_zero_only=False) as sink:
+        sink(Event("step_end", state=None, step=1))
+    with Log(JsonlLogger(str(through_log), rank_zero_only=False)) as log:
+        log(Event("step_end", state=None, step=1))
+    assert [orjson.loads(line)["step"] for line in through_log.read_bytes().splitlines()] == [1]
+    assert len(alone.read_bytes().splitlines()) == 1
+
+
+def test_a_tensor_from_a_log_source_is_written_as_the_number_it_holds(tmp_path: Path) -> None:
+    # Before, the CSV wrote "tensor(0.1235)" (four digits, not a number), TensorBoard left it
+    # out and the JSONL refused the record; a tensor of the step's own output was read.
+    def source(event: Event) -> dict:
+        return {"acc": torch.tensor(0.123456789), "vec": torch.tensor([1.5, 2.5])}
+
+    path = tmp_path / "m.csv"
+    with Log(CSVLogger(str(path)), sources=[source]) as log:
+        log(Event("step_end", state=None, step=1))
+    row = next(csv.DictReader(path.read_text().splitlines()))
+    assert torch.tensor(float(row["acc"])) == torch.tensor(0.123456789)  # the same float32
+    assert orjson.loads(row["vec"]) == [1.5, 2.5]

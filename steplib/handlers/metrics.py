@@ -22,7 +22,7 @@ optimizer's).
 
 For evaluation metrics use torchmetrics (:func:`steplib.handlers.evaluate`).
 
-Imports ``events`` and ``output`` only (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``errors`` and ``output`` only (handlers never import ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from steplib import errors
 from steplib.events import Event, Handler
 from steplib.output import closed_window
 
@@ -191,6 +192,7 @@ class TrainMetrics(Handler):
             when nothing was added.
         """
         if event is not None:
+            errors.reader_attached("TrainMetrics", self, event, "train")
             self.update(event)
         if not self._sums:
             return {}

@@ -284,6 +284,7 @@ class GradNormMonitor(Handler):
         ``event``'s own outputs are added first if :meth:`update` has not seen them.
         """
         if event is not None:
+            errors.reader_attached("GradNormMonitor", self, event, "norms")
             self.update(event)
         if not self._norms:
             return {}

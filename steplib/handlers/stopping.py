@@ -273,7 +273,8 @@ class TimeLimit(Handler):
 
     The clock starts at ``fit_start`` (or at the first check without one). The estimate of
     the next update's time is the mean time per update so far, measured on the host: no tensor
-    is read.
+    is read. The updates are counted from the run's first one, so a resumed run's estimate is
+    its own whether this handler is attached before or after ``resume_from``.
 
     Args:
         seconds: the budget.
@@ -299,18 +300,23 @@ class TimeLimit(Handler):
         self.every = errors.positive_int("TimeLimit", "every", every)
         self._clock = clock
         self._start: float | None = None
-        self._start_step = 0
+        self._start_step: int | None = 0
 
     def on_fit_start(self, event: Event) -> None:
-        """Start the clock (:meth:`start`)."""
-        self.start(event)
+        """Start the clock; the updates are counted from the run's first ``step_end``."""
+        # Not from event.step: a resume_from attached after this handler swaps in the resumed
+        # state after this call, and counting from 0 made a resumed run's updates look
+        # thousands of times faster than they are (it stopped only once past its budget).
+        self._start, self._start_step = self._clock(), None
 
     def on_step_end(self, event: Event) -> Stop | None:
         """Check every ``every`` updates."""
+        if self._start_step is None:  # the run's first update
+            self._start_step = event.step - 1
         return self(event) if due(self.every, event) else None
 
     def start(self, event: Event) -> None:
-        """Start the clock now."""
+        """Start the clock now, counting updates from ``event.step``."""
         self._start, self._start_step = self._clock(), event.step
 
     def __call__(self, event: Event) -> Stop | None:
@@ -319,7 +325,8 @@ class TimeLimit(Handler):
             self.start(event)
             return None
         used = self._clock() - self._start
-        per_update = used / max(event.step - self._start_step, 1)
+        start_step = event.step - 1 if self._start_step is None else self._start_step
+        per_update = used / max(event.step - start_step, 1)
         if not any_rank(used + per_update >= self.seconds, device=_device(event)):
             return None
         return Stop(

@@ -293,6 +293,7 @@ class Throughput(Handler):
             ``flops_per_s`` and ``mfu`` (a fraction of ``peak_flops``). Empty before any update.
         """
         if event is not None:
+            errors.reader_attached("Throughput", self, event, "speed")
             self.update(event)
         if self._steps == 0:
             return {}

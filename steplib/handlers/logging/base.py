@@ -229,14 +229,18 @@ class Log(Handler):
     values of each source, merged in order (a later source wins on a shared name).
 
     Sources are called on every rank (a source may all-reduce, which every rank must join);
-    the record is written on rank 0 only. If a sink fails, the others still get the record and
-    the first error is raised after.
+    each sink writes the record on the ranks it writes on: rank 0, or every rank for a sink
+    built with ``rank_zero_only=False`` (a sink of your own without an ``active`` attribute:
+    rank 0). If a sink fails, the others still get the record and the first error is raised
+    after.
 
     Args:
         sinks: one :class:`Sink` or a sequence of them.
         sources: functions ``source(event) -> {name: value}``; the default writes the step's
-            own values (:func:`event_record`). Typical: ``[train.read, speed.read]`` for a
-            :class:`~steplib.handlers.TrainMetrics` and a :class:`~steplib.handlers.Throughput`.
+            own values (:func:`event_record`). A tensor value is read as :func:`event_record`
+            reads one: a one-element tensor becomes a number, a larger one a list. Typical:
+            ``[train.read, speed.read]`` for a :class:`~steplib.handlers.TrainMetrics` and a
+            :class:`~steplib.handlers.Throughput`.
         every: write every this many updates when registered with :meth:`attach` (or in a
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
             yourself with ``events.on``.
@@ -304,9 +308,13 @@ class Log(Handler):
         """Write one record of ``event`` (registered with ``events.on``: on each call)."""
         record = event_counters(event)
         for source in self.sources:
-            record.update(source(event))
-        if is_main():
-            self.write(record)
+            # A tensor a source returns is read here, as event_record reads the step's: every
+            # sink then gets a number (the CSV wrote "tensor(0.1235)", TensorBoard skipped it).
+            record.update({name: _number(value) for name, value in source(event).items()})
+        # Each sink's own rank choice: one built with rank_zero_only=False writes on every
+        # rank, as it does registered alone (a sink without `active` writes on rank 0).
+        main = is_main()
+        self._write([sink for sink in self.sinks if getattr(sink, "active", main)], record)
 
     def write(self, record: Record) -> None:
         """Write ``record`` to every sink.
@@ -314,8 +322,12 @@ class Log(Handler):
         Raises:
             LogWriteError: a sink failed (after every sink was tried).
         """
+        self._write(self.sinks, record)
+
+    @staticmethod
+    def _write(sinks: Sequence[Sink], record: Record) -> None:
         failure: BaseException | None = None
-        for sink in self.sinks:
+        for sink in sinks:
             try:
                 sink.write(record)
             except Exception as error:
