@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import time
 import warnings
 from pathlib import Path
 
@@ -110,6 +111,10 @@ def test_a_resumed_runs_tensorboard_points_hold_each_step_once(tmp_path: Path) -
     tb_dir = str(tmp_path / "tb")
     torch.manual_seed(0)
     for kill_at in (6, None):
+        # A resumed run starts in another process and a later second. Here, opened within the
+        # same second, TensorBoard orders the two files by their per-process counters as text
+        # (".10" before ".9"), so the test failed when another test had opened nine writers.
+        time.sleep(1.0 if kill_at is None else 0.0)
         with TensorBoardLogger(tb_dir) as tb:
             start = 1 if kill_at else 5  # the resumed run starts after the checkpoint at 4
             for step in range(start, (kill_at or 10) + 1):
