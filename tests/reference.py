@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from steplib.handlers import Logger
+
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x, y, mask (which targets count)
 
 
@@ -108,3 +110,16 @@ def reference_loop(
 def params_of(model: nn.Module) -> list[torch.Tensor]:
     """Copies of the parameters, for comparisons after more training."""
     return [p.detach().clone() for p in model.parameters()]
+
+
+class RecordingSink(Logger):
+    """A log sink that keeps its records in a list (``records``), for tests to read."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass

@@ -27,7 +27,8 @@ from steplib import (
 )
 from steplib.checkpoint import list_checkpoints
 from steplib.events import Batches
-from steplib.handlers import Log, Logger
+from steplib.handlers import Log
+from tests.reference import RecordingSink
 
 
 def _state() -> TrainState:
@@ -49,19 +50,8 @@ def data() -> Any:
 UPDATES = [3, 6, 8]
 
 
-class Sink(Logger):
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
-
-
 def test_every_n_batches_fires_on_the_update_that_holds_the_nth_batch(tmp_path: Any) -> None:
-    sink, seen, micro = Sink(), [], []
+    sink, seen, micro = RecordingSink(), [], []
     evaluator = Evaluator(
         make_eval_step(lambda m, b: m(b)),
         [torch.ones(2, 2)],
@@ -100,7 +90,7 @@ def test_a_resumed_run_goes_on_counting_batches_where_it_stopped(tmp_path: Any) 
     [
         lambda: Events().on("epoch_end", print, every=Batches(2)),
         lambda: Events().on("step_end", print, every=Batches(0)),
-        lambda: Log(Sink(), every=2.5),  # type: ignore[arg-type]
+        lambda: Log(RecordingSink(), every=2.5),  # type: ignore[arg-type]
         lambda: ProgressBar(every=0),
         lambda: checkpoint_every("memory://x", every="10"),  # type: ignore[arg-type]
     ],
@@ -112,4 +102,4 @@ def test_a_cadence_that_is_neither_updates_nor_batches_is_refused(make: Any) -> 
 
 def test_batches_is_not_an_int() -> None:
     with pytest.raises(ConfigError, match=r"Batches\(n\) \(batches\)"):
-        Log(Sink(), every=0)
+        Log(RecordingSink(), every=0)

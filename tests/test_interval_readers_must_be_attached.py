@@ -14,18 +14,8 @@ import torch
 from steplib import Event, Events, TrainState, clip, make_train_step, run
 from steplib.errors import ConfigError
 from steplib.handlers import GradNormMonitor, Throughput, TrainMetrics
-from steplib.handlers.logging import Log, Sink
-
-
-class _Records(Sink):
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
+from steplib.handlers.logging import Log
+from tests.reference import RecordingSink
 
 
 def _batches() -> list[torch.Tensor]:
@@ -65,7 +55,7 @@ def _readers() -> list[Any]:
 @pytest.mark.parametrize("index", [0, 1, 2], ids=["TrainMetrics", "Throughput", "GradNormMonitor"])
 def test_a_reader_given_to_log_without_being_attached_is_refused(index: int) -> None:
     reader = _readers()[index]
-    events = Events().on("step_end", Log(_Records(), sources=[reader.read]), every=3)
+    events = Events().on("step_end", Log(RecordingSink(), sources=[reader.read]), every=3)
     step = clip(make_train_step(_loss), max_norm=10.0)
     with pytest.raises(ConfigError, match=r"not attached.*\.attach\(events\)"):
         run(step, _state(), _batches(), events=events)
@@ -73,7 +63,7 @@ def test_a_reader_given_to_log_without_being_attached_is_refused(index: int) -> 
 
 def test_an_attached_train_metrics_logs_the_mean_of_every_update_of_the_interval() -> None:
     train = TrainMetrics()
-    sink = _Records()
+    sink = RecordingSink()
     events = Events(Log(sink, sources=[train.read], every=3), train)  # read before update
     run(make_train_step(_loss), _state(), _batches(), events=events)
 

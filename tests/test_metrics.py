@@ -18,7 +18,6 @@ from steplib.handlers import (
     EMA,
     GradNormMonitor,
     Log,
-    Logger,
     NonFiniteAlarm,
     ProgressBar,
     Throughput,
@@ -26,22 +25,11 @@ from steplib.handlers import (
 )
 from steplib.testing import run_ranks
 from tests.host_reads import on_host_read
-from tests.reference import make_batches, tiny_model, token_loss
+from tests.reference import RecordingSink, make_batches, tiny_model, token_loss
 
 
 class HostSyncError(AssertionError):
     """Raised by a patched host read outside the logging interval."""
-
-
-class ListLogger(Logger):
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
 
 
 def _setup():
@@ -67,7 +55,7 @@ def test_running_means_equal_the_token_weighted_values_by_hand() -> None:
     state, step, batches = _setup()
     outputs: list = []
     micro: list = []  # every micro-batch's output: the aux means are over each window's
-    sink = ListLogger()
+    sink = RecordingSink()
     train = TrainMetrics()
     events = Events().on("step_end", lambda e: outputs.append(e.output))
     events.on("micro_step_end", lambda e: micro.append(e.output))
@@ -138,7 +126,7 @@ def test_skipped_updates_are_left_out_of_the_aux_means() -> None:
     assert math.isnan(train.read(None)["acc"])  # every update skipped: no mean
 
 
-def _sync_free_run(every: int, extra_reader=None) -> tuple[list[str], ListLogger]:
+def _sync_free_run(every: int, extra_reader=None) -> tuple[list[str], RecordingSink]:
     model = tiny_model(0, dropout=0.1)
     # SGD with momentum: torch's non-fused Adam/AdamW read their step counter with .item().
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -146,7 +134,7 @@ def _sync_free_run(every: int, extra_reader=None) -> tuple[list[str], ListLogger
     step = accumulate(clip(make_train_step(token_loss), max_norm=1.0), 2)
     batches = make_batches(12, [2, 3, 1, 4] * 3)
     gate, reads = [False], list[str]()
-    sink = ListLogger()
+    sink = RecordingSink()
 
     events = Events()
     # First on each event: open the gate on the logging interval only; last: close it again.

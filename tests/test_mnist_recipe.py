@@ -23,7 +23,8 @@ from torchmetrics import MeanMetric
 
 from steplib import Evaluator, Events, TrainState, make_eval_step, make_train_step, run
 from steplib.events import Batches
-from steplib.handlers import Log, Logger, Scheduler
+from steplib.handlers import Log, Scheduler
+from tests.reference import RecordingSink
 
 EPOCHS = 3
 
@@ -109,24 +110,11 @@ def test_the_mnist_recipe_equals_the_original_loop_bit_for_bit() -> None:
         assert torch.equal(a, b)
 
 
-class _Lines(Logger):
-    """A sink that keeps its records."""
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
-
-
 def test_the_mnist_recipe_logs_every_n_batches() -> None:
     """The original prints the loss every ``log_interval`` batches; ``every=Batches(n)`` says
     the same in batches, whatever the accumulation (counted over the run, not per epoch)."""
     want_losses, _, _ = _original()
-    sink = _Lines()
+    sink = RecordingSink()
     _steplib(Log(sink, every=Batches(4)))
     assert [r["micro_step"] for r in sink.records] == list(range(4, 6 * EPOCHS + 1, 4))
     # A record holds the shortest decimal of the float32 loss: the same float32.

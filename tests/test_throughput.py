@@ -10,18 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from steplib import ConfigError, Events, TrainState, accumulate, make_train_step, run
-from steplib.handlers import Log, Logger, Throughput, count_flops, flops_per_batch
-
-
-class ListLogger(Logger):
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
+from steplib.handlers import Log, Throughput, count_flops, flops_per_batch
+from tests.reference import RecordingSink
 
 
 def _model() -> torch.nn.Module:
@@ -93,7 +83,7 @@ def test_rates_and_mfu_equal_counts_over_the_clock() -> None:
     batches = [(torch.randn(s, 8, generator=gen), torch.randint(0, 5, (s,))) for s in sizes]
     clock = FakeClock()
     speed = Throughput(samples_per_step=10, flops_per_step=1e6, peak_flops=1e8, clock=clock)
-    sink = ListLogger()
+    sink = RecordingSink()
     events = Events()
     # The Log before the counter: read() counts the event itself, nothing is counted twice.
     events.on("step_end", Log(sink, sources=[speed.read]), every=2)
