@@ -28,6 +28,27 @@ def closed_window(out: Any) -> torch.Tensor:
     return out.did_update | out.skipped
 
 
+def window_sums(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the window that this call applied adds to a token-weighted mean loss: its loss times
+    its targets, and its targets (float32 at least, on the loss's device); zeros where the call
+    closed no window or skipped the update (a skipped loss is often NaN, and ``NaN * 0`` is
+    NaN: ``where()``, not a product). A window counts once, on the call that closes it: a call
+    inside an open window reports one micro-batch, which the window's loss counts again.
+
+    Example:
+        >>> from types import SimpleNamespace as Out
+        >>> out = Out(loss=torch.tensor(0.5), num_targets=torch.tensor(4.0),
+        ...           did_update=torch.tensor(True), skipped=torch.tensor(False))
+        >>> [float(t) for t in window_sums(out)]
+        [2.0, 4.0]
+    """
+    loss = out.loss.detach().float()
+    applied = out.did_update.to(loss.device) & ~out.skipped.to(loss.device)
+    targets = out.num_targets.detach().float().to(loss.device)
+    kept = torch.where(applied.expand_as(loss), targets, 0.0)
+    return torch.where(kept > 0, loss * kept, 0.0), kept
+
+
 class StepOutput:
     """What one call of a step reports. Every value is a tensor left where it was computed:
     reading one (``.item()``, ``float()``) is a host sync, so do it in a handler, not per step.

@@ -11,7 +11,7 @@ each of the run's updates, the token-weighted mean over the windows that step cl
 previous one (NaN, a gap, where it closed none), as ``ProgressBar`` shows them. Drawing needs
 matplotlib (``pip install steplib[plot]``); the text fallback does not.
 
-Imports ``events`` and ``errors`` only.
+Imports ``events``, ``errors`` and ``output`` only.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
+from steplib.output import window_sums
 
 
 class LivePlot(Handler):
@@ -127,15 +128,10 @@ class LivePlot(Handler):
             self.draw()
 
     def _add(self, name: str, out: Any) -> None:
-        # A window counts once, on the call that closes it: a call inside an open window
-        # reports one micro-batch's loss. A skipped window (its loss often NaN) is left out.
         if out is self._seen.get(name):
             return
         self._seen[name] = out
-        loss = out.loss.detach().float()
-        applied = out.did_update.to(loss.device) & ~out.skipped.to(loss.device)
-        kept = torch.where(applied, out.num_targets.to(loss.device, torch.float32), 0.0)
-        sums = (torch.where(kept > 0, loss * kept, 0.0), kept)  # where(): NaN * 0 is NaN
+        sums = window_sums(out)
         if name in self._sums:
             sums = (self._sums[name][0] + sums[0], self._sums[name][1] + sums[1])
         self._sums[name] = sums

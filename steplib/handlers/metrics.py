@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from steplib import errors
 from steplib.events import Event, Handler
-from steplib.output import closed_window
+from steplib.output import closed_window, window_sums
 
 # Names a record already uses; an aux value with one of these names is written as "aux.<name>".
 _RESERVED = ("loss", "num_targets", "updates", "skipped", "lr", "step", "epoch", "micro_step")
@@ -104,15 +104,9 @@ class TrainMetrics(Handler):
             self._updates += 1
 
     def _add(self, name: str, out: Any) -> None:
-        loss = out.loss.detach().float()
-        device = loss.device
-        targets = out.num_targets.to(device, torch.float32)
+        sums = window_sums(out)
+        device = sums[0].device
         skipped = out.skipped.to(device)
-        # A window counts once, on the call that closes it (its loss is the window's): a call
-        # inside an open window reports one micro-batch, which the window's loss counts again.
-        left_out = skipped | ~out.did_update.to(device)  # skipped, or no window closed
-        # where(), not a product: a skipped update's loss may be NaN, and NaN * 0 is NaN.
-        sums = (torch.where(left_out, 0.0, loss * targets), torch.where(left_out, 0.0, targets))
         before = self._sums.get(name)
         if before is None:
             self._sums[name] = (*sums, skipped.float())

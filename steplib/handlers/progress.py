@@ -32,7 +32,7 @@ from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.handlers.terminal import tqdm_class
-from steplib.output import closed_window
+from steplib.output import closed_window, window_sums
 
 
 class ProgressBar(Handler):
@@ -187,15 +187,11 @@ class ProgressBar(Handler):
         for name, out in outputs.items():
             if any(out is seen for seen in added):  # this batch's, added at micro_step_end
                 continue
-            loss = out.loss.detach().float()
-            skipped = out.skipped.to(loss.device).expand_as(loss)
-            closed = closed_window(out).to(loss.device).expand_as(loss)
-            count = out.num_targets.detach().float().to(loss.device)
-            targets = torch.where(closed, count, 0.0)
-            # where(), not a product: NaN * 0 is NaN.
-            kept = torch.where(skipped, 0.0, targets)
-            weighted = torch.where(kept > 0, loss * kept, 0.0)
-            counted = torch.where(closed.any(), count, 0.0).reshape(-1)[:1]  # the rate's count
+            weighted, kept = window_sums(out)
+            skipped = out.skipped.to(kept.device).expand_as(kept)
+            count = out.num_targets.detach().float().to(kept.device)
+            closed = closed_window(out).to(kept.device).any()
+            counted = torch.where(closed, count, 0.0).reshape(-1)[:1]  # the rate's count
             sums = (counted, kept, weighted, skipped.float())
             if name in self._sums:
                 sums = tuple(a + b for a, b in zip(self._sums[name], sums, strict=True))
