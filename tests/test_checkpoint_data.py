@@ -238,3 +238,45 @@ def test_a_sharded_position_with_stale_worker_states_is_refused() -> None:
     next(iterator)
     with pytest.raises(ConfigError, match="snapshot_every_n_steps=1"):
         loader.state_dict()
+
+
+class _OwnGenerator(torch.utils.data.Dataset[torch.Tensor]):
+    """Sample ``i`` with noise from a generator of the dataset's own, kept in its state."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(7)
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, int(torch.randint(1000, (), generator=self.generator))])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("cut", [1, 3, 4, 6])  # 3 batches an epoch: 3 and 6 end one
+def test_a_datasets_own_state_resumes_without_workers(cut: int, shard: bool, tmp_path: Any) -> None:
+    # Without workers the dataset lives on from epoch to epoch in the main process. torchdata
+    # keeps its state only inside an unsharded epoch: a save at an epoch's end, or any save of
+    # a shard=True loader, resumed its generator from the seed, and the augmentations repeated.
+    def loader() -> ResumableLoader:
+        return resumable_loader(_OwnGenerator(), batch_size=2, seed=3, shard=shard)
+
+    want = [b for epoch in _epochs(loader(), 3) for b in epoch]
+    interrupted, seen = loader(), []
+    for _ in range(-(-cut // 3)):  # as a run saves at an update: the epoch's pass still open
+        iterator = iter(interrupted)
+        seen += [next(iterator).tolist() for _ in range(min(3, cut - len(seen)))]
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    url = save(state, str(tmp_path), data=interrupted)
+    resumed = loader()
+    load(url, state, data=resumed)
+    rest = [b for epoch in _epochs(resumed, 3) for b in epoch]
+    assert (seen + rest)[: len(want)] == want

@@ -34,6 +34,8 @@ from steplib.errors import ConfigError, describe
 # torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
 # that another version degrades to "position unknown" instead of failing.
 FINISHED = "_iterator_finished"
+# The key of the dataset's own state in a position, without workers (see _dataset_state).
+DATASET = "dataset"
 
 
 def batches_yielded(loader_state: Mapping[str, Any]) -> int | None:
@@ -107,16 +109,33 @@ class ResumableLoader(StatefulDataLoader):
             in the global order}`` (see ``ShardedSampler.position``), which any world size
             can continue from, ``"workers": the state of each worker process}`` (mid-epoch,
             with workers; loaded on the same world size, batch size and ``num_workers``).
+            Both hold ``"dataset"``: without workers, the dataset's own ``state_dict()``
+            (``None`` when it has none; a sharded one is loaded on the same world size).
         """
         if isinstance(self.sampler, ShardedSampler):
-            return self._sharded_state()
+            return {**self._sharded_state(), DATASET: self._dataset_state()}
         loader_state = super().state_dict()  # may create the epoch's iterator (and draw)
         return {
             "loader": loader_state,
             "generator": self.generator.get_state(),
             "epoch_start_generator": self._epoch_start_rng.clone(),
             "layout": self._layout(),
+            DATASET: self._dataset_state(),
         }
+
+    def _dataset_state(self) -> Any:
+        # Without workers the dataset lives on in this process from epoch to epoch, its own
+        # state (an augmentation generator, a curriculum) with it; torchdata keeps that state
+        # only inside an epoch of an unsharded loader, so a resume at an epoch's end, or any
+        # sharded one, would start it afresh. (Workers copy the dataset at each pass's start.)
+        stateful = all(
+            callable(getattr(self.dataset, m, None)) for m in ("state_dict", "load_state_dict")
+        )
+        return self.dataset.state_dict() if stateful and self.num_workers == 0 else None
+
+    def _load_dataset_state(self, state_dict: Mapping[str, Any]) -> None:
+        if state_dict.get(DATASET) is not None and self.num_workers == 0:
+            self.dataset.load_state_dict(state_dict[DATASET])
 
     def _layout(self) -> dict[str, Any]:
         # What the position's batch count and sample order mean: loaded into a loader that
@@ -167,6 +186,7 @@ class ResumableLoader(StatefulDataLoader):
                 "did (the same dataset, batch_size, shuffle and num_workers); to resume with "
                 "another batch size, use resumable_loader(..., shard=True) in both runs."
             )
+        self._load_dataset_state(state_dict)
         full = super().__len__()
         self.epoch_completed_on_load = yielded is not None and yielded >= full and not finished
         if self.epoch_completed_on_load or finished:
@@ -226,6 +246,8 @@ class ResumableLoader(StatefulDataLoader):
             saved = states and [position["world_size"], position["batch_size"], len(states)]
             here = [self.sampler.world_size, self.batch_size or 1, self.num_workers]
             self.dataset.resume_states = states if saved == here else None
+        if position["world_size"] == self.sampler.world_size:  # each rank's dataset its own
+            self._load_dataset_state(state_dict)
 
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
@@ -319,7 +341,8 @@ def resumable_loader(
     parameters then follow the uninterrupted run on the new world size when the samples per
     update are the same (keep ``batch_size x world_size x accumulation``). What is not
     carried over: the per-rank RNG states (dropout continues from the process's own; on the
-    same world size, ``batch_size`` and ``num_workers`` they are, the workers' too). Without
+    same world size, ``batch_size`` and ``num_workers`` they are, the workers' too) and, without
+    workers, the dataset's own ``state_dict`` (carried on the same world size). Without
     ``shard=True`` each rank's position is its own and ``load`` refuses it on another world
     size.
 
