@@ -30,6 +30,7 @@ from steplib.handlers import (
     event_record,
 )
 from tests.host_reads import on_host_read
+from tests.reference import RecordingSink
 
 
 def _setup(seed: int = 0):
@@ -526,3 +527,54 @@ def test_a_tensor_from_a_log_source_is_written_as_the_number_it_holds(tmp_path: 
     row = next(csv.DictReader(path.read_text().splitlines()))
     assert torch.tensor(float(row["acc"])) == torch.tensor(0.123456789)  # the same float32
     assert orjson.loads(row["vec"]) == [1.5, 2.5]
+
+
+@pytest.mark.parametrize("stop_at", [5, 6, None])
+def test_log_writes_the_last_update_of_a_run_that_ends_between_its_intervals(
+    stop_at: int | None,
+) -> None:
+    # Log(every=N) wrote nothing for the updates after its last multiple: a run stopped early
+    # (a time limit, a stop file) or one of 7 updates with every=3 ended its log at update 6,
+    # without the last losses. The last update is now written at fit_end, with the means of
+    # what came after the last record; a run that ends on a multiple gets no second record.
+    from steplib.events import Stop
+    from steplib.handlers import TrainMetrics
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = [torch.randn(4, 2) for _ in range(7)]
+    losses = []
+
+    def loss_fn(model, batch):
+        loss = model(batch).pow(2).mean()
+        losses.append(loss.item())
+        return loss
+
+    def stopper(event: Event) -> Stop | None:
+        return Stop("enough") if event.step == stop_at else None
+
+    sink, train = RecordingSink(), TrainMetrics()
+    events = Events(train, Log(sink, sources=[train.read], every=3)).on("step_end", stopper)
+    run(make_train_step(loss_fn), state, batches, events=events)
+    last = stop_at or 7
+    assert [r["step"] for r in sink.records] == sorted({3, 6, last} & set(range(1, last + 1)))
+    since = losses[(last - 1) // 3 * 3 : last]
+    assert sink.records[-1]["updates"] == len(since)
+    assert sink.records[-1]["loss"] == pytest.approx(sum(since) / len(since))
+
+
+def test_log_writes_nothing_more_when_the_run_raises() -> None:
+    # A source may all-reduce, and after an exception the other ranks need not be at fit_end.
+    sink = RecordingSink()
+
+    def loss_fn(model, batch):
+        if batch == 2:
+            raise RuntimeError("boom")
+        return model(torch.ones(1, 2)).sum()
+
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    with pytest.raises(RuntimeError, match="boom"):
+        run(make_train_step(loss_fn), state, range(4), events=[Log(sink, every=5)])
+    assert sink.records == []

@@ -243,7 +243,9 @@ class Log(Handler):
             :class:`~steplib.handlers.Throughput`.
         every: write every this many updates when registered with :meth:`attach` (or in a
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
-            yourself with ``events.on``.
+            yourself with ``events.on``. Attached, it also writes the run's last update at
+            ``fit_end`` when that was not due (a stop, or a run of 105 updates with
+            ``every=10``), so that the updates after the last interval are in the log.
 
     Raises:
         ConfigError: a sink that is not a :class:`Sink`, a source that is not callable, or
@@ -285,6 +287,7 @@ class Log(Handler):
         self.sinks = sinks
         self.sources = tuple(sources)
         self.every = check_every("Log(every=...)", every)
+        self._unwritten: Event | None = None  # the last step_end, when it was not due
 
     def on_attach(self, events: Events) -> None:
         """Refuse to be attached without ``every`` (close the sinks yourself, or use the
@@ -301,8 +304,21 @@ class Log(Handler):
 
     def on_step_end(self, event: Event) -> None:
         """Write every ``every`` updates (or batches)."""
+        self._unwritten = event
         if self.every is not None and due(self.every, event):
+            self._unwritten = None
             self(event)
+
+    def on_fit_end(self, event: Event) -> None:
+        """Write the run's last update if it was not due: its sources hold what came after
+        the last record (a stop's, or the run's last partial interval)."""
+        unwritten, self._unwritten = self._unwritten, None
+        if unwritten is not None:
+            self(unwritten)
+
+    def on_exception(self, event: Event) -> None:
+        # Nothing written: a source may all-reduce, and the other ranks need not be here.
+        self._unwritten = None
 
     def __call__(self, event: Event) -> None:
         """Write one record of ``event`` (registered with ``events.on``: on each call)."""
