@@ -64,7 +64,8 @@ def test_every_n_batches_fires_on_the_update_that_holds_the_nth_batch(tmp_path: 
     events.on("step_end", lambda e: seen.append(e.step), every=Batches(10))
     events.on("micro_step_end", lambda e: micro.append(e.micro_step), every=Batches(10))
     run(STEP, _state(), data(), events=events, max_epochs=2)
-    assert seen == [r["step"] for r in sink.records] == UPDATES
+    assert seen == UPDATES
+    assert [r["step"] for r in sink.records] == [*UPDATES, 10]  # and the run's last, at its end
     assert [step for step, _ in evaluator.history] == UPDATES
     assert [c.step for c in list_checkpoints(str(tmp_path))] == UPDATES
     assert micro == [10, 20, 30]

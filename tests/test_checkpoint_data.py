@@ -269,7 +269,7 @@ def test_a_datasets_own_state_resumes_without_workers(cut: int, shard: bool, tmp
         return resumable_loader(_OwnGenerator(), batch_size=2, seed=3, shard=shard)
 
     want = [b for epoch in _epochs(loader(), 3) for b in epoch]
-    interrupted, seen = loader(), []
+    interrupted, seen = loader(), list[list[int]]()
     for _ in range(-(-cut // 3)):  # as a run saves at an update: the epoch's pass still open
         iterator = iter(interrupted)
         seen += [next(iterator).tolist() for _ in range(min(3, cut - len(seen)))]

@@ -1,18 +1,13 @@
-"""Data loaders whose position and shuffle order are part of a checkpoint.
+"""Data loaders whose position and shuffle order are part of a checkpoint: a resumed run sees
+the batches of the uninterrupted one, in the same order, across epoch boundaries too.
 
-:func:`resumable_loader` builds a torchdata ``StatefulDataLoader`` with its own seeded
-generator. ``loader.state_dict()`` then says where the current epoch is and how the next ones
-will be shuffled, and a resumed run sees exactly the batches the uninterrupted run would have
-seen, in the same order, across epoch boundaries too.
-
-Why a subclass and not a plain ``StatefulDataLoader``: in torchdata 0.11 a plain one resumes
-the *current* epoch exactly but shuffles the following epochs differently. Its iterator draws
-the epoch's permutation and then a worker base seed from the same generator, and its restore
-rewinds the generator to before the permutation only, so the base-seed draw is lost and every
-later epoch is shuffled from a different generator state. :class:`ResumableLoader` saves the
-generator state itself and sets it back after torchdata's restore. It also reports, through
-``len()``, how many batches the next pass yields, so that a loop that closes the last
-accumulation window on the last batch still finds it after a resume mid-epoch.
+Why a subclass of torchdata's ``StatefulDataLoader``: in torchdata 0.11 a plain one resumes the
+current epoch but shuffles the later ones differently (its restore replays the epoch's
+permutation from the generator, not the worker base seed drawn after it).
+:class:`ResumableLoader` saves the generator itself and sets it back after torchdata's restore;
+its ``len()`` is what the next pass yields, so that the last accumulation window of a resumed
+epoch closes on its last batch; and it keeps what torchdata does not: a sharded position, the
+workers' generators, and the state of a dataset that lives in the main process.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
@@ -124,14 +119,10 @@ class ResumableLoader(StatefulDataLoader):
         }
 
     def _dataset_state(self) -> Any:
-        # Without workers the dataset lives on in this process from epoch to epoch, its own
-        # state (an augmentation generator, a curriculum) with it; torchdata keeps that state
-        # only inside an epoch of an unsharded loader, so a resume at an epoch's end, or any
-        # sharded one, would start it afresh. (Workers copy the dataset at each pass's start.)
-        stateful = all(
-            callable(getattr(self.dataset, m, None)) for m in ("state_dict", "load_state_dict")
-        )
-        return self.dataset.state_dict() if stateful and self.num_workers == 0 else None
+        # Without workers the dataset lives on from epoch to epoch in this process, its state
+        # with it; torchdata keeps that only inside an unsharded epoch. (Workers copy it anew.)
+        stateful = isinstance(self.dataset, Stateful) and self.num_workers == 0
+        return self.dataset.state_dict() if stateful else None
 
     def _load_dataset_state(self, state_dict: Mapping[str, Any]) -> None:
         if state_dict.get(DATASET) is not None and self.num_workers == 0:
@@ -331,20 +322,11 @@ def resumable_loader(
             every rank would give every rank the same batches, so the global batch would be
             ``world_size`` copies of one.
 
-    Resuming on another number of ranks: with ``shard=True`` a checkpoint keeps the epoch and
-    the number of samples all ranks have consumed together, not a per-rank position. Loaded on
-    another world size (a sharded checkpoint: the model and optimizer are resharded by DCP),
-    every rank continues with its share of the rest of that epoch: exactly the batches an
-    uninterrupted run on the new world size yields from that point on, when the new ranks
-    together consume a whole number of batches in it (``batch_size x world_size`` divides the
-    count; otherwise ``load`` raises ``ConfigError`` with the batch size to use). The
-    parameters then follow the uninterrupted run on the new world size when the samples per
-    update are the same (keep ``batch_size x world_size x accumulation``). What is not
-    carried over: the per-rank RNG states (dropout continues from the process's own; on the
-    same world size, ``batch_size`` and ``num_workers`` they are, the workers' too) and, without
-    workers, the dataset's own ``state_dict`` (carried on the same world size). Without
-    ``shard=True`` each rank's position is its own and ``load`` refuses it on another world
-    size.
+    Resuming on another number of ranks (``shard=True``): the position is the epoch and the
+    samples all ranks consumed together, so every rank of the new world size continues with its
+    share of the rest of the epoch; the RNG states, the workers' and, without workers, the
+    dataset's own state are carried on the same world size only. What is exact and what is
+    refused: docs/resume_on_another_world_size.md.
 
     Returns:
         A :class:`ResumableLoader`.
