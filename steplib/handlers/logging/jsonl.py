@@ -17,7 +17,9 @@ class JsonlLogger(FileSink):
     The file is opened when the logger is built, so a bad destination fails before training
     starts, and each line is flushed as it is written, so a crash loses at most the line being
     written. ``url`` is anything fsspec opens: a local path (parent directories are created),
-    ``memory://...``, ``file://...``, or a remote filesystem that supports appending.
+    ``memory://...``, ``file://...``, or a remote filesystem that supports appending. JSON has
+    no NaN or infinity: a diverged loss is written as ``null`` (``CSVLogger`` writes ``nan`` and
+    ``inf``, TensorBoard keeps the float).
 
     Args:
         url: where to write.
