@@ -28,6 +28,33 @@ def closed_window(out: Any) -> torch.Tensor:
     return out.did_update | out.skipped
 
 
+def update_outputs(event: Any) -> dict[str, Any]:
+    """The outputs of ``event`` that report an update, by step name (``""`` for one step).
+
+    At a ``step_end`` of a run of several steps, each step's whose call closed its window
+    (updating or skipping): another step's window may still be open there (D accumulating 2
+    batches, G counted and updating on each), and its call then reported one micro-batch,
+    whose loss and targets are no update's. At other events, the event's outputs as they are
+    (``{}`` when it has none). Reads one bool per step at such a ``step_end`` (a host sync):
+    for a log or a save, which read the values anyway.
+
+    Example:
+        >>> from types import SimpleNamespace as Out
+        >>> closed = Out(did_update=torch.tensor(True), skipped=torch.tensor(False))
+        >>> open_ = Out(did_update=torch.tensor(False), skipped=torch.tensor(False))
+        >>> event = Out(name="step_end", output=closed, outputs={"D": open_, "G": closed})
+        >>> list(update_outputs(event))
+        ['G']
+    """
+    outputs = getattr(event, "outputs", None)
+    if outputs is None:
+        output = getattr(event, "output", None)
+        return {} if output is None else {"": output}
+    if getattr(event, "name", None) != "step_end":
+        return dict(outputs)
+    return {name: out for name, out in outputs.items() if bool(closed_window(out).any())}
+
+
 def window_sums(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """What the window that this call applied adds to a token-weighted mean loss: its loss times
     its targets, and its targets (float32 at least, on the loss's device); zeros where the call

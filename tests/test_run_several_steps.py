@@ -28,7 +28,7 @@ from steplib import (
     run,
     skip_nonfinite,
 )
-from steplib.checkpoint import load, save
+from steplib.checkpoint import checkpoint_every, list_checkpoints, load, save
 from steplib.errors import NonFiniteError
 from steplib.handlers import GradNormMonitor, LRMonitor, NonFiniteAlarm, TrainMetrics
 from steplib.handlers.logging import event_record
@@ -144,8 +144,9 @@ def test_events_carry_each_steps_output_and_logs_and_the_bar_show_each_loss() ->
     state = run(_steps(), _state(), _batches(6), events=events)
     assert [step for step, _ in seen] == [1, 2]  # step_end follows state.step: G's updates
     assert all(names == ("D", "G") for _, names in seen)
-    assert {"D/loss", "G/loss", "G/lr", "D/num_targets"} <= records[0].keys()
-    assert "loss" not in records[0]
+    assert {"D/loss", "G/loss", "G/lr", "D/num_targets"} <= records[1].keys()
+    assert "D/loss" not in records[0]  # at batch 3 D's window is open: no update of D
+    assert "loss" not in records[0] and "loss" not in records[1]
     assert records[-1]["G/loss"] == pytest.approx(bar.stats["G/loss"])
     assert state.step == 2 and state["D"].step == 3
 
@@ -364,3 +365,35 @@ def test_the_lr_monitor_reads_every_optimizer_under_its_name() -> None:
     events = Events().on("step_end", lambda event: reads.append(LRMonitor().read(event)))
     run(_steps(), _state(), _batches(3), events=events)
     assert reads[-1] == {"G/lr": pytest.approx(1e-2), "D/lr": pytest.approx(0.1)}
+
+
+def test_a_record_at_an_update_holds_each_steps_values_only_of_a_window_it_closed(
+    tmp_path: Any,
+) -> None:
+    # G (counted) closes a window every 3 batches, D every 2: at G's first update (batch 3)
+    # D's window is open. The record (Log's default source) and a checkpoint's metrics wrote
+    # as D/loss that call's one micro-batch (num_targets 1), a loss no update of D had.
+    data = _batches(6)
+    state, steps, closed = _state(), _steps(), {}
+    for index, batch in enumerate(data):  # the reference: the steps in your own loop
+        for name, step in steps.items():
+            state, out = step(state, batch, close_window=index == len(data) - 1)
+            if bool(out.did_update):
+                closed[(name, state[name].micro_step)] = (out.loss.item(), int(out.num_targets))
+    records: list[dict[str, Any]] = []
+    ckpt = checkpoint_every(str(tmp_path / "ckpt"), every=1)
+    events = Events().on("step_end", lambda event: records.append(event_record(event)))
+    run(_steps(), _state(), data, events=events.add(ckpt))
+    saved = [c.metrics for c in list_checkpoints(str(tmp_path / "ckpt"))]
+    assert [r["micro_step"] for r in records] == [3, 6]
+    for record, metrics in zip(records, saved, strict=True):
+        for name in ("D", "G"):
+            window = closed.get((name, record["micro_step"]))
+            if window is None:  # D at batch 3: its window is open
+                assert f"{name}/loss" not in record and f"{name}/num_targets" not in record
+                assert f"{name}/loss" not in metrics
+            else:
+                assert record[f"{name}/loss"] == pytest.approx(window[0], rel=1e-6)
+                assert record[f"{name}/num_targets"] == window[1]
+                assert metrics[f"{name}/loss"] == pytest.approx(window[0], rel=1e-6)
+    assert "D/loss" not in records[0] and "D/loss" in records[1]

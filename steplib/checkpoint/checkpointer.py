@@ -41,6 +41,7 @@ from steplib.data.epoch_end import at_epoch_end
 from steplib.distributed import is_main, world_size
 from steplib.errors import CheckpointError, CheckpointWarning, ConfigError
 from steplib.events import Emitted, Event, Handler
+from steplib.output import update_outputs
 from steplib.state import EVALUATED_AT, TrainState
 
 _log = logging.getLogger("steplib.checkpoint")
@@ -49,9 +50,10 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 
 def default_metrics(event: Event) -> dict[str, float]:
     """What a checkpoint records without ``metrics``: ``{name: float}`` of the update's
-    ``loss`` (with several steps each one's, ``D/loss``, as the logs name them) and each
-    number in ``state.extras`` evaluated at this update."""
-    outputs = getattr(event, "outputs", None) or {"": getattr(event, "output", None)}
+    ``loss`` (with several steps each one's, ``D/loss``, as the logs name them: of the steps
+    whose window closed at this update) and each number in ``state.extras`` evaluated at this
+    update."""
+    outputs = update_outputs(event)
     losses = {f"{n}/loss" if n else "loss": getattr(o, "loss", None) for n, o in outputs.items()}
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)

@@ -42,6 +42,7 @@ from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
+from steplib.output import update_outputs
 
 Record = dict[str, Any]
 Source = Callable[[Event], Mapping[str, Any]]
@@ -96,7 +97,9 @@ def event_record(event: Event) -> Record:
         measured), ``skipped`` (when an update was skipped) and each aux value by its name
         (``aux.<name>`` if the name is one of the keys above). A one-element tensor becomes a
         number, a larger one a (nested) list. In a run of several steps each step's values
-        are under its name: ``D/loss``, ``G/loss``, ``G/lr``, ...
+        are under its name: ``D/loss``, ``G/loss``, ``G/lr``, ...; at a ``step_end``, only
+        of the steps whose window closed on that batch (a step whose window is still open
+        there reported one micro-batch, no update: it has no values in the record).
 
     Example:
         >>> import torch
@@ -114,9 +117,9 @@ def event_record(event: Event) -> Record:
     record = event_counters(event)
     if event.output is None:
         return record
-    # Several steps (a GAN's D and G): each step's values under its name, "D/loss", "G/loss".
-    outputs = event.outputs or {"": event.output}
-    for name, out in outputs.items():
+    # Several steps (a GAN's D and G): each step's values under its name, "D/loss", "G/loss";
+    # at an update, only those of a step whose window closed on this batch.
+    for name, out in update_outputs(event).items():
         prefix = f"{name}/" if name else ""
         record[prefix + "loss"] = _number(out.loss)
         record[prefix + "lr"] = _number(out.lr)
