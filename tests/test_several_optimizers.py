@@ -246,6 +246,22 @@ def test_the_errors_say_which_optimizer_and_the_fix() -> None:
         make_train_step(g_loss, optimizer="G")(single, batch)
 
 
+def test_a_step_whose_loss_reaches_none_of_its_optimizers_parameters_is_refused() -> None:
+    # The steps' optimizer names swapped: D's loss (through G's detached output) reached none
+    # of G's parameters, so "G's" updates changed nothing, while G's loss trained D to call
+    # the fakes real; both counted as updates, in silence.
+    g, d = _nets()
+    state, batch = _state(g, d), _data(1)[0]
+    before = [p.clone() for p in g.parameters()]
+    swapped = r"optimizer 'G' reached none of its trainable.*optimizer='D'"
+    with pytest.raises(ConfigError, match=swapped):
+        make_train_step(d_loss, optimizer="G")(state, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, g.parameters(), strict=True))
+    # The right name trains: D's window holds its gradients.
+    state, _ = accumulate(make_train_step(d_loss, optimizer="D"), 2)(state, batch)
+    assert all(p.grad is not None for p in d.parameters())
+
+
 def test_one_scaler_shared_by_two_optimizers_is_refused_with_the_fix() -> None:
     # D's update grows or backs off the shared scale while G's window is open: G's earlier
     # micro-batches were scaled by the old scale and would be unscaled by the new one (with

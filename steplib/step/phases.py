@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from steplib.errors import TooManySkipsError
+from steplib.errors import ConfigError, TooManySkipsError
 from steplib.state import EMPTY_WINDOW, TrainState
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
@@ -63,10 +63,26 @@ def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
     if lane.name is None:
         loss.backward()
     else:  # what requires a gradient now: a parameter may have been (un)frozen since
-        loss.backward(inputs=[p for p in lane.params if p.requires_grad])
+        trained = [p for p in lane.params if p.requires_grad]
+        loss.backward(inputs=trained)
+        # backward(inputs=...) leaves a parameter the loss does not reach without a gradient,
+        # silently: a step named with another model's optimizer would "update" nothing.
+        if not any(p.grad is not None for p in trained):
+            _reached_none(lane.name)
     if plan.hooks:
         _call(plan, "after_backward", state)
     return out
+
+
+def _reached_none(name: str) -> None:
+    raise ConfigError(
+        f"the loss of the step for optimizer {name!r} reached none of its trainable parameters: "
+        "its backward computed no gradient for them, so its update would change nothing "
+        "while another model's loss went unused (the steps' optimizer names swapped, or the "
+        "trained model's output detached in the loss). Name the optimizer of the model this "
+        "loss trains: make_train_step(d_loss, optimizer='D'), make_train_step(g_loss, "
+        "optimizer='G')."
+    )
 
 
 def process_grads(
