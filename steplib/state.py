@@ -68,19 +68,18 @@ class Lane:
         fence: the :class:`~steplib.fence.UpdateFence` the next update waits at (async
             checkpoints hold their background copies there); one for every state derived from
             one ``TrainState.create``, and for every optimizer of it.
-        name: the optimizer's name when the state trains several, else ``None``.
-        params: the parameters it updates. The backward of a step for this optimizer
-            accumulates into those of them that require a gradient at that moment
-            (``loss.backward(inputs=...)``, decided per micro-batch as plain torch does, so a
-            parameter frozen or unfrozen later is handled), so the generator's step never adds
-            to the discriminator's open accumulation window.
+        name: the optimizer's name when the state trains several, else ``None``. The
+            backward of a step for a named optimizer accumulates into the parameters of its
+            groups that require a gradient at that moment (``loss.backward(inputs=...)``, read
+            per micro-batch as plain torch reads them, so a parameter frozen, unfrozen or
+            added with ``add_param_group`` later is handled), so the generator's step never
+            adds to the discriminator's open accumulation window.
         others: on the first optimizer's state, the other optimizers' states by name, as
             their steps left them; empty on theirs.
     """
 
     fence: UpdateFence
     name: str | None = None
-    params: tuple[torch.Tensor, ...] = ()
     others: Mapping[str, TrainState] = dataclasses.field(default_factory=lambda: _EMPTY)
 
 
@@ -199,8 +198,7 @@ class TrainState:
         for name in names:
             opt, sch, sc = optimizer[name], schedulers.get(name), scalers.get(name)
             check_pieces(modules, opt, sch, sc, key=f"[{name!r}]")
-            params = tuple(p for group in opt.param_groups for p in group["params"])
-            states[name] = cls._at_zero(modules, opt, sch, sc, extras, Lane(fence, name, params))
+            states[name] = cls._at_zero(modules, opt, sch, sc, extras, Lane(fence, name))
         check_disjoint({name: optimizer[name] for name in names})
         check_owners(model, {name: optimizer[name] for name in names})
         check_frozen(model, [optimizer[name] for name in names])

@@ -90,7 +90,7 @@ def test_a_flipped_byte_in_an_object_store_is_detected_and_named(memory_dir: str
         load(url, make_state())
 
 
-@pytest.mark.parametrize("version", [1, 3])  # steplib 0.1's; 0.2's development format
+@pytest.mark.parametrize("version", [1, 3, 4])  # steplib 0.1's; 0.2's development formats
 def test_an_older_format_is_refused_with_how_to_use_it(tmp_path: Path, version: int) -> None:
     url = save(train(make_state(), n=1), str(tmp_path))
     files = orjson.loads((Path(url) / "manifest.json").read_bytes())["files"]
@@ -110,6 +110,6 @@ def test_an_older_format_is_refused_with_how_to_use_it(tmp_path: Path, version: 
 
 def test_a_newer_format_says_upgrade(tmp_path: Path) -> None:
     url = save(make_state(), str(tmp_path))
-    _rewrite_manifest(url, version=5)
-    with pytest.raises(CorruptCheckpointError, match=r"format version 5 is newer .*upgrade"):
+    _rewrite_manifest(url, version=6)
+    with pytest.raises(CorruptCheckpointError, match=r"format version 6 is newer .*upgrade"):
         load(url, make_state())

@@ -140,7 +140,7 @@ def test_manifest_records_counters_versions_fingerprint_metrics_and_checksums(
     assert body["metrics"] == {"val": 0.5}
     assert body["versions"]["torch"] == torch.__version__
     assert set(body["files"]) == {"model.pt", "optimizer.pt", "train_state.pt"}
-    assert body["version"] == 4
+    assert body["version"] == 5
     assert all(len(f["xxh3_64"]) == 16 and f["bytes"] > 0 for f in body["files"].values())
     (info,) = list_checkpoints(memory_dir)
     assert (info.url, info.step, info.micro_step, info.metrics) == (url, 2, 4, {"val": 0.5})

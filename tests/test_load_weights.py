@@ -132,6 +132,23 @@ def test_ignore_mismatched_sizes_skips_other_shapes_and_reports_them(
         load_weights(model, pretrained["urls"][0], ignore_mismatched_sizes="yes")  # type: ignore[arg-type]
 
 
+def test_the_report_of_skipped_shapes_does_not_say_all_keys_matched(
+    pretrained: dict[str, Any],
+) -> None:
+    # torch's repr said "<All keys matched successfully>": a notebook showed it for a load
+    # that had kept the new head's own weights.
+    with pytest.warns(CheckpointWarning):
+        report = load_weights(
+            net(1, classes=5), pretrained["urls"][0], ignore_mismatched_sizes=True
+        )
+    shown = (
+        "LoadedWeights(missing_keys=[], unexpected_keys=[], "
+        "mismatched_keys=['head.weight', 'head.bias'])"
+    )
+    assert repr(report) == str(report) == shown
+    assert repr(load_weights(net(1), pretrained["urls"][0])) == "<All keys matched successfully>"
+
+
 def test_a_corrupt_checkpoint_is_caught_and_a_directory_falls_back(
     pretrained: dict[str, Any], tmp_path: Path
 ) -> None:

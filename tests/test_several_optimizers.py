@@ -474,3 +474,57 @@ def test_what_is_trained_follows_requires_grad_at_each_update_as_in_plain_torch(
     mine = _freeze_schedule_run(use_steplib=True)
     for a, b in zip(mine, plain, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_group_added_to_a_named_optimizer_later_trains_as_in_the_plain_loop() -> None:
+    # Gradual unfreezing in a state of several optimizers: the body joins the student's
+    # optimizer with add_param_group after two updates. The backward's inputs were the
+    # optimizer's parameters as TrainState.create saw them: the body got no gradient and
+    # never moved, in silence.
+    def build() -> tuple[nn.Sequential, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        student = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        critic = nn.Linear(3, 1)
+        student[0].requires_grad_(False)
+        opt_s = torch.optim.AdamW(student[2].parameters(), lr=1e-2)
+        return student, critic, opt_s, torch.optim.AdamW(critic.parameters(), lr=1e-2)
+
+    def unfreeze(student: nn.Sequential, opt_s: torch.optim.Optimizer) -> None:
+        student[0].requires_grad_(True)
+        opt_s.add_param_group({"params": student[0].parameters(), "lr": 1e-3})
+
+    def student_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model["S"](batch[0]), batch[1])
+
+    def critic_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return model["C"](model["S"](batch[0]).detach()).pow(2).mean()
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen))]
+    batches *= 6
+    student, critic, opt_s, opt_c = build()  # the plain loop
+    model = nn.ModuleDict({"S": student, "C": critic})
+    for i, batch in enumerate(batches):
+        if i == 2:
+            unfreeze(student, opt_s)
+        for loss_fn, opt in ((critic_loss, opt_c), (student_loss, opt_s)):
+            opt.zero_grad()
+            loss_fn(model, batch).backward()
+            opt.step()
+    student_sl, critic_sl, opt_s, opt_c = build()
+    body = [p.detach().clone() for p in student_sl[0].parameters()]
+    state = TrainState.create(
+        model={"S": student_sl, "C": critic_sl}, optimizer={"S": opt_s, "C": opt_c}
+    )
+    steps = [
+        make_train_step(critic_loss, optimizer="C"),
+        make_train_step(student_loss, optimizer="S"),
+    ]
+    for i, batch in enumerate(batches):
+        if i == 2:
+            unfreeze(student_sl, opt_s)
+        for step in steps:
+            state, _ = step(state, batch)
+    assert not torch.equal(next(student_sl[0].parameters()), body[0])  # the body trained
+    for got, want in zip(model.parameters(), state.model.parameters(), strict=True):
+        assert torch.equal(got, want)

@@ -154,6 +154,9 @@ def train_state_tree(state: TrainState, *, data: Any, extras: Mapping[str, Any])
         rng=capture_rng(),
         data=None if data is None else data.state_dict(),
         frozen=[name for name, p in params.items() if not p.requires_grad],
+        # A frozen body kept in eval mode (its BatchNorm statistics fixed) and switched back to
+        # train mode at the unfreeze: a resume past it must train in the mode the run had.
+        in_eval=[name for name, module in state.model.named_modules() if not module.training],
         optimizer_names=list(state.names),
         window_grads=grads if open_window else {},
         base=None,

@@ -31,7 +31,7 @@ from steplib.errors import (
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
 # Format 4: steplib 0.2. Older ones (1 and 2: steplib 0.1; 3: 0.2's development) are refused.
-VERSION = 4
+VERSION = 5
 MANIFEST = "manifest.json"
 SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
 _NAME = re.compile(r"^step-(\d{8,})(?:-micro-(\d{8,}))?$")

@@ -112,6 +112,9 @@ def restore_train_state(
             saved = grads.get(name)
             p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
             p.requires_grad_(name not in frozen)
+    in_eval = set(train_state["in_eval"])
+    for name, module in state.model.named_modules():
+        module.training = name not in in_eval  # each its own, as evaluation restores them
     for name, obj in extras.items():
         if name in train_state["objects"]:  # no handler states in a save() by hand
             obj.load_state_dict(train_state["objects"][name])

@@ -41,6 +41,18 @@ class LoadedWeights(_IncompatibleKeys):
         report.mismatched_keys = mismatched
         return report
 
+    def __repr__(self) -> str:
+        # torch's says "<All keys matched successfully>" when no name differs: not when
+        # weights of other shapes were skipped (a new head kept its own initialisation).
+        if not self.mismatched_keys:
+            return super().__repr__()
+        return (
+            f"LoadedWeights(missing_keys={self.missing_keys}, unexpected_keys="
+            f"{self.unexpected_keys}, mismatched_keys={self.mismatched_keys})"
+        )
+
+    __str__ = __repr__
+
 
 def load_weights(
     model: nn.Module | TrainState,

@@ -27,9 +27,8 @@ def ddp_models(
     model = state.model
     if isinstance(model, DistributedDataParallel):
         return [model], []
-    # The parameters this step's optimizer updates: its lane's with several optimizers, the
-    # one optimizer's otherwise (a student beside a frozen teacher).
-    params = {id(p) for p in state.lane.params or _optimized(state.optimizer)}
+    # The parameters this step's optimizer updates now (a student's beside a frozen teacher).
+    params = {id(p) for p in _optimized(state.optimizer)}
     wrapped = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
     found = [m for m in wrapped if any(id(p) in params for p in m.parameters())]
     if found:

@@ -62,8 +62,9 @@ def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
     # backward through the discriminator leaves the discriminator's open window alone.
     if lane.name is None:
         loss.backward()
-    else:  # what requires a gradient now: a parameter may have been (un)frozen since
-        trained = [p for p in lane.params if p.requires_grad]
+    else:  # the optimizer's parameters now: one may have been (un)frozen or added since
+        groups = state.optimizer.param_groups
+        trained = [p for g in groups for p in g["params"] if p.requires_grad]
         loss.backward(inputs=trained)
         # backward(inputs=...) leaves a parameter the loss does not reach without a gradient,
         # silently: a step named with another model's optimizer would "update" nothing.
