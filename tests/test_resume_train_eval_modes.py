@@ -76,3 +76,35 @@ def test_a_run_resumed_past_a_change_of_modes_trains_in_the_saved_modes(tmp_path
     want = model.state_dict()
     for name, value in resumed.model.state_dict().items():  # BatchNorm statistics too
         assert torch.equal(value, want[name]), name
+
+
+def test_a_ddp_checkpoint_resumed_into_a_plain_model_keeps_what_was_frozen_and_in_eval(
+    tmp_path: Path,
+) -> None:
+    # The frozen parameters and the modules in eval mode are recorded by name. A checkpoint of
+    # a DDP model recorded "module.0.0.weight"; resumed on one process into the plain model
+    # (DCP reshards the tensors), no name matched: the frozen body trained again and its
+    # BatchNorms left eval mode, in silence. Names are now recorded as DCP gives them.
+    from steplib.distributed import apply_ddp
+    from steplib.testing import run_ranks
+
+    def saved(rank: int, world: int) -> list[bool]:
+        model, body = _model()
+        ddp = apply_ddp(model)
+        state = sl.TrainState.create(model=ddp, optimizer=_optimizer(model, body))
+        sl.checkpoint.save(state, str(tmp_path))
+        del ddp, state
+        return [p.requires_grad for p in model.parameters()]
+
+    want = run_ranks(saved)[0]
+    model, body = _model()
+    optimizer = _optimizer(model, body)
+    modes = [m.training for m in model.modules()]
+    model.requires_grad_(True).train()  # built before its freeze, say: the checkpoint says
+    state = sl.TrainState.create(model=model, optimizer=optimizer)
+    url = sl.checkpoint.latest(str(tmp_path))
+    assert url is not None
+    sl.checkpoint.load(url, state)
+    assert [p.requires_grad for p in model.parameters()] == want
+    assert want.count(False) == len(list(body.parameters()))
+    assert [m.training for m in model.modules()] == modes

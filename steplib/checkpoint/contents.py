@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.checkpoint.manifest import fingerprint
-from steplib.distributed.parallelize import is_parallel_model
+from steplib.distributed.parallelize import is_parallel_model, plain_name
 from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
 from steplib.events import Events
 from steplib.seeding import capture_rng
@@ -146,17 +146,20 @@ def train_state_tree(state: TrainState, *, data: Any, extras: Mapping[str, Any])
     tree = lane_tree(state)
     tree["counters"]["epoch"] = state.epoch
     open_window = any(lane.window.size > 0 for lane in lanes(state))
-    params = dict(state.model.named_parameters())
+    model = state.model
+    params = dict(model.named_parameters())
     grads = {n: p.grad for n, p in params.items() if p.grad is not None}
     tree.update(
         extras=dict(state.extras),
         objects={name: obj.state_dict() for name, obj in extras.items()},
         rng=capture_rng(),
         data=None if data is None else data.state_dict(),
-        frozen=[name for name, p in params.items() if not p.requires_grad],
+        # By the names DCP gives (no DDP or compile wrapper in them): a sharded checkpoint
+        # resumes into a model wrapped otherwise (DDP on 2 ranks, plain on 1).
+        frozen=[plain_name(model, name) for name, p in params.items() if not p.requires_grad],
         # A frozen body kept in eval mode (its BatchNorm statistics fixed) and switched back to
         # train mode at the unfreeze: a resume past it must train in the mode the run had.
-        in_eval=[name for name, module in state.model.named_modules() if not module.training],
+        in_eval=[plain_name(model, name) for name, m in model.named_modules() if not m.training],
         optimizer_names=list(state.names),
         window_grads=grads if open_window else {},
         base=None,

@@ -20,6 +20,7 @@ from steplib.checkpoint.contents import (
 )
 from steplib.checkpoint.manifest import fingerprint
 from steplib.data.epoch_end import restore_position
+from steplib.distributed.parallelize import plain_name
 from steplib.errors import ConfigError
 from steplib.seeding import restore_rng
 from steplib.state import TrainState, Window
@@ -79,7 +80,9 @@ def apply(
     if base is not None:
         # The checkpoint's frozen parameters (a resumed model is built before an unfreeze)
         # must be the same base here; the rest, what it holds.
-        weights, here = trainable_part(state.model, weights, set(train_state["frozen"]))
+        saved = set(train_state["frozen"])  # by plain names (a compiled model's have a prefix)
+        frozen = {name for name in weights if plain_name(state.model, name) in saved}
+        weights, here = trainable_part(state.model, weights, frozen)
         if here != base:
             raise ConfigError(
                 f"load: checkpoint {checkpoint} holds the trainable parameters alone "
@@ -111,10 +114,11 @@ def restore_train_state(
         for name, p in state.model.named_parameters():
             saved = grads.get(name)
             p.grad = None if saved is None else saved.to(device=p.device, dtype=p.dtype)
-            p.requires_grad_(name not in frozen)
+            p.requires_grad_(plain_name(state.model, name) not in frozen)
     in_eval = set(train_state["in_eval"])
     for name, module in state.model.named_modules():
-        module.training = name not in in_eval  # each its own, as evaluation restores them
+        # Each its own, as evaluation restores them; by plain names, as saved.
+        module.training = plain_name(state.model, name) not in in_eval
     for name, obj in extras.items():
         if name in train_state["objects"]:  # no handler states in a save() by hand
             obj.load_state_dict(train_state["objects"][name])

@@ -160,3 +160,25 @@ def inner_module(model: nn.Module) -> nn.Module:
             model = inner
         else:
             return model
+
+
+def plain_name(model: nn.Module, name: str) -> str:
+    """The name of a parameter or submodule of ``model`` without the ``module.`` and
+    ``_orig_mod.`` that DDP and ``torch.compile`` wrappers put in it, at any depth (a
+    ``ModuleDict`` of DDP models too): how DCP names it, so that what a checkpoint records by
+    name finds its module on another world size, wrapped otherwise.
+
+    Example:
+        >>> layer = torch.nn.Sequential(torch.nn.Linear(2, 1))
+        >>> plain_name(torch.compile(layer), "_orig_mod.0.weight")
+        '0.weight'
+    """
+    module: Any = model
+    kept = []
+    for part in name.split(".") if name else ():
+        inner = getattr(module, "_orig_mod", None) if part == "_orig_mod" else None
+        ddp = part == "module" and isinstance(module, DistributedDataParallel)
+        if not (ddp or isinstance(inner, nn.Module)):
+            kept.append(part)
+        module = getattr(module, part, None)
+    return ".".join(kept)
