@@ -334,3 +334,28 @@ def test_bad_named_sets_and_an_unknown_monitor_name_the_sets() -> None:
     with pytest.raises(ConfigError, match="'val_' or 'ood_'") as info:
         _train(evaluator, epochs=1)
     assert "ood_acc, ood_loss, val_acc, val_loss" in str(info.value)
+
+
+def test_an_iterator_as_validation_data_is_refused_when_the_evaluator_is_built() -> None:
+    # Before: the sanity evaluation took batches 0-1 (and pulled 2, lost), the first recorded
+    # value was the mean of batches 3-5 alone, and the next evaluation found no batch at all.
+    batches = _batches(6)
+    eval_step, metrics = make_eval_step(_eval_fn), _metrics()
+    for data in ((b for b in batches), iter(batches), {"val": iter(batches)}):
+        with pytest.raises(ConfigError, match=r"an iterator, which yields its batches once"):
+            Evaluator(eval_step, data, metrics=metrics, every=1)
+    Evaluator(eval_step, batches, metrics=metrics, every=1)  # re-iterable: fine
+
+
+def test_evaluate_pulls_no_batch_past_limit_batches() -> None:
+    # Evaluating one iterator chunk by chunk: each chunk is its own batches, none lost between.
+    batches, model = _batches(6), _model()
+    eval_step = make_eval_step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"))
+    remaining = iter(batches)
+    chunks = [evaluate(eval_step, model, remaining, metrics=MeanMetric(), limit_batches=3)]
+    chunks.append(evaluate(eval_step, model, remaining, metrics=MeanMetric(), limit_batches=3))
+    model.eval()
+    with torch.no_grad():  # the plain loop over each chunk
+        for chunk, part in zip(chunks, (batches[:3], batches[3:]), strict=True):
+            losses = torch.cat([F.cross_entropy(model(x), y, reduction="none") for x, y in part])
+            assert chunk["MeanMetric"] == pytest.approx(losses.mean().item(), abs=1e-6)

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from steplib import errors
 from steplib.data import on_model_device
+from steplib.data.shards import ShardedSampler
 from steplib.errors import ConfigError, describe
 from steplib.seeding import forked_rng
 from steplib.state import TrainState
@@ -207,7 +210,8 @@ def evaluate(
         state: the ``TrainState`` (its model is evaluated) or a module (e.g. ``ema.module``).
         data: an iterable of batches.
         metrics: a torchmetrics ``Metric``, ``MetricCollection`` or dict of ``Metric``.
-        limit_batches: evaluate at most this many batches (``None``: all).
+        limit_batches: evaluate at most this many batches (``None``: all); no batch past
+            them is pulled from ``data``, so an iterator goes on where the last call stopped.
 
     Returns:
         ``{name: value}``: a dict's or collection's names (a single metric is named by its
@@ -216,7 +220,8 @@ def evaluate(
 
     Raises:
         ConfigError: bad ``metrics`` or ``limit_batches``; outputs the metrics cannot take
-            (the message shows both).
+            (the message shows both); a loader whose sampler repeats or drops samples to
+            share the set among ranks (:func:`check_whole_set`).
         ValueError: ``data`` yielded no batches.
 
     Example:
@@ -232,6 +237,7 @@ def evaluate(
     from torchmetrics import Metric
 
     limit_batches = errors.optional_positive_int("evaluate", "limit_batches", limit_batches)
+    check_whole_set(data, owner="evaluate")
     collection = as_metrics(metrics)
     model = _model_of(state)
     first = next(iter(model.parameters()), None)
@@ -243,9 +249,8 @@ def evaluate(
     # step's own randomness) must not move training's generators (law 10).
     devices = [first.device] if first is not None else []
     with eval_mode(model), torch.no_grad(), forked_rng(devices):
-        for batch in data:
-            if limit_batches is not None and batches >= limit_batches:
-                break
+        # islice: no batch past the limit is pulled (from an iterator, it would be lost).
+        for batch in itertools.islice(data, limit_batches):
             _update(collection, eval_step(state, batch))
             batches += 1
     if batches == 0:
@@ -258,6 +263,54 @@ def evaluate(
     if isinstance(collection, Metric):
         computed = {type(collection).__name__: computed}
     return _host_values(computed)
+
+
+def check_whole_set(data: Any, *, owner: str) -> None:
+    """Refuse a loader whose sampler shares the set among ranks by repeating or dropping
+    samples: the synchronised metrics would then be over other samples than the set's.
+
+    ``DistributedSampler`` pads a set that the ranks do not divide with repeated samples
+    (``drop_last=False``) or drops the rest (``drop_last=True``), and ``resumable_loader(...,
+    shard=True)`` drops it: right for training, where an epoch only needs equal shares, wrong
+    for a metric, which would count a repeated sample twice or leave a dropped one out.
+
+    Args:
+        data: the batches (a ``DataLoader`` is looked into; anything else passes).
+        owner: the caller named in the error message.
+
+    Raises:
+        ConfigError: the loader's sampler repeats or drops samples (the message gives the fix).
+
+    Example:
+        >>> from torch.utils.data import DataLoader, DistributedSampler
+        >>> shares = DistributedSampler(range(5), num_replicas=2, rank=0, shuffle=False)
+        >>> check_whole_set(DataLoader(range(5), sampler=shares), owner="evaluate")
+        Traceback (most recent call last):
+        ...
+        steplib.errors.ConfigError: evaluate(data=...) received a DataLoader whose ...
+    """
+    batch_sampler = getattr(data, "batch_sampler", None)
+    for sampler in (getattr(data, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            # total_size: the samples the ranks draw together (DistributedSampler's own count)
+            size, ranks = len(cast(Sized, sampler.dataset)), sampler.num_replicas
+            used = sampler.total_size
+        elif isinstance(sampler, ShardedSampler):
+            size, ranks = sampler.size, sampler.world_size
+            used = size - size % ranks
+        else:
+            continue
+        if used == size:
+            continue
+        what = f"repeats {used - size}" if used > size else f"drops {size - used}"
+        raise ConfigError(
+            f"{owner}(data=...) received a DataLoader whose {type(sampler).__name__} {what} of "
+            f"the {size} samples to give each of {ranks} ranks an equal share, so the metrics "
+            f"(synchronised over the ranks) would be over {used} samples, not the set's {size}. "
+            "Give each rank its own share without padding: DataLoader(val_set, batch_size=..., "
+            "sampler=range(rank, len(val_set), world_size)) (the metrics synchronise unequal "
+            f"shares exactly), or a set whose length {ranks} divides."
+        )
 
 
 def _model_of(state: Any) -> nn.Module:

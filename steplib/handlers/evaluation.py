@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from math import inf
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from steplib import errors
@@ -24,7 +24,8 @@ from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState
-from steplib.handlers.eval_step import as_metrics, evaluate
+from steplib.handlers.eval_sets import combined_value, named_datasets, same_on_every_rank
+from steplib.handlers.eval_step import as_metrics, check_whole_set, evaluate
 from steplib.handlers.logging.base import Log, Sink, event_counters
 from steplib.handlers.stopping import BestValue
 from steplib.state import EVALUATED_AT, TrainState
@@ -86,10 +87,14 @@ class Evaluator(Handler):
     Raises:
         ConfigError: a bad argument: non-Metric metrics, ``every`` <= 0, neither ``every``
             nor ``at_epoch_end``, a ``mode`` other than min/max, an empty ``data`` mapping or
-            one with a name that is not a non-empty string, ``combine`` without several sets,
-            ``weights`` without ``combine`` or not one number >= 0 per set; at the first
+            one with a name that is not a non-empty string, a set that is an iterator (it
+            yields its batches once; pass a list or a DataLoader), ``combine`` without several sets,
+            ``weights`` without ``combine`` or not one number >= 0 per set; a set whose
+            sampler repeats or drops samples to share it among ranks (a
+            ``DistributedSampler`` of a set the ranks do not divide); at the first
             (sanity) evaluation, a ``monitor`` or ``combine`` metric that is not among the
-            values (the message lists them).
+            values (the message lists them); at any evaluation in a process group of several
+            ranks, a value that differs across the ranks (a metric not synchronised).
 
     Example:
         >>> import torch, torchmetrics
@@ -159,9 +164,11 @@ class Evaluator(Handler):
             prefix if prefix is not None else ("" if isinstance(data, Mapping) else "val_")
         )
         # Label -> set: the label goes in front of the metric names ("val_", "ood_").
-        self.datasets = _named_datasets(data, self.prefix)
+        self.datasets = named_datasets(data, self.prefix)
+        for batches in self.datasets.values():
+            check_whole_set(batches, owner="Evaluator")
         # Label -> weight of the combined value, and its name; {} and None without combine.
-        self.weights, self.combined = _combined_value(data, self.prefix, combine, weights)
+        self.weights, self.combined = combined_value(data, self.prefix, combine, weights)
         self.combine = combine
         if monitor is None:
             monitor = self.combined
@@ -218,12 +225,21 @@ class Evaluator(Handler):
             values.update({label + name: value for name, value in computed.items()})
         if self.combined is not None:
             values[self.combined] = self._weighted_mean(values)
+        same_on_every_rank(values)
         return values
 
     def sanity_check(self, event: Event) -> None:
         """Evaluate ``sanity_batches`` batches; check ``monitor``; keep nothing but
         :attr:`sanity_values`."""
-        self.sanity_values = self.run(event.state, limit_batches=self.sanity_batches)
+        # The sets' own generators as they were: the discarded pass must not change which
+        # samples, in which order, the next evaluation draws (nor a resumed run's, which
+        # makes a sanity pass of its own).
+        drawn = {label: gen.get_state() for label, gen in self._generators().items()}
+        try:
+            self.sanity_values = self.run(event.state, limit_batches=self.sanity_batches)
+        finally:
+            for label, gen in self._generators().items():
+                gen.set_state(drawn[label])
         self._monitored(self.sanity_values)
 
     def __call__(self, event: Event) -> NewState | Emitted:
@@ -263,7 +279,9 @@ class Evaluator(Handler):
 
     def state_dict(self) -> dict[str, Any]:
         """What decides its later records: the best value and its step, whether the last
-        evaluation improved it, the history and the last evaluated update. Attached to a run,
+        evaluation improved it, the history, the last evaluated update, and the state of each
+        set's own generator (a shuffling ``DataLoader``'s or ``resumable_loader``'s, which the
+        next evaluation draws its order from). Attached to a run,
         it is saved with each checkpoint and restored on resume (``checkpoint.contents``).
 
         Example:
@@ -284,6 +302,7 @@ class Evaluator(Handler):
             "improved": self.improved,
             "history": [[step, dict(values)] for step, values in self.history],
             "evaluated_step": self._evaluated_step,
+            "generators": {label: gen.get_state() for label, gen in self._generators().items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -294,6 +313,21 @@ class Evaluator(Handler):
         self.improved = bool(state["improved"])
         self.history = [(int(step), dict(values)) for step, values in state["history"]]
         self._evaluated_step = state["evaluated_step"]
+        generators = self._generators()
+        # Absent from a state saved by an earlier steplib: the sets draw from their seeds.
+        for label, drawn in state.get("generators", {}).items():
+            if label in generators:  # a checkpoint may hold it on another device
+                generators[label].set_state(torch.as_tensor(drawn, dtype=torch.uint8).cpu())
+
+    def _generators(self) -> dict[str, torch.Generator]:
+        """Each set's own generator, where it has one (``DataLoader(..., generator=...)``,
+        ``resumable_loader``): what the order of its next pass is drawn from. A set without
+        one draws from the global generators, which each evaluation forks (law 10)."""
+        return {
+            label: data.generator
+            for label, data in self.datasets.items()
+            if isinstance(getattr(data, "generator", None), torch.Generator)
+        }
 
     def _built(self) -> dict[str, Any]:
         return {"labels": list(self.datasets), "monitor": self.monitor}
@@ -322,71 +356,3 @@ class Evaluator(Handler):
         return (
             sum(self.weights[label] * float(values[name]) for name, label in names.items()) / total
         )
-
-
-def _named_datasets(data: Any, prefix: str) -> dict[str, Any]:
-    """``{label: batches}``: one set labelled ``prefix``, or each set of a mapping labelled
-    ``prefix + name + "_"``."""
-    if not isinstance(data, Mapping):
-        return {prefix: data}
-    bad = [name for name in data if not isinstance(name, str) or not name]
-    if not data or bad:
-        raise ConfigError(
-            f"Evaluator(data=...) received a mapping with the names {list(data)}; several "
-            "validation sets need non-empty string names, which prefix their values. Pass "
-            "e.g. data={'val': val_loader, 'ood': ood_loader} (values val_loss, ood_loss)."
-        )
-    return {f"{prefix}{name}_": batches for name, batches in data.items()}
-
-
-def _combined_value(
-    data: Any, prefix: str, combine: Any, weights: Any
-) -> tuple[dict[str, float], str | None]:
-    """``({label: weight}, name)`` of the combined value, checked; ``({}, None)`` without
-    ``combine``."""
-    if combine is None:
-        if weights is not None:
-            raise ConfigError(
-                f"Evaluator(weights=...) received {describe(weights)} without combine=...; the "
-                "weights weigh the sets' values of one metric. Pass combine='loss' too."
-            )
-        return {}, None
-    if not isinstance(data, Mapping):
-        raise ConfigError(
-            f"Evaluator(combine={combine!r}) needs several validation sets, but data is one "
-            f"({describe(data)}). Pass data={{'wiki': wiki_loader, 'code': code_loader}}, or "
-            "with one set leave combine out and monitor its value: monitor='val_loss'."
-        )
-    if not isinstance(combine, str) or not combine:
-        raise ConfigError(
-            f"Evaluator(combine=...) received {describe(combine)}; pass the name of the "
-            "metric whose values to combine over the sets, e.g. combine='loss'."
-        )
-    if weights is None:
-        weights = dict.fromkeys(data, 1.0)
-    if not isinstance(weights, Mapping) or set(weights) != set(data):
-        raise ConfigError(
-            f"Evaluator(weights=...) received {describe(weights)}; it must give one weight per "
-            f"validation set ({', '.join(map(repr, data))}), e.g. weights="
-            f"{ {name: 1.0 for name in data} }."
-        )
-    for set_name, weight in weights.items():
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < inf:
-            raise ConfigError(
-                f"Evaluator(weights=...) received {describe(weight)} for the set {set_name!r}; "
-                "a weight is a finite number >= 0 (0 leaves that set out of the mean), e.g. "
-                f"weights={ {name: 1.0 for name in data} }."
-            )
-    numbers = {set_name: float(weight) for set_name, weight in weights.items()}
-    if not sum(numbers.values()) > 0:
-        raise ConfigError(
-            f"Evaluator(weights={dict(weights)!r}) are all 0, so there is no weighted mean. "
-            "Give at least one set a positive weight."
-        )
-    name = f"{prefix}mean_{combine}"
-    if "mean" in data:
-        raise ConfigError(
-            f"Evaluator(combine={combine!r}): a validation set named 'mean' would give its "
-            f"value the combined value's name {name!r}. Rename that set."
-        )
-    return {f"{prefix}{set_name}_": w for set_name, w in numbers.items()}, name
