@@ -26,7 +26,7 @@ from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState
 from steplib.handlers.eval_step import as_metrics, evaluate
 from steplib.handlers.logging.base import Log, Sink, event_counters
-from steplib.handlers.stopping import BestValue
+from steplib.handlers.stopping import BestValue, one_number
 from steplib.state import EVALUATED_AT, TrainState
 
 if TYPE_CHECKING:
@@ -307,7 +307,7 @@ class Evaluator(Handler):
                 f"are: {', '.join(sorted(values))}. Pass one of those (names start with "
                 f"{' or '.join(repr(label) for label in self.datasets)})."
             )
-        return float(values[self.monitor])
+        return one_number("Evaluator", self.monitor, values[self.monitor])
 
     def _weighted_mean(self, values: Mapping[str, Any]) -> float:
         names = {label + str(self.combine): label for label in self.weights}
