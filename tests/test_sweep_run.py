@@ -17,7 +17,7 @@ from torch import nn
 
 import steplib as sl
 from steplib.checkpoint import load, save
-from steplib.handlers import Log, LRMonitor
+from steplib.handlers import Log, LRMonitor, export_best
 from steplib.sweep import (
     Copies,
     SuccessiveHalving,
@@ -52,7 +52,7 @@ def build(n: int = N) -> tuple[Copies, sl.TrainState, Any]:
     return copies, state, step
 
 
-def evaluator(copies: Copies, every: int = 4) -> sl.Evaluator:
+def evaluator(copies: Copies, every: int = 4, monitor: str | None = None) -> sl.Evaluator:
     eval_step = sl.make_eval_step(lambda m, b: m(b[0]) - b[1].expand(m.n, *b[1].shape))
     metrics = {"loss": per_copy_metric(torchmetrics.MeanSquaredError(), copies.n)}
     return sl.Evaluator(
@@ -60,6 +60,7 @@ def evaluator(copies: Copies, every: int = 4) -> sl.Evaluator:
         data(6, seed=9),
         metrics=metrics,
         every=every,
+        monitor=monitor,
     )
 
 
@@ -213,3 +214,20 @@ def test_lr_monitor_logs_each_copy_rate_not_the_schedule_factor() -> None:
     read = LRMonitor().read(sl.Event("step_end", state=state, step=5))
     factor = sl.warmup_cosine(warmup=3, total=40)(5)
     assert read == {"lr": pytest.approx([lr * factor for lr in LRS], rel=1e-12)}
+
+
+@pytest.mark.parametrize("watcher", ["Evaluator", "EarlyStopping", "export_best"])
+def test_a_handler_that_watches_one_number_is_refused_a_sweeps_per_copy_value(watcher: str) -> None:
+    copies, state, step = build()
+    if watcher == "Evaluator":
+        events = sl.Events(evaluator(copies, monitor="val_loss"))
+    else:
+        events = sl.Events(evaluator(copies))
+        handler: Any = (
+            sl.EarlyStopping("val_loss", patience=2)
+            if watcher == "EarlyStopping"
+            else export_best("memory://sweep-refused/model.pt", monitor="val_loss")
+        )
+        events.on("step_end", handler, every=4)
+    with pytest.raises(sl.ConfigError, match=r"'val_loss' is a list of 4 .*SweepEarlyStopping"):
+        sl.run(step, state, data(8), events=events)

@@ -27,7 +27,7 @@ from steplib.events import Emitted, Event, Handler, NewState
 from steplib.handlers.eval_sets import combined_value, named_datasets, same_on_every_rank
 from steplib.handlers.eval_step import as_metrics, check_whole_set, evaluate
 from steplib.handlers.logging.base import Log, Sink, event_counters
-from steplib.handlers.stopping import BestValue
+from steplib.handlers.stopping import BestValue, one_number
 from steplib.state import EVALUATED_AT, TrainState
 
 if TYPE_CHECKING:
@@ -341,7 +341,7 @@ class Evaluator(Handler):
                 f"are: {', '.join(sorted(values))}. Pass one of those (names start with "
                 f"{' or '.join(repr(label) for label in self.datasets)})."
             )
-        return float(values[self.monitor])
+        return one_number("Evaluator", self.monitor, values[self.monitor])
 
     def _weighted_mean(self, values: Mapping[str, Any]) -> float:
         names = {label + str(self.combine): label for label in self.weights}

@@ -116,14 +116,18 @@ class TrainMetrics(Handler):
         # Each micro-batch's aux goes into its window's sums; when the window closes they are
         # added to the interval's, unless it was skipped (its aux values are often NaN). A
         # flush reports no aux: it closes what the window's micro-batches added.
+        # A sweep's outputs hold one value per copy ([N]): each copy's aux is averaged over
+        # its own elements and kept unless that copy's update was skipped, as its own run's.
+        copies = tuple(out.loss.shape)
         closes = closed_window(out).to(device).any()
-        kept = closes & ~skipped.any()
+        kept = closes & ~skipped
         window, totals = self._open.setdefault(name, {}), self._aux.setdefault(name, {})
         values = {k: v for k, v in out.aux.items() if self.aux is None or k in self.aux}
         for key in dict.fromkeys([*window, *values]):
             total, count = window.get(key, (torch.zeros((), device=device),) * 2)
             if key in values:
-                total = total + values[key].detach().float().mean().to(device)
+                value = values[key].detach().float().reshape(*copies, -1).mean(-1)
+                total = total + value.to(device)
                 count = count + 1
             done, seen = totals.get(key, (torch.zeros((), device=device),) * 2)
             totals[key] = (done + torch.where(kept, total, 0.0), seen + torch.where(kept, count, 0))
@@ -195,36 +199,60 @@ class TrainMetrics(Handler):
         aux = [self._aux[n][k][i] for i in (0, 1) for n, k in keys]
         device = self._sums[names[-1]][0].device
         # A resumed interval's sums may sit on the CPU (as loaded) and the new ones on the GPU.
+        # Each is one number, or a sweep's one per copy: flattened into one read, split back.
         parts = [t.to(device).float() for name in names for t in self._sums[name]]
-        sums = torch.stack([*parts, *(t.to(device).float() for t in aux)])
+        extra = [t.to(device).float() for t in aux]
+        shapes = [t.shape for t in (*parts, *extra)]
+        sums = torch.cat([t.reshape(-1) for t in (*parts, *extra)])
         if keys and dist.is_available() and dist.is_initialized():
             # Aux values and their counts are per rank; the loss and targets a step reports are
             # already summed over ranks, so they are not reduced again.
-            local = sums[len(parts) :].clone()
+            first = sum(t.numel() for t in parts)
+            local = sums[first:].clone()
             dist.all_reduce(local)
-            sums = torch.cat([sums[: len(parts)], local])
-        values = sums.tolist()  # the one host read of the interval
+            sums = torch.cat([sums[:first], local])
+        flat = iter(sums.tolist())  # the one host read of the interval
+        values = [_unflat(flat, shape) for shape in shapes]
         record: dict[str, Any] = {"updates": self._updates}
         for i, name in enumerate(names):
             prefix = f"{name}/" if name else ""
             loss_sum, targets, skipped = values[3 * i : 3 * i + 3]
             lr = self._lr.get(name)
-            record[prefix + "loss"] = loss_sum / targets if targets > 0 else float("nan")
-            count = int(targets) if float(targets).is_integer() else targets
-            record[prefix + "num_targets"] = count
-            record[prefix + "lr"] = lr.item() if lr is not None else None
-            if skipped:
-                record[prefix + "skipped"] = int(skipped)
+            record[prefix + "loss"] = _each(_mean, loss_sum, targets)
+            record[prefix + "num_targets"] = _each(_count, targets)
+            record[prefix + "lr"] = None if lr is None else lr.tolist()
+            if any(skipped) if isinstance(skipped, list) else skipped:
+                record[prefix + "skipped"] = _each(int, skipped)
         totals, counts = (
             values[len(parts) : len(parts) + len(keys)],
             values[len(parts) + len(keys) :],
         )
         for (name, key), total, count in zip(keys, totals, counts, strict=True):
-            mean = total / count if count > 0 else float("nan")  # NaN: every window skipped
             prefix = f"{name}/" if name else ""
+            mean = _each(_mean, total, count)  # NaN: every window skipped
             record[prefix + (f"aux.{key}" if key in _RESERVED else key)] = mean
         self.reset()
         return record
+
+
+def _unflat(values: Any, shape: torch.Size) -> Any:
+    """The next number of ``values`` for a 0-dim sum, the next N (a list) for a sweep's."""
+    return next(values) if not shape else [next(values) for _ in range(shape.numel())]
+
+
+def _each(fn: Any, *values: Any) -> Any:
+    """``fn`` of one number each, or of each copy's numbers (a list) for a sweep."""
+    if isinstance(values[0], list):
+        return [fn(*one) for one in zip(*values, strict=True)]
+    return fn(*values)
+
+
+def _mean(total: float, count: float) -> float:
+    return total / count if count > 0 else float("nan")
+
+
+def _count(targets: float) -> int | float:
+    return int(targets) if float(targets).is_integer() else targets
 
 
 def _pair(saved: Any) -> tuple[torch.Tensor, torch.Tensor]:
