@@ -231,3 +231,11 @@ def test_a_handler_that_watches_one_number_is_refused_a_sweeps_per_copy_value(wa
         events.on("step_end", handler, every=4)
     with pytest.raises(sl.ConfigError, match=r"'val_loss' is a list of 4 .*SweepEarlyStopping"):
         sl.run(step, state, data(8), events=events)
+
+
+def test_an_ema_of_a_sweep_is_refused_with_the_fix() -> None:
+    # It failed inside its count with "output with shape [] doesn't match the broadcast shape
+    # [4]": one EMA counts one model's updates, while a sweep's copies update one by one.
+    copies, state, step = build()
+    with pytest.raises(sl.ConfigError, match=r"one per copy of a sweep.*copies\.copy\(i\)"):
+        sl.run(step, state, data(2), events=[sl.handlers.EMA(copies)])

@@ -199,6 +199,12 @@ class EMA(Handler):
                 "the EMA after the model is final (after wrapping or freezing)."
             )
         applied = torch.as_tensor(did_update).to(self._count.device, torch.float32)
+        if applied.dim() > 0:  # a sweep's: each copy updates (or is stopped) on its own
+            raise ConfigError(
+                f"EMA received did_update of shape {tuple(applied.shape)}, one per copy of a "
+                "sweep; an EMA averages one model, whose updates it counts as one. Average a "
+                "copy taken out after the sweep: EMA(copies.copy(i)) in its own run."
+            )
         self._count += applied
         decay: torch.Tensor | float = self.decay
         if self.warmup:
