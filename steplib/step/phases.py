@@ -19,6 +19,7 @@ import torch
 
 from steplib.errors import ConfigError, TooManySkipsError
 from steplib.state import EMPTY_WINDOW, TrainState
+from steplib.state_checks import trained
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
 from steplib.step.parts import Gradients, GradReport, Update
@@ -63,12 +64,11 @@ def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
     if lane.name is None:
         loss.backward()
     else:  # the optimizer's parameters now: one may have been (un)frozen or added since
-        groups = state.optimizer.param_groups
-        trained = [p for g in groups for p in g["params"] if p.requires_grad]
-        loss.backward(inputs=trained)
+        params = trained(state.optimizer)
+        loss.backward(inputs=params)
         # backward(inputs=...) leaves a parameter the loss does not reach without a gradient,
         # silently: a step named with another model's optimizer would "update" nothing.
-        if not any(p.grad is not None for p in trained):
+        if not any(p.grad is not None for p in params):
             _reached_none(lane.name)
     if plan.hooks:
         _call(plan, "after_backward", state)
