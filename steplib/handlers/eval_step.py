@@ -291,7 +291,7 @@ def check_whole_set(data: Any, *, owner: str) -> None:
         ...
         steplib.errors.ConfigError: evaluate(data=...) received a DataLoader whose ...
     """
-    batch_sampler = getattr(data, "batch_sampler", None)
+    batch_sampler: Any = getattr(data, "batch_sampler", None)
     if getattr(batch_sampler, "drop_last", False) is True:
         sampler, batch_size = batch_sampler.sampler, batch_sampler.batch_size
         size = len(sampler) if isinstance(sampler, Sized) else None  # an iterable set: unknown
