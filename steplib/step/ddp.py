@@ -21,7 +21,7 @@ from typing import Any
 
 from steplib.state import TrainState
 from steplib.step.core import Step
-from steplib.step.ddp_models import average_grads, ddp_models, several_models
+from steplib.step.ddp_models import average_grads, check_synced, ddp_models, several_models
 from steplib.step.parts import Part
 from steplib.step.ranks import RankSync, check_distributed_step
 
@@ -37,6 +37,8 @@ class DdpSync(RankSync):
 def _no_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:
     # Around forward *and* backward: DDP's reducer must see both inside no_sync.
     mine, others = ddp_models(state)  # first: an unwrapped model is refused on every call
+    if sync:  # once per window: an unfreeze since DDP was built is refused before it syncs
+        check_synced(mine)
     if others:
         return several_models(mine, others, sync)
     if sync:

@@ -73,6 +73,30 @@ def _refuse_unwrapped(
         )
 
 
+def check_synced(models: list[DistributedDataParallel]) -> None:
+    """Refuse parameters unfrozen since their DDP module was built: its reducer synchronises
+    the parameters that took gradients then, alone, so each rank would apply its own gradient
+    for the others and the ranks would drift apart, in silence."""
+    for model in models:
+        # DDP keeps no public record of what it synchronises; its logging data counts it.
+        logged: dict[str, Any] = getattr(model, "_get_ddp_logging_data", dict)()
+        built = logged.get("num_parameter_tensors")
+        ignored = model.parameters_to_ignore
+        now = [
+            n for n, p in model.module.named_parameters() if p.requires_grad and n not in ignored
+        ]
+        if isinstance(built, int) and len(now) > built:
+            raise ConfigError(
+                f"ddp_wrap: the DistributedDataParallel module ({type(model.module).__name__}) "
+                f"has {len(now)} parameters that take gradients, {built} when it was built: DDP "
+                "synchronises those alone, so each rank would apply its own gradient for the "
+                "ones unfrozen since, and the ranks would drift apart. Build it with every "
+                "parameter trainable, then freeze: apply_ddp(model, find_unused_parameters=True),"
+                " then body.requires_grad_(False) (DDP then synchronises each one from its "
+                "unfreeze on); or wrap the model in DDP again after the unfreeze."
+            )
+
+
 def average_grads(models: list[DistributedDataParallel]) -> None:
     """Average these models' gradients over the ranks by hand, as DDP's reducer would have
     (every parameter, so every rank sends the same layout)."""
