@@ -137,3 +137,21 @@ def test_a_run_unfrozen_after_its_start_resumes_over_the_base_it_saved(tmp_path:
     theirs = whole.model.state_dict()
     for name, mine in resumed.model.state_dict().items():
         assert torch.equal(mine, theirs[name]), name
+
+
+def test_a_parameter_trained_then_frozen_is_refused_at_the_save(tmp_path: Path) -> None:
+    # Frozen now, it counted as base: its trained values went into no checkpoint, and the
+    # resume into the pretrained model was refused as "another base", with the training lost.
+    def every_parameter_in_the_optimizer() -> sl.TrainState:
+        model = Adapted()  # the base too: torch skips a parameter without a gradient
+        return sl.TrainState.create(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+
+    state, step, data = every_parameter_in_the_optimizer(), sl.make_train_step(_loss), list(_data())
+    for batch in data[:2]:
+        state, _ = step(state, batch)
+    resumable = save(state, str(tmp_path), trainable_only=True)  # before the freeze: fine
+    state.model.up.requires_grad_(False)
+    state, _ = step(state, data[2])
+    with pytest.raises(ConfigError, match=r"up\.weight are frozen now but were trained"):
+        save(state, str(tmp_path), trainable_only=True)
+    assert load(resumable, every_parameter_in_the_optimizer()).step == 2

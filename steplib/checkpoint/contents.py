@@ -131,6 +131,7 @@ def gather(
     model, base = state.model, None
     weights = model.state_dict()
     if trainable_only:
+        check_base_untrained(state)
         weights, base = trainable_part(model, weights)
     train_state = {**train_state_tree(state, data=data, extras=extras), "base": base}
     named = {"optimizers": {name: state[name].optimizer.state_dict() for name in state.names}}
@@ -203,6 +204,21 @@ def read_tree(source: Any, checkpoint: str, file_name: str, *, mmap: bool = Fals
             f"weights_only=True) ({err}): written by another program or torch version. Load "
             "it with that version, or use another checkpoint."
         ) from err
+
+
+def check_base_untrained(state: TrainState) -> None:
+    """``ConfigError`` for frozen parameters that were trained (their optimizer holds state for
+    them): left out as base, their trained values would be in no checkpoint."""
+    trained = {id(p) for lane in lanes(state) for p, held in lane.optimizer.state.items() if held}
+    named = state.model.named_parameters()
+    if lost := [name for name, p in named if not p.requires_grad and id(p) in trained]:
+        raise ConfigError(
+            f"save(trainable_only=True): {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} "
+            "are frozen now but were trained (the optimizer holds state for them): as part of "
+            "the frozen base they would be in no checkpoint, and a resume into the pretrained "
+            "model would be refused (another base). Pass trainable_only=False for a run that "
+            "freezes what it trained."
+        )
 
 
 def trainable_part(
