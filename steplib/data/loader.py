@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
+from steplib.data.order_rng import check_order_rng
 from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
 from steplib.data.worker_rng import WORKERS, WorkerRng, worker_states
@@ -79,13 +80,8 @@ class ResumableLoader(StatefulDataLoader):
                 "ResumableLoader received persistent_workers=True, whose epochs cannot be "
                 "resumed in the same order. Leave persistent_workers=False."
             )
-        if self.generator is None:
-            raise ConfigError(
-                "ResumableLoader needs a torch.Generator (generator=...): without one, the "
-                "DataLoader draws seeds from the global torch generator at every epoch and a "
-                "resume would shift dropout. Build it with resumable_loader(dataset, seed=0)."
-            )
-        self._epoch_start_rng: torch.Tensor = self.generator.get_state()
+        generator = check_order_rng(self.generator, self.sampler, self.batch_sampler)
+        self._epoch_start_rng: torch.Tensor = generator.get_state()
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
         self.epoch_completed_on_load = False
