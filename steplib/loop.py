@@ -181,6 +181,8 @@ def _iterate(
     # (every=Batches(n) counts them). A resumed state may hold an open window.
     opened = [state.micro_step - state.window.size]
     close = True  # whether the pass has no batch left
+    # A stateful loader over unsized data may continue a pass after its last batch: its end.
+    continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
             state, stop = _emit(events, state, "epoch_start")
@@ -200,13 +202,13 @@ def _iterate(
                     _keep_position(data)
                     break
             else:
-                if index < 0:
+                if index < 0 and not continued:
                     raise ValueError(
                         f"iterate: data yielded no batches in epoch {state.epoch}. Pass a "
                         "re-iterable with at least one batch (a DataLoader or a list), not an "
                         "exhausted iterator or generator."
                     )
-                before, close = state.step, True  # the pass has ended
+                before, close, continued = state.step, True, False  # the pass has ended
                 state, flushed, outs = flush(state)
                 if flushed is not None:
                     # No micro-batch ran, so only step_end: a second micro_step_end with the

@@ -174,8 +174,10 @@ class ResumableLoader(StatefulDataLoader):
                 "another batch size, use resumable_loader(..., shard=True) in both runs."
             )
         self._load_dataset_state(state_dict)
-        full = super().__len__()
-        self.epoch_completed_on_load = yielded is not None and yielded >= full and not finished
+        # Unsized data (an IterableDataset without __len__) tells its epoch's end by ending.
+        full = super().__len__() if hasattr(self.dataset, "__len__") else None
+        ended = full is not None and yielded is not None and yielded >= full
+        self.epoch_completed_on_load = ended and not finished
         if self.epoch_completed_on_load or finished:
             # Nothing is left of that epoch: start the next one from the generator as it was,
             # which is what a fresh iterator of the uninterrupted run draws from.
@@ -185,7 +187,7 @@ class ResumableLoader(StatefulDataLoader):
             return
         super().load_state_dict(loader_state)
         self._pending = (state_dict["epoch_start_generator"], state_dict["generator"])
-        self._pending_left = None if yielded is None else full - yielded
+        self._pending_left = None if yielded is None or full is None else full - yielded
 
     def _sharded_state(self) -> dict[str, Any]:
         assert isinstance(self.sampler, ShardedSampler)
