@@ -18,8 +18,10 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from torchdata.stateful_dataloader import StatefulDataLoader
 
-from steplib import ConfigError
+from steplib import ConfigError, TrainState
+from steplib.checkpoint import load, save
 from steplib.data import ResumableLoader
 
 DATA = torch.arange(8)
@@ -79,3 +81,45 @@ def test_a_sampler_given_the_loaders_generator_resumes_the_uninterrupted_order(c
     while len(seen) < len(want):
         seen += [b.tolist() for b in resumed]
     assert seen == want
+
+
+def _state() -> TrainState:
+    model = torch.nn.Linear(1, 1)
+    return TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+
+
+PLAIN: dict[str, Callable[[], dict[str, Any]]] = {
+    "shuffle=True, generator=g": lambda: {"shuffle": True, "generator": torch.Generator()},
+    "weighted, no generator": lambda: {"sampler": WeightedRandomSampler(WEIGHTS, 8)},
+    "weighted, the loader's generator": lambda: (
+        lambda g: {"sampler": WeightedRandomSampler(WEIGHTS, 8, generator=g), "generator": g}
+    )(torch.Generator()),
+}
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's constructor
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_a_torchdata_loader_whose_order_it_does_not_resume_is_refused_by_a_checkpoint(
+    name: str, tmp_path: Any
+) -> None:
+    # torchdata 0.11 replays the epoch's sampler from the generator as it is at the save:
+    # with shuffle=True, generator=g every resume (inside an epoch or at its end) went on in
+    # another order than the uninterrupted run's.
+    loader = StatefulDataLoader(DATA, batch_size=2, **PLAIN[name]())
+    with pytest.raises(ConfigError, match=r"save\(data=...\) received a StatefulDataLoader"):
+        save(_state(), str(tmp_path), data=loader)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("shuffle", [True, False])  # True: torchdata's sampler, its own seed
+def test_a_torchdata_loader_it_resumes_exactly_is_saved(shuffle: bool, tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    loader = StatefulDataLoader(DATA, batch_size=2, shuffle=shuffle)
+    iterator = iter(loader)
+    seen = [next(iterator).tolist() for _ in range(3)]  # of 4
+    url = save(_state(), str(tmp_path), data=loader)
+    want = seen + [b.tolist() for b in iterator] + [b.tolist() for b in loader]
+    torch.manual_seed(0)
+    resumed = StatefulDataLoader(DATA, batch_size=2, shuffle=shuffle)
+    load(url, _state(), data=resumed)
+    assert seen + [b.tolist() for b in resumed] + [b.tolist() for b in resumed] == want

@@ -1,12 +1,14 @@
 """``check_order_rng``: a :class:`~steplib.data.loader.ResumableLoader`'s position holds its
 own generator alone, so its order must be drawn from that generator: not from torch's global
-one, nor from a sampler's own."""
+one, nor from a sampler's own. ``check_torchdata_order``: the orders a plain torchdata
+``StatefulDataLoader`` does not resume exactly."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from steplib.errors import ConfigError
 
@@ -61,3 +63,52 @@ def check_order_rng(generator: Any, sampler: Any, batch_sampler: Any) -> torch.G
                 f"sampler={kind}(..., generator=g), generator=g, ...)."
             )
     return generator
+
+
+def check_torchdata_order(caller: str, loader: Any) -> None:
+    """Refuse a torchdata ``StatefulDataLoader`` (not a ``ResumableLoader``) whose order is drawn
+    from a generator that torchdata 0.11 does not resume from where the epoch began.
+
+    Its position replays a sampler from the generator as it is at the save, not as it was when
+    the epoch began, and seeds the later epochs from another state: resumed, a shuffled epoch or
+    the ones after it come in another order (``shuffle=True`` with ``generator=g``; any
+    ``WeightedRandomSampler``). torchdata's own ``RandomSampler`` with a generator of its own
+    (``shuffle=True`` without ``generator=``) and a sampler without one resume exactly.
+
+    Args:
+        caller: the call, for the message (``"save"``).
+        loader: a plain ``StatefulDataLoader``.
+
+    Raises:
+        ConfigError: such a loader; the message gives the fix, a ``ResumableLoader``.
+
+    Example:
+        >>> import warnings
+        >>> from torchdata.stateful_dataloader import StatefulDataLoader
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")  # torchdata's own deprecation warning
+        ...     plain = StatefulDataLoader(range(4), shuffle=True)
+        ...     seeded = StatefulDataLoader(range(4), shuffle=True, generator=torch.Generator())
+        >>> check_torchdata_order("save", plain)
+        >>> check_torchdata_order("save", seeded)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        steplib.errors.ConfigError: save(data=...) received a StatefulDataLoader whose order ...
+    """
+    samplers = [
+        loader.sampler,
+        loader.batch_sampler,
+        getattr(loader.batch_sampler, "sampler", None),
+    ]
+    for one in samplers:
+        own = isinstance(one, RandomSampler) and one.generator is not loader.generator
+        if hasattr(one, "generator") and not own:
+            raise ConfigError(
+                f"{caller}(data=...) received a StatefulDataLoader whose order is drawn from a "
+                f"generator (its {type(one).__name__}'s), which torchdata does not resume from "
+                "where the epoch began: a resumed run would see another order, inside the epoch "
+                "or in the later ones. Build it as a steplib.data.ResumableLoader with the same "
+                "arguments and g = torch.Generator().manual_seed(0) as its generator (and a "
+                "sampler's), or with steplib.data.resumable_loader(dataset, batch_size=..., "
+                "seed=0)."
+            )
