@@ -107,7 +107,9 @@ def iterate(
         3 2 True
 
         Breaking out of the loop is how a notebook stops early (``fit_end`` handlers still
-        run); here it continues from the state above, at update 2:
+        run); here it continues from the state above, at update 2. (A run stopped inside an
+        epoch leaves a stateful loader, ``resumable_loader``, at its position: a next run over
+        it continues that epoch, as the uninterrupted run would. A list starts over.)
 
         >>> for state, out in iterate(step, state, [torch.ones(4, 2)] * 10):
         ...     if state.step == 4:
@@ -178,6 +180,9 @@ def _iterate(
     # Where the open window started, in micro-batches: what an update's step_end covers
     # (every=Batches(n) counts them). A resumed state may hold an open window.
     opened = [state.micro_step - state.window.size]
+    close = True  # whether the pass has no batch left
+    # A stateful loader over unsized data may continue a pass after its last batch: its end.
+    continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
             state, stop = _emit(events, state, "epoch_start")
@@ -194,15 +199,16 @@ def _iterate(
                 # On the last batch fall through to the end of the epoch, so that a stop there
                 # still counts the epoch as complete (a resume then starts the next one).
                 if (stop is not None or _done(state, max_steps, None)) and not close:
+                    _keep_position(data)
                     break
             else:
-                if index < 0:
+                if index < 0 and not continued:
                     raise ValueError(
                         f"iterate: data yielded no batches in epoch {state.epoch}. Pass a "
                         "re-iterable with at least one batch (a DataLoader or a list), not an "
                         "exhausted iterator or generator."
                     )
-                before = state.step
+                before, close, continued = state.step, True, False  # the pass has ended
                 state, flushed, outs = flush(state)
                 if flushed is not None:
                     # No micro-batch ran, so only step_end: a second micro_step_end with the
@@ -218,6 +224,8 @@ def _iterate(
     except GeneratorExit:
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
+        if not close:  # inside a pass
+            _keep_position(data)
         _emit(events, state, "fit_end")
         raise
     except BaseException as error:
@@ -265,20 +273,6 @@ def run(
         >>> state = run(step, state, [torch.ones(4, 2)] * 3, max_epochs=2)
         >>> state.step, state.epoch
         (6, 2)
-
-        Two optimizers, a step for each, run in order on each batch:
-
-        >>> g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
-        >>> state = TrainState.create(
-        ...     model={"G": g, "D": d},
-        ...     optimizer={"G": torch.optim.SGD(g.parameters(), lr=0.1),
-        ...                "D": torch.optim.SGD(d.parameters(), lr=0.1)})
-        >>> d_step = make_train_step(lambda m, b: m["D"](m["G"](b).detach()).mean(),
-        ...                          optimizer="D")
-        >>> g_step = make_train_step(lambda m, b: -m["D"](m["G"](b)).mean(), optimizer="G")
-        >>> state = run({"D": d_step, "G": g_step}, state, [torch.ones(4, 2)] * 3)
-        >>> state.step, state["D"].step, state.epoch
-        (3, 3, 1)
     """
     loop = iterate(
         step, state, data, events=events, max_steps=max_steps, max_epochs=max_epochs, feed=feed
@@ -317,6 +311,13 @@ def _after_call(
         )
         stop = stop or step_stop
     return state, stop
+
+
+def _keep_position(data: Any) -> None:
+    # A stop inside a pass: a stateful loader's next pass goes on with this one (as after a
+    # resume), so a next run on the returned state sees the uninterrupted run's batches.
+    if hasattr(data, "load_state_dict") and hasattr(data, "state_dict"):
+        data.load_state_dict(data.state_dict())
 
 
 def _length(data: Iterable[Any]) -> int | None:

@@ -14,8 +14,11 @@ import torch.distributed as dist
 import xxhash
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LambdaLR
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib.checkpoint.manifest import fingerprint
+from steplib.data.loader import ResumableLoader
+from steplib.data.order_rng import check_torchdata_order
 from steplib.distributed.parallelize import is_parallel_model, plain_name
 from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
 from steplib.events import Events
@@ -85,6 +88,8 @@ def check_arguments(
             f"{caller}(data=...) received {describe(data)}, which has no state_dict() to save "
             "its position. Pass data=steplib.data.resumable_loader(dataset, batch_size=...)."
         )
+    if isinstance(data, StatefulDataLoader) and not isinstance(data, ResumableLoader):
+        check_torchdata_order(caller, data)
     extras = {} if extras is None else extras
     if not isinstance(extras, Mapping) or not all(isinstance(k, str) for k in extras):
         raise ConfigError(

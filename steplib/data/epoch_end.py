@@ -62,7 +62,9 @@ def restore_position(data: Any, position: Any) -> bool:
     data.load_state_dict(position)
     if isinstance(data, ResumableLoader):
         return data.epoch_completed_on_load
-    if isinstance(data, StatefulDataLoader) and isinstance(position, Mapping):
+    # Unsized data (no len) tells its epoch's end by ending: the loop ends that epoch.
+    sized = hasattr(getattr(data, "dataset", None), "__len__")
+    if isinstance(data, StatefulDataLoader) and isinstance(position, Mapping) and sized:
         yielded = batches_yielded(position)
         if yielded is not None and yielded >= len(data) and not position.get(FINISHED, False):
             # A plain StatefulDataLoader would yield an empty first pass here; run it now, so

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
+from steplib.data.order_rng import check_order_rng
 from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
 from steplib.data.worker_rng import WORKERS, WorkerRng, worker_states
@@ -79,13 +80,8 @@ class ResumableLoader(StatefulDataLoader):
                 "ResumableLoader received persistent_workers=True, whose epochs cannot be "
                 "resumed in the same order. Leave persistent_workers=False."
             )
-        if self.generator is None:
-            raise ConfigError(
-                "ResumableLoader needs a torch.Generator (generator=...): without one, the "
-                "DataLoader draws seeds from the global torch generator at every epoch and a "
-                "resume would shift dropout. Build it with resumable_loader(dataset, seed=0)."
-            )
-        self._epoch_start_rng: torch.Tensor = self.generator.get_state()
+        generator = check_order_rng(self.generator, self.sampler, self.batch_sampler)
+        self._epoch_start_rng: torch.Tensor = generator.get_state()
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
         self.epoch_completed_on_load = False
@@ -178,8 +174,10 @@ class ResumableLoader(StatefulDataLoader):
                 "another batch size, use resumable_loader(..., shard=True) in both runs."
             )
         self._load_dataset_state(state_dict)
-        full = super().__len__()
-        self.epoch_completed_on_load = yielded is not None and yielded >= full and not finished
+        # Unsized data (an IterableDataset without __len__) tells its epoch's end by ending.
+        full = super().__len__() if hasattr(self.dataset, "__len__") else None
+        ended = full is not None and yielded is not None and yielded >= full
+        self.epoch_completed_on_load = ended and not finished
         if self.epoch_completed_on_load or finished:
             # Nothing is left of that epoch: start the next one from the generator as it was,
             # which is what a fresh iterator of the uninterrupted run draws from.
@@ -189,7 +187,7 @@ class ResumableLoader(StatefulDataLoader):
             return
         super().load_state_dict(loader_state)
         self._pending = (state_dict["epoch_start_generator"], state_dict["generator"])
-        self._pending_left = None if yielded is None else full - yielded
+        self._pending_left = None if yielded is None or full is None else full - yielded
 
     def _sharded_state(self) -> dict[str, Any]:
         assert isinstance(self.sampler, ShardedSampler)

@@ -1,0 +1,77 @@
+"""A run stopped inside an epoch, continued by a second ``run`` on the state it returned (a
+notebook's next cell), sees the batches of the uninterrupted run: the rest of that epoch, then
+the next ones. Before, the second run began a new pass over the loader: the rest of the epoch
+was never seen, the next epoch's first batches were counted in the old one, and every later
+epoch end came a pass late."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import steplib as sl
+
+
+class _Indices(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)])
+
+
+def _state() -> sl.TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    return sl.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def _step(seen: list[list[int]]) -> sl.Step:
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        seen.append(batch.flatten().long().tolist())
+        return model(batch).pow(2).mean()
+
+    return sl.accumulate(sl.make_train_step(loss_fn), 2)
+
+
+def _stop_at(step: int) -> sl.Events:
+    events = sl.Events()
+    events.on("step_end", lambda e: sl.Stop("enough") if e.step == step else None)
+    return events
+
+
+def _first_run(how: str, step: sl.Step, state: sl.TrainState, loader: Any) -> sl.TrainState:
+    if how == "max_steps":
+        return sl.run(step, state, loader, max_steps=2)
+    if how == "a handler's Stop":
+        return sl.run(step, state, loader, events=_stop_at(2), max_epochs=3)
+    for now, _ in sl.iterate(step, state, loader, max_epochs=3):  # a break in a notebook
+        if now.step == 2:
+            break
+    return now
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("how", ["max_steps", "a handler's Stop", "a break out of iterate"])
+def test_a_second_run_on_the_returned_state_continues_the_epoch(how: str, workers: int) -> None:
+    # 5 batches an epoch, 2 per update: the stop at update 2 leaves batch 5 of epoch 0.
+    seen: list[list[int]] = []
+    loader = sl.resumable_loader(_Indices(), batch_size=2, seed=0, num_workers=workers)
+    uninterrupted = sl.run(_step(seen), _state(), loader, max_epochs=3)
+    expected, seen[:] = list(seen), []
+
+    step, loader = (
+        _step(seen),
+        sl.resumable_loader(_Indices(), batch_size=2, seed=0, num_workers=workers),
+    )
+    state = _first_run(how, step, _state(), loader)
+    assert (state.step, state.epoch, len(seen)) == (2, 0, 4)
+    state = sl.run(step, state, loader, max_epochs=3)
+
+    assert seen == expected
+    assert (state.step, state.epoch) == (uninterrupted.step, uninterrupted.epoch)
+    pairs = zip(state.model.parameters(), uninterrupted.model.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
