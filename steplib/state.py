@@ -29,6 +29,7 @@ from steplib.state_checks import (
     check_disjoint,
     check_frozen,
     check_names,
+    check_no_gradients,
     check_owners,
     check_pieces,
 )
@@ -163,7 +164,8 @@ class TrainState:
                 the model's, a scheduler bound to another optimizer, or a schedule function
                 (``warmup_cosine(...)``) where a scheduler (``LambdaLR(optimizer, ...)``) goes;
                 with named pieces: a name that is not an optimizer's, a parameter in two
-                optimizers, a named module with trainable parameters that no optimizer updates.
+                optimizers, a named module with trainable parameters that no optimizer updates;
+                a parameter that holds a gradient already (``model.zero_grad()`` first).
 
         Example:
             >>> import torch
@@ -190,6 +192,7 @@ class TrainState:
         if not isinstance(optimizer, Mapping):
             check_pieces(modules, optimizer, scheduler, scaler, key="")
             check_frozen(model, [optimizer])
+            check_no_gradients([optimizer])
             return cls._at_zero(modules, optimizer, scheduler, scaler, extras, Lane(fence))  # type: ignore[arg-type]
         names = check_names(optimizer, scheduler, scaler)
         schedulers: Mapping[str, Any] = scheduler or _EMPTY
@@ -202,6 +205,7 @@ class TrainState:
         check_disjoint({name: optimizer[name] for name in names})
         check_owners(model, {name: optimizer[name] for name in names})
         check_frozen(model, [optimizer[name] for name in names])
+        check_no_gradients([optimizer[name] for name in names])
         first, *rest = names
         others = types.MappingProxyType({n: states[n] for n in rest})
         lane = dataclasses.replace(states[first].lane, others=others)

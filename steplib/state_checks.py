@@ -158,6 +158,22 @@ def trained(optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
     return tuple(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
 
 
+def check_no_gradients(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise ``ConfigError`` if a parameter of ``optimizers`` holds a gradient: a state starts
+    with an empty window, so its first update would add that gradient to its own."""
+    held = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    held = [p for p in held if p.grad is not None]
+    if held:
+        raise ConfigError(
+            f"TrainState.create: {len(held)} parameter(s) that the optimizer updates already "
+            "hold a gradient (.grad) from a backward outside this state: one you ran to look "
+            "at the gradients, or a step whose accumulation window was open when the state was "
+            "built again (a notebook cell run again). The new state's window is empty, so its "
+            "first update would add that gradient to its own, in silence. Clear it first: "
+            "model.zero_grad(set_to_none=True); or go on with the state that holds the window."
+        )
+
+
 def check_disjoint(optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
     """Raise ``ConfigError`` if one parameter is updated by two named optimizers."""
     owner: dict[int, str] = {}

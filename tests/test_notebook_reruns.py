@@ -1,0 +1,46 @@
+"""A hand-written loop in a notebook: cells run again, or run out of order, either train as
+the plain PyTorch loop does or are refused with the fix, never wrong in silence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from steplib import ConfigError, TrainState, accumulate, make_train_step
+from tests.reference import make_batches, mean_loss, params_of, reference_loop, tiny_model
+
+GRADIENT_HELD = r"already hold a gradient .* model\.zero_grad\(set_to_none=True\)"
+
+
+def test_a_state_created_over_a_gradient_from_an_earlier_backward_is_refused() -> None:
+    # A cell that looks at the gradients (one backward), then the set-up cell: the state's
+    # window was empty while .grad held that backward, and the first update added it in
+    # (parameters 0.16 away from the plain loop's after 4 updates).
+    batches = make_batches(4)
+    model = tiny_model(0)
+    mean_loss(model, batches[0]).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=GRADIENT_HELD):
+        TrainState.create(model=model, optimizer=opt)
+
+    model.zero_grad(set_to_none=True)  # the fix: then it is the plain loop
+    state = TrainState.create(model=model, optimizer=opt)
+    step = make_train_step(mean_loss)
+    for batch in batches:
+        state, _ = step(state, batch)
+    reference = tiny_model(0)
+    reference_loop(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches, mean_loss)
+    for got, want in zip(params_of(model), params_of(reference), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_set_up_cell_run_again_inside_an_accumulation_window_is_refused() -> None:
+    # Half a window, then TrainState.create again on the same model and optimizer: the new
+    # state counted none of the first micro-batch, whose gradient was still in .grad.
+    model = tiny_model(0)
+    opt = {"G": torch.optim.SGD(model.parameters(), lr=0.1)}
+    step = accumulate(make_train_step(lambda m, b: mean_loss(m["G"], b), optimizer="G"), 2)
+    state, _ = step(TrainState.create(model={"G": model}, optimizer=opt), make_batches(1)[0])
+    assert state["G"].window.size == 1
+    with pytest.raises(ConfigError, match=GRADIENT_HELD):
+        TrainState.create(model={"G": model}, optimizer=opt)
