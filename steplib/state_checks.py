@@ -49,27 +49,34 @@ def as_module(model: Any) -> nn.Module:
     return model
 
 
-def check_pieces(model: nn.Module, optimizer: Any, scheduler: Any, scaler: Any, key: str) -> None:
+def check_pieces(
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    key: str,
+    caller: str = "TrainState.create",
+) -> None:
     """Raise ``ConfigError`` unless ``optimizer`` trains parameters of ``model``, ``scheduler``
     is an LR scheduler bound to it and ``scaler`` a GradScaler (``key``: ``"['D']"`` for a
-    named optimizer, ``""`` for the one)."""
+    named optimizer, ``""`` for the one; ``caller``: ``"TrainState.replace"`` there)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
-            f"TrainState.create(optimizer{key}=...) received {describe(optimizer)}, which is "
+            f"{caller}(optimizer{key}=...) received {describe(optimizer)}, which is "
             "not a torch.optim.Optimizer. Pass e.g. "
             "optimizer=torch.optim.AdamW(model.parameters())."
         )
     model_params = {id(p) for p in model.parameters()}
     if not model_params:
         raise ConfigError(
-            f"TrainState.create received a model ({type(model).__name__}) with no parameters; "
+            f"{caller} received a model ({type(model).__name__}) with no parameters; "
             "there is nothing to train. Pass the module that owns the parameters."
         )
     foreign = [p for group in optimizer.param_groups for p in group["params"]]
     foreign = [p for p in foreign if id(p) not in model_params]
     if foreign:
         raise ConfigError(
-            f"TrainState.create: the optimizer{key} holds {len(foreign)} parameter(s) that are "
+            f"{caller}: the optimizer{key} holds {len(foreign)} parameter(s) that are "
             f"not parameters of the model ({type(model).__name__}); it was probably built for "
             "another model or a copy of it. Build it from this model: "
             "optimizer=torch.optim.AdamW(model.parameters(), ...)."
@@ -83,21 +90,21 @@ def check_pieces(model: nn.Module, optimizer: Any, scheduler: Any, scaler: Any, 
         else:
             example, received = name if name.isidentifier() else "schedule", describe(scheduler)
         raise ConfigError(
-            f"TrainState.create(scheduler{key}=...) received {received}: a schedule function "
+            f"{caller}(scheduler{key}=...) received {received}: a schedule function "
             "(update index -> LR multiplier), not an LR scheduler. Wrap it in a LambdaLR "
             "built from this optimizer: scheduler=torch.optim.lr_scheduler.LambdaLR("
             f"optimizer, {example})."
         )
     if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
         raise ConfigError(
-            f"TrainState.create: the scheduler{key} ({type(scheduler).__name__}) is not bound "
+            f"{caller}: the scheduler{key} ({type(scheduler).__name__}) is not bound "
             f"to {'this optimizer' if not key else 'the optimizer' + key}, so stepping it would "
             "not change that optimizer's learning rate. Build it from the same optimizer: "
             "scheduler=LambdaLR(optimizer, ...)."
         )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ConfigError(
-            f"TrainState.create(scaler{key}=...) received {describe(scaler)}. Pass a "
+            f"{caller}(scaler{key}=...) received {describe(scaler)}. Pass a "
             "torch.amp.GradScaler, e.g. scaler=torch.amp.GradScaler('cuda'), or None."
         )
 

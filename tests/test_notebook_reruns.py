@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from steplib import ConfigError, TrainState, accumulate, make_train_step
 from tests.reference import make_batches, mean_loss, params_of, reference_loop, tiny_model
@@ -44,3 +46,38 @@ def test_the_set_up_cell_run_again_inside_an_accumulation_window_is_refused() ->
     assert state["G"].window.size == 1
     with pytest.raises(ConfigError, match=GRADIENT_HELD):
         TrainState.create(model={"G": model}, optimizer=opt)
+
+
+def test_a_piece_swapped_in_with_replace_is_checked_as_create_checks_it() -> None:
+    # A cell that lowers the learning rate with a new optimizer in the state: the state's
+    # scheduler went on stepping the old one; a new model under the old optimizer never moved.
+    model, batches = tiny_model(0), make_batches(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=LambdaLR(opt, lambda n: 0.5))
+    lower = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(
+        ConfigError, match=r"TrainState\.replace: the scheduler \(LambdaLR\) is not"
+    ):
+        state.replace(optimizer=lower)
+    with pytest.raises(ConfigError, match=r"TrainState\.replace: the optimizer holds 4 parameter"):
+        state.replace(model=tiny_model(1))
+    with pytest.raises(
+        ConfigError, match=r"(?s)replace\(model=\.\.\.\) received .*\(type dict\), which is not"
+    ):
+        state.replace(model={"net": model})
+    g, d = nn.Linear(2, 2), nn.Linear(2, 1)
+    gan = TrainState.create(
+        model={"G": g, "D": d},
+        optimizer={"G": torch.optim.SGD(g.parameters()), "D": torch.optim.SGD(d.parameters())},
+    )
+    with pytest.raises(ConfigError, match=r"another model for a state of several optimizers"):
+        gan.replace(model=nn.ModuleDict({"G": g, "D": d}))
+
+    state = state.replace(optimizer=lower, scheduler=None)  # both pieces: the plain loop
+    step = make_train_step(mean_loss)
+    for batch in batches:
+        state, _ = step(state, batch)
+    reference = tiny_model(0)
+    reference_loop(reference, torch.optim.SGD(reference.parameters(), lr=0.01), batches, mean_loss)
+    for got, want in zip(params_of(model), params_of(reference), strict=True):
+        assert torch.equal(got, want)
