@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from steplib.errors import ConfigError, describe
@@ -114,13 +114,16 @@ def check_every(call: str, every: Any, *, batches: bool = True) -> int | Batches
     return every
 
 
-def check_every_or_once(name: str, every: Any, once: Any) -> None:
-    """The checks of ``events.on(name, handler, every=..., once=...)``.
+def check_every_or_once(
+    name: str, every: Any, once: Any, handler: Any = None, registered: Sequence[Any] = ()
+) -> None:
+    """The checks of ``events.on(name, handler, every=..., once=...)``; ``registered``: the
+    event's :class:`Registration` list.
 
     Raises:
         ConfigError: ``every`` is neither a positive int nor (step events) :class:`Batches`.
         ValueError: ``once`` not a positive int, both given, or given for an event that has no
-            counter.
+            counter; ``handler`` registered for the event already, with the same cadence.
     """
     check_every(f"Events.on({name!r}, every=...)", every, batches=name in COUNTER_BATCHES)
     if once is not None and (isinstance(once, bool) or not isinstance(once, int) or once < 1):
@@ -139,6 +142,26 @@ def check_every_or_once(name: str, every: Any, once: Any) -> None:
             "count them by; register it without them (its handler sees event.step). "
             f"every/once apply to: {', '.join(COUNTER)}."
         )
+    for r in registered:  # it would run twice at each event; on two cadences, as asked
+        if r.handler == handler and r.every == every and r.once == once:
+            raise ValueError(
+                f"Events.on({name!r}, ...) received {handler!r}, which is registered for "
+                f"{name!r} already with every={every!r}, once={once!r}: it would run twice at "
+                "each event (a notebook cell run again?). Register it once (events.remove("
+                "handler) first to register it anew); for two cadences, give each its own "
+                "every= or once=."
+            )
+
+
+def attached_to(handlers: Mapping[str, Sequence[Any]], obj: Any) -> bool:
+    """Whether ``obj`` runs at some event of ``handlers`` (event name -> its
+    :class:`Registration` list) already: added (it owns registrations), or one of its
+    ``on_<event>`` methods registered by hand for that event (``events.on``)."""
+    return any(
+        r.owner is obj or (r.owner is None and r.handler == getattr(obj, f"on_{name}", None))
+        for name, registrations in handlers.items()
+        for r in registrations
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

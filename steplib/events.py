@@ -16,7 +16,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from steplib.cadence import Batches, Registration, check_every_or_once
+from steplib.cadence import Batches, Registration, attached_to, check_every_or_once
 
 EVENT_NAMES = (
     "fit_start",
@@ -203,7 +203,7 @@ class Events:
 
         Raises:
             ValueError: a handler with no ``on_<event>`` method (a plain function needs an
-                event name: :meth:`on`), or whose ``last`` is not a bool, or attached already.
+                event name: :meth:`on`), whose ``last`` is not a bool, or attached already.
 
         Example:
             >>> from steplib.cadence import due
@@ -220,8 +220,7 @@ class Events:
             2
         """
         for handler in handlers:
-            owners = {id(r.owner) for rs in self._handlers.values() for r in rs}  # added before
-            if self._adding is not handler and id(handler) in owners:  # it would run twice
+            if self._adding is not handler and attached_to(self._handlers, handler):  # twice
                 raise ValueError(f"Events received {handler!r} twice: attach each handler once.")
             outer, self._adding = self._adding, handler
             try:
@@ -323,8 +322,8 @@ class Events:
             ``self``, so registrations chain.
 
         Raises:
-            ValueError: an unknown event name, a non-callable handler, ``every``/``once`` not a
-                positive int, both given, or given for an event that has no counter.
+            ValueError: an unknown event name, a non-callable handler or one registered so
+                already, ``every``/``once`` not a positive int, both, or with no counter.
         """
         if name not in self._handlers:
             raise ValueError(
@@ -337,7 +336,7 @@ class Events:
                 f"{type(handler).__name__}, which is not callable. Pass a function of one "
                 "Event: events.on(name, lambda event: ...)."
             )
-        check_every_or_once(name, every, once)
+        check_every_or_once(name, every, once, handler, self._handlers[name])
         # A new list, not an insert: an emission under way iterates the old one (a handler
         # registered during it runs from the next event). `last` handlers stay at its end.
         old = self._handlers[name]

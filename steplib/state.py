@@ -22,13 +22,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from steplib.errors import ConfigError
+from steplib.errors import ConfigError, describe
 from steplib.fence import UpdateFence
 from steplib.state_checks import (
     as_module,
     check_disjoint,
     check_frozen,
     check_names,
+    check_no_gradients,
     check_owners,
     check_pieces,
 )
@@ -162,8 +163,9 @@ class TrainState:
             ConfigError: a piece of the wrong type, an optimizer over parameters that are not
                 the model's, a trainable parameter that no optimizer updates, a scheduler
                 bound to another optimizer, or a schedule function (``warmup_cosine(...)``)
-                where a scheduler (``LambdaLR(optimizer, ...)``) goes; with named pieces: a
-                name that is not an optimizer's, a parameter in two optimizers.
+                where a scheduler (``LambdaLR(optimizer, ...)``) goes, a parameter that holds a
+                gradient already (``model.zero_grad()`` first); with named pieces: a name that
+                is not an optimizer's, a parameter in two optimizers.
 
         Example:
             >>> import torch
@@ -190,6 +192,7 @@ class TrainState:
         if not isinstance(optimizer, Mapping):
             check_pieces(modules, optimizer, scheduler, scaler, key="")
             check_frozen(model, [optimizer])
+            check_no_gradients([optimizer])
             return cls._at_zero(modules, optimizer, scheduler, scaler, extras, Lane(fence))  # type: ignore[arg-type]
         names = check_names(optimizer, scheduler, scaler)
         schedulers: Mapping[str, Any] = scheduler or _EMPTY
@@ -202,6 +205,7 @@ class TrainState:
         check_disjoint({name: optimizer[name] for name in names})
         check_owners(model, {name: optimizer[name] for name in names})
         check_frozen(model, [optimizer[name] for name in names])
+        check_no_gradients([optimizer[name] for name in names])
         first, *rest = names
         others = types.MappingProxyType({n: states[n] for n in rest})
         lane = dataclasses.replace(states[first].lane, others=others)
@@ -288,17 +292,25 @@ class TrainState:
         return _evolve(self, {"lane": dataclasses.replace(lane, others=others)})
 
     def replace(self, **changes: Any) -> TrainState:
-        """The next state with ``changes`` applied (``dataclasses.replace``, checked the same way).
+        """The next state with ``changes`` applied (``dataclasses.replace``, checked the same way);
+        a model, optimizer, scheduler or scaler swapped in is checked as ``create`` checks it.
 
         Raises:
             TypeError: a name that is not a field.
+            ConfigError: the new pieces do not belong together (an optimizer over another
+                model's parameters, a scheduler bound to another optimizer, ...), or another
+                model for a state of several optimizers.
         """
         if not _FIELD_SET.issuperset(changes):  # no set built on the hot path
             unknown = sorted(changes.keys() - _FIELD_SET)
             raise TypeError(f"TrainState has no field(s) {unknown}; fields: {_FIELDS}")
-        return _evolve(self, changes)
+        new = _evolve(self, changes)
+        if not _PIECES.isdisjoint(changes):  # never on the step's path: it replaces counters
+            _check_swapped(self, new)
+        return new
 
 
+_PIECES = frozenset({"model", "optimizer", "scheduler", "scaler"})
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))
 _FIELD_SET = frozenset(_FIELDS)
 _SETTERS = tuple(zip(_FIELDS, (vars(TrainState)[name].__set__ for name in _FIELDS), strict=True))
@@ -311,3 +323,23 @@ def _evolve(state: TrainState, changes: Mapping[str, Any]) -> TrainState:
     for name, set_field in _SETTERS:  # a frozen dataclass's fields are set through their slots
         set_field(new, changes[name] if name in changes else getattr(state, name))
     return new
+
+
+def _check_swapped(old: TrainState, new: TrainState) -> None:
+    """``create``'s checks of the pieces, for ``replace``: swapped in by hand (a new optimizer
+    to lower the learning rate), a piece that does not fit trained nothing, or the old one."""
+    caller = "TrainState.replace"
+    if not isinstance(new.model, nn.Module):
+        raise ConfigError(
+            f"{caller}(model=...) received {describe(new.model)}, which is not a "
+            "torch.nn.Module. Pass the module you train, with its optimizer: "
+            "state.replace(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
+        )
+    if new.model is not old.model and old.names:
+        raise ConfigError(
+            f"{caller}(model=...) received another model for a state of several optimizers "
+            f"({list(old.names)}): each optimizer's state holds the model, and this would change "
+            "the first's alone, so the other steps would go on training the old one. Create the "
+            "state anew: TrainState.create(model=..., optimizer={...})."
+        )
+    check_pieces(new.model, new.optimizer, new.scheduler, new.scaler, key="", caller=caller)

@@ -49,27 +49,34 @@ def as_module(model: Any) -> nn.Module:
     return model
 
 
-def check_pieces(model: nn.Module, optimizer: Any, scheduler: Any, scaler: Any, key: str) -> None:
+def check_pieces(
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    scaler: Any,
+    key: str,
+    caller: str = "TrainState.create",
+) -> None:
     """Raise ``ConfigError`` unless ``optimizer`` trains parameters of ``model``, ``scheduler``
     is an LR scheduler bound to it and ``scaler`` a GradScaler (``key``: ``"['D']"`` for a
-    named optimizer, ``""`` for the one)."""
+    named optimizer, ``""`` for the one; ``caller``: ``"TrainState.replace"`` there)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
-            f"TrainState.create(optimizer{key}=...) received {describe(optimizer)}, which is "
+            f"{caller}(optimizer{key}=...) received {describe(optimizer)}, which is "
             "not a torch.optim.Optimizer. Pass e.g. "
             "optimizer=torch.optim.AdamW(model.parameters())."
         )
     model_params = {id(p) for p in model.parameters()}
     if not model_params:
         raise ConfigError(
-            f"TrainState.create received a model ({type(model).__name__}) with no parameters; "
+            f"{caller} received a model ({type(model).__name__}) with no parameters; "
             "there is nothing to train. Pass the module that owns the parameters."
         )
     foreign = [p for group in optimizer.param_groups for p in group["params"]]
     foreign = [p for p in foreign if id(p) not in model_params]
     if foreign:
         raise ConfigError(
-            f"TrainState.create: the optimizer{key} holds {len(foreign)} parameter(s) that are "
+            f"{caller}: the optimizer{key} holds {len(foreign)} parameter(s) that are "
             f"not parameters of the model ({type(model).__name__}); it was probably built for "
             "another model or a copy of it. Build it from this model: "
             "optimizer=torch.optim.AdamW(model.parameters(), ...)."
@@ -83,21 +90,21 @@ def check_pieces(model: nn.Module, optimizer: Any, scheduler: Any, scaler: Any, 
         else:
             example, received = name if name.isidentifier() else "schedule", describe(scheduler)
         raise ConfigError(
-            f"TrainState.create(scheduler{key}=...) received {received}: a schedule function "
+            f"{caller}(scheduler{key}=...) received {received}: a schedule function "
             "(update index -> LR multiplier), not an LR scheduler. Wrap it in a LambdaLR "
             "built from this optimizer: scheduler=torch.optim.lr_scheduler.LambdaLR("
             f"optimizer, {example})."
         )
     if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
         raise ConfigError(
-            f"TrainState.create: the scheduler{key} ({type(scheduler).__name__}) is not bound "
+            f"{caller}: the scheduler{key} ({type(scheduler).__name__}) is not bound "
             f"to {'this optimizer' if not key else 'the optimizer' + key}, so stepping it would "
             "not change that optimizer's learning rate. Build it from the same optimizer: "
             "scheduler=LambdaLR(optimizer, ...)."
         )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ConfigError(
-            f"TrainState.create(scaler{key}=...) received {describe(scaler)}. Pass a "
+            f"{caller}(scaler{key}=...) received {describe(scaler)}. Pass a "
             "torch.amp.GradScaler, e.g. scaler=torch.amp.GradScaler('cuda'), or None."
         )
 
@@ -156,6 +163,22 @@ def _check_own_scalers(scalers: Mapping[str, Any] | None) -> None:
 def trained(optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, ...]:
     """The parameters ``optimizer`` updates that take gradients (what a backward fills)."""
     return tuple(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+
+
+def check_no_gradients(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise ``ConfigError`` if a parameter of ``optimizers`` holds a gradient: a state starts
+    with an empty window, so its first update would add that gradient to its own."""
+    held = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    held = [p for p in held if p.grad is not None]
+    if held:
+        raise ConfigError(
+            f"TrainState.create: {len(held)} parameter(s) that the optimizer updates already "
+            "hold a gradient (.grad) from a backward outside this state: one you ran to look "
+            "at the gradients, or a step whose accumulation window was open when the state was "
+            "built again (a notebook cell run again). The new state's window is empty, so its "
+            "first update would add that gradient to its own, in silence. Clear it first: "
+            "model.zero_grad(set_to_none=True); or go on with the state that holds the window."
+        )
 
 
 def check_disjoint(optimizers: Mapping[str, torch.optim.Optimizer]) -> None:

@@ -14,10 +14,13 @@ import pytest
 import torch
 import xxhash
 from torch import nn
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
 
 from steplib import ConfigError, TrainState, accumulate, clip, make_train_step
 from steplib.checkpoint import (
     CorruptCheckpointError,
+    checkpoint_every,
     latest,
     list_checkpoints,
     load,
@@ -124,6 +127,30 @@ def test_extra_objects_are_saved_and_loaded_by_name(memory_dir: str) -> None:
     other = nn.Linear(3, 3)
     load(url, make_state(), extras={"ema": other})
     assert torch.equal(other.weight, ema.weight)
+
+
+def test_a_torchmetrics_metric_in_extras_is_saved_with_what_it_accumulated_or_refused(
+    memory_dir: str,
+) -> None:
+    # torchmetrics leaves a metric's states out of its state_dict() unless they are persistent
+    # (not by default): saved as given, a running training accuracy resumed from zero, in silence.
+    acc = MulticlassAccuracy(3)
+    acc.update(torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 1, 1]))
+    left_out = r"\['tp', 'fp', 'tn', 'fn'\] are not persistent"
+    with pytest.raises(ConfigError, match=rf"extras\['acc'\] .*{left_out}.*\.persistent\(True\)"):
+        save(make_state(), memory_dir, extras={"acc": acc})
+    collection = MetricCollection({"acc": MulticlassAccuracy(3)})
+    with pytest.raises(ConfigError, match=rf"extras\['train'\] .*{left_out}"):  # when built
+        checkpoint_every(memory_dir, every=1, extras={"train": collection})
+    assert list_checkpoints(memory_dir) == []
+
+    acc.persistent(True)
+    url = save(make_state(), memory_dir, extras={"acc": acc})
+    resumed = MulticlassAccuracy(3)  # as the resumed process builds it
+    load(url, make_state(), extras={"acc": resumed})
+    for metric in (acc, resumed):
+        metric.update(torch.tensor([0]), torch.tensor([0]))
+    assert torch.equal(resumed.compute(), acc.compute())
 
 
 def test_manifest_records_counters_versions_fingerprint_metrics_and_checksums(

@@ -329,3 +329,37 @@ def test_a_handler_object_added_twice_is_refused() -> None:
     # fit_start), then added: fine.
     other = Counter()
     Events().on("fit_start", other.on_step_end).add(other)
+
+
+def test_a_function_registered_twice_for_one_event_and_cadence_is_refused() -> None:
+    # A notebook cell run again registered its function once more: it ran twice at each event
+    # (a log wrote each record twice), as a handler object added twice did before.
+    seen: list[int] = []
+
+    def record(event: Event) -> None:
+        seen.append(event.step)
+
+    events = Events().on("step_end", record, every=2)
+    with pytest.raises(ValueError, match=r"registered for 'step_end' already with every=2"):
+        events.on("step_end", record, every=2)
+    events.on("step_end", record, once=3).on("epoch_end", record)  # other cadences, events
+    for s in range(1, 5):
+        events.emit(Event("step_end", state=None, step=s))
+    assert seen == [2, 3, 4]
+
+    class Counter:
+        calls = 0
+
+        def on_step_end(self, event: Event) -> None:
+            self.calls += 1
+
+        def on_fit_start(self, event: Event) -> None:
+            pass
+
+    counter = Counter()  # its method by hand, then the object; or the other way round
+    by_hand = Events().on("step_end", counter.on_step_end)
+    with pytest.raises(ValueError, match="twice: attach each handler once"):
+        by_hand.add(counter)
+    assert not by_hand.has("fit_start")  # refused before registering any of its methods
+    with pytest.raises(ValueError, match="registered for 'step_end' already"):
+        Events(counter).on("step_end", counter.on_step_end)

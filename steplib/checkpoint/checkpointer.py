@@ -20,6 +20,7 @@ from steplib.cadence import Batches, check_every, due
 from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import (
+    check_metric_states,
     check_metrics,
     is_sharded,
     prunes_here,
@@ -378,5 +379,7 @@ def checkpoint_every(
     check_retention(caller, keep_last=keep_last, keep_best=keep_best, metric=metric, mode=mode)
     given = Checkpoints(directory, data, extras, None, storage_options, durable, trainable_only)
     check_options(given, caller)
+    if isinstance(extras, Mapping):  # refused when built, not at the first save
+        check_metric_states(caller, extras)
     settings = (every, epochs, keep_last, keep_best, metric, mode, metrics or default_metrics)
     return Checkpointer(given, *settings, background, at_end, typed)

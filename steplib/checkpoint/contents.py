@@ -103,8 +103,34 @@ def check_arguments(
                 "state_dict() / load_state_dict(). Pass objects that have them (a module, an "
                 "EMA); plain values go in state.replace(extras={..., 'name': value})."
             )
+    if caller != "load":  # a metric loads its states whatever its flags: only a save loses them
+        check_metric_states(caller, extras)
     fingerprint(step, caller=caller)  # a Step, several by name, or None
     return extras
+
+
+def check_metric_states(caller: str, extras: Mapping[str, Any]) -> None:
+    """``ConfigError`` for a torchmetrics metric among ``extras`` (or inside one of them) with
+    states that are not persistent: torchmetrics' default, which leaves them out of its
+    ``state_dict()``, so a checkpoint would hold none of what it accumulated."""
+    torchmetrics = sys.modules.get("torchmetrics")  # no metric exists before it is imported
+    if torchmetrics is None:
+        return
+    for name, obj in extras.items():
+        modules = obj.modules() if isinstance(obj, torch.nn.Module) else ()
+        for module in modules:
+            flags = getattr(module, "_persistent", {})
+            if isinstance(module, torchmetrics.Metric) and not all(flags.values()):
+                left_out = [state for state, kept in flags.items() if not kept]
+                raise ConfigError(
+                    f"{caller}(extras=...): extras[{name!r}] holds the torchmetrics "
+                    f"{type(module).__name__}, whose states {left_out} are not persistent "
+                    "(torchmetrics' default), so its state_dict() leaves them out: the "
+                    "checkpoint would hold nothing of what it accumulated, and a resume would "
+                    "start it from zero. Make them persistent before saving: call "
+                    f".persistent(True) on what you pass as extras[{name!r}] (a "
+                    "MetricCollection passes it on to its metrics)."
+                )
 
 
 def settle_schedulers(step: Any, state: TrainState, caller: str) -> None:
