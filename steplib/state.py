@@ -143,7 +143,7 @@ class TrainState:
         Args:
             model: an ``nn.Module`` with at least one trainable parameter; or a dict of named
                 modules (``{"G": g, "D": d}``), which becomes one ``nn.ModuleDict`` that
-                ``loss_fn`` receives. A named module that no optimizer updates must be frozen
+                ``loss_fn`` receives. A parameter that no optimizer updates must be frozen
                 (``teacher.requires_grad_(False)``).
             optimizer: an optimizer whose parameters are all parameters of ``model``; or a
                 dict of named optimizers over disjoint parameters (``{"G": opt_g, "D":
@@ -160,10 +160,10 @@ class TrainState:
 
         Raises:
             ConfigError: a piece of the wrong type, an optimizer over parameters that are not
-                the model's, a scheduler bound to another optimizer, or a schedule function
-                (``warmup_cosine(...)``) where a scheduler (``LambdaLR(optimizer, ...)``) goes;
-                with named pieces: a name that is not an optimizer's, a parameter in two
-                optimizers, a named module with trainable parameters that no optimizer updates.
+                the model's, a trainable parameter that no optimizer updates, a scheduler
+                bound to another optimizer, or a schedule function (``warmup_cosine(...)``)
+                where a scheduler (``LambdaLR(optimizer, ...)``) goes; with named pieces: a
+                name that is not an optimizer's, a parameter in two optimizers.
 
         Example:
             >>> import torch

@@ -194,17 +194,33 @@ def check_owners(model: Any, optimizers: Mapping[str, torch.optim.Optimizer]) ->
             )
 
 
-def check_frozen(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """For a dict of named modules: raise ``ConfigError`` if one has trainable parameters that
-    no optimizer updates (their gradients would pile up for nothing: freeze it)."""
-    if not isinstance(model, Mapping):
-        return
+def idle_parameters(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
+    """The names of ``model``'s parameters that take gradients but no optimizer updates."""
     updated = {id(p) for optimizer in optimizers for p in trained(optimizer)}
-    for name, module in model.items():
-        idle = [p for p in module.parameters() if p.requires_grad and id(p) not in updated]
-        if idle:
-            raise ConfigError(
-                f"TrainState.create: model[{name!r}] has {len(idle)} trainable parameter(s) that "
-                f"no optimizer updates. Freeze it if it is not trained (a teacher): "
-                f"model[{name!r}].requires_grad_(False) and .eval(); or give it an optimizer."
-            )
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in updated]
+
+
+def idle_error(where: str, module: str, idle: Sequence[str]) -> ConfigError:
+    """The refusal of trainable parameters outside every optimizer (``module``: ``"model"``,
+    ``"model['teacher']"``), with the line that freezes the first one's module."""
+    owner = idle[0].rpartition(".")[0]
+    freeze = module if module != "model" or not owner else f"model.get_submodule({owner!r})"
+    shown = ", ".join(idle[:5]) + (f" and {len(idle) - 5} more" if len(idle) > 5 else "")
+    return ConfigError(
+        f"{where}: {module} has {len(idle)} trainable parameter(s) that no optimizer updates "
+        f"({shown}): they would not train, and their gradients would pile up until one added "
+        "to an optimizer (add_param_group) took them all in one update. Put every parameter "
+        "in the optimizer from the start (a frozen one too: torch skips a parameter without a "
+        "gradient), e.g. optimizer=torch.optim.AdamW(model.parameters()); or freeze those that "
+        f"are not trained (a teacher, a frozen body): {freeze}.requires_grad_(False)."
+    )
+
+
+def check_frozen(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise ``ConfigError`` if the model (each module of a dict) has trainable parameters that
+    no optimizer updates."""
+    named = model.items() if isinstance(model, Mapping) else [(None, model)]
+    for name, module in named:
+        if idle := idle_parameters(module, optimizers):
+            where = "model" if name is None else f"model[{name!r}]"
+            raise idle_error("TrainState.create", where, idle)

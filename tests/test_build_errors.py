@@ -338,10 +338,43 @@ def test_create_refuses_an_optimizer_over_another_models_parameters():
     assert "optimizer=torch.optim.AdamW(model.parameters(), ...)" in message
 
 
-def test_create_accepts_an_optimizer_over_a_subset_of_the_parameters():
+def test_create_refuses_trainable_parameters_that_no_optimizer_updates():
+    # Their gradients pile up (opt.zero_grad clears the optimizer's alone); an add_param_group
+    # later would apply every one of them in a single update.
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with pytest.raises(ConfigError) as info:
+        TrainState.create(model=model, optimizer=torch.optim.SGD(model[1].parameters(), lr=0.1))
+    message = str(info.value)
+    assert "model has 2 trainable parameter(s) that no optimizer updates (0.weight, 0.bias)" in (
+        message
+    )
+    assert "optimizer=torch.optim.AdamW(model.parameters())" in message
+    assert "model.get_submodule('0').requires_grad_(False)" in message
+
+
+def test_create_accepts_an_optimizer_over_a_subset_when_the_rest_is_frozen():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
     opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
     assert TrainState.create(model=model, optimizer=opt).optimizer is opt
+
+
+def test_an_update_refuses_a_parameter_unfrozen_outside_every_optimizer():
+    # The optimizer was built over what was trainable then (weight_decay_groups does that);
+    # unfrozen later, the body would silently not train, its gradients piling up.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model[1].parameters()))
+    step = accumulate(make_train_step(lambda m, b: m(b).pow(2).mean()), 2)
+    for _ in range(2):
+        state, out = step(state, torch.ones(2, 4))
+    assert out.did_update
+    model[0].requires_grad_(True)
+    state, _ = step(state, torch.ones(2, 4))  # inside the window: nothing is applied yet
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=r"update 2: model has 2 trainable parameter\(s\)"):
+        step(state, torch.ones(2, 4))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
 def test_create_says_a_schedule_function_is_not_a_scheduler_and_shows_lambdalr():

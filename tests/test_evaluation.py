@@ -10,6 +10,7 @@ import orjson
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -359,3 +360,20 @@ def test_evaluate_pulls_no_batch_past_limit_batches() -> None:
         for chunk, part in zip(chunks, (batches[:3], batches[3:]), strict=True):
             losses = torch.cat([F.cross_entropy(model(x), y, reduction="none") for x, y in part])
             assert chunk["MeanMetric"] == pytest.approx(losses.mean().item(), abs=1e-6)
+
+
+def test_a_validation_loader_that_drops_its_last_batch_is_refused():
+    # DataLoader(drop_last=True) left the last 2 of 10 samples out of every evaluation: the
+    # metric was over 8, not the set, with nothing said.
+    data = TensorDataset(torch.randn(10, 4), torch.randint(0, 3, (10,)))
+    loader = DataLoader(data, batch_size=4, drop_last=True)
+    eval_step = make_eval_step(lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"))
+    message = r"drop_last=True, which leaves 2 of its 10 samples out.*Pass drop_last=False"
+    with pytest.raises(ConfigError, match=message):
+        evaluate(eval_step, _model(), loader, metrics=MeanMetric())
+    with pytest.raises(ConfigError, match=message):  # when built, before any training
+        Evaluator(eval_step, {"val": loader}, metrics=MeanMetric(), every=1)
+    # Batches that divide the set drop nothing: accepted.
+    evaluate(
+        eval_step, _model(), DataLoader(data, batch_size=5, drop_last=True), metrics=MeanMetric()
+    )

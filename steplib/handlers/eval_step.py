@@ -267,7 +267,8 @@ def evaluate(
 
 def check_whole_set(data: Any, *, owner: str) -> None:
     """Refuse a loader whose sampler shares the set among ranks by repeating or dropping
-    samples: the synchronised metrics would then be over other samples than the set's.
+    samples, or which drops a last, shorter batch (``drop_last=True``): the synchronised
+    metrics would then be over other samples than the set's.
 
     ``DistributedSampler`` pads a set that the ranks do not divide with repeated samples
     (``drop_last=False``) or drops the rest (``drop_last=True``), and ``resumable_loader(...,
@@ -279,7 +280,8 @@ def check_whole_set(data: Any, *, owner: str) -> None:
         owner: the caller named in the error message.
 
     Raises:
-        ConfigError: the loader's sampler repeats or drops samples (the message gives the fix).
+        ConfigError: the loader's sampler repeats or drops samples, or it drops a last batch
+            (the message gives the fix).
 
     Example:
         >>> from torch.utils.data import DataLoader, DistributedSampler
@@ -289,7 +291,18 @@ def check_whole_set(data: Any, *, owner: str) -> None:
         ...
         steplib.errors.ConfigError: evaluate(data=...) received a DataLoader whose ...
     """
-    batch_sampler = getattr(data, "batch_sampler", None)
+    batch_sampler: Any = getattr(data, "batch_sampler", None)
+    if getattr(batch_sampler, "drop_last", False) is True:
+        sampler, batch_size = batch_sampler.sampler, batch_sampler.batch_size
+        size = len(sampler) if isinstance(sampler, Sized) else None  # an iterable set: unknown
+        if size is None or size % batch_size:
+            left = "an unknown number of" if size is None else f"{size % batch_size} of its {size}"
+            raise ConfigError(
+                f"{owner}(data=...) received a DataLoader with drop_last=True, which leaves "
+                f"{left} samples out (the last, shorter batch of {batch_size}): the metrics "
+                "would not be over the whole set. Pass drop_last=False (the default: a shorter "
+                "last batch counts by its samples)."
+            )
     for sampler in (getattr(data, "sampler", None), getattr(batch_sampler, "sampler", None)):
         if isinstance(sampler, DistributedSampler):
             # total_size: the samples the ranks draw together (DistributedSampler's own count)

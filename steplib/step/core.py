@@ -24,6 +24,7 @@ from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
 from steplib.output import StepOutput, at_least_float32
 from steplib.state import TrainState, Window
+from steplib.state_checks import idle_error, idle_parameters
 from steplib.step.parts import GradReport, Part, plain
 from steplib.step.phases import apply, forward_backward, lr_now, process_grads
 from steplib.step.plan import Plan, check_composition
@@ -74,7 +75,8 @@ class Step:
 
         Raises:
             ConfigError: the state has several optimizers and the step names none of them, or
-                the step names one and the state has no optimizer of that name.
+                the step names one and the state has no optimizer of that name; an update with
+                a trainable parameter in no optimizer (unfrozen since ``TrainState.create``).
         """
         if state.lane.name is not None or self.optimizer is not None:
             mine, out = self._micro_batch(_lane_of(self, state), batch, close_window)
@@ -159,6 +161,11 @@ class Step:
         self, state: TrainState, aux: Mapping[str, torch.Tensor], report: GradReport | None
     ) -> tuple[TrainState, StepOutput]:
         runner = self.plan.runner
+        # A parameter unfrozen since TrainState.create but in no optimizer: refused before its
+        # piled-up gradients could be applied by a later add_param_group. (With several
+        # optimizers each backward fills its own parameters alone: nothing piles up.)
+        if state.lane.name is None and (idle := idle_parameters(state.model, [state.optimizer])):
+            raise idle_error(f"update {state.step + 1}", "model", idle)
         # An async checkpoint may still be copying the parameters and optimizer state in the
         # background; this update changes them. (A runner may run the update in phase 2.)
         state.fence.wait()

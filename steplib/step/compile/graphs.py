@@ -307,6 +307,14 @@ def uses_cuda_graphs(backend: Any) -> bool:
     return isinstance(config, dict) and bool(config.get("triton.cudagraphs"))
 
 
+def without_cuda_graphs(backend: Any) -> Any:
+    """``backend`` itself, or inductor's with the same settings but CUDA graphs."""
+    if not uses_cuda_graphs(backend):
+        return backend
+    settings = {**backend.config, "triton.cudagraphs": False}
+    return torch._TorchCompileInductorWrapper(None, settings, backend.dynamic)
+
+
 class _CountingBackend:
     """The dynamo backend of one :class:`Region`: counts, then compiles with the real one."""
 

@@ -39,6 +39,7 @@ from steplib.step.compile.graphs import (
     process_and_update,
     update,
     uses_cuda_graphs,
+    without_cuda_graphs,
 )
 from steplib.step.core import LossFn, Runner, Step, add_part
 from steplib.step.loss_output import NO_AUX, LossOutput
@@ -136,7 +137,10 @@ class CompiledRunner(Runner):
         self.cuda_graphs = uses_cuda_graphs(inner)
         self.micro_first = self._region(micro_first)
         self.micro_acc = self._region(micro_acc)
-        self.compiled_process = self._region(process_grads)
+        # Phase 2 scales the gradients in place: CUDA graphs never capture a graph that
+        # mutates its inputs (inductor warned at each compile and ran it uncaptured), so it is
+        # compiled without them.
+        self.compiled_process = self._region(process_grads, inner=without_cuda_graphs(inner))
         self.process_and_update = self._region(process_and_update)
         self.micro_and_update = self._region(micro_and_update)
         self.update = self._region(update)
@@ -152,9 +156,10 @@ class CompiledRunner(Runner):
         # the step whose loss_fn is compiled for the autograd path, and that loss_fn's region
         self.autograd: tuple[LossFn, Step] | None = None
 
-    def _region(self, fn: Callable[..., Any], *, ours: bool = True) -> Region:
+    def _region(self, fn: Callable[..., Any], *, ours: bool = True, inner: Any = None) -> Region:
         guard_filter = keep_guards if ours else None
-        return Region(fn, self.inner, self.stats, self.kwargs, guard_filter=guard_filter)
+        backend = self.inner if inner is None else inner
+        return Region(fn, backend, self.stats, self.kwargs, guard_filter=guard_filter)
 
     def refuse(self, part: Part) -> str | None:
         return None  # it runs every part: the phases are the core's
