@@ -134,3 +134,30 @@ def test_causal_lm_loss_refuses_labels_of_another_shape() -> None:
 def test_the_example_trains(example: ModuleType) -> None:
     losses = example.main(updates=4, accumulation=2)
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_the_models_own_mean_times_its_count_is_nan_on_a_micro_batch_without_targets(
+    example: ModuleType,
+) -> None:
+    # docs/migration/hf_trainer.md: the model's mean over no token is NaN, and NaN * 0 is NaN,
+    # so skip_nonfinite skips a window whose gradient is finite; causal_lm_loss adds 0 there.
+    micro = example.micro_batches(2)
+    micro[1]["labels"][:] = -100  # prompts whose answers were cut off
+
+    def own_mean_times_count(model: torch.nn.Module, batch: Any) -> tuple[Any, Any]:
+        count = (batch["labels"][:, 1:] != -100).sum()
+        return model(**batch).loss * count, count
+
+    def last_window(loss_fn: Callable[..., Any]) -> Any:
+        model = example.build_model()
+        state = sl.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        step = sl.skip_nonfinite(sl.accumulate(sl.make_train_step(loss_fn), 2))
+        for batch in micro:
+            state, out = step(state, batch)
+        return out
+
+    own = last_window(own_mean_times_count)
+    assert torch.isnan(own.loss) and bool(own.skipped)
+    assert torch.isfinite(own.grad_norm)  # the gradient was fine: the update was lost
+    summed = last_window(example.loss_fn)
+    assert torch.isfinite(summed.loss) and bool(summed.did_update)

@@ -578,3 +578,52 @@ def test_log_writes_nothing_more_when_the_run_raises() -> None:
     with pytest.raises(RuntimeError, match="boom"):
         run(make_train_step(loss_fn), state, range(4), events=[Log(sink, every=5)])
     assert sink.records == []
+
+
+@pytest.mark.parametrize("how", ["break", "stop"])
+def test_the_record_of_a_run_stopped_inside_a_window_counts_its_last_update_once(
+    how: str,
+) -> None:
+    # A run that ends inside an accumulation window (a `break` out of iterate in a notebook, a
+    # Stop from a micro_step_end handler) gets its last update written at fit_end. The readers
+    # had seen the open window's micro-batch since that update, so they took its output for a
+    # new one and added its window again: num_targets and tokens_per_s counted it twice, and
+    # so did the token-weighted loss mean of its interval.
+    from steplib import iterate
+    from steplib.events import Stop
+    from steplib.handlers import Throughput, TrainMetrics
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1 / (n + 1))
+    state = TrainState.create(model=model, optimizer=opt, scheduler=decay)
+    batches = [torch.randn(n, 2) for n in (3, 5, 2, 7, 4, 6, 1, 8, 5, 2, 3, 6)]
+    windows: list[tuple[float, int]] = []  # each update's loss sum and targets
+
+    def loss_fn(model, batch):
+        return model(batch).pow(2).sum(), batch.shape[0]
+
+    def record_window(event: Event) -> None:
+        targets = int(event.output.num_targets)
+        windows.append((float(event.output.loss) * targets, targets))
+
+    sink, train, speed = RecordingSink(), TrainMetrics(), Throughput()
+    events = Events(train, speed, Log(sink, sources=[train.read, speed.read], every=3))
+    events.on("step_end", record_window)
+    step = accumulate(make_train_step(loss_fn), 2)
+    stop_at = 11  # the first micro-batch of the 6th window: the 5th update is the last
+    if how == "stop":
+        events.on("micro_step_end", lambda e: Stop("enough") if e.micro_step == stop_at else None)
+        run(step, state, batches, events=events)
+    else:
+        for now, _ in iterate(step, state, batches, events=events):
+            if now.micro_step == stop_at:
+                break
+    assert [r["step"] for r in sink.records] == [3, 5]
+    last = sink.records[-1]
+    loss_sum, targets = (sum(each) for each in zip(*windows[3:5], strict=True))
+    assert (last["updates"], last["num_targets"]) == (2, targets)
+    assert last["loss"] == pytest.approx(loss_sum / targets)
+    assert last["tokens_per_s"] / last["steps_per_s"] == pytest.approx(targets / 2)
+    assert last["lr"] == pytest.approx(0.1 / 5)  # the 5th update's, not the open window's

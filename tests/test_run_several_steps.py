@@ -397,3 +397,40 @@ def test_a_record_at_an_update_holds_each_steps_values_only_of_a_window_it_close
                 assert record[f"{name}/num_targets"] == window[1]
                 assert metrics[f"{name}/loss"] == pytest.approx(window[0], rel=1e-6)
     assert "D/loss" not in records[0] and "D/loss" in records[1]
+
+
+def test_the_record_of_a_run_stopped_inside_the_counted_window_counts_each_window_once() -> None:
+    # G (counted) closes a window every 3 batches, D every 2; the run stops at batch 8, inside
+    # G's third window, and Log writes G's last update (batch 6) at fit_end. The readers had
+    # seen D's window of batch 8 since, so they took D's window of batch 6 for a new one and
+    # added it again (its norm, its targets, its batches).
+    from steplib.events import Stop
+    from steplib.handlers import Throughput
+    from steplib.handlers.logging import Log
+    from tests.reference import RecordingSink
+
+    norms: dict[str, list[float]] = {"D": [], "G": []}
+    targets = {"D": 0, "G": 0}
+
+    def closed(event: Event) -> None:
+        assert event.outputs is not None
+        for name, out in event.outputs.items():
+            if out.grad_norm is not None:
+                norms[name].append(float(out.grad_norm))
+                targets[name] += int(out.num_targets)
+
+    steps = {"D": _steps()["D"], "G": clip(_steps()["G"], max_norm=1.0)}
+    monitor, train, speed = GradNormMonitor(), TrainMetrics(), Throughput(unit="batches")
+    sink = RecordingSink()
+    events = Events(monitor, train, speed).on("micro_step_end", closed)
+    events.add(Log(sink, sources=[monitor.read, train.read, speed.read], every=4))
+    events.on("micro_step_end", lambda event: Stop("enough") if event.micro_step == 8 else None)
+    run(steps, _state(), _batches(9), events=events)
+    (record,) = sink.records
+    assert record["step"] == 2 and [len(norms["D"]), len(norms["G"])] == [4, 2]
+    for name in ("D", "G"):
+        mean = sum(norms[name]) / len(norms[name])
+        assert record[f"{name}/grad_norm_mean"] == pytest.approx(mean)
+        assert record[f"{name}/num_targets"] == targets[name]
+        per_update = record[f"{name}/batches_per_s"] / record["steps_per_s"]  # G's 2 updates
+        assert per_update == pytest.approx(targets[name] / 2)  # a mean loss: 1 target a batch

@@ -66,6 +66,9 @@ class TrainMetrics(Handler):
         self.aux = None if aux is None else tuple(aux)
         self._seen: dict[str, Any] = {}  # per step, the last output added
         self._counted: Any = None  # the output of the last step_end counted in updates
+        # Per step, the outputs of that step_end: a Log's record at the end of a run stopped
+        # inside a window reads that update's event again, after the window's micro-batches.
+        self._updated: Mapping[str, Any] = {}
         # Per step, the aux sums of its open window (name -> (sum, micro-batches)): added to
         # the interval's when the window closes, so they outlive a read.
         self._open: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -95,12 +98,15 @@ class TrainMetrics(Handler):
         counts one update."""
         if event.output is None:
             return
-        for name, out in (event.outputs or {"": event.output}).items():
-            if out is not self._seen.get(name):  # read() may already have added this one
+        outputs = event.outputs or {"": event.output}
+        for name, out in outputs.items():
+            # read() may already have added this one, or this is the last update's again
+            if out is not self._seen.get(name) and out is not self._updated.get(name):
                 self._seen[name] = out
                 self._add(name, out)
+            self._lr[name] = out.lr  # the rate as of this event: that update's, given again
         if event.name == "step_end" and event.output is not self._counted:
-            self._counted = event.output
+            self._counted, self._updated = event.output, outputs
             self._updates += 1
 
     def _add(self, name: str, out: Any) -> None:
@@ -112,7 +118,6 @@ class TrainMetrics(Handler):
             self._sums[name] = (*sums, skipped.float())
         else:
             self._sums[name] = (before[0] + sums[0], before[1] + sums[1], before[2] + skipped)
-        self._lr[name] = out.lr
         # Each micro-batch's aux goes into its window's sums; when the window closes they are
         # added to the interval's, unless it was skipped (its aux values are often NaN). A
         # flush reports no aux: it closes what the window's micro-batches added.

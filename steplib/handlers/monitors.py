@@ -214,6 +214,9 @@ class GradNormMonitor(Handler):
         # Per step ("" for a run of one step): the sum, max and count of the norms not skipped.
         self._norms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._seen: dict[str, Any] = {}  # per step, the last output added
+        # Per step, the outputs of the last update: a Log's record at the end of a run stopped
+        # inside a window reads that update's event again, after later windows of other steps.
+        self._updated: Mapping[str, Any] = {}
 
     def on_micro_step_end(self, event: Event) -> None:
         """In a run of several steps, add each step's window that closed with a norm."""
@@ -233,8 +236,11 @@ class GradNormMonitor(Handler):
         """
         if event.outputs is not None:
             for name, out in event.outputs.items():
-                if out.grad_norm is not None and out is not self._seen.get(name):
+                again = out is self._seen.get(name) or out is self._updated.get(name)
+                if out.grad_norm is not None and not again:
                     self._add(name, out)
+            if event.name == "step_end":
+                self._updated = event.outputs
             return
         out = event.output
         if out is None or out is self._seen.get(""):

@@ -227,6 +227,9 @@ class Throughput(Handler):
         # nothing is counted twice.
         self._last: Any = None
         self._seen: dict[str, Any] = {}
+        # Per step, the outputs of the last update: a Log's record at the end of a run stopped
+        # inside a window reads that update's event again, after the window's micro-batches.
+        self._updated: Mapping[str, Any] = {}
         self._batched = False  # whether micro_step_end events reach it (attached to a run)
         self._micro_step: int | None = None
         self._start()
@@ -266,12 +269,12 @@ class Throughput(Handler):
             self._micro_step = event.micro_step - event.batches
         self._micro_steps += event.micro_step - self._micro_step
         self._micro_step = event.micro_step
-        self._last = out
+        self._last, self._updated = out, event.outputs or {"": out}
         self._steps += 1
 
     def _add(self, event: Event) -> None:
         for name, out in (event.outputs or {"": event.output}).items():
-            if out is self._seen.get(name):
+            if out is self._seen.get(name) or out is self._updated.get(name):
                 continue
             self._seen[name] = out
             if self._by_batch:

@@ -95,11 +95,14 @@ def event_record(event: Event) -> Record:
         ``{"step", "epoch", "micro_step", "time"}`` (``time`` in unix seconds) and, when the
         event carries a ``StepOutput``: ``loss``, ``lr``, ``num_targets``, ``grad_norm`` (when
         measured), ``skipped`` (when an update was skipped) and each aux value by its name
-        (``aux.<name>`` if the name is one of the keys above). A one-element tensor becomes a
-        number, a larger one a (nested) list. In a run of several steps each step's values
-        are under its name: ``D/loss``, ``G/loss``, ``G/lr``, ...; at a ``step_end``, only
-        of the steps whose window closed on that batch (a step whose window is still open
-        there reported one micro-batch, no update: it has no values in the record).
+        (``aux.<name>`` if the name is one of the keys above): the output's own, so at an
+        update with accumulation the loss is the window's and an aux value its last
+        micro-batch's (``TrainMetrics`` averages aux over whole windows). A one-element
+        tensor becomes a number, a larger one a (nested) list. In a run of several steps each
+        step's values are under its name: ``D/loss``, ``G/loss``, ``G/lr``, ...; at a
+        ``step_end``, only of the steps whose window closed on that batch (a step whose window
+        is still open there reported one micro-batch, no update: it has no values in the
+        record).
 
     Example:
         >>> import torch
