@@ -33,7 +33,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from steplib import errors
-from steplib.distributed import world_size
+from steplib.distributed import is_parallel_model, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.output import closed_window
@@ -159,9 +159,10 @@ class Throughput(Handler):
             times the world size for a global rate), for ``samples_per_s``.
         tokens: ``tokens(output) -> count`` of one micro-batch, given each micro-batch's
             output (its ``aux`` is that micro-batch's; a tensor stays on the device) and
-            summed, over the ranks too at each read; the default counts each window's
-            ``num_targets`` (summed over ranks) on the call that closes it. Either way the
-            rate is the global one. In a run of several steps, each step's count is its own
+            summed, over the data-parallel ranks too (a DDP or FSDP2 model's) at each read;
+            the default counts each window's ``num_targets`` (summed over those ranks by the
+            step) on the call that closes it. Either way the rate is the global one. In a run
+            of several steps, each step's count is its own
             (``D/tokens_per_s``, ``G/tokens_per_s``).
         unit: what one of those counts, to name the rate ``<unit>_per_s``; ``None``:
             ``tokens``, or ``batches`` when the default count gives one per micro-batch (a
@@ -232,6 +233,7 @@ class Throughput(Handler):
         self._batched = False  # whether micro_step_end events reach it (attached to a run)
         self._micro_step: int | None = None
         self._device: torch.device | None = None
+        self._data_parallel: bool | None = None  # the ranks share the data out (DDP, FSDP2)
         self._start()
 
     def _start(self) -> None:
@@ -245,6 +247,7 @@ class Throughput(Handler):
         # Where the micro-batches start is taken from the first update: a resume_from
         # attached after this handler swaps in the resumed state after this call.
         self._micro_step = None
+        self._data_parallel = None
         self._start()
 
     def on_micro_step_end(self, event: Event) -> None:
@@ -287,11 +290,15 @@ class Throughput(Handler):
                 count = torch.where(closed, out.num_targets, 0)
             self._tokens[name] = self._tokens.get(name, 0) + count
             self._device = out.loss.device  # where the counts are summed (NCCL: the GPU)
+        if self._data_parallel is None:
+            model = getattr(event.state, "model", None)
+            modules = model.modules() if isinstance(model, nn.Module) else ()
+            self._data_parallel = world_size() > 1 and any(map(is_parallel_model, modules))
 
     def read(self, event: Event | None) -> dict[str, float]:
         """The rates since the last read (one host read of the token sum); restarts the clock.
-        With ``tokens=`` and a process group, one all-reduce of the counts: every rank must
-        call it (a ``Log``'s sources are called on every rank).
+        With ``tokens=`` and a DDP or FSDP2 model, one all-reduce of the counts: every rank
+        must call it (a ``Log``'s sources are called on every rank).
 
         Returns:
             ``steps_per_s``, ``tokens_per_s`` (named by ``unit``: ``batches_per_s`` for a
@@ -306,9 +313,10 @@ class Throughput(Handler):
         names = list(self._tokens)
         counts = [torch.as_tensor(self._tokens[n], device=self._device).double() for n in names]
         summed = torch.stack(counts) if counts else torch.zeros(0, device=self._device)
-        if self._by_batch and world_size() > 1:
-            # A tokens= count is of this rank's micro-batches (the default, each window's
-            # num_targets, is summed over the ranks by the step already): the rate is global.
+        if self._by_batch and self._data_parallel:
+            # A tokens= count is of this rank's share of the batch (the default, each window's
+            # num_targets, is summed over the ranks by ddp_wrap / fsdp_wrap already): the rate
+            # is global. Ranks that all see the batch (tensor, pipeline parallel) share nothing.
             dist.all_reduce(summed)
         totals = summed.tolist()  # the one host read
         # Timed after the read: on a GPU the interval then covers work that has finished.
