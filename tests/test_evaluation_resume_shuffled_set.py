@@ -1,5 +1,6 @@
 """Law 9 for a validation set that shuffles with its own generator (``resumable_loader``'s
-default, or ``DataLoader(..., shuffle=True, generator=...)``): after a kill and a resume, the
+default, or ``DataLoader(..., shuffle=True, generator=...)``) or from its epoch (a sharded
+``resumable_loader(..., shard=True)``, one epoch a pass): after a kill and a resume, the
 evaluator's history, best and the update early stopping stops at equal the uninterrupted
 run's, whichever of ``resume_from`` and the evaluator is attached first. Before, the resumed
 run's sets drew their order from their seeds again (and the resumed run's sanity pass drew
@@ -33,6 +34,8 @@ class KilledError(Exception):
 def _val_set(kind: str) -> Any:
     if kind == "resumable_loader":
         return resumable_loader(_VAL, batch_size=4, seed=1)  # shuffle=True, its default
+    if kind == "sharded":  # its order is drawn from seed + epoch, one epoch a pass
+        return resumable_loader(_VAL, batch_size=4, seed=1, shard=True)
     return DataLoader(_VAL, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
 
 
@@ -69,7 +72,7 @@ def _train(
 
 @pytest.mark.parametrize("resume_first", [True, False])
 @pytest.mark.parametrize("limit", [2, None])
-@pytest.mark.parametrize("kind", ["resumable_loader", "DataLoader"])
+@pytest.mark.parametrize("kind", ["resumable_loader", "sharded", "DataLoader"])
 def test_a_resumed_run_evaluates_the_batches_the_uninterrupted_run_did(
     tmp_path: Path, kind: str, limit: int | None, resume_first: bool
 ) -> None:

@@ -190,6 +190,26 @@ def test_apply_ddp_refuses_static_graph_which_breaks_no_sync() -> None:
         assert "static_graph=True) is refused" in message and "Drop it" in message
 
 
+def _static_graph_built_by_hand(rank: int, world: int) -> str:
+    model = DistributedDataParallel(tiny_model(0), static_graph=True)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = ddp_wrap(accumulate(make_train_step(token_loss), 2))
+    try:
+        step(state, make_batches(1)[0])  # the window's first micro-batch: under no_sync
+    except ConfigError as err:
+        return str(err)
+    finally:
+        del model, state, step
+    return "no error"
+
+
+def test_a_static_graph_ddp_module_is_refused_before_its_first_micro_batch_under_no_sync() -> None:
+    # Built by hand, apply_ddp's refusal is bypassed: torch's reducer failed inside the backward
+    # with an INTERNAL ASSERT that named neither the cause nor the fix.
+    for message in run_ranks(_static_graph_built_by_hand):
+        assert "static_graph=True" in message and "apply_ddp(model)" in message
+
+
 def _ddp_compiled(rank: int, world: int) -> dict[str, Any]:
     model = DistributedDataParallel(tiny_model(0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

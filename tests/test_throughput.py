@@ -4,6 +4,8 @@ rates equal counts over a fake clock; MFU against the given peak; bad input."""
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Any
 
 import pytest
 import torch
@@ -173,3 +175,52 @@ def test_a_run_of_several_steps_counts_each_steps_tokens_under_its_name() -> Non
     run(steps, state, [torch.randn(4, 2) for _ in range(8)], events=events)
     stats = speed.read(None)
     assert stats == {"steps_per_s": 1.0, "D/tokens_per_s": 8.0, "G/tokens_per_s": 8.0}
+
+
+def _rates_on_ranks(rank: int, world: int, *, ddp: bool = True) -> list[dict[str, float]]:
+    # Under DDP rank r's micro-batches hold 3 + 2r samples; its loss counts them, its aux too.
+    # Without (tensor or pipeline parallel: every rank sees the batch), each holds 3.
+    from steplib import ddp_wrap
+    from steplib.distributed import apply_ddp
+
+    torch.manual_seed(0)
+    model: torch.nn.Module = torch.nn.Linear(8, 5)
+    model = apply_ddp(model) if ddp else model
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def loss_fn(model, batch):
+        loss, count = _loss_fn(model, batch)
+        return loss, count, {"samples": torch.tensor(float(count))}
+
+    clocks = [FakeClock(), FakeClock()]
+    speeds = [
+        Throughput(clock=clocks[0]),
+        Throughput(tokens=lambda o: o.aux["samples"], clock=clocks[1]),
+    ]
+    events = Events(*speeds)
+
+    def tick(event: Any) -> None:
+        for clock in clocks:
+            clock.now += 1.0
+
+    events.on("step_end", tick)
+    step = accumulate(make_train_step(loss_fn), 2)
+    step = ddp_wrap(step) if ddp else step
+    run(step, state, [_batch(3 + 2 * rank if ddp else 3)] * 4, events=events)
+    rates = [speed.read(None) for speed in speeds]
+    del model, state, step
+    return rates
+
+
+def test_on_two_ranks_tokens_per_s_is_the_global_rate_whatever_counts_the_tokens() -> None:
+    # The default counts each window's num_targets, summed over the ranks by the step; a
+    # tokens= function counted this rank's micro-batches alone: 3 samples a batch where the
+    # two ranks train on 8, so rank 0's log showed the rate of its share.
+    from steplib.testing import run_ranks
+
+    for default, counted in run_ranks(_rates_on_ranks):
+        assert default == {"steps_per_s": 1.0, "tokens_per_s": 16.0}  # 2 updates of 2 x (3 + 5)
+        assert counted == default
+    # Ranks that each train on the whole batch (no DDP or FSDP2 model) share nothing out.
+    for default, counted in run_ranks(functools.partial(_rates_on_ranks, ddp=False)):
+        assert default == counted == {"steps_per_s": 1.0, "tokens_per_s": 6.0}

@@ -21,6 +21,7 @@ from torch import nn
 
 from steplib import errors
 from steplib.cadence import Batches, check_every, due
+from steplib.data.shards import ShardedSampler
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState
@@ -231,15 +232,14 @@ class Evaluator(Handler):
     def sanity_check(self, event: Event) -> None:
         """Evaluate ``sanity_batches`` batches; check ``monitor``; keep nothing but
         :attr:`sanity_values`."""
-        # The sets' own generators as they were: the discarded pass must not change which
-        # samples, in which order, the next evaluation draws (nor a resumed run's, which
-        # makes a sanity pass of its own).
-        drawn = {label: gen.get_state() for label, gen in self._generators().items()}
+        # The sets' orders as they were: the discarded pass must not change which samples,
+        # in which order, the next evaluation draws (nor a resumed run's, which makes a
+        # sanity pass of its own).
+        drawn = self._orders()
         try:
             self.sanity_values = self.run(event.state, limit_batches=self.sanity_batches)
         finally:
-            for label, gen in self._generators().items():
-                gen.set_state(drawn[label])
+            self._set_orders(drawn)
         self._monitored(self.sanity_values)
 
     def __call__(self, event: Event) -> NewState | Emitted:
@@ -279,9 +279,9 @@ class Evaluator(Handler):
 
     def state_dict(self) -> dict[str, Any]:
         """What decides its later records: the best value and its step, whether the last
-        evaluation improved it, the history, the last evaluated update, and the state of each
-        set's own generator (a shuffling ``DataLoader``'s or ``resumable_loader``'s, which the
-        next evaluation draws its order from). Attached to a run,
+        evaluation improved it, the history, the last evaluated update, and what each set's
+        next order is drawn from: its own generator's state (a shuffling ``DataLoader``'s or
+        ``resumable_loader``'s) and a sharded loader's epoch. Attached to a run,
         it is saved with each checkpoint and restored on resume (``checkpoint.contents``).
 
         Example:
@@ -302,7 +302,7 @@ class Evaluator(Handler):
             "improved": self.improved,
             "history": [[step, dict(values)] for step, values in self.history],
             "evaluated_step": self._evaluated_step,
-            "generators": {label: gen.get_state() for label, gen in self._generators().items()},
+            **self._orders(),  # "generators" and "samplers"
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -313,21 +313,34 @@ class Evaluator(Handler):
         self.improved = bool(state["improved"])
         self.history = [(int(step), dict(values)) for step, values in state["history"]]
         self._evaluated_step = state["evaluated_step"]
-        generators = self._generators()
-        # Absent from a state saved by an earlier steplib: the sets draw from their seeds.
-        for label, drawn in state.get("generators", {}).items():
-            if label in generators:  # a checkpoint may hold it on another device
-                generators[label].set_state(torch.as_tensor(drawn, dtype=torch.uint8).cpu())
+        self._set_orders(state)
 
-    def _generators(self) -> dict[str, torch.Generator]:
-        """Each set's own generator, where it has one (``DataLoader(..., generator=...)``,
-        ``resumable_loader``): what the order of its next pass is drawn from. A set without
-        one draws from the global generators, which each evaluation forks (law 10)."""
-        return {
-            label: data.generator
-            for label, data in self.datasets.items()
-            if isinstance(getattr(data, "generator", None), torch.Generator)
-        }
+    def _orders(self) -> dict[str, dict[str, Any]]:
+        """What the order of each set's next pass is drawn from: its own generator's state,
+        where it has one (``DataLoader(..., generator=...)``, ``resumable_loader``), and for a
+        sharded ``resumable_loader(..., shard=True)`` its sampler's epoch (the order is drawn
+        from ``seed + epoch``, and the generator reseeded from it, at every pass). A set
+        without either draws from the global generators, which each evaluation forks (law 10).
+        """
+        generators, samplers = {}, {}
+        for label, data in self.datasets.items():
+            if isinstance(getattr(data, "generator", None), torch.Generator):
+                generators[label] = data.generator.get_state()
+            if isinstance(sampler := getattr(data, "sampler", None), ShardedSampler):
+                samplers[label] = [sampler.epoch, sampler.offset, sampler.begun]
+        return {"generators": generators, "samplers": samplers}
+
+    def _set_orders(self, orders: Mapping[str, Any]) -> None:
+        """Set the sets' orders to what :meth:`_orders` returned (either part may be absent
+        from a state saved by an earlier steplib: the sets then draw from their seeds)."""
+        for label, drawn in orders.get("generators", {}).items():
+            if label in self.datasets:  # a checkpoint may hold it on another device
+                generator = self.datasets[label].generator
+                generator.set_state(torch.as_tensor(drawn, dtype=torch.uint8).cpu())
+        for label, (epoch, offset, begun) in orders.get("samplers", {}).items():
+            if label in self.datasets:
+                sampler = self.datasets[label].sampler
+                sampler.epoch, sampler.offset, sampler.begun = int(epoch), int(offset), bool(begun)
 
     def _built(self) -> dict[str, Any]:
         return {"labels": list(self.datasets), "monitor": self.monitor}

@@ -22,7 +22,8 @@ optimizer's).
 
 For evaluation metrics use torchmetrics (:func:`steplib.handlers.evaluate`).
 
-Imports ``events``, ``errors`` and ``output`` only (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``errors``, ``distributed`` and ``output`` only (handlers never import
+``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from steplib import errors
+from steplib.distributed import rank, world_size
 from steplib.events import Event, Handler
 from steplib.output import closed_window, window_sums
 
@@ -159,6 +161,10 @@ class TrainMetrics(Handler):
             },
             "open": {name: {k: list(v) for k, v in w.items()} for name, w in self._open.items()},
             "updates": self._updates,
+            # Resumed on another number of ranks, every rank loads rank 0's state: the aux sums
+            # of every rank (one all-reduce, as a read makes) carry the whole interval there.
+            "world_size": world_size(),
+            "aux_over_ranks": _over_ranks(self._aux),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -177,6 +183,9 @@ class TrainMetrics(Handler):
             name: {k: _pair(v) for k, v in w.items()} for name, w in state["open"].items()
         }
         self._updates = int(state["updates"])
+        over_ranks = state.get("aux_over_ranks")  # absent from an older checkpoint
+        if over_ranks is not None and state["world_size"] != world_size():
+            self._aux = _resharded(over_ranks, saved=state["world_size"])
 
     def read(self, event: Event | None) -> dict[str, Any]:
         """The means since the last read, then reset: one host transfer (and, with a process
@@ -238,6 +247,45 @@ class TrainMetrics(Handler):
             record[prefix + (f"aux.{key}" if key in _RESERVED else key)] = mean
         self.reset()
         return record
+
+
+def _over_ranks(
+    aux: Mapping[str, Mapping[str, tuple[torch.Tensor, torch.Tensor]]],
+) -> dict[str, dict[str, list[torch.Tensor]]] | None:
+    """The aux sums and counts summed over the ranks (one all-reduce: every rank saves a
+    sharded state together); ``None`` in one process or without aux values."""
+    keys = [(name, key) for name, sums in aux.items() for key in sums]
+    if not keys or world_size() == 1:
+        return None
+    tensors = [t for name, key in keys for t in aux[name][key]]
+    device = tensors[0].device
+    flat = torch.cat([t.to(device).float().reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    parts = iter(flat.split([t.numel() for t in tensors]))
+    summed: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for name, key in keys:
+        total, count = aux[name][key]
+        summed.setdefault(name, {})[key] = [
+            next(parts).reshape(total.shape),
+            next(parts).reshape(count.shape),
+        ]
+    return summed
+
+
+def _resharded(
+    over_ranks: Mapping[str, Mapping[str, Any]], *, saved: int
+) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The interval's aux sums saved by ``saved`` ranks, as this rank holds them on this world
+    size: on rank 0 all of them, on the others none, so that the next read's all-reduce counts
+    each once. Each rank added one mean per micro-batch of its share: the sums and counts are
+    scaled to as many ranks as there are now, so that a micro-step before the save weighs what
+    one after it does (exact when the ranks' shares are even, as in the uninterrupted run)."""
+    scale = world_size() / saved if rank() == 0 else 0.0
+    resharded: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, sums in over_ranks.items():
+        pairs = {key: _pair(saved) for key, saved in sums.items()}
+        resharded[name] = {key: (t * scale, c * scale) for key, (t, c) in pairs.items()}
+    return resharded
 
 
 def _unflat(values: Any, shape: torch.Size) -> Any:

@@ -27,12 +27,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from steplib import errors
-from steplib.distributed import world_size
+from steplib.distributed import is_parallel_model, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.output import closed_window
@@ -158,8 +159,10 @@ class Throughput(Handler):
             times the world size for a global rate), for ``samples_per_s``.
         tokens: ``tokens(output) -> count`` of one micro-batch, given each micro-batch's
             output (its ``aux`` is that micro-batch's; a tensor stays on the device) and
-            summed; the default counts each window's ``num_targets`` (summed over ranks) on
-            the call that closes it. In a run of several steps, each step's count is its own
+            summed, over the data-parallel ranks too (a DDP or FSDP2 model's) at each read;
+            the default counts each window's ``num_targets`` (summed over those ranks by the
+            step) on the call that closes it. Either way the rate is the global one. In a run
+            of several steps, each step's count is its own
             (``D/tokens_per_s``, ``G/tokens_per_s``).
         unit: what one of those counts, to name the rate ``<unit>_per_s``; ``None``:
             ``tokens``, or ``batches`` when the default count gives one per micro-batch (a
@@ -232,6 +235,8 @@ class Throughput(Handler):
         self._updated: Mapping[str, Any] = {}
         self._batched = False  # whether micro_step_end events reach it (attached to a run)
         self._micro_step: int | None = None
+        self._device: torch.device | None = None
+        self._data_parallel: bool | None = None  # the ranks share the data out (DDP, FSDP2)
         self._start()
 
     def _start(self) -> None:
@@ -245,6 +250,7 @@ class Throughput(Handler):
         # Where the micro-batches start is taken from the first update: a resume_from
         # attached after this handler swaps in the resumed state after this call.
         self._micro_step = None
+        self._data_parallel = None
         self._start()
 
     def on_micro_step_end(self, event: Event) -> None:
@@ -286,9 +292,16 @@ class Throughput(Handler):
                 closed = closed_window(out).any()
                 count = torch.where(closed, out.num_targets, 0)
             self._tokens[name] = self._tokens.get(name, 0) + count
+            self._device = out.loss.device  # where the counts are summed (NCCL: the GPU)
+        if self._data_parallel is None:
+            model = getattr(event.state, "model", None)
+            modules = model.modules() if isinstance(model, nn.Module) else ()
+            self._data_parallel = world_size() > 1 and any(map(is_parallel_model, modules))
 
     def read(self, event: Event | None) -> dict[str, float]:
         """The rates since the last read (one host read of the token sum); restarts the clock.
+        With ``tokens=`` and a DDP or FSDP2 model, one all-reduce of the counts: every rank
+        must call it (a ``Log``'s sources are called on every rank).
 
         Returns:
             ``steps_per_s``, ``tokens_per_s`` (named by ``unit``: ``batches_per_s`` for a
@@ -301,10 +314,14 @@ class Throughput(Handler):
         if self._steps == 0:
             return {}
         names = list(self._tokens)
-        found = [t for t in self._tokens.values() if isinstance(t, torch.Tensor)]
-        device = found[0].device if found else None
-        counts = [torch.as_tensor(self._tokens[n], device=device).double() for n in names]
-        totals = torch.stack(counts).tolist() if counts else []  # the one host read
+        counts = [torch.as_tensor(self._tokens[n], device=self._device).double() for n in names]
+        summed = torch.stack(counts) if counts else torch.zeros(0, device=self._device)
+        if self._by_batch and self._data_parallel:
+            # A tokens= count is of this rank's share of the batch (the default, each window's
+            # num_targets, is summed over the ranks by ddp_wrap / fsdp_wrap already): the rate
+            # is global. Ranks that all see the batch (tensor, pipeline parallel) share nothing.
+            dist.all_reduce(summed)
+        totals = summed.tolist()  # the one host read
         # Timed after the read: on a GPU the interval then covers work that has finished.
         elapsed = max(self._clock() - self._since, 1e-9)
         steps_per_s = self._steps / elapsed

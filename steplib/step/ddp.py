@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from steplib.errors import ConfigError
 from steplib.state import TrainState
 from steplib.step.core import Step
 from steplib.step.ddp_models import average_grads, check_synced, ddp_models, several_models
@@ -37,6 +38,7 @@ class DdpSync(RankSync):
 def _no_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:
     # Around forward *and* backward: DDP's reducer must see both inside no_sync.
     mine, others = ddp_models(state)  # first: an unwrapped model is refused on every call
+    _refuse_static_graph(others if sync else [*mine, *others])
     if sync:  # once per window: an unfreeze since DDP was built is refused before it syncs
         check_synced(mine)
     if others:
@@ -47,6 +49,20 @@ def _no_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager
     for model in mine:
         stack.enter_context(model.no_sync())
     return stack
+
+
+def _refuse_static_graph(under_no_sync: list[Any]) -> None:
+    """Refuse a DDP module built with ``static_graph=True`` that is about to run under
+    ``no_sync`` (``apply_ddp`` refuses it when it is built; ``DistributedDataParallel(...)``
+    does not)."""
+    if any(model.static_graph for model in under_no_sync):
+        raise ConfigError(
+            "ddp_wrap: a DistributedDataParallel module built with static_graph=True is about "
+            "to run a micro-batch under no_sync (accumulation, or another step's model): "
+            "torch's reducer then fails (torch 2.13: 'expect_autograd_hooks_ INTERNAL ASSERT "
+            "FAILED'), and some torch versions silently stop averaging the gradients. Build it "
+            "without static_graph: model = steplib.distributed.apply_ddp(model)."
+        )
 
 
 def ddp_wrap(step: Step) -> Step:
