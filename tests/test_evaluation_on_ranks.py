@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics import MeanMetric
 
-from steplib import ConfigError, EarlyStopping, Events, TrainState, make_train_step, run
+from steplib import (
+    ConfigError,
+    EarlyStopping,
+    Events,
+    NewState,
+    TrainState,
+    make_train_step,
+    run,
+)
 from steplib.data import resumable_loader
 from steplib.handlers import Evaluator, evaluate, make_eval_step
 from steplib.testing import run_ranks
@@ -119,3 +127,29 @@ def test_a_monitored_value_that_differs_across_ranks_is_refused_before_any_rank_
     for step, refusal in _early_stopping_on_two_ranks(synchronised=False):
         assert step == 0
         assert "val_loss is" in refusal and "sync_on_compute=True" in refusal
+
+
+def _stopper_on_a_value_of_its_own(rank: int, world: int) -> tuple[int, str]:
+    model = _model()
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    step = make_train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    stopper = EarlyStopping("my_score", patience=1)
+
+    def score(event: Any) -> Any:  # a value the user computes on each rank, not all-reduced
+        value = float(event.step) if rank == 0 else -float(event.step)
+        return NewState(event.state.replace(extras={**event.state.extras, "my_score": value}))
+
+    events = Events().on("step_end", score).on("step_end", stopper)
+    try:
+        state = run(step, state, [_VAL[0::2]] * 6, events=events)
+    except ConfigError as error:
+        return state.step, str(error)
+    return state.step, ""
+
+
+def test_early_stopping_on_a_value_that_differs_across_ranks_is_refused_on_every_rank() -> None:
+    # Rank 0's score got worse at each check, rank 1's better: rank 0 stopped at update 2
+    # while rank 1 trained on, in silence (a DDP run hangs in its next all-reduce there).
+    for step, refusal in run_ranks(_stopper_on_a_value_of_its_own, world=2, timeout=120):
+        assert step == 0  # refused at the first check, on both ranks
+        assert "EarlyStopping: my_score is" in refusal and "on rank" in refusal

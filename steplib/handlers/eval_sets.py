@@ -15,7 +15,7 @@ from steplib.distributed.collectives import first_other
 from steplib.errors import ConfigError, describe
 
 
-def same_on_every_rank(values: Mapping[str, Any]) -> None:
+def same_on_every_rank(values: Mapping[str, Any], owner: str = "Evaluator") -> None:
     """Refuse values that differ across ranks (one ``all_gather_object`` per evaluation in a
     process group of several ranks): each rank would keep its own best, and early stopping,
     keep-best checkpoints and ``export_best`` would decide differently on each."""
@@ -26,7 +26,7 @@ def same_on_every_rank(values: Mapping[str, Any]) -> None:
     rank, theirs = other
     name = next(name for name in mine if theirs.get(name) != mine[name])
     raise ConfigError(
-        f"Evaluator: {name} is {mine[name]} on this rank but {theirs.get(name)} on rank {rank}: "
+        f"{owner}: {name} is {mine[name]} on this rank but {theirs.get(name)} on rank {rank}: "
         "a metric that is not synchronised gives each rank the value of its own share of the "
         "set, so each rank would keep its own best and early stopping would stop the ranks "
         "at different updates. Let torchmetrics synchronise it (its default, "

@@ -8,10 +8,10 @@
   ``export_best``; :func:`monitored_value` reads a watched value from ``state.extras``.
 
 Every stop decision is taken jointly when a process group is initialised (one small all-reduce
-on the check's interval): a rank that stops alone leaves the others waiting in a collective.
+on the check's interval; early stopping checks its value is the same on every rank): a rank
+that stops alone leaves the others waiting in a collective.
 
-Imports ``events``, ``state``, ``errors``, ``distributed`` (handlers never import ``loop`` or
-``step``).
+Imports ``events``, ``state``, ``errors``, ``distributed``, ``eval_sets`` (not ``loop``, ``step``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from steplib.cadence import due
 from steplib.distributed.collectives import any_rank
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler, Stop
+from steplib.handlers.eval_sets import same_on_every_rank
 from steplib.state import EVALUATED_AT
 
 
@@ -242,6 +243,8 @@ class EarlyStopping(Handler):
                 return None
             self._evaluations = evaluations
         value = monitored_value("EarlyStopping", self.monitor, event)
+        if value is not None and self.evaluator is None:  # an evaluator checks its own values
+            same_on_every_rank({self.monitor: value}, owner="EarlyStopping")
         return None if value is None else self.update(value, step=event.step)
 
     def update(self, value: float, *, step: int) -> Stop | None:
