@@ -283,7 +283,7 @@ def _resharded(
     scale = world_size() / saved if rank() == 0 else 0.0
     resharded: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for name, sums in over_ranks.items():
-        pairs = {key: _pair(saved) for key, saved in sums.items()}
+        pairs = {key: _pair(pair) for key, pair in sums.items()}
         resharded[name] = {key: (t * scale, c * scale) for key, (t, c) in pairs.items()}
     return resharded
 

@@ -308,7 +308,8 @@ def uses_cuda_graphs(backend: Any) -> bool:
 
 
 def without_cuda_graphs(backend: Any) -> Any:
-    """``backend`` itself, or inductor's with the same settings but CUDA graphs."""
+    """``backend`` itself, or, if it runs CUDA graphs, inductor's with the same settings and
+    CUDA graphs off."""
     if not uses_cuda_graphs(backend):
         return backend
     settings = {**backend.config, "triton.cudagraphs": False}
