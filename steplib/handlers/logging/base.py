@@ -97,7 +97,8 @@ def event_record(event: Event) -> Record:
         measured), ``skipped`` (when an update was skipped) and each aux value by its name
         (``aux.<name>`` if the name is one of the keys above): the output's own, so at an
         update with accumulation the loss is the window's and an aux value its last
-        micro-batch's (``TrainMetrics`` averages aux over whole windows). A one-element
+        micro-batch's, and on several ranks the loss is over every rank and an aux value this
+        rank's (``TrainMetrics`` averages aux over whole windows and ranks). A one-element
         tensor becomes a number, a larger one a (nested) list. In a run of several steps each
         step's values are under its name: ``D/loss``, ``G/loss``, ``G/lr``, ...; at a
         ``step_end``, only of the steps whose window closed on that batch (a step whose window
