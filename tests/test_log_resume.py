@@ -18,7 +18,7 @@ import torch
 from steplib import Events, TrainState, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
-from steplib.handlers import ProgressBar, Throughput
+from steplib.handlers import ProgressBar, Throughput, TrainMetrics
 from steplib.handlers.logging import CSVLogger, JsonlLogger, Log, TensorBoardLogger
 
 
@@ -150,3 +150,48 @@ def test_a_bar_and_throughput_attached_before_resume_from_count_this_runs_update
     bar, reads = _counted_run(tmp_path, 70)  # resumes at 60 and makes 10 updates
     assert bar.stats["samples"] == 10 * 4  # was 70 * 4
     assert [sorted(r) for r in reads] == [["batches_per_s", "steps_per_s"]] * 2  # was tokens
+
+
+def _interval_run(root: Path, *, max_steps: int) -> None:
+    """TrainMetrics' means logged every 2 updates (JSONL, CSV, TensorBoard), a checkpoint
+    every 5: a run stopped at 5 saves there before its fit_end record of update 5."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_train_step(lambda m, batch: m(batch).pow(2).mean())
+    data = resumable_loader(
+        torch.randn(40, 2, generator=torch.Generator().manual_seed(1)), batch_size=4
+    )
+    ckpt, train = checkpoint_every(str(root / "ckpt"), every=5), TrainMetrics()
+    sinks = [
+        JsonlLogger(str(root / "m.jsonl")),
+        CSVLogger(str(root / "m.csv")),
+        TensorBoardLogger(str(root / "tb")),
+    ]
+    log = Log(sinks, sources=[train.read], every=2)
+    with log:
+        events = Events(resume_from(ckpt), train, ckpt, log)
+        run(step, state, data, events=events, max_steps=max_steps)
+
+
+def test_a_record_written_after_the_save_of_its_update_is_replaced_at_the_resume(
+    tmp_path: Path,
+) -> None:
+    # Stopped at 5 (max_steps, a preemption), the checkpoint at 5 holds TrainMetrics' sums of
+    # update 5, which the fit_end record of 5 then read. The resumed run's record at 6 covers
+    # updates 5 and 6: the record of 5 was kept beside it, update 5 logged twice (11 of 10).
+    _interval_run(tmp_path / "whole", max_steps=10)
+    _interval_run(tmp_path / "parts", max_steps=5)
+    _interval_run(tmp_path / "parts", max_steps=10)
+    lines = [orjson.loads(line) for line in (tmp_path / "parts" / "m.jsonl").read_bytes().split()]
+    assert [(line["step"], line["updates"]) for line in lines] == [
+        (2, 2),
+        (4, 2),
+        (6, 2),
+        (8, 2),
+        (10, 2),
+    ]
+    whole = (tmp_path / "whole" / "m.jsonl").read_bytes().splitlines()
+    assert [orjson.loads(line)["loss"] for line in whole] == [line["loss"] for line in lines]
+    rows = list(csv.DictReader((tmp_path / "parts" / "m.csv").read_text().splitlines()))
+    assert [row["step"] for row in rows] == ["2", "4", "6", "8", "10"]

@@ -56,6 +56,17 @@ _RESERVED = ("step", "epoch", "micro_step", "time", "loss", "lr", "grad_norm", "
 COUNTERS = ("step", "micro_step", "time", "epoch", "num_targets", "updates")
 
 
+def first_update(record: Record) -> Any:
+    """The first update ``record`` covers: its ``step``, or for an interval's means
+    (``TrainMetrics``' ``updates`` of them) the interval's first. A sink continuing a file at a
+    resume drops the records from there: a record that a run wrote after the save of its
+    update (the one at ``fit_end``) is covered again by the resumed run's first."""
+    step, updates = record.get("step"), record.get("updates")
+    if isinstance(step, int) and type(updates) is int and updates > 1:
+        return step - updates + 1
+    return step
+
+
 def check_keys(owner: str, keys: Any) -> tuple[str, ...] | None:
     """``keys`` as a tuple of names, or ``None`` (the sink's default).
 

@@ -15,7 +15,7 @@ import fsspec
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import Record, Sink
+from steplib.handlers.logging.base import Record, Sink, first_update
 
 _log = logging.getLogger("steplib.logging")
 
@@ -31,8 +31,9 @@ class FileSink(Sink):
 
     A file continued (``append=True``) by a run resumed from a checkpoint holds the records the
     killed run wrote after that checkpoint: the resumed run writes those steps again. So the
-    first record a sink writes drops the records the file holds at its step and after (as
-    TensorBoard's ``purge_step`` does), logged (``logging``, ``steplib.logging``, INFO) with how
+    first record a sink writes drops the records the file holds from the first update it
+    covers on (:func:`~steplib.handlers.logging.base.first_update`; as TensorBoard's
+    ``purge_step`` does), logged (``logging``, ``steplib.logging``, INFO) with how
     many. A run started afresh into a file of an earlier run therefore replaces it from its
     first record on, with a warning: pass ``append=False`` to say so, or another file to keep
     the earlier one.
@@ -98,13 +99,14 @@ class FileSink(Sink):
         """Read what the sink needs from an existing file (a CSV header) before appending."""
 
     def continue_at(self, record: Record) -> None:
-        """At the first record of an appending sink, drop the file's records at its step or
-        after (a resumed run writes them again), logging how many; later records do nothing.
+        """At the first record of an appending sink, drop the file's records from the first
+        update it covers on (a resumed run writes them again), logging how many; later records
+        do nothing.
 
         Raises:
             LogWriteError: the file cannot be read or rewritten; the message names the URL.
         """
-        step = record.get("step")
+        step = first_update(record)
         if not self._continuing or self._file is None or not isinstance(step, int):
             return
         self._continuing = False

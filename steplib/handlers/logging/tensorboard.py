@@ -7,7 +7,14 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
+from steplib.handlers.logging.base import (
+    COUNTERS,
+    Record,
+    Sink,
+    check_keys,
+    first_update,
+    select,
+)
 
 
 class TensorBoardLogger(Sink):
@@ -19,7 +26,8 @@ class TensorBoardLogger(Sink):
     not plotted unless ``keys`` names them (``time`` is the wall time of the points);
     non-numbers (lists, strings) are skipped. A name is written once per step: a second record
     at the same step (an evaluation's, the one at ``fit_end``) adds no duplicate point. The
-    first record's step is the writer's ``purge_step``: the points a killed run wrote in this
+    first update the first record covers (its step; an interval's first for ``TrainMetrics``'
+    means) is the writer's ``purge_step``: the points a killed run wrote in this
     directory at that step and after, which a run resumed from an earlier checkpoint writes
     again, are hidden, so each step has one point.
 
@@ -91,7 +99,7 @@ class TensorBoardLogger(Sink):
         if not self._purged:  # a resumed run writes its steps again: hide the killed run's
             self._purged = True
             self._writer.close()
-            self._writer = self._open(purge_step=step)
+            self._writer = self._open(purge_step=first_update(record))
         try:
             for name, value in select(record, self.keys, default_skip=COUNTERS).items():
                 if name == "step" or isinstance(value, bool) or not isinstance(value, int | float):
