@@ -10,6 +10,7 @@ import logging
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -26,9 +27,8 @@ class _KilledError(Exception):
     pass
 
 
-def _run(root: Path, out: Path, *, kill_at: int | None) -> None:
-    """Ten updates, a checkpoint every 4, each update logged to a JSONL file (a bare sink) and
-    a CSV file (through Log); killed after update ``kill_at`` is logged."""
+def _training() -> tuple[TrainState, Any, Any]:
+    """A linear model's state, its step and 10 batches of 4 that a checkpoint can resume."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -36,6 +36,13 @@ def _run(root: Path, out: Path, *, kill_at: int | None) -> None:
     data = resumable_loader(
         torch.randn(40, 2, generator=torch.Generator().manual_seed(1)), batch_size=4
     )
+    return state, step, data
+
+
+def _run(root: Path, out: Path, *, kill_at: int | None) -> None:
+    """Ten updates, a checkpoint every 4, each update logged to a JSONL file (a bare sink) and
+    a CSV file (through Log); killed after update ``kill_at`` is logged."""
+    state, step, data = _training()
     ckpt = checkpoint_every(str(root / "ckpt"), every=4)
     with JsonlLogger(str(out / "m.jsonl")) as jsonl, CSVLogger(str(out / "m.csv")) as table:
         events = Events(resume_from(ckpt), ckpt, Log(table, every=1))
@@ -155,13 +162,7 @@ def test_a_bar_and_throughput_attached_before_resume_from_count_this_runs_update
 def _interval_run(root: Path, *, max_steps: int) -> None:
     """TrainMetrics' means logged every 2 updates (JSONL, CSV, TensorBoard), a checkpoint
     every 5: a run stopped at 5 saves there before its fit_end record of update 5."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
-    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    step = make_train_step(lambda m, batch: m(batch).pow(2).mean())
-    data = resumable_loader(
-        torch.randn(40, 2, generator=torch.Generator().manual_seed(1)), batch_size=4
-    )
+    state, step, data = _training()
     ckpt, train = checkpoint_every(str(root / "ckpt"), every=5), TrainMetrics()
     sinks = [
         JsonlLogger(str(root / "m.jsonl")),
