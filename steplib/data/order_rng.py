@@ -50,8 +50,7 @@ def check_order_rng(generator: Any, sampler: Any, batch_sampler: Any) -> torch.G
             "DataLoader draws seeds from the global torch generator at every epoch and a "
             "resume would shift dropout. Build it with resumable_loader(dataset, seed=0)."
         )
-    samplers: list[Any] = [sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
-    for one in samplers:
+    for one in _samplers(sampler, batch_sampler):
         if hasattr(one, "generator") and one.generator is not generator:
             kind = type(one).__name__
             source = "torch's global generator" if one.generator is None else "its own generator"
@@ -95,12 +94,7 @@ def check_torchdata_order(caller: str, loader: Any) -> None:
         ...
         steplib.errors.ConfigError: save(data=...) received a StatefulDataLoader whose order ...
     """
-    samplers = [
-        loader.sampler,
-        loader.batch_sampler,
-        getattr(loader.batch_sampler, "sampler", None),
-    ]
-    for one in samplers:
+    for one in _samplers(loader.sampler, loader.batch_sampler):
         own = isinstance(one, RandomSampler) and one.generator is not loader.generator
         if hasattr(one, "generator") and not own:
             raise ConfigError(
@@ -112,3 +106,8 @@ def check_torchdata_order(caller: str, loader: Any) -> None:
                 "sampler's), or with steplib.data.resumable_loader(dataset, batch_size=..., "
                 "seed=0)."
             )
+
+
+def _samplers(sampler: Any, batch_sampler: Any) -> list[Any]:
+    """What a loader draws its order from: its sampler, batch sampler and the latter's sampler."""
+    return [sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
