@@ -352,3 +352,51 @@ def test_export_best_exports_the_module_given_whose_score_it_is(tmp_path: Path) 
         assert torch.equal(exported[name], tensor), name
     score = (torch.ones(2, 2) @ exported["weight"].T + exported["bias"]).pow(2).mean()
     assert score.item() == exporter.best.value
+
+
+def _pipeline_export(directory: str):
+    def train_and_export(rank: int, world: int) -> dict[str, Any]:
+        from steplib.distributed import split_model
+        from steplib.step import make_pipeline_step, pipeline_stage
+
+        stages = split_model(_model(), split_points=["2"])  # Linear + Tanh, then Linear
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return ((output - target) ** 2).mean()
+
+        step = make_pipeline_step(loss_fn, stages, n_microbatches=2)
+        module = pipeline_stage(step).module
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        state = TrainState.create(model=module, optimizer=opt)
+        for batch in _batches(2):  # every stage gets the same batch
+            state, _ = step(state, batch)
+        export_model(state, f"{directory}/pipeline.pt")
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    return train_and_export
+
+
+def test_a_pipeline_export_holds_every_stage_not_rank_0s_alone(tmp_path: Path) -> None:
+    # Rank 0 wrote its own stage's state_dict: a file of 0.weight and 0.bias, no error.
+    parts = run_ranks(_pipeline_export(str(tmp_path)))
+    assert sorted(parts[0]) == ["0.bias", "0.weight"] and sorted(parts[1]) == ["2.bias", "2.weight"]
+    weights = {**parts[0], **parts[1]}
+    loaded = _load_elsewhere(tmp_path, "mlp", str(tmp_path / "pipeline.pt"))
+    assert torch.equal(loaded[0], _outputs(weights))
+
+
+def _same_names_in_two_parts(rank: int, world: int) -> str:
+    # Stages built by hand, each numbering its layers from 0: the names overlap.
+    layers = [nn.Linear(8, 16), nn.Linear(16, 16)] if rank == 0 else [nn.Linear(16, 3)]
+    part = nn.Sequential(*layers)
+    try:
+        export_model(part, "memory://export-two-parts/model.pt")
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_parts_of_a_model_that_share_a_name_are_refused_on_every_rank() -> None:
+    for message in run_ranks(_same_names_in_two_parts):
+        assert "rank 0 and rank 1 both hold '0.weight'" in message, message
+        assert "split_model" in message

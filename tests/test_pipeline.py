@@ -456,3 +456,50 @@ def test_the_zero_bubble_schedule_takes_stages_whose_outputs_are_views() -> None
         assert set(got) == set(want)  # the hook changes no parameter name
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-6)
+
+
+def _loss_with_aux(output: torch.Tensor, target: torch.Tensor) -> Any:
+    kept = target != -100
+    right = ((output.argmax(-1) == target) & kept).double().sum()
+    return (*_loss(output, target), {"right": right, "count": kept.sum()})
+
+
+def _aux_on_every_stage(rank: int, world: int) -> dict[str, Any]:
+    from steplib.handlers import TrainMetrics
+
+    stages = split_model(_model(), split_points=["2"])
+    pipe = make_pipeline_step(_loss_with_aux, stages, n_microbatches=MICRO, schedule="gpipe")
+    state = _state(pipe)
+    metrics = TrainMetrics()
+    events = metrics.attach(Events())
+    aux: list[dict[str, torch.Tensor]] = []
+    events.on("step_end", lambda e: aux.append({k: v.clone() for k, v in e.output.aux.items()}))
+    run(pipe, state, _batches(), events=events)
+    return {"aux": aux, "record": metrics.read(None)}  # a Log reads on every rank
+
+
+def test_every_stage_reports_the_last_stages_aux_values_and_train_metrics_reads_them() -> None:
+    # Only the last stage held them: rank 0 (which logs) reported none, and TrainMetrics'
+    # read all-reduced its aux sums on rank 1 alone, where rank 0 had none to reduce (a hang).
+    first, last = run_ranks(_aux_on_every_stage, timeout=60)
+    assert [sorted(a) for a in first["aux"]] == [["count", "right"]] * 4
+    for mine, theirs in zip(first["aux"], last["aux"], strict=True):
+        assert all(
+            torch.equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine
+        )
+    model = _model()  # the reference: one process, the same updates
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    right = []
+    for x, y in _batches():
+        with torch.no_grad():
+            micro = [
+                _loss_with_aux(model(a), b)[2]["right"]
+                for a, b in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True)
+            ]
+        right.append(torch.stack(micro).mean())
+        loss_sum, count = _loss(model(x), y)
+        (loss_sum / count).backward()
+        opt.step()
+        opt.zero_grad()
+    for result in (first, last):
+        assert result["record"]["right"] == pytest.approx(torch.stack(right).mean().item())

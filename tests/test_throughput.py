@@ -224,3 +224,26 @@ def test_on_two_ranks_tokens_per_s_is_the_global_rate_whatever_counts_the_tokens
     # Ranks that each train on the whole batch (no DDP or FSDP2 model) share nothing out.
     for default, counted in run_ranks(functools.partial(_rates_on_ranks, ddp=False)):
         assert default == counted == {"steps_per_s": 1.0, "tokens_per_s": 6.0}
+
+
+def _mean_loss_rates(rank: int, world: int) -> dict[str, float]:
+    # No DDP or FSDP2 model: every rank trains on the whole batch, as tensor parallelism does.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 5)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    clock = FakeClock()
+    speed = Throughput(clock=clock)
+    events = speed.attach(Events())
+    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 1.0))
+    step = accumulate(make_train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1])), 2)
+    run(step, state, [_batch(3)] * 4, events=events)
+    return speed.read(None)
+
+
+def test_ranks_that_each_see_the_whole_batch_name_a_mean_losss_rate_batches_per_s() -> None:
+    # The micro-batches were counted once per rank (8 for 4), so the count of 4 looked like
+    # tokens: tensor-parallel ranks logged tokens_per_s where one process logs batches_per_s.
+    from steplib.testing import run_ranks
+
+    for rates in run_ranks(_mean_loss_rates):
+        assert rates == {"steps_per_s": 1.0, "batches_per_s": 2.0}  # as in one process

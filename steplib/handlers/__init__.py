@@ -16,12 +16,8 @@ from steplib.errors import ExportError, LogWriteError, NonFiniteError
 from steplib.handlers.ema import EMA
 from steplib.handlers.eval_step import EvalStep, as_metrics, eval_mode, evaluate, make_eval_step
 from steplib.handlers.evaluation import Evaluator
-from steplib.handlers.export import (
-    ExportBest,
-    export_best,
-    export_model,
-    full_state_dict,
-)
+from steplib.handlers.export import ExportBest, export_best, export_model
+from steplib.handlers.full_weights import full_state_dict
 from steplib.handlers.live_plot import LivePlot
 from steplib.handlers.logging import (
     ConsoleLogger,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from steplib.distributed.parallelize import inner_module
 from steplib.errors import ConfigError, ExportError, describe
 from steplib.events import Event
 from steplib.handlers.evaluation import Evaluator
+from steplib.handlers.full_weights import exported_module, full_state_dict
 from steplib.handlers.stopping import BestValue, monitored_value
 from steplib.state import TrainState
 
@@ -52,9 +53,10 @@ def export_model(
 ) -> str:
     """Write the model's weights (``state_dict``: parameters and buffers) to one file.
 
-    Under DDP or FSDP2 every rank must call it (FSDP2 gathers the shards with a collective);
-    rank 0 writes, and every rank returns once the file is complete. A local file is written
-    under a temporary name and renamed, so a reader never sees half a file; on object stores
+    With several ranks every rank must call it (FSDP2 shards and pipeline stages are
+    gathered onto rank 0 with a collective: see :func:`full_state_dict`); rank 0 writes, and
+    every rank returns once the file is complete. A local file is written under a temporary
+    name and renamed, so a reader never sees half a file; on object stores
     the upload is committed when it completes.
 
     Args:
@@ -86,8 +88,8 @@ def export_model(
     """
     _check_format("export_model", format)
     location = resolve(url, storage_options, caller="export_model")
-    model = _unwrapped(state)
-    tensors = full_state_dict(model)  # a collective under FSDP2: every rank is here
+    model = exported_module(state)
+    tensors = full_state_dict(model)  # a collective: every rank is here
     error: BaseException | None = None
     if rank() == 0:
         try:
@@ -104,52 +106,6 @@ def export_model(
             f"export_model: rank 0 could not write {location.url} (its error says why)."
         )
     return location.url
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole ``state_dict`` of ``model`` on CPU, on rank 0 (``{}`` on the other ranks).
-
-    FSDP2-sharded parameters are gathered with
-    ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (a collective: call it on
-    every rank); replicated (DDP) or plain models are read on rank 0 only.
-
-    Args:
-        model: the module (DDP's and ``torch.compile``'s wrappers are looked through).
-
-    Returns:
-        ``{name: tensor}`` with detached CPU tensors on rank 0; ``{}`` on the other ranks.
-
-    Example:
-        >>> sorted(full_state_dict(torch.nn.BatchNorm1d(2)))
-        ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
-    """
-    model = _unwrapped(model)
-    if any(_is_sharded(p) for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        gathered = get_model_state_dict(model, options=options)
-        return cast(dict[str, torch.Tensor], gathered)  # a model's state: tensors only
-    if rank() != 0:
-        return {}
-    return {name: value.detach().cpu() for name, value in model.state_dict().items()}
-
-
-def _is_sharded(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "full_tensor")  # a DTensor (FSDP2, tensor parallel)
-
-
-def _unwrapped(state: Any) -> nn.Module:
-    model: Any = state.model if isinstance(state, TrainState) else state
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"export_model received {describe(state)} where a TrainState or an nn.Module was "
-            "expected. Pass the state (its model is exported) or the module itself."
-        )
-    return inner_module(model)  # DDP(compile(m)), compile(DDP(m)), ...
 
 
 def _check_format(owner: str, format: Any) -> None:
@@ -276,7 +232,7 @@ class ExportBest:
         # a rank that decided otherwise would leave the others waiting in it.
         value = _from_rank0(value, getattr(event.state, "device", torch.device("cpu")))
         exported = self.model if self.model is not None else event.state
-        self._check_evaluated(event, _unwrapped(exported))
+        self._check_evaluated(event, exported_module(exported))
         if self.best.update(value, step=event.step):
             export_model(
                 exported, self.url, format=self.format, storage_options=self.storage_options
@@ -288,7 +244,9 @@ class ExportBest:
         attached = event.events.attached() if event.events is not None else []
         for ev in (h for h in attached if isinstance(h, Evaluator) and h.history):
             step, values = ev.history[-1]
-            evaluated = inner_module(_unwrapped(ev.model if ev.model is not None else event.state))
+            evaluated = inner_module(
+                exported_module(ev.model if ev.model is not None else event.state)
+            )
             if step == event.step and self.monitor in values and evaluated is not exported:
                 raise ConfigError(
                     f"export_best(monitor={self.monitor!r}) exports "

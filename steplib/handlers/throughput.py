@@ -325,7 +325,10 @@ class Throughput(Handler):
         # Timed after the read: on a GPU the interval then covers work that has finished.
         elapsed = max(self._clock() - self._since, 1e-9)
         steps_per_s = self._steps / elapsed
-        batches = self._micro_steps * world_size()
+        # A mean loss counts one target per micro-batch, summed over the ranks that share the
+        # data out (DDP, FSDP2); ranks that each see the whole batch (tensor parallel) count
+        # each batch once, as one process does.
+        batches = self._micro_steps * (world_size() if self._data_parallel else 1)
         stats = {"steps_per_s": steps_per_s}
         for name, tokens in zip(names, totals, strict=True):
             unit = self.unit or ("batches" if tokens == batches else "tokens")

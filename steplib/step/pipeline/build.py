@@ -135,6 +135,7 @@ def make_pipeline_step(
         num_stages=len(stages),
         n_microbatches=n_microbatches,
         inputs_and_target=inputs_and_target or pair,
+        group=group,
     )
     if schedule == "interleaved-zero-bubble":
         # It splits each backward in two and frees the first half's graph with an in-place

@@ -16,7 +16,8 @@ checkpoints work with it. What differs:
 * **Token weighting** is the same as everywhere in steplib: the schedule back-propagates each
   micro-batch's loss *sum* (``scale_grads=False``); the sums and target counts of the last
   stage are all-reduced over the pipeline group (one small collective), and every stage
-  divides its gradients by the batch's target count.
+  divides its gradients by the batch's target count. The last stage's aux values are
+  broadcast to every stage (:meth:`PipelineRunner.shared_aux`), so every stage reports them.
 * **Clipping** uses the norm over *all* stages (:class:`PipelineSync` gives ``Gradients.norm``
   its value): each stage's local norm is raised to the power p and summed over the pipeline
   group (max for ``inf``), so every stage clips by the same coefficient, as
@@ -124,8 +125,10 @@ class PipelineRunner(Runner):
         num_stages: int,
         n_microbatches: int,
         inputs_and_target: Callable[[Any], tuple[Any, torch.Tensor]],
+        group: Any = None,
     ) -> None:
         self.module = module
+        self.group = group
         self.schedule = schedule
         self.stage_indices = stage_indices
         self.stage_index = stage_indices[0]
@@ -134,6 +137,8 @@ class PipelineRunner(Runner):
         self.inputs_and_target = inputs_and_target
         self.shapes: list[tuple[int, ...]] | None = None
         self.outputs: list[LossOutput] = []
+        # The last stage's aux names, shapes and dtypes, agreed on at the first call.
+        self.aux_layout: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
 
     @property
     def is_first(self) -> bool:
@@ -215,7 +220,37 @@ class PipelineRunner(Runner):
             hook(state)  # once: every micro-batch's backward is done
         # The micro-batches' losses are the last n: on the first call torch's shape inference
         # calls the loss once more, first, on placeholder activations.
-        return _combined(runtime.outputs[-runtime.n_microbatches :], state.device)
+        combined = _combined(runtime.outputs[-runtime.n_microbatches :], state.device)
+        return runtime.shared_aux(combined, state.device)
+
+    def shared_aux(self, out: LossOutput, device: torch.device) -> LossOutput:
+        """``out`` with the last stage's aux values on every stage (broadcast over the
+        pipeline group), as its loss is: a handler reads the same values on any rank, and
+        rank 0, which logs, holds the first stage."""
+        size = dist.get_world_size(self.group)
+        if size == 1:
+            return out
+        last = (self.num_stages - 1) % size
+        source = last if self.group is None else dist.get_global_rank(self.group, last)
+        if self.aux_layout is None:  # once, at the first call (a host sync, as torch's own)
+            mine = {k: (tuple(v.shape), v.dtype) for k, v in out.aux.items()}
+            sent: list[Any] = [mine if self.is_last else None]
+            dist.broadcast_object_list(sent, src=source, group=self.group)
+            self.aux_layout = sent[0]
+        layout = self.aux_layout
+        assert layout is not None
+        if self.is_last and {k: (tuple(v.shape), v.dtype) for k, v in out.aux.items()} != layout:
+            raise ConfigError(
+                f"pipeline step: loss_fn returned the aux values {sorted(out.aux)} here and "
+                f"{sorted(layout)} at the first call (names, shapes and dtypes); the other "
+                "stages receive them as they were first. Return the same aux at every call."
+            )
+        aux = dict(out.aux) if self.is_last else {}
+        for name, (shape, dtype) in layout.items():
+            if not self.is_last:
+                aux[name] = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(aux[name], src=source, group=self.group)
+        return LossOutput(out.loss_sum, out.num_targets, aux)
 
     def refuse(self, part: Part) -> str | None:
         """What the schedule cannot honour, refused when the part is added."""
