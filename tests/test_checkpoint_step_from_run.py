@@ -20,6 +20,7 @@ from steplib import (
     make_train_step,
     resume_from,
     run,
+    skip_nonfinite,
 )
 from steplib.checkpoint import latest, list_checkpoints, load
 from steplib.step import compile_step
@@ -103,3 +104,24 @@ def test_a_compiled_step_with_a_backend_function_resumes_in_a_new_process(
     other = compile_step(make_train_step(mean_loss), backend="aot_eager")
     with pytest.raises(ConfigError, match="trained by the step"):
         run(other, make_state(), make_batches(4), events=[resume_from(memory_dir)])
+
+
+def test_a_resume_may_raise_max_consecutive_as_the_too_many_skips_error_says(
+    memory_dir: str,
+) -> None:
+    # TooManySkipsError names the fix "raise max_consecutive"; the limit was part of the
+    # recorded composition, so resuming the run under a higher one was refused. It changes no
+    # number (as amp_wrap's min_loss_scale, left out of the composition for that reason).
+    def limited(n: int) -> Any:
+        return skip_nonfinite(make_train_step(mean_loss), max_consecutive=n)
+
+    run(limited(3), make_state(), make_batches(4), events=[checkpoint_every(memory_dir, epochs=1)])
+    resumed = run(limited(20), make_state(), make_batches(4), events=[resume_from(memory_dir)])
+    assert resumed.step == 8
+    with pytest.raises(ConfigError, match="trained by the step"):  # no skipping: other numbers
+        run(
+            make_train_step(mean_loss),
+            make_state(),
+            make_batches(4),
+            events=[resume_from(memory_dir)],
+        )
