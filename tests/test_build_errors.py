@@ -119,6 +119,21 @@ def test_float16_without_a_scaler_fails_at_the_first_call_with_the_fix():
     assert all(p.grad is None for p in state.model.parameters())
 
 
+def test_float16_with_a_disabled_scaler_is_refused_at_the_first_call_with_the_fix():
+    # GradScaler(enabled=False), or GradScaler('cuda') made without CUDA (torch disables it
+    # with a warning), scales nothing: float16 gradients below 6e-8 flushed to zero, and a
+    # loss of 1e-7's size trained no parameter at all, in silence.
+    step = amp_wrap(make_train_step(_mse), dtype=torch.float16)
+    state = _state(scaler=torch.amp.GradScaler("cpu", enabled=False))
+    with pytest.raises(ConfigError) as info:
+        step(state, _batch())
+    message = str(info.value)
+    assert "needs a GradScaler" in message and "a disabled GradScaler" in message
+    assert "scaler=torch.amp.GradScaler('cpu')" in message
+    assert "dtype=torch.bfloat16" in message
+    assert all(p.grad is None for p in state.model.parameters())
+
+
 # --- loss_fn results --------------------------------------------------------------------------
 
 

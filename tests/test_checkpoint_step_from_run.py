@@ -20,8 +20,10 @@ from steplib import (
     make_train_step,
     resume_from,
     run,
+    skip_nonfinite,
 )
 from steplib.checkpoint import latest, list_checkpoints, load
+from steplib.step import compile_step
 from tests.checkpoint_helpers import make_state, memory_dir
 from tests.reference import make_batches, mean_loss
 from tests.test_several_optimizers import _nets, _state, d_loss, g_loss
@@ -76,3 +78,50 @@ def test_a_step_of_the_users_own_is_saved_without_a_composition(memory_dir: str)
     assert url is not None
     # No fingerprint to compare: a Step loads it, as a checkpoint saved by hand without step=.
     assert load(url, make_state(), step=make_train_step(mean_loss)).step == state.step
+
+
+def _backend_of_a_new_process() -> Any:
+    """The same backend as a new process defines it: the same function at another address."""
+
+    def eager_graphs(graph: Any, inputs: Any) -> Any:
+        return graph.forward
+
+    return eager_graphs
+
+
+def test_a_compiled_step_with_a_backend_function_resumes_in_a_new_process(
+    memory_dir: str,
+) -> None:
+    # A setting JSON cannot hold was recorded as its repr, with the function's address: every
+    # resume in a new process was refused as "trained by another step" (compile_step's
+    # documented backend=callable, a Part of the user's whose settings hold a function).
+    def compiled() -> Any:
+        return compile_step(make_train_step(mean_loss), backend=_backend_of_a_new_process())
+
+    run(compiled(), make_state(), make_batches(4), events=[checkpoint_every(memory_dir, epochs=1)])
+    resumed = run(compiled(), make_state(), make_batches(4), events=[resume_from(memory_dir)])
+    assert resumed.step == 8  # resumed at 4, the end of its epoch, then one more epoch
+    other = compile_step(make_train_step(mean_loss), backend="aot_eager")
+    with pytest.raises(ConfigError, match="trained by the step"):
+        run(other, make_state(), make_batches(4), events=[resume_from(memory_dir)])
+
+
+def test_a_resume_may_raise_max_consecutive_as_the_too_many_skips_error_says(
+    memory_dir: str,
+) -> None:
+    # TooManySkipsError names the fix "raise max_consecutive"; the limit was part of the
+    # recorded composition, so resuming the run under a higher one was refused. It changes no
+    # number (as amp_wrap's min_loss_scale, left out of the composition for that reason).
+    def limited(n: int) -> Any:
+        return skip_nonfinite(make_train_step(mean_loss), max_consecutive=n)
+
+    run(limited(3), make_state(), make_batches(4), events=[checkpoint_every(memory_dir, epochs=1)])
+    resumed = run(limited(20), make_state(), make_batches(4), events=[resume_from(memory_dir)])
+    assert resumed.step == 8
+    with pytest.raises(ConfigError, match="trained by the step"):  # no skipping: other numbers
+        run(
+            make_train_step(mean_loss),
+            make_state(),
+            make_batches(4),
+            events=[resume_from(memory_dir)],
+        )

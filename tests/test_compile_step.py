@@ -34,7 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import steplib.step.compile.graphs as compile_module
-from steplib import ConfigError, TrainState, accumulate, clip, make_train_step, warmup_cosine
+from steplib import (
+    ConfigError,
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    make_train_step,
+    warmup_cosine,
+)
 from steplib.checkpoint import load, save
 from steplib.step.compile import compile_stats, compile_step
 
@@ -592,3 +600,29 @@ def test_a_cuda_graph_backend_s_outputs_are_copies_the_next_replay_cannot_overwr
     out = region(x)
     assert torch.equal(out, x.view(-1))
     assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_under_autocast_emulate_precision_casts_makes_inductor_round_as_eager(dtype) -> None:
+    # Under autocast inductor keeps a fused chain's intermediates in float32 where eager rounds
+    # each op's output to float16 / bfloat16: without the option the two drifted 1e-5..5e-4
+    # apart in 12 updates of a tiny MLP, not the ~1e-8 of float32 (docs/performance.md). With
+    # it the compiled step rounds as eager does.
+    params = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if dtype == torch.float16 else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = TrainState.create(model=model, optimizer=opt, scaler=scaler)
+        step = accumulate(clip(amp_wrap(make_train_step(_loss), dtype=dtype), max_norm=1.0), 2)
+        if compiled:
+            step = compile_step(step, options={"emulate_precision_casts": True})
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(16):
+            state, _ = step(
+                state, (torch.randn(6, 8, generator=gen), torch.randn(6, 1, generator=gen))
+            )
+        params.append(list(model.parameters()))
+    for got, want in zip(*params, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)

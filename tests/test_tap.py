@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from steplib import ConfigError, TrainState, accumulate, make_train_step, skip_nonfinite, tap
+from steplib import (
+    ConfigError,
+    TrainState,
+    accumulate,
+    amp_wrap,
+    make_train_step,
+    skip_nonfinite,
+    tap,
+)
 from steplib.step import HOOK_POINTS as HOOK_NAMES
 from tests.reference import make_batches, params_of, tiny_model, token_loss
 
@@ -61,6 +69,29 @@ def test_before_update_sees_the_final_gradients_and_after_update_the_new_paramet
     state, _ = step(state, make_batches(1)[0])
     for g, old, new in zip(seen["grads"], seen["before"], state.model.parameters(), strict=True):
         torch.testing.assert_close(new, old - 0.1 * g)  # SGD: exactly what the hook saw
+
+
+def test_after_backward_sees_the_scaled_sum_and_before_update_the_unscaled_mean() -> None:
+    # What each point sees under a float16 GradScaler with accumulation (the docstring says it):
+    # after_backward the window's gradients so far, summed and still times the loss scale;
+    # before_update the final ones, unscaled and divided by the window's targets.
+    seen: dict[str, list[torch.Tensor]] = {"after_backward": [], "before_update": []}
+
+    def grab(point):
+        return lambda state: seen[point].append(state.model[0].bias.grad.clone())
+
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    state = TrainState.create(model=model, optimizer=opt, scaler=scaler)
+    step = make_train_step(token_loss)
+    step = tap(accumulate(amp_wrap(step, dtype=torch.float16), 2), **{p: grab(p) for p in seen})
+    batches = make_batches(2)
+    for batch in batches:
+        state, _ = step(state, batch)
+    targets = sum(int(m.sum()) for _, _, m in batches)
+    summed, final = seen["after_backward"][-1], seen["before_update"][0]
+    torch.testing.assert_close(summed, final * 2.0**8 * targets)
 
 
 def test_a_step_without_tap_carries_no_hooks() -> None:

@@ -76,7 +76,19 @@ def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | No
         ]
     else:
         described = step.describe()
-    return list(orjson.loads(orjson.dumps(described, default=str)))
+    return list(orjson.loads(orjson.dumps(described, default=_same_in_every_process)))
+
+
+def _same_in_every_process(value: Any) -> str:
+    """A setting JSON cannot hold, as text that a resume in another process computes alike:
+    ``str(value)``, unless that holds a memory address (a function's or an object's default
+    repr, ``<function f at 0x...>``), which no other process shares: then the qualified name
+    of the function, or of the object's class."""
+    text = str(value)
+    if " at 0x" not in text:
+        return text
+    named = value if isinstance(getattr(value, "__qualname__", None), str) else type(value)
+    return f"{named.__module__}.{named.__qualname__}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -28,6 +28,9 @@ from steplib.state import TrainState, Window
 # Observation-only wrappers change no number: resuming with anomaly detection on, or other
 # hooks, is the usual way to debug, so they never count.
 _OBSERVERS = ("detect_anomaly", "tap")
+# Nor do guards: resuming under another limit is how TooManySkipsError's fix ("raise
+# max_consecutive") is applied. (amp_wrap's min_loss_scale is not among its settings.)
+_GUARDS = (("skip_nonfinite", "max_consecutive"),)
 
 
 def check_fingerprint(
@@ -41,12 +44,13 @@ def check_fingerprint(
     now = fingerprint(step, caller="load") or []  # compare as JSON values
 
     def by_name(described: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        # "D:ddp_wrap" (a step of several) is ddp_wrap too.
-        return {
-            d["wrapper"]: {k: v for k, v in d.items() if k != "wrapper"}
-            for d in described
-            if d["wrapper"].rpartition(":")[2] not in ignore
-        }
+        kept = {}
+        for d in described:
+            bare = d["wrapper"].rpartition(":")[2]  # "D:ddp_wrap" (a step of several) is ddp_wrap
+            if bare not in ignore:
+                left_out = ["wrapper", *(key for name, key in _GUARDS if name == bare)]
+                kept[d["wrapper"]] = {k: v for k, v in d.items() if k not in left_out}
+        return kept
 
     before, after = by_name(saved), by_name(now)
     differences = []

@@ -13,6 +13,7 @@ from steplib.state import TrainState
 from steplib.step.core import Step, add_part
 from steplib.step.device_skips import HostCopy
 from steplib.step.parts import Part
+from steplib.step.plan import scaler_active
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -74,10 +75,13 @@ def amp_wrap(
         )
 
     def autocast(state: TrainState) -> ContextManager[Any]:
-        if dtype == torch.float16 and state.scaler is None:
+        if dtype == torch.float16 and not scaler_active(state):
+            what = "no GradScaler" if state.scaler is None else "a disabled GradScaler"
             raise ConfigError(
-                "amp_wrap(dtype=torch.float16) needs a GradScaler in the state: float16 "
-                "gradients underflow without loss scaling. Create the state with "
+                "amp_wrap(dtype=torch.float16) needs a GradScaler in the state that scales the "
+                f"loss; it received {what}: float16 gradients underflow without loss scaling "
+                "(a scaler is disabled by enabled=False, or by torch when made for a device "
+                "that is not there: GradScaler('cuda') without CUDA). Create the state with "
                 f"TrainState.create(..., scaler=torch.amp.GradScaler({state.device.type!r})), "
                 "or use dtype=torch.bfloat16, which needs no scaler."
             )

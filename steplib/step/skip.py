@@ -22,7 +22,8 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 10) -> Step:
     Args:
         step: the step to wrap.
         max_consecutive: raise ``TooManySkipsError`` when more updates than this are skipped in
-            a row (an int >= 1), or ``None`` never to raise. When the decision stays on the
+            a row (an int >= 1), or ``None`` never to raise. A checkpoint resumes under
+            another limit (it changes no number). When the decision stays on the
             device this is checked on a host copy of the count once it has landed: on CUDA the
             error may come an update or two late (those updates were skipped too).
 

@@ -18,7 +18,9 @@ from steplib.step.parts import HOOK_POINTS, Part
 def tap(step: Step, **hooks: Any) -> Step:
     """Call ``hook(state)`` at phase boundaries, in this order within an update:
 
-    ``before_backward`` / ``after_backward`` around every micro-batch's backward;
+    ``before_backward`` / ``after_backward`` around every micro-batch's backward
+    (``after_backward`` sees the window's gradients so far: summed, not yet divided by its
+    targets and, with a float16 ``GradScaler``, still times the loss scale);
     ``before_update`` (gradients final: unscaled, normalised, clipped) and ``after_update``
     around the optimizer step, at every closed window, in every composition: also when the
     update is skipped (a non-finite window, a window with no targets), since a decision kept
