@@ -236,10 +236,11 @@ def _call(plan: Plan, point: str, state: TrainState) -> None:
 
 def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
     raise TooManySkipsError(
-        f"skip_nonfinite: {consecutive} consecutive updates had a non-finite loss or "
-        f"gradient (max_consecutive={limit}), at step {step}. Training has diverged: lower the "
-        "learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf, or raise "
-        "max_consecutive."
+        f"skip_nonfinite: {consecutive} consecutive updates were skipped (max_consecutive="
+        f"{limit}), at step {step}: a non-finite loss or gradient (with a float16 GradScaler, "
+        "scaled gradients that overflowed) or a window with no targets. Training has diverged: "
+        "lower the learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf "
+        "and empty batches, or raise max_consecutive (a resume may raise it)."
     )
 
 
