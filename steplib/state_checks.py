@@ -247,3 +247,31 @@ def check_frozen(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> Non
         if idle := idle_parameters(module, optimizers):
             where = "model" if name is None else f"model[{name!r}]"
             raise idle_error("TrainState.create", where, idle)
+
+
+def scheduler_position(scheduler: Any) -> int | None:
+    """How many times ``scheduler`` was stepped since it started (torch's ``last_epoch``), or
+    ``None`` for no scheduler or one that does not say."""
+    position = getattr(scheduler, "last_epoch", None)
+    return position if isinstance(position, int) else None
+
+
+def check_scheduler_at(state: Any) -> None:
+    """Raise ``ConfigError`` if ``state.scheduler`` is not at the position the state's last
+    update left it (``state.scheduler_at``): something else stepped it too."""
+    at, scheduler = state.scheduler_at, state.scheduler
+    position = scheduler_position(scheduler)
+    if at is None or position == at:
+        return
+    raise ConfigError(
+        f"update {state.step + 1}: the state's scheduler ({type(scheduler).__name__}) is at "
+        f"position {position}, but the last update left it at {at}: it was stepped outside "
+        "the step. The step advances the state's scheduler once per applied update, so a "
+        "scheduler.step() in your loop (or a handler) advances it again, and each update "
+        "would use a later update's learning rate. Remove that scheduler.step() call; or, to "
+        "step it yourself (per epoch, on a plateau), create the state without it, "
+        "TrainState.create(..., scheduler=None), and use the Scheduler handler. If you set "
+        "its position on purpose (load_state_dict), pass it in again: state = "
+        "state.replace(scheduler=scheduler). If you called a step twice on one state (a "
+        "notebook cell run again), go on from the state the last call returned."
+    )

@@ -19,7 +19,7 @@ import torch
 
 from steplib.errors import ConfigError, TooManySkipsError
 from steplib.state import EMPTY_WINDOW, TrainState
-from steplib.state_checks import trained
+from steplib.state_checks import check_scheduler_at, scheduler_position, trained
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
 from steplib.step.parts import Gradients, GradReport, Update
@@ -136,6 +136,8 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
     """
     plan, flag, targets = step.plan, report.nonfinite, report.num_targets
     optimizer, scheduler = state.optimizer, state.scheduler
+    if scheduler is not None:
+        check_scheduler_at(state)  # before the update: one stepped elsewhere too is refused
     applied: bool | torch.Tensor = True
     on_device = False
     if not isinstance(targets, torch.Tensor) and targets <= 0:
@@ -199,6 +201,11 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
             window=EMPTY_WINDOW,
             skipped_updates=skipped,
             consecutive_skips=consecutive,
+            # Where this update left the scheduler, for the next one's check; a position kept
+            # on the device (a skip decided there) has no host value to compare.
+            scheduler_at=None
+            if isinstance(applied, torch.Tensor)
+            else scheduler_position(scheduler),
         ),
         applied,
         lr,

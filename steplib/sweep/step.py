@@ -37,6 +37,7 @@ from steplib.errors import ConfigError, describe
 from steplib.output import StepOutput, at_least_float32
 from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
+from steplib.state_checks import check_scheduler_at, scheduler_position
 from steplib.step import Step
 from steplib.step.core import EAGER
 from steplib.step.device_skips import HostCopy
@@ -144,6 +145,8 @@ class SweepStep:
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
         plan, optimizer = self.step.plan, state.optimizer
+        if state.scheduler is not None:
+            check_scheduler_at(state)  # one stepped outside the step too is refused
         state.fence.wait()  # an async checkpoint may still be copying what this update changes
         loss_sum = torch.as_tensor(state.window.loss)  # a tensor: the window is not empty
         grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window.targets, n=self.n)
@@ -183,7 +186,7 @@ class SweepStep:
             # It cannot skip a window that held no targets: checked once the count's host copy
             # lands, as the step does for such an optimizer (an error that names the fix).
             plan.skips.check_not_empty(optimizer, targets, state.step)
-        scheduler = state.scheduler
+        scheduler, position = state.scheduler, None  # a position moved on the device: none
         if self.counted and isinstance(optimizer, PerCopyOptimizer) and type(scheduler) is LambdaLR:
             # A window that held no targets updated no copy, and no copy's own run would move
             # its schedule: the position moves on the device, by the window's count > 0, as the
@@ -191,6 +194,7 @@ class SweepStep:
             plan.skips.advance(optimizer, scheduler, targets > 0)
         elif scheduler is not None:
             scheduler.step()
+            position = scheduler_position(scheduler)
         state = state.replace(
             step=state.step + 1,
             window=EMPTY_WINDOW,
@@ -198,6 +202,7 @@ class SweepStep:
             # updates in a row that skipped some copy. Per copy, the optimizer's step counts.
             skipped_updates=state.skipped_updates + skipped.sum(),
             consecutive_skips=torch.where(skipped.any(), state.consecutive_skips + 1, 0),
+            scheduler_at=position,
         )
         return state, StepOutput(
             loss_sum=grads.loss_sum,
