@@ -102,6 +102,15 @@ def check_pieces(
             "not change that optimizer's learning rate. Build it from the same optimizer: "
             "scheduler=LambdaLR(optimizer, ...)."
         )
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        # Its step takes a value the step does not have: the first update would fail on it.
+        raise ConfigError(
+            f"{caller}(scheduler{key}=...) received a ReduceLROnPlateau, which steps on a "
+            "value (a validation loss), and the step advances the state's scheduler once per "
+            "update, with none. Create the state without it (scheduler=None) and feed it after "
+            "each evaluation: events=[evaluator, Scheduler(plateau, metric=evaluator)] "
+            "(steplib.handlers.Scheduler)."
+        )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ConfigError(
             f"{caller}(scaler{key}=...) received {describe(scaler)}. Pass a "
