@@ -265,12 +265,13 @@ def scheduler_position(scheduler: Any) -> int | None:
     return position if isinstance(position, int) else None
 
 
-def check_scheduler_at(state: Any) -> None:
-    """Raise ``ConfigError`` if ``state.scheduler`` is not at the position the state's last
-    update left it (``state.scheduler_at``): something else stepped it too."""
-    at, scheduler = state.scheduler_at, state.scheduler
-    position = scheduler_position(scheduler)
-    if at is None or position == at:
+def check_scheduler_at(state: Any, at: int | None) -> None:
+    """Raise ``ConfigError`` if ``state.scheduler`` is not at ``at``, the position the state's
+    last update left on it (``state.scheduler_at``, or what a step that keeps the position on
+    the device last set there): something else stepped it too. Nothing to check after
+    ``state.scheduler_at`` was reset (a scheduler passed in, a checkpoint loaded)."""
+    scheduler, position = state.scheduler, scheduler_position(state.scheduler)
+    if state.scheduler_at is None or at is None or position == at:
         return
     raise ConfigError(
         f"update {state.step + 1}: the state's scheduler ({type(scheduler).__name__}) is at "

@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steplib import ConfigError, TrainState, accumulate, make_train_step, warmup_cosine
+from steplib import (
+    ConfigError,
+    TrainState,
+    accumulate,
+    make_train_step,
+    skip_nonfinite,
+    warmup_cosine,
+)
 from steplib.sweep import Copies, sweep_step
 from tests.reference import make_batches, tiny_model
 
@@ -67,6 +74,23 @@ def test_a_scheduler_stepped_on_every_micro_batch_is_refused_at_the_window_close
     sched.step()  # per micro-batch, Accelerate's pitfall
     with pytest.raises(ConfigError, match=REFUSED):
         step(state, BATCHES[3])
+
+
+def test_a_scheduler_whose_position_the_step_keeps_on_the_device_is_checked_too() -> None:
+    # A fused optimizer with skip_nonfinite keeps the skip decision, and the LambdaLR's
+    # position, on the device; the object is set from there, and was silently re-read from it.
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, SCHEDULE)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+    step = skip_nonfinite(make_train_step(loss_fn))
+    state, out = step(state, BATCHES[0])
+    assert isinstance(out.did_update, torch.Tensor)  # decided on the device
+    step.settle(state)  # what a checkpoint does before it saves: no refusal after it
+    state, _ = step(state, BATCHES[1])
+    sched.step()
+    with pytest.raises(ConfigError, match=REFUSED.replace("2", "3").replace("1", "2")):
+        step(state, BATCHES[2])
 
 
 def test_a_state_used_again_after_a_later_step_moved_its_scheduler_is_refused() -> None:

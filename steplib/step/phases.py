@@ -136,14 +136,17 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
     """
     plan, flag, targets = step.plan, report.nonfinite, report.num_targets
     optimizer, scheduler = state.optimizer, state.scheduler
-    if scheduler is not None:
-        check_scheduler_at(state)  # before the update: one stepped elsewhere too is refused
     applied: bool | torch.Tensor = True
-    on_device = False
-    if not isinstance(targets, torch.Tensor) and targets <= 0:
+    empty = not isinstance(targets, torch.Tensor) and targets <= 0
+    on_device = not empty and flag is not None
+    on_device = on_device and device_skips.decides_on_device(optimizer, scheduler)
+    if scheduler is not None:  # before the update: one stepped elsewhere too is refused
+        # A position kept on the device reaches the object late: compare what was set there.
+        at = plan.skips.written(scheduler) if on_device else state.scheduler_at
+        check_scheduler_at(state, at)
+    if empty:
         applied = False  # an empty window, known on the host: nothing to read
     elif flag is not None:
-        on_device = device_skips.decides_on_device(optimizer, scheduler)
         # The host read, when the decision cannot stay on the device: a host-side
         # scheduler must know whether to advance. Once per update, never mid-window.
         applied = ~flag if on_device else not bool(flag)
@@ -201,11 +204,7 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
             window=EMPTY_WINDOW,
             skipped_updates=skipped,
             consecutive_skips=consecutive,
-            # Where this update left the scheduler, for the next one's check; a position kept
-            # on the device (a skip decided there) has no host value to compare.
-            scheduler_at=None
-            if isinstance(applied, torch.Tensor)
-            else scheduler_position(scheduler),
+            scheduler_at=scheduler_position(scheduler),  # for the next update's check
         ),
         applied,
         lr,

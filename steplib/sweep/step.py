@@ -144,9 +144,13 @@ class SweepStep:
     def _close(
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
-        plan, optimizer = self.step.plan, state.optimizer
-        if state.scheduler is not None:
-            check_scheduler_at(state)  # one stepped outside the step too is refused
+        plan, optimizer, scheduler = self.step.plan, state.optimizer, state.scheduler
+        on_device = self.counted and isinstance(optimizer, PerCopyOptimizer)
+        on_device = on_device and type(scheduler) is LambdaLR  # its position moves there
+        if scheduler is not None:  # one stepped outside the step too is refused
+            check_scheduler_at(
+                state, plan.skips.written(scheduler) if on_device else state.scheduler_at
+            )
         state.fence.wait()  # an async checkpoint may still be copying what this update changes
         loss_sum = torch.as_tensor(state.window.loss)  # a tensor: the window is not empty
         grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window.targets, n=self.n)
@@ -186,15 +190,13 @@ class SweepStep:
             # It cannot skip a window that held no targets: checked once the count's host copy
             # lands, as the step does for such an optimizer (an error that names the fix).
             plan.skips.check_not_empty(optimizer, targets, state.step)
-        scheduler, position = state.scheduler, None  # a position moved on the device: none
-        if self.counted and isinstance(optimizer, PerCopyOptimizer) and type(scheduler) is LambdaLR:
+        if on_device:
             # A window that held no targets updated no copy, and no copy's own run would move
             # its schedule: the position moves on the device, by the window's count > 0, as the
             # step's does for a loss that returns a count (one that does not is never empty).
             plan.skips.advance(optimizer, scheduler, targets > 0)
         elif scheduler is not None:
             scheduler.step()
-            position = scheduler_position(scheduler)
         state = state.replace(
             step=state.step + 1,
             window=EMPTY_WINDOW,
@@ -202,7 +204,7 @@ class SweepStep:
             # updates in a row that skipped some copy. Per copy, the optimizer's step counts.
             skipped_updates=state.skipped_updates + skipped.sum(),
             consecutive_skips=torch.where(skipped.any(), state.consecutive_skips + 1, 0),
-            scheduler_at=position,
+            scheduler_at=scheduler_position(scheduler),
         )
         return state, StepOutput(
             loss_sum=grads.loss_sum,
