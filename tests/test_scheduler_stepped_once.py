@@ -20,6 +20,7 @@ from steplib import (
     skip_nonfinite,
     warmup_cosine,
 )
+from steplib.step.compile import compile_step
 from steplib.sweep import Copies, sweep_step
 from tests.reference import make_batches, tiny_model
 
@@ -91,6 +92,22 @@ def test_a_scheduler_whose_position_the_step_keeps_on_the_device_is_checked_too(
     sched.step()
     with pytest.raises(ConfigError, match=REFUSED.replace("2", "3").replace("1", "2")):
         step(state, BATCHES[2])
+
+
+def test_a_compiled_step_that_updates_with_its_last_micro_batch_refuses_before_it() -> None:
+    # compile_step runs the update inside the closing micro-batch's graph: the check must come
+    # before that micro-batch, or the update is applied with the twice-advanced rate.
+    model = tiny_model(0)
+    state, sched = _state(model)
+    step = compile_step(accumulate(make_train_step(loss_fn), 2), backend="aot_eager")
+    for batch in BATCHES[:4]:  # two updates: the compiled update is in use
+        state, _ = step(state, batch)
+    sched.step()
+    state, _ = step(state, BATCHES[4])  # opens the window: nothing applied, nothing checked
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=REFUSED.replace("2", "3").replace("1", "2")):
+        step(state, BATCHES[5])
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
 def test_a_state_used_again_after_a_later_step_moved_its_scheduler_is_refused() -> None:

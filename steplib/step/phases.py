@@ -137,16 +137,11 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
     plan, flag, targets = step.plan, report.nonfinite, report.num_targets
     optimizer, scheduler = state.optimizer, state.scheduler
     applied: bool | torch.Tensor = True
-    empty = not isinstance(targets, torch.Tensor) and targets <= 0
-    on_device = not empty and flag is not None
-    on_device = on_device and device_skips.decides_on_device(optimizer, scheduler)
-    if scheduler is not None:  # before the update: one stepped elsewhere too is refused
-        # A position kept on the device reaches the object late: compare what was set there.
-        at = plan.skips.written(scheduler) if on_device else state.scheduler_at
-        check_scheduler_at(state, at)
-    if empty:
+    on_device = False
+    if not isinstance(targets, torch.Tensor) and targets <= 0:
         applied = False  # an empty window, known on the host: nothing to read
     elif flag is not None:
+        on_device = device_skips.decides_on_device(optimizer, scheduler)
         # The host read, when the decision cannot stay on the device: a host-side
         # scheduler must know whether to advance. Once per update, never mid-window.
         applied = ~flag if on_device else not bool(flag)
@@ -247,6 +242,22 @@ def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
         "learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf, or raise "
         "max_consecutive."
     )
+
+
+def check_scheduler(plan: Plan, state: TrainState) -> None:
+    """Refuse the state's scheduler when something other than the step moved it since the
+    state's last update (a ``scheduler.step()`` in the user's loop): called before the
+    micro-batch that closes a window, since a runner may update inside it.
+
+    Raises:
+        ConfigError: see ``steplib.state_checks.check_scheduler_at``.
+    """
+    scheduler = state.scheduler
+    if scheduler is not None:
+        # A position the step keeps on the device reaches the object late: compare with what
+        # the step last set there.
+        written = plan.skips.written(scheduler)
+        check_scheduler_at(state, state.scheduler_at if written is None else written)
 
 
 def lr_now(state: TrainState) -> torch.Tensor | float:

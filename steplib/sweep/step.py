@@ -37,12 +37,13 @@ from steplib.errors import ConfigError, describe
 from steplib.output import StepOutput, at_least_float32
 from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
-from steplib.state_checks import check_scheduler_at, scheduler_position
+from steplib.state_checks import scheduler_position
 from steplib.step import Step
 from steplib.step.core import EAGER
 from steplib.step.device_skips import HostCopy
 from steplib.step.loss_output import parse_loss_output
 from steplib.step.parts import LOCAL
+from steplib.step.phases import check_scheduler
 from steplib.sweep.copies import Copies, per_copy
 from steplib.sweep.grads import CopyGradients
 from steplib.sweep.optim import PerCopyOptimizer
@@ -144,13 +145,8 @@ class SweepStep:
     def _close(
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
-        plan, optimizer, scheduler = self.step.plan, state.optimizer, state.scheduler
-        on_device = self.counted and isinstance(optimizer, PerCopyOptimizer)
-        on_device = on_device and type(scheduler) is LambdaLR  # its position moves there
-        if scheduler is not None:  # one stepped outside the step too is refused
-            check_scheduler_at(
-                state, plan.skips.written(scheduler) if on_device else state.scheduler_at
-            )
+        plan, optimizer = self.step.plan, state.optimizer
+        check_scheduler(plan, state)  # one stepped outside the step too is refused
         state.fence.wait()  # an async checkpoint may still be copying what this update changes
         loss_sum = torch.as_tensor(state.window.loss)  # a tensor: the window is not empty
         grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window.targets, n=self.n)
@@ -190,7 +186,8 @@ class SweepStep:
             # It cannot skip a window that held no targets: checked once the count's host copy
             # lands, as the step does for such an optimizer (an error that names the fix).
             plan.skips.check_not_empty(optimizer, targets, state.step)
-        if on_device:
+        scheduler = state.scheduler
+        if self.counted and isinstance(optimizer, PerCopyOptimizer) and type(scheduler) is LambdaLR:
             # A window that held no targets updated no copy, and no copy's own run would move
             # its schedule: the position moves on the device, by the window's count > 0, as the
             # step's does for a loss that returns a count (one that does not is never empty).
