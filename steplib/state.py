@@ -114,6 +114,10 @@ class TrainState:
         lane: this optimizer's place among the optimizers created with it (:class:`Lane`:
             its name and the others' states when there are several) and the fence updates
             wait at.
+        scheduler_at: the scheduler's position (its ``last_epoch``) as the last update of a
+            step left it, or ``None`` when no step has stepped it since it was set (``create``,
+            ``replace(scheduler=...)``, a checkpoint's load). The next update refuses a scheduler
+            found elsewhere: stepped outside the step too, it would advance twice per update.
     """
 
     model: nn.Module
@@ -128,6 +132,7 @@ class TrainState:
     consecutive_skips: torch.Tensor
     extras: Mapping[str, Any]
     lane: Lane = dataclasses.field(compare=False)
+    scheduler_at: int | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def create(
@@ -294,6 +299,8 @@ class TrainState:
     def replace(self, **changes: Any) -> TrainState:
         """The next state with ``changes`` applied (``dataclasses.replace``, checked the same way);
         a model, optimizer, scheduler or scaler swapped in is checked as ``create`` checks it.
+        A scheduler passed in is taken at its own position (``scheduler_at`` becomes ``None``
+        unless given): pass it again after setting its position by hand (``load_state_dict``).
 
         Raises:
             TypeError: a name that is not a field.
@@ -304,6 +311,9 @@ class TrainState:
         if not _FIELD_SET.issuperset(changes):  # no set built on the hot path
             unknown = sorted(changes.keys() - _FIELD_SET)
             raise TypeError(f"TrainState has no field(s) {unknown}; fields: {_FIELDS}")
+        if "scheduler" in changes and "scheduler_at" not in changes:
+            # A scheduler passed in is taken at its position (a new one, or one set by hand).
+            changes = {**changes, "scheduler_at": None}
         new = _evolve(self, changes)
         if not _PIECES.isdisjoint(changes):  # never on the step's path: it replaces counters
             _check_swapped(self, new)

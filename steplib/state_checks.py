@@ -102,6 +102,15 @@ def check_pieces(
             "not change that optimizer's learning rate. Build it from the same optimizer: "
             "scheduler=LambdaLR(optimizer, ...)."
         )
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        # Its step takes a value the step does not have: the first update would fail on it.
+        raise ConfigError(
+            f"{caller}(scheduler{key}=...) received a ReduceLROnPlateau, which steps on a "
+            "value (a validation loss), and the step advances the state's scheduler once per "
+            "update, with none. Create the state without it (scheduler=None) and feed it after "
+            "each evaluation: events=[evaluator, Scheduler(plateau, metric=evaluator)] "
+            "(steplib.handlers.Scheduler)."
+        )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ConfigError(
             f"{caller}(scaler{key}=...) received {describe(scaler)}. Pass a "
@@ -247,3 +256,32 @@ def check_frozen(model: Any, optimizers: Sequence[torch.optim.Optimizer]) -> Non
         if idle := idle_parameters(module, optimizers):
             where = "model" if name is None else f"model[{name!r}]"
             raise idle_error("TrainState.create", where, idle)
+
+
+def scheduler_position(scheduler: Any) -> int | None:
+    """How many times ``scheduler`` was stepped since it started (torch's ``last_epoch``), or
+    ``None`` for no scheduler or one that does not say."""
+    position = getattr(scheduler, "last_epoch", None)
+    return position if isinstance(position, int) else None
+
+
+def check_scheduler_at(state: Any, at: int | None) -> None:
+    """Raise ``ConfigError`` if ``state.scheduler`` is not at ``at``, the position the state's
+    last update left on it (``state.scheduler_at``, or what a step that keeps the position on
+    the device last set there): something else stepped it too. Nothing to check after
+    ``state.scheduler_at`` was reset (a scheduler passed in, a checkpoint loaded)."""
+    scheduler, position = state.scheduler, scheduler_position(state.scheduler)
+    if state.scheduler_at is None or at is None or position == at:
+        return
+    raise ConfigError(
+        f"update {state.step + 1}: the state's scheduler ({type(scheduler).__name__}) is at "
+        f"position {position}, but the last update left it at {at}: it was stepped outside "
+        "the step. The step advances the state's scheduler once per applied update, so a "
+        "scheduler.step() in your loop (or a handler) advances it again, and each update "
+        "would use a later update's learning rate. Remove that scheduler.step() call; or, to "
+        "step it yourself (per epoch, on a plateau), create the state without it, "
+        "TrainState.create(..., scheduler=None), and use the Scheduler handler. If you set "
+        "its position on purpose (load_state_dict), pass it in again: state = "
+        "state.replace(scheduler=scheduler). If you called a step twice on one state (a "
+        "notebook cell run again), go on from the state the last call returned."
+    )

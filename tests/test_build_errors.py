@@ -403,6 +403,19 @@ def test_create_says_a_schedule_function_is_not_a_scheduler_and_shows_lambdalr()
     assert "not bound" not in message
 
 
+def test_create_refuses_a_plateau_scheduler_that_the_step_could_not_feed():
+    # Accepted before, it failed at the first update: ReduceLROnPlateau.step() needs a value.
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    fix = r"scheduler=None.*Scheduler\(plateau, metric=evaluator\)"
+    with pytest.raises(ConfigError, match=r"received a ReduceLROnPlateau.*" + fix):
+        TrainState.create(model=model, optimizer=opt, scheduler=plateau)
+    state = TrainState.create(model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match=r"TrainState.replace\(scheduler=...\) received a Red"):
+        state.replace(scheduler=plateau)
+
+
 def test_create_refuses_a_scheduler_bound_to_another_optimizer():
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

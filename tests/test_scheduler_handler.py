@@ -96,3 +96,25 @@ def test_a_plateau_scheduler_or_early_stopping_given_an_unattached_evaluator_is_
     stopper = EarlyStopping(evaluator, patience=1)
     with pytest.raises(ConfigError, match=r"EarlyStopping was given an Evaluator that is not"):
         run(STEP, state, [torch.ones(2, 2)] * 4, events=[stopper])
+
+
+@pytest.mark.parametrize("other_first", [True, False])
+def test_a_plateau_scheduler_given_an_evaluator_is_fed_its_values_alone(other_first: bool) -> None:
+    # A second evaluator (of an EMA copy, say) records a value of the same name: it was fed to
+    # the plateau too, after or before the watched one's, so it stepped twice per evaluation.
+    state, evaluator, plateau = _build(VALUES)
+    other = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(0.5)),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=1,
+        sanity_batches=0,
+    )
+    lrs: list[float] = []
+    watched = [other, evaluator] if other_first else [evaluator, other]
+    events = Events(*watched, plateau).on(
+        "validation_end", lambda e: lrs.append(e.state.optimizer.param_groups[0]["lr"])
+    )
+    run(STEP, state, [torch.ones(3, 2)] * len(VALUES), events=events)
+    assert len(other.history) == len(VALUES)
+    assert lrs[1::2] == _reference_lrs()  # the lr after each of the watched evaluations

@@ -154,6 +154,7 @@ def _restore_lane(tree: Mapping[str, Any], state: TrainState) -> TrainState:
         ),
         skipped_updates=torch.tensor(counters["skipped_updates"], device=device),
         consecutive_skips=torch.tensor(counters["consecutive_skips"], device=device),
+        scheduler_at=None,  # the scheduler was just loaded: its position is the saved one
     )
 
 

@@ -73,6 +73,7 @@ class Scheduler(Handler):
         self.scheduler = scheduler
         self.metric: str | None = getattr(metric, "monitor", metric)
         self.evaluator = None if metric is None or isinstance(metric, str) else metric
+        self._evaluations = 0  # of the evaluator's, when given one: one step per evaluation
         if metric is not None and not (isinstance(self.metric, str) and self.metric):
             raise ConfigError(
                 f"Scheduler(metric=...) received {describe(metric)}, which names no value. Pass "
@@ -89,9 +90,17 @@ class Scheduler(Handler):
             self.step(event)
 
     def on_validation_end(self, event: Event) -> None:
-        """With a metric: :meth:`step` with the evaluation's value."""
-        if self.metric is not None:
-            self.step(event)
+        """With a metric: :meth:`step` with the evaluation's value; with an evaluator, only
+        after its own evaluations (another evaluator's, of an EMA model say, may record a value
+        of the same name)."""
+        if self.metric is None:
+            return
+        if self.evaluator is not None:
+            evaluations = len(self.evaluator.history)
+            if evaluations == self._evaluations:  # another evaluator's validation_end
+                return
+            self._evaluations = evaluations
+        self.step(event)
 
     def check(self, event: Event) -> None:
         """Refuse a scheduler that the state steps too (per update), and an evaluator given as
@@ -134,7 +143,11 @@ class Scheduler(Handler):
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's state (saved with each checkpoint, without being named), and what
         the scheduler is (checked at load)."""
-        return {**self._built(), "scheduler": self.scheduler.state_dict()}
+        return {
+            **self._built(),
+            "scheduler": self.scheduler.state_dict(),
+            "evaluations": self._evaluations,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (``ConfigError`` for the state of another
@@ -142,6 +155,8 @@ class Scheduler(Handler):
         """
         errors.same_handler("Scheduler", self._built(), state)
         self.scheduler.load_state_dict(state["scheduler"])
+        # Absent from a state saved before session 19: as if no evaluation had been seen.
+        self._evaluations = int(state.get("evaluations", 0))
 
     def _built(self) -> dict[str, Any]:
         return {"kind": type(self.scheduler).__name__, "metric": self.metric}

@@ -26,7 +26,7 @@ from steplib.output import StepOutput, at_least_float32
 from steplib.state import TrainState, Window
 from steplib.state_checks import idle_error, idle_parameters
 from steplib.step.parts import GradReport, Part, plain
-from steplib.step.phases import apply, forward_backward, lr_now, process_grads
+from steplib.step.phases import apply, check_scheduler, forward_backward, lr_now, process_grads
 from steplib.step.plan import Plan, check_composition
 
 LossFn = Callable[[Any, Any], Any]  # (model, batch): Any, so a loss may take an nn.ModuleDict
@@ -91,6 +91,8 @@ class Step:
         window = state.window
         size = window.size + 1
         closes = close_window or size >= self.plan.window
+        if closes:
+            check_scheduler(self.plan, state)  # before the micro-batch a runner may update with
         out = self.plan.runner.forward_backward(self, state, batch, sync=closes)
         loss_sum, count = out.loss_sum, out.num_targets
         if loss_sum.requires_grad:  # eager: the state and output must not keep the graph alive
@@ -138,6 +140,7 @@ class Step:
     def _flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
         if state.window.size == 0:
             return state, None
+        check_scheduler(self.plan, state)
         self.plan.sync.sync_unsynced(state)  # its last backward ran without gradient sync
         return self._close(state, {}, None)
 

@@ -169,6 +169,12 @@ class SkipMemory:
             _set_position(scheduler, landed)
             schedule.written = landed
 
+    def written(self, scheduler: Any) -> int | None:
+        """The position this memory last set on ``scheduler`` (``None``: it keeps none): the
+        object holds another only if something else set it."""
+        schedule = self._schedules.get(scheduler)
+        return None if schedule is None else schedule.written
+
     def settle(self, scheduler: Any) -> None:
         """Set the scheduler object to its device position now, waiting for the last host copy:
         what a checkpoint saves must be the position, not one an update or two old."""

@@ -19,7 +19,7 @@ import torch
 
 from steplib.errors import ConfigError, TooManySkipsError
 from steplib.state import EMPTY_WINDOW, TrainState
-from steplib.state_checks import trained
+from steplib.state_checks import check_scheduler_at, scheduler_position, trained
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
 from steplib.step.parts import Gradients, GradReport, Update
@@ -199,6 +199,7 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
             window=EMPTY_WINDOW,
             skipped_updates=skipped,
             consecutive_skips=consecutive,
+            scheduler_at=scheduler_position(scheduler),  # for the next update's check
         ),
         applied,
         lr,
@@ -242,6 +243,22 @@ def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
         "lower the learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf "
         "and empty batches, or raise max_consecutive (a resume may raise it)."
     )
+
+
+def check_scheduler(plan: Plan, state: TrainState) -> None:
+    """Refuse the state's scheduler when something other than the step moved it since the
+    state's last update (a ``scheduler.step()`` in the user's loop): called before the
+    micro-batch that closes a window, since a runner may update inside it.
+
+    Raises:
+        ConfigError: see ``steplib.state_checks.check_scheduler_at``.
+    """
+    scheduler = state.scheduler
+    if scheduler is not None:
+        # A position the step keeps on the device reaches the object late: compare with what
+        # the step last set there.
+        written = plan.skips.written(scheduler)
+        check_scheduler_at(state, state.scheduler_at if written is None else written)
 
 
 def lr_now(state: TrainState) -> torch.Tensor | float:

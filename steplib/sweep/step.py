@@ -37,11 +37,13 @@ from steplib.errors import ConfigError, describe
 from steplib.output import StepOutput, at_least_float32
 from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
+from steplib.state_checks import scheduler_position
 from steplib.step import Step
 from steplib.step.core import EAGER
 from steplib.step.device_skips import HostCopy
 from steplib.step.loss_output import parse_loss_output
 from steplib.step.parts import LOCAL
+from steplib.step.phases import check_scheduler
 from steplib.sweep.copies import Copies, per_copy
 from steplib.sweep.grads import CopyGradients
 from steplib.sweep.optim import PerCopyOptimizer
@@ -144,6 +146,7 @@ class SweepStep:
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
         plan, optimizer = self.step.plan, state.optimizer
+        check_scheduler(plan, state)  # one stepped outside the step too is refused
         state.fence.wait()  # an async checkpoint may still be copying what this update changes
         loss_sum = torch.as_tensor(state.window.loss)  # a tensor: the window is not empty
         grads = CopyGradients(state, loss_sum=loss_sum, num_targets=state.window.targets, n=self.n)
@@ -198,6 +201,7 @@ class SweepStep:
             # updates in a row that skipped some copy. Per copy, the optimizer's step counts.
             skipped_updates=state.skipped_updates + skipped.sum(),
             consecutive_skips=torch.where(skipped.any(), state.consecutive_skips + 1, 0),
+            scheduler_at=scheduler_position(scheduler),
         )
         return state, StepOutput(
             loss_sum=grads.loss_sum,
