@@ -377,3 +377,43 @@ def test_a_validation_loader_that_drops_its_last_batch_is_refused():
     evaluate(
         eval_step, _model(), DataLoader(data, batch_size=5, drop_last=True), metrics=MeanMetric()
     )
+
+
+@pytest.mark.parametrize("sanity_batches", [2, 0])
+def test_two_evaluators_that_write_one_name_are_refused_before_either_value_is_read(
+    sanity_batches: int,
+) -> None:
+    # An EMA copy evaluated with the default prefix wrote its val_loss over the model's: a
+    # checkpoint's metric=evaluator, EarlyStopping("val_loss") read the copy's as the model's.
+    from steplib.checkpoint import checkpoint_every, list_checkpoints
+
+    def build(prefix: str | None) -> tuple[TrainState, list[Evaluator]]:
+        model = _model()
+        state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        evaluators = [
+            Evaluator(
+                make_eval_step(lambda m, b: F.cross_entropy(m(b[0]), b[1])),
+                _batches(2),
+                metrics={"loss": MeanMetric()},
+                every=2,
+                model=other,
+                sanity_batches=sanity_batches,
+                **({"monitor": "val_loss"} if other is None else {"prefix": prefix}),
+            )
+            for other in (None, _model(seed=5))
+        ]
+        return state, evaluators
+
+    step = make_train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    state, (own, copy) = build(prefix=None)
+    ckpt = checkpoint_every(f"memory://{uuid.uuid4().hex}/ckpt", every=2, metric=own)
+    with pytest.raises(ConfigError, match=r"both write 'val_loss'.*prefix='ema_val_'"):
+        run(step, state, _batches(4), events=[own, copy, ckpt])
+    assert list_checkpoints(ckpt.directory) == []  # nothing recorded the copy's value
+    # A prefix of its own: each checkpoint records the model's own loss.
+    state, (own, copy) = build(prefix="ema_val_")
+    ckpt = checkpoint_every(f"memory://{uuid.uuid4().hex}/ckpt", every=2, metric=own)
+    run(step, state, _batches(4), events=[own, copy, ckpt])
+    recorded = [c.metrics["val_loss"] for c in list_checkpoints(ckpt.directory)]
+    assert recorded == [values["val_loss"] for _, values in own.history]
+    assert recorded != [values["ema_val_loss"] for _, values in copy.history]

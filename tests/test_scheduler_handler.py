@@ -100,8 +100,9 @@ def test_a_plateau_scheduler_or_early_stopping_given_an_unattached_evaluator_is_
 
 @pytest.mark.parametrize("other_first", [True, False])
 def test_a_plateau_scheduler_given_an_evaluator_is_fed_its_values_alone(other_first: bool) -> None:
-    # A second evaluator (of an EMA copy, say) records a value of the same name: it was fed to
-    # the plateau too, after or before the watched one's, so it stepped twice per evaluation.
+    # A second evaluator (of an EMA copy, say): its validation_end fed the plateau too, after
+    # or before the watched one's, so it stepped twice per evaluation. (Two evaluators that
+    # write one name are refused: test_evaluation.py.)
     state, evaluator, plateau = _build(VALUES)
     other = Evaluator(
         make_eval_step(lambda m, b: torch.tensor(0.5)),
@@ -109,6 +110,7 @@ def test_a_plateau_scheduler_given_an_evaluator_is_fed_its_values_alone(other_fi
         metrics={"mean": MeanMetric()},
         every=1,
         sanity_batches=0,
+        prefix="ema_val_",
     )
     lrs: list[float] = []
     watched = [other, evaluator] if other_first else [evaluator, other]

@@ -185,6 +185,7 @@ class Evaluator(Handler):
         self.history: list[tuple[int, dict[str, Any]]] = []
         self.sanity_values: dict[str, Any] | None = None
         self._evaluated_step: int | None = None
+        self.names: frozenset[str] = frozenset()  # what it writes into extras, once evaluated
 
     @property
     def mode(self) -> str:
@@ -240,6 +241,7 @@ class Evaluator(Handler):
             self.sanity_values = self.run(event.state, limit_batches=self.sanity_batches)
         finally:
             self._set_orders(drawn)
+        self._check_names_apart(event, self.sanity_values)
         self._monitored(self.sanity_values)
 
     def __call__(self, event: Event) -> NewState | Emitted:
@@ -247,6 +249,7 @@ class Evaluator(Handler):
         holds the values in its extras (and return that emission), or return that state when
         the event came from no ``Events``."""
         values = self.run(event.state)
+        self._check_names_apart(event, values)
         self._evaluated_step = event.step
         self.history.append((event.step, values))
         extras = dict(event.state.extras)
@@ -266,6 +269,21 @@ class Evaluator(Handler):
         return event.events.emit(
             Event.at("validation_end", state, metrics=types.MappingProxyType(values))
         )
+
+    def _check_names_apart(self, event: Event, values: Mapping[str, Any]) -> None:
+        # Two evaluators writing one name: the later's value would stand for both, read by
+        # name (EarlyStopping, a checkpoint's metric) as the other model's.
+        self.names = frozenset(values)
+        attached = event.events.attached() if event.events is not None else ()
+        for index, other in enumerate(h for h in attached if isinstance(h, Evaluator)):
+            if other is not self and (shared := sorted(self.names & other.names)):
+                raise ConfigError(
+                    f"Evaluator: this evaluator and Evaluator[{index}] both write "
+                    f"{', '.join(map(repr, shared))} into state.extras, where the later's value "
+                    "would replace the earlier's and be read by name (EarlyStopping, "
+                    "checkpoint_every's metric, a Scheduler) as the other model's. Give one a "
+                    "prefix of its own: Evaluator(..., prefix='ema_val_')."
+                )
 
     def unless_evaluated(self, event: Event) -> NewState | Emitted | None:
         """Evaluate unless this update was evaluated already (e.g. ``every`` divides it)."""
