@@ -11,6 +11,7 @@ Imports ``events`` and ``errors`` (handlers never import ``loop`` or ``step``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -283,9 +284,10 @@ class GradNormMonitor(Handler):
             state = {"steps": {"": one} if one[0] is not None else {}}
         self._norms = {name: (s, m, c) for name, (s, m, c) in state["steps"].items()}
 
-    def read(self, event: Event | None) -> dict[str, float]:
+    def read(self, event: Event | None) -> dict[str, float | list[float]]:
         """The mean and max since the last read (empty when no update was seen); resets.
-        In a run of several steps, each step's under its name (``D/grad_norm_mean``).
+        In a run of several steps, each step's under its name (``D/grad_norm_mean``); in a
+        sweep, lists of one per copy (NaN for a copy whose updates were all skipped).
 
         ``event``'s own outputs are added first if :meth:`update` has not seen them.
         """
@@ -299,13 +301,18 @@ class GradNormMonitor(Handler):
         flat = [t.to(device).float() for name in names for t in self._norms[name]]
         values = torch.stack(flat).tolist()  # the one host read
         self._norms = {}
-        record = {}
+        record: dict[str, float | list[float]] = {}
         for i, name in enumerate(names):
-            total, largest, count = values[3 * i : 3 * i + 3]
-            if count > 0:
-                prefix = f"{name}/" if name else ""
-                record[prefix + "grad_norm_mean"] = total / count
-                record[prefix + "grad_norm_max"] = largest
+            sweep = isinstance(values[3 * i], list)  # a sweep's sums are one per copy ([N])
+            total, largest, count = (v if sweep else [v] for v in values[3 * i : 3 * i + 3])
+            if not any(c > 0 for c in count):
+                continue
+            # A copy whose updates were all skipped has no norm: NaN, as its loss has.
+            means = [t / c if c > 0 else math.nan for t, c in zip(total, count, strict=True)]
+            maxes = [m if c > 0 else math.nan for m, c in zip(largest, count, strict=True)]
+            prefix = f"{name}/" if name else ""
+            record[prefix + "grad_norm_mean"] = means if sweep else means[0]
+            record[prefix + "grad_norm_max"] = maxes if sweep else maxes[0]
         return record
 
 
