@@ -16,10 +16,10 @@ import orjson
 import pytest
 import torch
 
-from steplib import Events, TrainState, make_train_step, run
+from steplib import Events, TrainState, clip, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
-from steplib.handlers import ProgressBar, Throughput, TrainMetrics
+from steplib.handlers import GradNormMonitor, ProgressBar, Throughput, TrainMetrics
 from steplib.handlers.logging import CSVLogger, JsonlLogger, Log, TensorBoardLogger
 
 
@@ -196,3 +196,28 @@ def test_a_record_written_after_the_save_of_its_update_is_replaced_at_the_resume
     assert [orjson.loads(line)["loss"] for line in whole] == [line["loss"] for line in lines]
     rows = list(csv.DictReader((tmp_path / "parts" / "m.csv").read_text().splitlines()))
     assert [row["step"] for row in rows] == ["2", "4", "6", "8", "10"]
+
+
+def _norms_run(root: Path, *, max_steps: int) -> list[dict[str, Any]]:
+    """GradNormMonitor's means alone logged every 2 updates, a checkpoint every 5."""
+    state, step, data = _training()
+    ckpt, norms = checkpoint_every(str(root / "ckpt"), every=5), GradNormMonitor()
+    with Log(JsonlLogger(str(root / "m.jsonl")), sources=[norms.read], every=2) as log:
+        events = Events(resume_from(ckpt), norms, ckpt, log)
+        run(clip(step, max_norm=10.0), state, data, events=events, max_steps=max_steps)
+    return [orjson.loads(line) for line in (root / "m.jsonl").read_bytes().split()]
+
+
+def test_a_grad_norm_record_written_after_the_save_of_its_update_is_replaced_at_the_resume(
+    tmp_path: Path,
+) -> None:
+    # As for TrainMetrics: the checkpoint at 5 holds the norm of update 5, which the stopped
+    # run's fit_end record of 5 read; the resumed run's record at 6 covers 5 and 6 again. The
+    # record said not which updates it covered, so the one of 5 was kept: update 5 twice.
+    whole = _norms_run(tmp_path / "whole", max_steps=10)
+    _norms_run(tmp_path / "parts", max_steps=5)
+    parts = _norms_run(tmp_path / "parts", max_steps=10)
+    assert [line["step"] for line in parts] == [2, 4, 6, 8, 10]
+    assert [line["updates"] for line in parts] == [2] * 5
+    for key in ("grad_norm_mean", "grad_norm_max"):
+        assert [line[key] for line in parts] == [line[key] for line in whole]
