@@ -16,10 +16,10 @@ import orjson
 import pytest
 import torch
 
-from steplib import Events, TrainState, clip, make_train_step, run
+from steplib import Events, TrainState, clip, make_eval_step, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
-from steplib.handlers import GradNormMonitor, ProgressBar, Throughput, TrainMetrics
+from steplib.handlers import Evaluator, GradNormMonitor, ProgressBar, Throughput, TrainMetrics
 from steplib.handlers.logging import CSVLogger, JsonlLogger, Log, TensorBoardLogger
 
 
@@ -221,3 +221,39 @@ def test_a_grad_norm_record_written_after_the_save_of_its_update_is_replaced_at_
     assert [line["updates"] for line in parts] == [2] * 5
     for key in ("grad_norm_mean", "grad_norm_max"):
         assert [line[key] for line in parts] == [line[key] for line in whole]
+
+
+def _evaluated_run(root: Path, *, max_steps: int) -> tuple[list[Any], list[dict[str, str]]]:
+    """TrainMetrics' means every 2 updates and an evaluation every 5 into one JSONL and one
+    CSV file, a checkpoint every 5 (after the evaluation at its update)."""
+    from torchmetrics import MeanMetric
+
+    state, step, data = _training()
+    ckpt, train = checkpoint_every(str(root / "ckpt"), every=5), TrainMetrics()
+    val = [torch.randn(4, 2, generator=torch.Generator().manual_seed(2))]
+    sinks = [JsonlLogger(str(root / "m.jsonl")), CSVLogger(str(root / "m.csv"))]
+    evaluate = make_eval_step(lambda m, batch: {"value": m(batch).pow(2).flatten()})
+    evaluator = Evaluator(evaluate, val, metrics={"loss": MeanMetric()}, every=5, sinks=sinks)
+    with Log(sinks, sources=[train.read], every=2) as log:
+        events = Events(resume_from(ckpt), train, evaluator, ckpt, log)
+        run(step, state, data, events=events, max_steps=max_steps)
+    lines = [orjson.loads(line) for line in (root / "m.jsonl").read_bytes().split()]
+    rows = list(csv.DictReader((root / "m.csv").read_text().splitlines()))
+    return [(line["step"], line.get("updates"), line.get("val_loss")) for line in lines], rows
+
+
+def test_an_evaluation_at_the_resumed_update_is_kept_in_the_continued_log(tmp_path: Path) -> None:
+    # Stopped at 5: the evaluation at 5 was logged before the save, the means of update 5 at
+    # fit_end after it. The resumed run's first record (6) covers updates 5 and 6, so the
+    # files dropped every record from step 5 on: the evaluation at 5 too, which the resumed
+    # run does not run again, so it was lost. Only the means of update 5 are written again.
+    whole, whole_rows = _evaluated_run(tmp_path / "whole", max_steps=10)
+    _evaluated_run(tmp_path / "parts", max_steps=5)
+    parts, rows = _evaluated_run(tmp_path / "parts", max_steps=10)
+    assert [(s, u) for s, u, _ in whole] == [
+        (2, 2), (4, 2), (5, None), (6, 2), (8, 2), (10, None), (10, 2),
+    ]  # fmt: skip
+    assert parts == whole
+    assert [(r["step"], r["updates"], r["val_loss"]) for r in rows] == [
+        (r["step"], r["updates"], r["val_loss"]) for r in whole_rows
+    ]

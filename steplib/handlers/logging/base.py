@@ -67,6 +67,26 @@ def first_update(record: Record) -> Any:
     return step
 
 
+def written_again(first: Record, written: Mapping[str, Any]) -> bool:
+    """Whether a resumed run whose first record is ``first`` writes ``written``, a record of
+    the file it continues, again: a record at ``first``'s step or later; and an interval's
+    means (with ``updates``: ``TrainMetrics``', ``GradNormMonitor``'s) from the first update
+    ``first`` covers on (the one a run wrote at ``fit_end`` after the save of its update,
+    which ``first`` covers again). Another record before ``first``'s step is kept: an
+    evaluation at the checkpoint's update, which the resumed run does not run again.
+
+    Example:
+        >>> first = {"step": 6, "updates": 2}  # the means of updates 5 and 6
+        >>> [written_again(first, r) for r in ({"step": 5, "updates": 1}, {"step": 5},
+        ...                                    {"step": 4, "updates": 2}, {"step": 7})]
+        [True, False, False, True]
+    """
+    step, start = written.get("step"), first_update(first)
+    if not isinstance(step, int) or not isinstance(start, int):
+        return False
+    return step >= first["step"] or (step >= start and written.get("updates") is not None)
+
+
 def check_keys(owner: str, keys: Any) -> tuple[str, ...] | None:
     """``keys`` as a tuple of names, or ``None`` (the sink's default).
 
