@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from steplib.cadence import Batches, check_every, due
+from steplib.cadence import COUNTER_BATCHES, Batches, check_every, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
@@ -283,7 +283,9 @@ class Log(Handler):
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
             yourself with ``events.on``. Attached, it also writes the run's last update at
             ``fit_end`` when that was not due (a stop, or a run of 105 updates with
-            ``every=10``), so that the updates after the last interval are in the log.
+            ``every=10``), so that the updates after the last interval are in the log. A
+            ``Log`` built with it and registered by hand on a step event is refused at its
+            first call there (it would write at every call, ``every`` unused).
 
     Raises:
         ConfigError: a sink that is not a :class:`Sink`, a source that is not callable, or
@@ -345,21 +347,39 @@ class Log(Handler):
         self._unwritten = event
         if self.every is not None and due(self.every, event):
             self._unwritten = None
-            self(event)
+            self._record(event)
 
     def on_fit_end(self, event: Event) -> None:
         """Write the run's last update if it was not due: its sources hold what came after
         the last record (a stop's, or the run's last partial interval)."""
         unwritten, self._unwritten = self._unwritten, None
         if unwritten is not None:
-            self(unwritten)
+            self._record(unwritten)
 
     def on_exception(self, event: Event) -> None:
         # Nothing written: a source may all-reduce, and the other ranks need not be here.
         self._unwritten = None
 
     def __call__(self, event: Event) -> None:
-        """Write one record of ``event`` (registered with ``events.on``: on each call)."""
+        """Write one record of ``event`` (registered with ``events.on``: on each call).
+
+        Raises:
+            ConfigError: a step event given to a ``Log`` built with ``every``: registered
+                with ``events.on("step_end", log)``, it would write at every update, its
+                ``every`` unused.
+        """
+        if self.every is not None and event.name in COUNTER_BATCHES:
+            raise ConfigError(
+                f"Log(every={self.every!r}) was called at {event.name} (step {event.step}) by "
+                f"hand, as events.on({event.name!r}, log) registers it: it would write at every "
+                f"{'update' if event.name == 'step_end' else 'batch'}, its every= unused. "
+                f"Attach it (events.add(log), or put it in the run's handler list), or build "
+                f"it without every= and register it with events.on({event.name!r}, log, "
+                f"every={self.every!r})."
+            )
+        self._record(event)
+
+    def _record(self, event: Event) -> None:
         record = event_counters(event)
         for source in self.sources:
             # A tensor a source returns is read here, as event_record reads the step's: every
