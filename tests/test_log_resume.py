@@ -4,6 +4,7 @@ again by the resumed run, so the file sinks drop them (TensorBoard hides them, p
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -257,3 +258,37 @@ def test_an_evaluation_at_the_resumed_update_is_kept_in_the_continued_log(tmp_pa
     assert [(r["step"], r["updates"], r["val_loss"]) for r in rows] == [
         (r["step"], r["updates"], r["val_loss"]) for r in whole_rows
     ]
+
+
+@pytest.mark.parametrize("end", ["stopped", "crashed"])
+def test_a_run_resumed_in_the_same_process_with_the_same_sinks_logs_each_update_once(
+    tmp_path: Path, end: str
+) -> None:
+    # A notebook runs the cell again after a stop at 5 (saved there) or a crash at 7 (saved at
+    # 5): the same sinks and handlers, resumed from 5. A sink dropped what a run writes again
+    # at its own first record only, so the first run's records of 5 (and 6) stayed.
+    def runs(root: Path, limits: list[int], crash_at: int | None) -> tuple[list[Any], list[str]]:
+        state, step, data = _training()
+        ckpt, train = checkpoint_every(str(root / "ckpt"), every=5), TrainMetrics()
+        sinks = [JsonlLogger(str(root / "m.jsonl")), CSVLogger(str(root / "m.csv"))]
+        events = Events(resume_from(ckpt), train, ckpt, Log(sinks, sources=[train.read], every=2))
+        crashed: list[int] = []
+
+        def crash(event) -> None:
+            if event.step == crash_at and not crashed:
+                crashed.append(event.step)
+                raise _KilledError
+
+        events.on("step_end", crash)
+        for limit in limits:
+            with contextlib.suppress(_KilledError):
+                run(step, state, data, events=events, max_steps=limit)
+        lines = [orjson.loads(line) for line in (root / "m.jsonl").read_bytes().split()]
+        rows = list(csv.DictReader((root / "m.csv").read_text().splitlines()))
+        return [(x["step"], x["updates"], x["loss"]) for x in lines], [r["step"] for r in rows]
+
+    whole = runs(tmp_path / "whole", [10], None)
+    stopped = end == "stopped"
+    parts = runs(tmp_path / "parts", [5, 10] if stopped else [10, 10], None if stopped else 7)
+    assert [s for s, _, _ in whole[0]] == [2, 4, 6, 8, 10]
+    assert parts == whole

@@ -245,6 +245,13 @@ class Sink(abc.ABC):
     def close(self) -> None:
         """Flush and release the destination; calling it twice is harmless."""
 
+    def start_run(self) -> None:
+        """A run starts (an attached :class:`Log` calls it at ``fit_start``): a sink that
+        continues a destination drops, at the run's first record, what the run writes again,
+        as at its own first record (a run resumed in the same process, with the same sink,
+        after a crash or a stop). Here: nothing."""
+        return None
+
     def __enter__(self: _L) -> _L:
         return self
 
@@ -341,6 +348,12 @@ class Log(Handler):
                 "Log(...) was built without every=, so it does not say how often to write. "
                 "Pass Log(sinks, every=50), or register it: events.on('step_end', log, every=50)."
             )
+
+    def on_fit_start(self, event: Event) -> None:
+        """Tell each sink a run starts: its first record drops what the run writes again (a
+        run resumed with the same sinks in the same process)."""
+        for sink in self.sinks:
+            sink.start_run()
 
     def on_step_end(self, event: Event) -> None:
         """Write every ``every`` updates (or batches)."""

@@ -130,6 +130,12 @@ class FileSink(Sink):
                 step,
             )
 
+    def start_run(self) -> None:
+        """At the run's first record, drop the records it writes again (:meth:`continue_at`),
+        as at this sink's first: a run resumed in the same process writes again what the
+        crashed or stopped run wrote after the checkpoint."""
+        self._continuing = True
+
     def records_before(self, data: bytes, first: Record) -> tuple[bytes, int]:
         """The part of the file's ``data`` written before a resumed run whose first record is
         ``first`` (without the records it writes again: ``written_again``), and the number of

@@ -81,6 +81,12 @@ class TensorBoardLogger(Sink):
                 "directory can be created and written."
             ) from error
 
+    def start_run(self) -> None:
+        """At the run's first record, reopen the writer with that record's ``purge_step``, as
+        at this logger's first: a run resumed in the same process writes those steps again."""
+        self._purged = False
+        self._last_step = {}
+
     def write(self, record: Record) -> None:
         """Add each number of ``record`` as a scalar and flush.
 
