@@ -56,37 +56,6 @@ _RESERVED = ("step", "epoch", "micro_step", "time", "loss", "lr", "grad_norm", "
 COUNTERS = ("step", "micro_step", "time", "epoch", "num_targets", "updates")
 
 
-def first_update(record: Record) -> Any:
-    """The first update ``record`` covers: its ``step``, or for an interval's means
-    (``TrainMetrics``' ``updates`` of them) the interval's first. A sink continuing a file at a
-    resume drops the records from there: a record that a run wrote after the save of its
-    update (the one at ``fit_end``) is covered again by the resumed run's first."""
-    step, updates = record.get("step"), record.get("updates")
-    if isinstance(step, int) and type(updates) is int and updates > 1:
-        return step - updates + 1
-    return step
-
-
-def written_again(first: Record, written: Mapping[str, Any]) -> bool:
-    """Whether a resumed run whose first record is ``first`` writes ``written``, a record of
-    the file it continues, again: a record at ``first``'s step or later; and an interval's
-    means (with ``updates``: ``TrainMetrics``', ``GradNormMonitor``'s) from the first update
-    ``first`` covers on (the one a run wrote at ``fit_end`` after the save of its update,
-    which ``first`` covers again). Another record before ``first``'s step is kept: an
-    evaluation at the checkpoint's update, which the resumed run does not run again.
-
-    Example:
-        >>> first = {"step": 6, "updates": 2}  # the means of updates 5 and 6
-        >>> [written_again(first, r) for r in ({"step": 5, "updates": 1}, {"step": 5},
-        ...                                    {"step": 4, "updates": 2}, {"step": 7})]
-        [True, False, False, True]
-    """
-    step, start = written.get("step"), first_update(first)
-    if not isinstance(step, int) or not isinstance(start, int):
-        return False
-    return step >= first["step"] or (step >= start and written.get("updates") is not None)
-
-
 def check_keys(owner: str, keys: Any) -> tuple[str, ...] | None:
     """``keys`` as a tuple of names, or ``None`` (the sink's default).
 
@@ -246,10 +215,7 @@ class Sink(abc.ABC):
         """Flush and release the destination; calling it twice is harmless."""
 
     def start_run(self) -> None:
-        """A run starts (an attached :class:`Log` calls it at ``fit_start``): a sink that
-        continues a destination drops, at the run's first record, what the run writes again,
-        as at its own first record (a run resumed in the same process, with the same sink,
-        after a crash or a stop). Here: nothing."""
+        """A run starts (a :class:`Log` calls it): drop what it writes again at its first."""
         return None
 
     def __enter__(self: _L) -> _L:
@@ -290,9 +256,8 @@ class Log(Handler):
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
             yourself with ``events.on``. Attached, it also writes the run's last update at
             ``fit_end`` when that was not due (a stop, or a run of 105 updates with
-            ``every=10``), so that the updates after the last interval are in the log. A
-            ``Log`` built with it and registered by hand on a step event is refused at its
-            first call there (it would write at every call, ``every`` unused).
+            ``every=10``), so that the updates after the last interval are in the log (so it
+            is refused registered by hand on a step event, where it would go unused).
 
     Raises:
         ConfigError: a sink that is not a :class:`Sink`, a source that is not callable, or
@@ -350,8 +315,7 @@ class Log(Handler):
             )
 
     def on_fit_start(self, event: Event) -> None:
-        """Tell each sink a run starts: its first record drops what the run writes again (a
-        run resumed with the same sinks in the same process)."""
+        """Tell each sink a run starts (one resumed in this process writes steps again)."""
         for sink in self.sinks:
             sink.start_run()
 
@@ -377,18 +341,14 @@ class Log(Handler):
         """Write one record of ``event`` (registered with ``events.on``: on each call).
 
         Raises:
-            ConfigError: a step event given to a ``Log`` built with ``every``: registered
-                with ``events.on("step_end", log)``, it would write at every update, its
-                ``every`` unused.
+            ConfigError: a step event given to a ``Log`` built with ``every`` (unused there).
         """
         if self.every is not None and event.name in COUNTER_BATCHES:
             raise ConfigError(
-                f"Log(every={self.every!r}) was called at {event.name} (step {event.step}) by "
-                f"hand, as events.on({event.name!r}, log) registers it: it would write at every "
-                f"{'update' if event.name == 'step_end' else 'batch'}, its every= unused. "
-                f"Attach it (events.add(log), or put it in the run's handler list), or build "
-                f"it without every= and register it with events.on({event.name!r}, log, "
-                f"every={self.every!r})."
+                f"Log(every={self.every!r}) was called at {event.name} by hand (events.on("
+                f"{event.name!r}, log)): it would write at each call, its every= unused. Attach "
+                "it (events.add(log), or the run's handler list), or build it without every= "
+                f"and register it: events.on({event.name!r}, log, every={self.every!r})."
             )
         self._record(event)
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import orjson
 
-from steplib.handlers.logging.base import Record, check_keys, select, written_again
+from steplib.handlers.logging.base import Record, check_keys, select
+from steplib.handlers.logging.continued import written_again
 from steplib.handlers.logging.file_sink import FileSink
 
 

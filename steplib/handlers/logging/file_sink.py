@@ -15,7 +15,8 @@ import fsspec
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import Record, Sink, first_update
+from steplib.handlers.logging.base import Record, Sink
+from steplib.handlers.logging.continued import first_update
 
 _log = logging.getLogger("steplib.logging")
 
@@ -32,7 +33,7 @@ class FileSink(Sink):
     A file continued (``append=True``) by a run resumed from a checkpoint holds the records the
     killed run wrote after that checkpoint: the resumed run writes those steps again. So the
     first record a sink writes drops the records the file holds that the resumed run writes
-    again (:func:`~steplib.handlers.logging.base.written_again`: from its step on, and the
+    again (:func:`~steplib.handlers.logging.continued.written_again`: from its step on, and the
     interval means from the first update it covers on), logged (``logging``,
     ``steplib.logging``, INFO) with how many. A run started afresh into a file of an earlier
     run therefore replaces it from its first record on, with a warning: pass ``append=False``
@@ -100,7 +101,7 @@ class FileSink(Sink):
 
     def continue_at(self, record: Record) -> None:
         """At the first record of an appending sink, drop the file's records that the resumed
-        run writes again (:func:`~steplib.handlers.logging.base.written_again`), logging how
+        run writes again (:func:`~steplib.handlers.logging.continued.written_again`), logging how
         many; later records do nothing.
 
         Raises:

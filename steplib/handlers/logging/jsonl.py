@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import orjson
 
 from steplib.errors import LogWriteError
-from steplib.handlers.logging.base import Record, check_keys, select, written_again
+from steplib.handlers.logging.base import Record, check_keys, select
+from steplib.handlers.logging.continued import written_again
 from steplib.handlers.logging.file_sink import FileSink
 
 

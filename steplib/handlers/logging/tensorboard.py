@@ -7,14 +7,8 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import (
-    COUNTERS,
-    Record,
-    Sink,
-    check_keys,
-    first_update,
-    select,
-)
+from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
+from steplib.handlers.logging.continued import first_update
 
 
 class TensorBoardLogger(Sink):
