@@ -4,6 +4,7 @@ text elsewhere, one curve per copy for a sweep, one host read per redraw."""
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import pytest
@@ -127,3 +128,26 @@ def test_a_run_of_several_steps_draws_each_steps_loss_over_its_own_windows() -> 
         assert drawn["D"] == pytest.approx(want["D"]) if "D" in want else drawn["D"] != drawn["D"]
     assert out.getvalue().splitlines()[-1].startswith("step 4: G loss ")
     assert plot.figure().axes[0].get_legend() is not None  # one curve per step
+
+
+def test_an_update_skipped_as_non_finite_is_a_gap_in_one_steps_curve() -> None:
+    # A skipped update trained nothing: TrainMetrics and the bar leave its loss out, and so did
+    # LivePlot in a run of several steps; one step's curve drew it (inf here) as a point.
+    calls = [0]
+
+    def loss_fn(model, batch):
+        calls[0] += 1
+        loss = model(batch).pow(2).mean()
+        return loss * float("inf") if calls[0] == 2 else loss
+
+    model = torch.nn.Linear(2, 1)
+    state = sl.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    plot = LivePlot(every=10, mode="text", file=io.StringIO())
+    losses: list[float] = []
+    events = plot.attach(sl.Events()).on("step_end", lambda e: losses.append(float(e.output.loss)))
+    sl.run(
+        sl.skip_nonfinite(sl.make_train_step(loss_fn)), state, [torch.ones(2, 2)] * 4, events=events
+    )
+    assert plot.steps == [1, 2, 3, 4] and math.isinf(losses[1])
+    assert math.isnan(plot.losses[1])
+    assert [plot.losses[i] for i in (0, 2, 3)] == pytest.approx([losses[i] for i in (0, 2, 3)])

@@ -4,6 +4,7 @@ again by the resumed run, so the file sinks drop them (TensorBoard hides them, p
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import logging
@@ -16,10 +17,10 @@ import orjson
 import pytest
 import torch
 
-from steplib import Events, TrainState, make_train_step, run
+from steplib import Events, TrainState, clip, make_eval_step, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
-from steplib.handlers import ProgressBar, Throughput, TrainMetrics
+from steplib.handlers import Evaluator, GradNormMonitor, ProgressBar, Throughput, TrainMetrics
 from steplib.handlers.logging import CSVLogger, JsonlLogger, Log, TensorBoardLogger
 
 
@@ -196,3 +197,98 @@ def test_a_record_written_after_the_save_of_its_update_is_replaced_at_the_resume
     assert [orjson.loads(line)["loss"] for line in whole] == [line["loss"] for line in lines]
     rows = list(csv.DictReader((tmp_path / "parts" / "m.csv").read_text().splitlines()))
     assert [row["step"] for row in rows] == ["2", "4", "6", "8", "10"]
+
+
+def _norms_run(root: Path, *, max_steps: int) -> list[dict[str, Any]]:
+    """GradNormMonitor's means alone logged every 2 updates, a checkpoint every 5."""
+    state, step, data = _training()
+    ckpt, norms = checkpoint_every(str(root / "ckpt"), every=5), GradNormMonitor()
+    with Log(JsonlLogger(str(root / "m.jsonl")), sources=[norms.read], every=2) as log:
+        events = Events(resume_from(ckpt), norms, ckpt, log)
+        run(clip(step, max_norm=10.0), state, data, events=events, max_steps=max_steps)
+    return [orjson.loads(line) for line in (root / "m.jsonl").read_bytes().split()]
+
+
+def test_a_grad_norm_record_written_after_the_save_of_its_update_is_replaced_at_the_resume(
+    tmp_path: Path,
+) -> None:
+    # As for TrainMetrics: the checkpoint at 5 holds the norm of update 5, which the stopped
+    # run's fit_end record of 5 read; the resumed run's record at 6 covers 5 and 6 again. The
+    # record said not which updates it covered, so the one of 5 was kept: update 5 twice.
+    whole = _norms_run(tmp_path / "whole", max_steps=10)
+    _norms_run(tmp_path / "parts", max_steps=5)
+    parts = _norms_run(tmp_path / "parts", max_steps=10)
+    assert [line["step"] for line in parts] == [2, 4, 6, 8, 10]
+    assert [line["updates"] for line in parts] == [2] * 5
+    for key in ("grad_norm_mean", "grad_norm_max"):
+        assert [line[key] for line in parts] == [line[key] for line in whole]
+
+
+def _evaluated_run(root: Path, *, max_steps: int) -> tuple[list[Any], list[dict[str, str]]]:
+    """TrainMetrics' means every 2 updates and an evaluation every 5 into one JSONL and one
+    CSV file, a checkpoint every 5 (after the evaluation at its update)."""
+    from torchmetrics import MeanMetric
+
+    state, step, data = _training()
+    ckpt, train = checkpoint_every(str(root / "ckpt"), every=5), TrainMetrics()
+    val = [torch.randn(4, 2, generator=torch.Generator().manual_seed(2))]
+    sinks = [JsonlLogger(str(root / "m.jsonl")), CSVLogger(str(root / "m.csv"))]
+    evaluate = make_eval_step(lambda m, batch: {"value": m(batch).pow(2).flatten()})
+    evaluator = Evaluator(evaluate, val, metrics={"loss": MeanMetric()}, every=5, sinks=sinks)
+    with Log(sinks, sources=[train.read], every=2) as log:
+        events = Events(resume_from(ckpt), train, evaluator, ckpt, log)
+        run(step, state, data, events=events, max_steps=max_steps)
+    lines = [orjson.loads(line) for line in (root / "m.jsonl").read_bytes().split()]
+    rows = list(csv.DictReader((root / "m.csv").read_text().splitlines()))
+    return [(line["step"], line.get("updates"), line.get("val_loss")) for line in lines], rows
+
+
+def test_an_evaluation_at_the_resumed_update_is_kept_in_the_continued_log(tmp_path: Path) -> None:
+    # Stopped at 5: the evaluation at 5 was logged before the save, the means of update 5 at
+    # fit_end after it. The resumed run's first record (6) covers updates 5 and 6, so the
+    # files dropped every record from step 5 on: the evaluation at 5 too, which the resumed
+    # run does not run again, so it was lost. Only the means of update 5 are written again.
+    whole, whole_rows = _evaluated_run(tmp_path / "whole", max_steps=10)
+    _evaluated_run(tmp_path / "parts", max_steps=5)
+    parts, rows = _evaluated_run(tmp_path / "parts", max_steps=10)
+    assert [(s, u) for s, u, _ in whole] == [
+        (2, 2), (4, 2), (5, None), (6, 2), (8, 2), (10, None), (10, 2),
+    ]  # fmt: skip
+    assert parts == whole
+    assert [(r["step"], r["updates"], r["val_loss"]) for r in rows] == [
+        (r["step"], r["updates"], r["val_loss"]) for r in whole_rows
+    ]
+
+
+@pytest.mark.parametrize("end", ["stopped", "crashed"])
+def test_a_run_resumed_in_the_same_process_with_the_same_sinks_logs_each_update_once(
+    tmp_path: Path, end: str
+) -> None:
+    # A notebook runs the cell again after a stop at 5 (saved there) or a crash at 7 (saved at
+    # 5): the same sinks and handlers, resumed from 5. A sink dropped what a run writes again
+    # at its own first record only, so the first run's records of 5 (and 6) stayed.
+    def runs(root: Path, limits: list[int], crash_at: int | None) -> tuple[list[Any], list[str]]:
+        state, step, data = _training()
+        ckpt, train = checkpoint_every(str(root / "ckpt"), every=5), TrainMetrics()
+        sinks = [JsonlLogger(str(root / "m.jsonl")), CSVLogger(str(root / "m.csv"))]
+        events = Events(resume_from(ckpt), train, ckpt, Log(sinks, sources=[train.read], every=2))
+        crashed: list[int] = []
+
+        def crash(event) -> None:
+            if event.step == crash_at and not crashed:
+                crashed.append(event.step)
+                raise _KilledError
+
+        events.on("step_end", crash)
+        for limit in limits:
+            with contextlib.suppress(_KilledError):
+                run(step, state, data, events=events, max_steps=limit)
+        lines = [orjson.loads(line) for line in (root / "m.jsonl").read_bytes().split()]
+        rows = list(csv.DictReader((root / "m.csv").read_text().splitlines()))
+        return [(x["step"], x["updates"], x["loss"]) for x in lines], [r["step"] for r in rows]
+
+    whole = runs(tmp_path / "whole", [10], None)
+    stopped = end == "stopped"
+    parts = runs(tmp_path / "parts", [5, 10] if stopped else [10, 10], None if stopped else 7)
+    assert [s for s, _, _ in whole[0]] == [2, 4, 6, 8, 10]
+    assert parts == whole

@@ -138,6 +138,18 @@ def test_a_mean_loss_rate_is_named_by_what_it_counts_not_tokens() -> None:
     assert "images/s=" in _mean_loss_run(bar)
 
 
+def test_samples_count_an_epochs_shorter_last_window_as_what_it_ran() -> None:
+    # 7 batches an epoch in windows of 3: updates of 3, 3 and 1 batches. The shown count took
+    # every update as a full window of samples_per_step: 36 samples an epoch, not 28.
+    bar = ProgressBar(every=2, file=io.StringIO(), samples_per_step=3 * 4)
+    state, _, _ = _setup()
+    batches = [(torch.randn(4, 4), torch.randint(0, 3, (4,))) for _ in range(7)]
+    step = make_train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    run(accumulate(step, 3), state, batches, events=bar.attach(Events()), max_epochs=2)
+    assert bar.stats["step"] == 6
+    assert bar.stats["samples"] == 2 * sum(len(x) for x, _ in batches)  # counted by hand
+
+
 def test_keys_choose_what_the_bar_shows_and_no_keys_reads_no_tensor() -> None:
     bar = ProgressBar(every=1, file=io.StringIO(), keys=["loss"])
     text = _mean_loss_run(bar)

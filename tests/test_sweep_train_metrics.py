@@ -1,4 +1,5 @@
-"""TrainMetrics on a sweep: each copy's record equals the one its own plain run writes."""
+"""TrainMetrics and GradNormMonitor on a sweep: each copy's record equals the one its own plain
+run writes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import steplib as sl
-from steplib.handlers import TrainMetrics
+from steplib.handlers import GradNormMonitor, TrainMetrics
 from steplib.sweep import Copies, SweepSGD, sweep_step
 
 LRS = [0.05, 0.1, 0.2]
@@ -71,3 +72,29 @@ def test_train_metrics_of_a_sweep_are_each_copys_own_run(loss_fn: Any) -> None:
             assert _same(swept[key][i], own[key]), (key, i)  # type: ignore[index]
         assert swept["num_targets"][i] == own["num_targets"]  # type: ignore[index]
         assert swept.get("skipped", [0] * 3)[i] == own.get("skipped", 0)  # type: ignore[index]
+
+
+def _norms(step: sl.Step | object, state: sl.TrainState) -> dict[str, Any]:
+    norms = GradNormMonitor()
+    sl.run(step, state, _batches(), events=norms.attach(sl.Events()))  # type: ignore[arg-type]
+    return norms.read(None)
+
+
+@pytest.mark.parametrize("loss_fn", [_loss, _nan_for_copy_0], ids=["all", "one_skipped"])
+def test_grad_norm_monitor_of_a_sweep_is_each_copys_own_run(loss_fn: Any) -> None:
+    # Its read compared a copy's count with 0 as one number: a TypeError at the first read.
+    copies = Copies.seeded(_make, seeds=range(3))
+    state = sl.TrainState.create(model=copies, optimizer=SweepSGD(copies.parameters(), lr=LRS))
+
+    def wrapped() -> sl.Step:
+        step = sl.clip(sl.accumulate(sl.make_train_step(loss_fn), 2), max_norm=0.5)
+        return sl.skip_nonfinite(step)
+
+    swept = _norms(sweep_step(wrapped(), copies=copies, example_batch=_batches()[0]), state)
+    for i, lr in enumerate(LRS):
+        torch.manual_seed(i)
+        model = _make()
+        plain = sl.TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr))
+        own = _norms(wrapped(), plain)  # {} when every update of this copy was skipped
+        for key in ("grad_norm_mean", "grad_norm_max"):
+            assert _same(swept[key][i], own.get(key, math.nan)), (key, i)

@@ -247,3 +247,56 @@ def test_ranks_that_each_see_the_whole_batch_name_a_mean_losss_rate_batches_per_
 
     for rates in run_ranks(_mean_loss_rates):
         assert rates == {"steps_per_s": 1.0, "batches_per_s": 2.0}  # as in one process
+
+
+def _gan_steps(d_window: int) -> tuple[TrainState, dict[str, Any]]:
+    g, d = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    state = TrainState.create(
+        model={"G": g, "D": d},
+        optimizer={"D": torch.optim.SGD(d.parameters(), lr=0.1),
+                   "G": torch.optim.SGD(g.parameters(), lr=0.1)},
+    )  # fmt: skip
+    d_loss = lambda m, b: m["D"](m["G"](b[0]).detach()).pow(2).mean()  # noqa: E731
+    g_loss = lambda m, b: -m["D"](m["G"](b[0])).mean()  # noqa: E731
+    # G first in the run: the updates counted are still D's, the state's first optimizer's.
+    steps = {
+        "G": make_train_step(g_loss, optimizer="G"),
+        "D": accumulate(make_train_step(d_loss, optimizer="D"), d_window),
+    }
+    return state, steps
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_samples_and_flops_per_s_count_an_epochs_shorter_last_window_as_what_it_ran(
+    several: bool,
+) -> None:
+    # 10 batches of 8 samples an epoch, windows of 4: updates of 4, 4 and 2 batches. The
+    # per-update constants counted the last window as a full one: 96 samples an epoch, not 80.
+    batch, window, per_batch_flops = 8, 4, 1000
+    batches = [_batch(batch) for _ in range(10)]
+    step: Any
+    if several:
+        state, step = _gan_steps(window)
+    else:
+        model = torch.nn.Linear(8, 5)
+        state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        step = accumulate(make_train_step(_loss_fn), window)
+    clock = FakeClock()
+    speed = Throughput(
+        samples_per_step=batch * window, flops_per_step=per_batch_flops * window, clock=clock
+    )
+    sink = RecordingSink()
+    events = speed.attach(Events())
+    events.on("micro_step_end", lambda e: setattr(clock, "now", clock.now + 0.25))
+    events.on("epoch_end", Log(sink, sources=[speed.read]))
+    run(step, state, batches, events=events, max_epochs=2)
+
+    # By hand, as a plain loop over the same batches counts them: each epoch's own samples
+    # and micro-batches over its 10 * 0.25 s.
+    seconds = 0.25 * len(batches)
+    samples = sum(len(x) for x, _ in batches)
+    assert [r["step"] for r in sink.records] == [3, 6]
+    for record in sink.records:
+        assert record["steps_per_s"] == pytest.approx(3 / seconds)
+        assert record["samples_per_s"] == pytest.approx(samples / seconds)
+        assert record["flops_per_s"] == pytest.approx(per_batch_flops * len(batches) / seconds)

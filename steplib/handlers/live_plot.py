@@ -112,18 +112,17 @@ class LivePlot(Handler):
         if event.output is None:
             return
         self.steps.append(event.step)
-        if event.outputs is None:
-            self._pending.append(event.output.loss.detach())
-        else:  # each step's windows since the last update (a flush's too)
-            for name, out in event.outputs.items():
-                self._add(name, out)
-            self._pending.append(
-                {
-                    name: torch.where(kept > 0, total / kept, torch.nan)
-                    for name, (total, kept) in self._sums.items()
-                }
-            )
-            self._sums = {}
+        # Each step's windows since the last update (a flush's too), as one step's update: an
+        # update skipped as non-finite trained nothing, so it is a gap, as TrainMetrics and
+        # the progress bar leave it out.
+        for name, out in (event.outputs or {"": event.output}).items():
+            self._add(name, out)
+        means = {
+            name: torch.where(kept > 0, total / kept, torch.nan)
+            for name, (total, kept) in self._sums.items()
+        }
+        self._pending.append(means if event.outputs is not None else means[""])
+        self._sums = {}
         if event.step % self.every == 0:
             self.draw()
 

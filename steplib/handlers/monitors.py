@@ -11,6 +11,7 @@ Imports ``events`` and ``errors`` (handlers never import ``loop`` or ``step``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -207,7 +208,7 @@ class GradNormMonitor(Handler):
         ...     out = SimpleNamespace(grad_norm=torch.tensor(norm), skipped=torch.tensor(False))
         ...     monitor.update(Event("step_end", state=None, output=out))
         >>> monitor.read(Event("step_end", state=None))
-        {'grad_norm_mean': 2.0, 'grad_norm_max': 3.0}
+        {'grad_norm_mean': 2.0, 'grad_norm_max': 3.0, 'updates': 2}
     """
 
     def __init__(self) -> None:
@@ -217,6 +218,11 @@ class GradNormMonitor(Handler):
         # Per step, the outputs of the last update: a Log's record at the end of a run stopped
         # inside a window reads that update's event again, after later windows of other steps.
         self._updated: Mapping[str, Any] = {}
+        # The run's updates since the last read, and the output of the last one counted: a
+        # record says how many it covers (``updates``), so that a sink continuing its file at
+        # a resume drops the record a stopped run wrote after the save of its update.
+        self._updates = 0
+        self._counted: Any = None
 
     def on_micro_step_end(self, event: Event) -> None:
         """In a run of several steps, add each step's window that closed with a norm."""
@@ -234,6 +240,13 @@ class GradNormMonitor(Handler):
         Raises:
             ConfigError: the step does not measure the gradient norm.
         """
+        if (
+            event.name == "step_end"
+            and event.output is not None
+            and event.output is not self._counted
+        ):
+            self._counted = event.output
+            self._updates += 1
         if event.outputs is not None:
             for name, out in event.outputs.items():
                 again = out is self._seen.get(name) or out is self._updated.get(name)
@@ -272,9 +285,12 @@ class GradNormMonitor(Handler):
 
         Example:
             >>> GradNormMonitor().state_dict()
-            {'steps': {}}
+            {'steps': {}, 'updates': 0}
         """
-        return {"steps": {name: list(norms) for name, norms in self._norms.items()}}
+        return {
+            "steps": {name: list(norms) for name, norms in self._norms.items()},
+            "updates": self._updates,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (or an earlier checkpoint's one step)."""
@@ -282,10 +298,13 @@ class GradNormMonitor(Handler):
             one = (state["sum"], state["max"], state["count"])
             state = {"steps": {"": one} if one[0] is not None else {}}
         self._norms = {name: (s, m, c) for name, (s, m, c) in state["steps"].items()}
+        self._updates = int(state.get("updates", 0))  # absent from an older checkpoint
 
-    def read(self, event: Event | None) -> dict[str, float]:
-        """The mean and max since the last read (empty when no update was seen); resets.
-        In a run of several steps, each step's under its name (``D/grad_norm_mean``).
+    def read(self, event: Event | None) -> dict[str, float | list[float]]:
+        """The mean and max since the last read (empty when no update was seen), and
+        ``updates``, the run's updates they cover; resets. In a run of several steps, each
+        step's under its name (``D/grad_norm_mean``); in a sweep, lists of one per copy (NaN
+        for a copy whose updates were all skipped).
 
         ``event``'s own outputs are added first if :meth:`update` has not seen them.
         """
@@ -293,19 +312,27 @@ class GradNormMonitor(Handler):
             errors.reader_attached("GradNormMonitor", self, event, "norms")
             self.update(event)
         if not self._norms:
+            self._updates = 0
             return {}
         names = list(self._norms)
         device = self._norms[names[-1]][0].device
         flat = [t.to(device).float() for name in names for t in self._norms[name]]
         values = torch.stack(flat).tolist()  # the one host read
-        self._norms = {}
-        record = {}
+        updates, self._norms, self._updates = self._updates, {}, 0
+        record: dict[str, float | list[float]] = {}
         for i, name in enumerate(names):
-            total, largest, count = values[3 * i : 3 * i + 3]
-            if count > 0:
-                prefix = f"{name}/" if name else ""
-                record[prefix + "grad_norm_mean"] = total / count
-                record[prefix + "grad_norm_max"] = largest
+            sweep = isinstance(values[3 * i], list)  # a sweep's sums are one per copy ([N])
+            total, largest, count = (v if sweep else [v] for v in values[3 * i : 3 * i + 3])
+            if not any(c > 0 for c in count):
+                continue
+            # A copy whose updates were all skipped has no norm: NaN, as its loss has.
+            means = [t / c if c > 0 else math.nan for t, c in zip(total, count, strict=True)]
+            maxes = [m if c > 0 else math.nan for m, c in zip(largest, count, strict=True)]
+            prefix = f"{name}/" if name else ""
+            record[prefix + "grad_norm_mean"] = means if sweep else means[0]
+            record[prefix + "grad_norm_max"] = maxes if sweep else maxes[0]
+        if record and updates:
+            record["updates"] = updates  # as TrainMetrics' record says it
         return record
 
 

@@ -14,8 +14,8 @@ The bar is ``tqdm.auto``'s: a widget in Jupyter and a text bar in a terminal or 
 in a Jupyter kernel without ipywidgets, ``tqdm.std``'s text bar, chosen before ``tqdm.auto``
 would warn "IProgress not found" (:func:`steplib.handlers.terminal.tqdm_class`).
 
-Imports ``events``, ``errors``, ``distributed``, ``output`` and ``handlers.terminal``
-(handlers never import ``loop`` or ``step``).
+Imports ``events``, ``errors``, ``distributed``, ``output``, ``handlers.terminal`` and
+``handlers.throughput`` (handlers never import ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.handlers.terminal import tqdm_class
+from steplib.handlers.throughput import full_window
 from steplib.output import closed_window, window_sums
 
 
@@ -51,7 +52,9 @@ class ProgressBar(Handler):
         keys: the numbers to show, among ``"loss"``, ``"lr"`` and ``"rate"`` (``None``: all
             three; ``[]``: only the bar, and no tensor is read), as ``keys=`` of every sink.
         samples_per_step: samples per update (``batch_size * accumulation``, times the world
-            size for a global rate): the rate is then ``samples/s``.
+            size for a global rate): the rate is then ``samples/s``. A shorter window (an
+            epoch's last, closed early) counts its share: per micro-batch, this over the
+            step's ``accumulate`` k.
         unit: what one of ``num_targets`` counts, to name the rate (``"tokens"``, ``"pixels"``);
             ``None``: ``batches`` when each micro-batch counts one (a plain mean loss), else
             ``tokens``.
@@ -81,6 +84,7 @@ class ProgressBar(Handler):
     _lr: dict[str, torch.Tensor]
     _last_step: int | None  # the update the bar counted last; None until the run's first
     _added: list[Any]  # the outputs added at the last micro_step_end
+    _window: int | None = None  # micro-batches of a full window (None: not known)
 
     def __init__(
         self,
@@ -141,6 +145,7 @@ class ProgressBar(Handler):
         # Where the counters start is taken from the first update (its step_end): a
         # resume_from attached after the bar swaps in the resumed state after this call.
         self._last_step = None
+        self._window = full_window(event)  # what samples_per_step's update holds
 
     def on_step_end(self, event: Event) -> None:
         """Count the update; every ``every`` updates, read the sums and refresh the numbers.
@@ -258,7 +263,8 @@ class ProgressBar(Handler):
         micro = self._micro_step
         if self.samples_per_step is not None:
             unit = "samples"
-            counted = float(self.samples_per_step * (step - self._step_since))
+            ran = step - self._step_since if self._window is None else micro - self._micro_since
+            counted = self.samples_per_step * ran / (self._window or 1)
         else:
             batches = (micro - self._micro_since) * world_size()
             unit = self.unit or ("batches" if targets == batches else "tokens")

@@ -156,7 +156,9 @@ class Throughput(Handler):
 
     Args:
         samples_per_step: samples per optimizer update (e.g. ``batch_size * accumulation``,
-            times the world size for a global rate), for ``samples_per_s``.
+            times the world size for a global rate), for ``samples_per_s``. A shorter window
+            (an epoch's last, closed early) counts its share: per micro-batch, this over the
+            step's ``accumulate`` k.
         tokens: ``tokens(output) -> count`` of one micro-batch, given each micro-batch's
             output (its ``aux`` is that micro-batch's; a tensor stays on the device) and
             summed, over the data-parallel ranks too (a DDP or FSDP2 model's) at each read;
@@ -168,7 +170,7 @@ class Throughput(Handler):
             ``tokens``, or ``batches`` when the default count gives one per micro-batch (a
             plain mean loss, whose ``num_targets`` counts micro-batches, not tokens).
         flops_per_step: FLOPs of one update of one process (see :func:`flops_per_batch`), for
-            ``flops_per_s``.
+            ``flops_per_s``; a shorter window counts its share, as for ``samples_per_step``.
         peak_flops: the peak FLOP/s of one device, for ``mfu`` (needs ``flops_per_step``).
         clock: the time source (``time.perf_counter``); tests pass a fake one.
 
@@ -237,6 +239,7 @@ class Throughput(Handler):
         self._micro_step: int | None = None
         self._device: torch.device | None = None
         self._data_parallel: bool | None = None  # the ranks share the data out (DDP, FSDP2)
+        self._window: int | None = None  # micro-batches of a full window (None: not known)
         self._start()
 
     def _start(self) -> None:
@@ -251,6 +254,7 @@ class Throughput(Handler):
         # attached after this handler swaps in the resumed state after this call.
         self._micro_step = None
         self._data_parallel = None
+        self._window = full_window(event)
         self._start()
 
     def on_micro_step_end(self, event: Event) -> None:
@@ -329,19 +333,45 @@ class Throughput(Handler):
         # data out (DDP, FSDP2); ranks that each see the whole batch (tensor parallel) count
         # each batch once, as one process does.
         batches = self._micro_steps * (world_size() if self._data_parallel else 1)
+        # The per-update constants count what ran: a shorter window is part of an update.
+        updates = self._steps if self._window is None else self._micro_steps / self._window
         stats = {"steps_per_s": steps_per_s}
         for name, tokens in zip(names, totals, strict=True):
             unit = self.unit or ("batches" if tokens == batches else "tokens")
             stats[f"{name}/{unit}_per_s" if name else f"{unit}_per_s"] = tokens / elapsed
         if self.samples_per_step is not None:
-            stats["samples_per_s"] = self.samples_per_step * steps_per_s
+            stats["samples_per_s"] = self.samples_per_step * updates / elapsed
         if self.flops_per_step is not None:
-            stats["flops_per_s"] = self.flops_per_step * steps_per_s
+            stats["flops_per_s"] = self.flops_per_step * updates / elapsed
             if self.peak_flops is not None:
                 stats["mfu"] = stats["flops_per_s"] / self.peak_flops
         self._start()
         self.stats = stats
         return stats
+
+
+def full_window(event: Event) -> int | None:
+    """The micro-batches of a full window of the updates a run counts (``state.step``: its
+    first optimizer's), from ``fit_start``'s ``train_step``: its ``accumulate`` k. ``None``
+    when not known (a step of your own, or no ``fit_start``): a per-update constant then
+    counts every update as whole.
+
+    Example:
+        >>> from steplib import Events, TrainState, accumulate, make_train_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        >>> step = accumulate(make_train_step(lambda m, b: m(b).sum()), 4)
+        >>> full_window(Event("fit_start", state, train_step=step))
+        4
+    """
+    step = event.train_step
+    if isinstance(step, Mapping):  # several steps: the one that updates the first optimizer
+        names = getattr(event.state, "names", None) or [None]
+        updating = [s for n, s in step.items() if (getattr(s, "optimizer", None) or n) == names[0]]
+        step = next(iter(updating or step.values()), None)
+    plan = getattr(step, "plan", None) or getattr(getattr(step, "step", None), "plan", None)
+    window = getattr(plan, "window", None)  # a sweep's step holds the step it runs as .step
+    return window if isinstance(window, int) else None
 
 
 def _num_targets(out: Any) -> Any:

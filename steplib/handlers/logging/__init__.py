@@ -1,7 +1,8 @@
 """Metric logs: :class:`Log` and its sinks (JSONL, CSV, TensorBoard, console, W&B, MLflow).
 
 ``base`` holds what every sink shares (:class:`Sink`, :class:`Log`, :func:`event_record`);
-``file_sink`` the base of the sinks that write one file; each other module is one destination.
+``file_sink`` the base of the sinks that write one file; ``continued`` what a log continued at
+a resume drops; each other module is one destination.
 """
 
 from steplib.errors import LogWriteError

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from steplib.cadence import Batches, check_every, due
+from steplib.cadence import COUNTER_BATCHES, Batches, check_every, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
@@ -54,17 +54,6 @@ _RESERVED = ("step", "epoch", "micro_step", "time", "loss", "lr", "grad_norm", "
 # Counters a record holds: the x axis, the timestamp and running counts. A plotting sink
 # (TensorBoard, W&B, MLflow) draws them only when its keys= name them: as curves they are noise.
 COUNTERS = ("step", "micro_step", "time", "epoch", "num_targets", "updates")
-
-
-def first_update(record: Record) -> Any:
-    """The first update ``record`` covers: its ``step``, or for an interval's means
-    (``TrainMetrics``' ``updates`` of them) the interval's first. A sink continuing a file at a
-    resume drops the records from there: a record that a run wrote after the save of its
-    update (the one at ``fit_end``) is covered again by the resumed run's first."""
-    step, updates = record.get("step"), record.get("updates")
-    if isinstance(step, int) and type(updates) is int and updates > 1:
-        return step - updates + 1
-    return step
 
 
 def check_keys(owner: str, keys: Any) -> tuple[str, ...] | None:
@@ -225,6 +214,10 @@ class Sink(abc.ABC):
     def close(self) -> None:
         """Flush and release the destination; calling it twice is harmless."""
 
+    def start_run(self) -> None:
+        """A run starts (a :class:`Log` calls it): drop what it writes again at its first."""
+        return None
+
     def __enter__(self: _L) -> _L:
         return self
 
@@ -263,7 +256,8 @@ class Log(Handler):
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
             yourself with ``events.on``. Attached, it also writes the run's last update at
             ``fit_end`` when that was not due (a stop, or a run of 105 updates with
-            ``every=10``), so that the updates after the last interval are in the log.
+            ``every=10``), so that the updates after the last interval are in the log (so it
+            is refused registered by hand on a step event, where it would go unused).
 
     Raises:
         ConfigError: a sink that is not a :class:`Sink`, a source that is not callable, or
@@ -320,26 +314,45 @@ class Log(Handler):
                 "Pass Log(sinks, every=50), or register it: events.on('step_end', log, every=50)."
             )
 
+    def on_fit_start(self, event: Event) -> None:
+        """Tell each sink a run starts (one resumed in this process writes steps again)."""
+        for sink in self.sinks:
+            sink.start_run()
+
     def on_step_end(self, event: Event) -> None:
         """Write every ``every`` updates (or batches)."""
         self._unwritten = event
         if self.every is not None and due(self.every, event):
             self._unwritten = None
-            self(event)
+            self._record(event)
 
     def on_fit_end(self, event: Event) -> None:
         """Write the run's last update if it was not due: its sources hold what came after
         the last record (a stop's, or the run's last partial interval)."""
         unwritten, self._unwritten = self._unwritten, None
         if unwritten is not None:
-            self(unwritten)
+            self._record(unwritten)
 
     def on_exception(self, event: Event) -> None:
         # Nothing written: a source may all-reduce, and the other ranks need not be here.
         self._unwritten = None
 
     def __call__(self, event: Event) -> None:
-        """Write one record of ``event`` (registered with ``events.on``: on each call)."""
+        """Write one record of ``event`` (registered with ``events.on``: on each call).
+
+        Raises:
+            ConfigError: a step event given to a ``Log`` built with ``every`` (unused there).
+        """
+        if self.every is not None and event.name in COUNTER_BATCHES:
+            raise ConfigError(
+                f"Log(every={self.every!r}) was called at {event.name} by hand (events.on("
+                f"{event.name!r}, log)): it would write at each call, its every= unused. Attach "
+                "it (events.add(log), or the run's handler list), or build it without every= "
+                f"and register it: events.on({event.name!r}, log, every={self.every!r})."
+            )
+        self._record(event)
+
+    def _record(self, event: Event) -> None:
         record = event_counters(event)
         for source in self.sources:
             # A tensor a source returns is read here, as event_record reads the step's: every

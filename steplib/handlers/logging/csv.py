@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from steplib.handlers.logging.base import Record, check_keys, select
+from steplib.handlers.logging.continued import written_again
 from steplib.handlers.logging.file_sink import FileSink
 
 
@@ -29,7 +30,8 @@ class CSVLogger(FileSink):
         url: a local path or fsspec URL (parent directories are created).
         append: continue an existing file (its header is read back; the rows at the step of
             the first record and after, which a killed run wrote after the checkpoint this run
-            resumed from, are dropped, and logged); ``False`` starts afresh.
+            resumed from, and the interval means it covers again, are dropped, and logged;
+            ``written_again``); ``False`` starts afresh.
         keys: the names to write (and ``step``); ``None``: every name of the record, as for
             every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only.
@@ -92,26 +94,31 @@ class CSVLogger(FileSink):
         self.replace_contents(b"".join(lines), record)
         self.fields = fields
 
-    def records_before(self, data: bytes, step: int) -> tuple[bytes, int]:
-        """The header and the rows of ``data`` whose step is below ``step``."""
+    def records_before(self, data: bytes, first: Record) -> tuple[bytes, int]:
+        """The header and the rows of ``data`` that a resumed run whose first record is
+        ``first`` does not write again."""
         if "step" not in self.fields:
             return data, 0
-        column = self.fields.index("step")
         rows = self._rows(data)
-        kept = [row for row in rows if not _at_or_after(row, column, step)]
+        kept = [row for row in rows if not written_again(first, self._numbers(row))]
         lines = [_csv_line(self.fields), *(_csv_line(row) for row in kept)]
         return b"".join(lines), len(rows) - len(kept)
+
+    def _numbers(self, row: list[str]) -> Record:
+        """The ``step`` and ``updates`` of a row, as ints (``None`` where empty or not one)."""
+        cells = dict(zip(self.fields, row, strict=False))
+        return {name: _int(cells.get(name)) for name in ("step", "updates")}
 
     @staticmethod
     def _rows(data: bytes) -> list[list[str]]:
         return list(csv.reader(io.StringIO(data.decode())))[1:]
 
 
-def _at_or_after(row: list[str], column: int, step: int) -> bool:
+def _int(cell: str | None) -> int | None:
     try:
-        return int(row[column]) >= step
-    except (IndexError, ValueError):  # no step in this row: kept
-        return False
+        return int(cell)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # empty, absent or not a count: kept as no number
+        return None
 
 
 def _csv_line(cells: Sequence[Any]) -> bytes:

@@ -15,7 +15,8 @@ import fsspec
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import Record, Sink, first_update
+from steplib.handlers.logging.base import Record, Sink
+from steplib.handlers.logging.continued import first_update
 
 _log = logging.getLogger("steplib.logging")
 
@@ -31,12 +32,12 @@ class FileSink(Sink):
 
     A file continued (``append=True``) by a run resumed from a checkpoint holds the records the
     killed run wrote after that checkpoint: the resumed run writes those steps again. So the
-    first record a sink writes drops the records the file holds from the first update it
-    covers on (:func:`~steplib.handlers.logging.base.first_update`; as TensorBoard's
-    ``purge_step`` does), logged (``logging``, ``steplib.logging``, INFO) with how
-    many. A run started afresh into a file of an earlier run therefore replaces it from its
-    first record on, with a warning: pass ``append=False`` to say so, or another file to keep
-    the earlier one.
+    first record a sink writes drops the records the file holds that the resumed run writes
+    again (:func:`~steplib.handlers.logging.continued.written_again`: from its step on, and the
+    interval means from the first update it covers on), logged (``logging``,
+    ``steplib.logging``, INFO) with how many. A run started afresh into a file of an earlier
+    run therefore replaces it from its first record on, with a warning: pass ``append=False``
+    to say so, or another file to keep the earlier one.
 
     Attributes:
         url: the destination, a local path or fsspec URL.
@@ -99,9 +100,9 @@ class FileSink(Sink):
         """Read what the sink needs from an existing file (a CSV header) before appending."""
 
     def continue_at(self, record: Record) -> None:
-        """At the first record of an appending sink, drop the file's records from the first
-        update it covers on (a resumed run writes them again), logging how many; later records
-        do nothing.
+        """At the first record of an appending sink, drop the file's records that the resumed
+        run writes again (:func:`~steplib.handlers.logging.continued.written_again`), logging how
+        many; later records do nothing.
 
         Raises:
             LogWriteError: the file cannot be read or rewritten; the message names the URL.
@@ -110,7 +111,7 @@ class FileSink(Sink):
         if not self._continuing or self._file is None or not isinstance(step, int):
             return
         self._continuing = False
-        kept, dropped = self.records_before(self.read_all(record), step)
+        kept, dropped = self.records_before(self.read_all(record), record)
         if dropped and step <= 1:  # a run from the start: the file is an earlier run's log
             warnings.warn(
                 f"{type(self).__name__}({self.url!r}) replaces the {dropped} record(s) an "
@@ -130,8 +131,16 @@ class FileSink(Sink):
                 step,
             )
 
-    def records_before(self, data: bytes, step: int) -> tuple[bytes, int]:
-        """The part of the file's ``data`` before ``step``, and the number of records left out."""
+    def start_run(self) -> None:
+        """At the run's first record, drop the records it writes again (:meth:`continue_at`),
+        as at this sink's first: a run resumed in the same process writes again what the
+        crashed or stopped run wrote after the checkpoint."""
+        self._continuing = True
+
+    def records_before(self, data: bytes, first: Record) -> tuple[bytes, int]:
+        """The part of the file's ``data`` written before a resumed run whose first record is
+        ``first`` (without the records it writes again: ``written_again``), and the number of
+        records left out."""
         raise NotImplementedError
 
     def read_all(self, record: Record) -> bytes:

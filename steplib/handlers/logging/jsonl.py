@@ -8,6 +8,7 @@ import orjson
 
 from steplib.errors import LogWriteError
 from steplib.handlers.logging.base import Record, check_keys, select
+from steplib.handlers.logging.continued import written_again
 from steplib.handlers.logging.file_sink import FileSink
 
 
@@ -25,7 +26,8 @@ class JsonlLogger(FileSink):
         url: where to write.
         append: keep the lines already there (a resumed run continues its log: the lines at
             the step of its first record and after, which the killed run wrote after the
-            checkpoint, are dropped, and logged); ``False`` starts the file afresh.
+            checkpoint, and the interval means it covers again, are dropped, and logged;
+            ``written_again``); ``False`` starts the file afresh.
         keys: the names to write (and ``step``); ``None``: every name of the record, as for
             every sink and ``ProgressBar``.
         rank_zero_only: write on rank 0 only (other ranks open nothing and write nothing).
@@ -74,16 +76,17 @@ class JsonlLogger(FileSink):
         self.continue_at(record)
         self.write_bytes(line, record)
 
-    def records_before(self, data: bytes, step: int) -> tuple[bytes, int]:
-        """The lines of ``data`` whose ``step`` is below ``step`` (lines without one are kept)."""
+    def records_before(self, data: bytes, first: Record) -> tuple[bytes, int]:
+        """The lines of ``data`` that a resumed run whose first record is ``first`` does not
+        write again (lines that are not records are kept)."""
         kept: list[bytes] = []
         dropped = 0
         for line in data.splitlines(keepends=True):
             try:
-                written = orjson.loads(line).get("step")
-            except (orjson.JSONDecodeError, AttributeError):  # not a record: not ours to judge
+                written = orjson.loads(line)
+            except orjson.JSONDecodeError:  # not a record: not ours to judge
                 written = None
-            if isinstance(written, int) and written >= step:
+            if isinstance(written, dict) and written_again(first, written):
                 dropped += 1
             else:
                 kept.append(line)

@@ -7,14 +7,8 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import (
-    COUNTERS,
-    Record,
-    Sink,
-    check_keys,
-    first_update,
-    select,
-)
+from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
+from steplib.handlers.logging.continued import first_update
 
 
 class TensorBoardLogger(Sink):
@@ -80,6 +74,12 @@ class TensorBoardLogger(Sink):
                 f"TensorBoardLogger could not open {self.log_dir!r}: {error!r}. Check that the "
                 "directory can be created and written."
             ) from error
+
+    def start_run(self) -> None:
+        """At the run's first record, reopen the writer with that record's ``purge_step``, as
+        at this logger's first: a run resumed in the same process writes those steps again."""
+        self._purged = False
+        self._last_step = {}
 
     def write(self, record: Record) -> None:
         """Add each number of ``record`` as a scalar and flush.

@@ -1,0 +1,40 @@
+"""What a log continued at a resume drops: the records the resumed run writes again, judged
+from its first record. The file sinks and TensorBoard's ``purge_step`` follow these rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from steplib.handlers.logging.base import Record
+
+
+def first_update(record: Record) -> Any:
+    """The first update ``record`` covers: its ``step``, or for an interval's means
+    (``TrainMetrics``' ``updates`` of them) the interval's first. A sink continuing a file at a
+    resume drops the records from there: a record that a run wrote after the save of its
+    update (the one at ``fit_end``) is covered again by the resumed run's first."""
+    step, updates = record.get("step"), record.get("updates")
+    if isinstance(step, int) and type(updates) is int and updates > 1:
+        return step - updates + 1
+    return step
+
+
+def written_again(first: Record, written: Mapping[str, Any]) -> bool:
+    """Whether a resumed run whose first record is ``first`` writes ``written``, a record of
+    the file it continues, again: a record at ``first``'s step or later; and an interval's
+    means (with ``updates``: ``TrainMetrics``', ``GradNormMonitor``'s) from the first update
+    ``first`` covers on (the one a run wrote at ``fit_end`` after the save of its update,
+    which ``first`` covers again). Another record before ``first``'s step is kept: an
+    evaluation at the checkpoint's update, which the resumed run does not run again.
+
+    Example:
+        >>> first = {"step": 6, "updates": 2}  # the means of updates 5 and 6
+        >>> [written_again(first, r) for r in ({"step": 5, "updates": 1}, {"step": 5},
+        ...                                    {"step": 4, "updates": 2}, {"step": 7})]
+        [True, False, False, True]
+    """
+    step, start = written.get("step"), first_update(first)
+    if not isinstance(step, int) or not isinstance(start, int):
+        return False
+    return step >= first["step"] or (step >= start and written.get("updates") is not None)
