@@ -201,3 +201,15 @@ class Registration:
             or self.owner is handler
             or getattr(self.handler, "__self__", None) is handler
         )
+
+
+def check_not_by_hand(owner: str, every: Any, event: Any, *, obj: str) -> None:
+    """``ConfigError`` for a handler built with a cadence of its own (``every``) and called at a
+    step event by hand (``events.on("step_end", obj)``): it would act at each call, its
+    ``every`` unused. Attached, its own ``on_step_end`` applies it."""
+    if every is not None and event.name in COUNTER_BATCHES:
+        raise ConfigError(
+            f"{owner}(every={every!r}) was called at {event.name} by hand (events.on("
+            f"{event.name!r}, {obj})): it would act at each call, its every= unused. Attach "
+            f"it (events.add({obj}), or the run's handler list), where its every= applies."
+        )

@@ -417,3 +417,22 @@ def test_two_evaluators_that_write_one_name_are_refused_before_either_value_is_r
     recorded = [c.metrics["val_loss"] for c in list_checkpoints(ckpt.directory)]
     assert recorded == [values["val_loss"] for _, values in own.history]
     assert recorded != [values["ema_val_loss"] for _, values in copy.history]
+
+
+def test_an_evaluator_built_with_every_and_registered_by_hand_is_refused_at_its_first_call() -> (
+    None
+):
+    # events.on("step_end", evaluator) called it at every update: every=2 unused, an
+    # evaluation (and a validation_end) at each update.
+    model = _model()
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    evaluator = Evaluator(
+        make_eval_step(_eval_fn), _batches(2), metrics=_metrics(), every=2, sanity_batches=0
+    )
+    step = make_train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    with pytest.raises(ConfigError, match=r"every= unused.*events.add\(evaluator\)"):
+        run(step, state, _batches(4), events=Events().on("step_end", evaluator))
+    assert evaluator.history == []
+    # Attached, its every= applies.
+    run(step, state, _batches(4), events=[evaluator])
+    assert [at for at, _ in evaluator.history] == [2, 4]

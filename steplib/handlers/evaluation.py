@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from steplib import errors
-from steplib.cadence import Batches, check_every, due
+from steplib.cadence import Batches, check_every, check_not_by_hand, due
 from steplib.data.shards import ShardedSampler
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
@@ -201,7 +201,7 @@ class Evaluator(Handler):
         """Evaluate every ``every`` updates (or batches)."""
         if self.every is None or not due(self.every, event):
             return None
-        return self(event)
+        return self._evaluate(event)
 
     def on_epoch_end(self, event: Event) -> NewState | Emitted | None:
         """With ``at_epoch_end``: evaluate, unless this update was evaluated already."""
@@ -247,7 +247,12 @@ class Evaluator(Handler):
     def __call__(self, event: Event) -> NewState | Emitted:
         """Evaluate, record, log; emit ``validation_end`` on ``event.events`` with the state that
         holds the values in its extras (and return that emission), or return that state when
-        the event came from no ``Events``."""
+        the event came from no ``Events``. ``ConfigError`` at a step event when built with
+        ``every`` (registered by hand, it would evaluate at each call: attach it)."""
+        check_not_by_hand("Evaluator", self.every, event, obj="evaluator")
+        return self._evaluate(event)
+
+    def _evaluate(self, event: Event) -> NewState | Emitted:
         values = self.run(event.state)
         self._check_names_apart(event, values)
         self._evaluated_step = event.step

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from steplib.cadence import COUNTER_BATCHES, Batches, check_every, due
+from steplib.cadence import Batches, check_every, check_not_by_hand, due
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
@@ -343,13 +343,7 @@ class Log(Handler):
         Raises:
             ConfigError: a step event given to a ``Log`` built with ``every`` (unused there).
         """
-        if self.every is not None and event.name in COUNTER_BATCHES:
-            raise ConfigError(
-                f"Log(every={self.every!r}) was called at {event.name} by hand (events.on("
-                f"{event.name!r}, log)): it would write at each call, its every= unused. Attach "
-                "it (events.add(log), or the run's handler list), or build it without every= "
-                f"and register it: events.on({event.name!r}, log, every={self.every!r})."
-            )
+        check_not_by_hand("Log", self.every, event, obj="log")
         self._record(event)
 
     def _record(self, event: Event) -> None:
