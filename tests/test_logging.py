@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import steplib.handlers.logging.base
 import steplib.handlers.logging.console
 import steplib.handlers.logging.file_sink
+import steplib.handlers.logging.log
 import steplib.handlers.logging.tensorboard
 from steplib import ConfigError, Event, Events, TrainState, accumulate, clip, make_train_step, run
 from steplib.handlers import (
@@ -438,12 +438,40 @@ def test_log_merges_sources_writes_every_sink_and_raises_after_a_failure() -> No
 
     url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics.jsonl"
     good = JsonlLogger(url)
-    log = Log([Broken(), good], sources=[lambda e: {"a": 1, "b": 1}, lambda e: {"b": 2}])
+    log = Log([Broken(), good], sources=[lambda e: {"a": 1}, lambda e: {"b": 2}])
     with pytest.raises(LogWriteError, match="disk gone"):
         log(Event("step_end", state=None, step=5, epoch=1))
     log.close()
     (line,) = _read_lines(url)
     assert (line["step"], line["epoch"], line["a"], line["b"]) == (5, 1, 1, 2)
+
+
+def test_two_sources_that_write_one_name_are_refused_before_the_record_is_written() -> None:
+    # TrainMetrics' lr (the rate its updates used) was replaced by LRMonitor's (the next
+    # update's, after the scheduler's step) in silence: update 1 logged 0.5 where it used 0.25.
+    from steplib.handlers import GradNormMonitor, LRMonitor, TrainMetrics
+    from steplib.schedules import warmup_linear
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(warmup=4, total=8))
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
+    url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics.jsonl"
+    train = TrainMetrics()
+    log = Log(JsonlLogger(url), sources=[train.read, LRMonitor().read], every=1)
+    with pytest.raises(ConfigError, match=r"LRMonitor.read writes \['lr'\]"):
+        run(make_train_step(lambda m, b: m(b).pow(2).mean()), state, [torch.ones(2, 2)] * 2,
+            events=[train, log])  # fmt: skip
+    assert _read_lines(url) == []
+    # Counters two sources share (TrainMetrics' and GradNormMonitor's updates) are one value.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    state = TrainState.create(model=model, optimizer=opt)
+    train, norms = TrainMetrics(), GradNormMonitor()
+    log = Log(JsonlLogger(url, append=False), sources=[train.read, norms.read], every=1)
+    step = clip(make_train_step(lambda m, b: m(b).pow(2).mean()), max_norm=1.0)
+    run(step, state, [torch.ones(2, 2)] * 2, events=[train, norms, log])
+    assert [line["updates"] for line in _read_lines(url)] == [1, 1]
 
 
 def test_log_checks_its_sinks_and_sources() -> None:
@@ -473,7 +501,7 @@ def test_sinks_built_before_the_process_group_write_on_the_launchers_rank_zero_a
 def test_sinks_write_nothing_on_ranks_other_than_zero(monkeypatch, tmp_path: Path) -> None:
     logging = steplib.handlers.logging
     # Log and each kind of sink ask for the rank in their own module.
-    for module in (logging.base, logging.file_sink, logging.tensorboard, logging.console):
+    for module in (logging.log, logging.file_sink, logging.tensorboard, logging.console):
         monkeypatch.setattr(module, "is_main", lambda: False)
     paths = [tmp_path / "m.jsonl", tmp_path / "m.csv"]
     sinks: list = [JsonlLogger(str(paths[0])), CSVLogger(str(paths[1])), ConsoleLogger()]
@@ -504,7 +532,7 @@ def test_a_sink_that_writes_on_every_rank_writes_there_through_log_too(
     # Rank 1's own file: registered alone the sink wrote it, through a Log it stayed empty
     # (Log wrote on rank 0 only, whatever the sink was built to do).
     logging = steplib.handlers.logging
-    for module in (logging.base, logging.file_sink):
+    for module in (logging.log, logging.file_sink):
         monkeypatch.setattr(module, "is_main", lambda: False)
     alone, through_log = tmp_path / "alone.jsonl", tmp_path / "log.jsonl"
     with JsonlLogger(str(alone), rank_zero_only=False) as sink:

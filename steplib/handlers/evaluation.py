@@ -27,7 +27,8 @@ from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState
 from steplib.handlers.eval_sets import combined_value, named_datasets, same_on_every_rank
 from steplib.handlers.eval_step import as_metrics, check_whole_set, evaluate
-from steplib.handlers.logging.base import Log, Sink, event_counters
+from steplib.handlers.logging.base import Sink, event_counters
+from steplib.handlers.logging.log import Log
 from steplib.handlers.stopping import BestValue, one_number
 from steplib.state import EVALUATED_AT, TrainState
 

@@ -1,13 +1,13 @@
 """Metric logs: :class:`Log` and its sinks (JSONL, CSV, TensorBoard, console, W&B, MLflow).
 
-``base`` holds what every sink shares (:class:`Sink`, :class:`Log`, :func:`event_record`);
+``base`` holds what every sink shares (:class:`Sink`, :func:`event_record`); ``log`` the
+:class:`Log` handler that writes to sinks;
 ``file_sink`` the base of the sinks that write one file; ``continued`` what a log continued at
 a resume drops; each other module is one destination.
 """
 
 from steplib.errors import LogWriteError
 from steplib.handlers.logging.base import (
-    Log,
     Logger,
     Record,
     Sink,
@@ -19,6 +19,7 @@ from steplib.handlers.logging.console import ConsoleLogger
 from steplib.handlers.logging.csv import CSVLogger
 from steplib.handlers.logging.file_sink import FileSink
 from steplib.handlers.logging.jsonl import JsonlLogger
+from steplib.handlers.logging.log import Log
 from steplib.handlers.logging.tensorboard import TensorBoardLogger
 from steplib.handlers.logging.trackers import MLflowLogger, WandbLogger
 
