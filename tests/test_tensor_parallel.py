@@ -223,3 +223,30 @@ def test_tp_bad_plans_are_refused_at_build_time_with_the_names() -> None:
 def test_tp_mesh_must_be_one_dimensional() -> None:
     with pytest.raises(ConfigError, match="1-D mesh"):
         apply_tp(_mlp(), {}, mesh="cpu")
+
+
+def _flops_of_tp_and_fsdp(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from steplib.distributed import apply_fsdp
+    from steplib.handlers.throughput import flops_per_batch
+
+    batch = _mlp_batches()[0]
+    mesh = init_device_mesh("cpu", (world,))
+    tp = apply_tp(_mlp(), {"0": ColwiseParallel(), "2": RowwiseParallel()}, mesh=mesh)
+    found = []
+    for model in (tp, apply_fsdp(_mlp())):
+        try:
+            flops_per_batch(model, batch, loss_fn=_mse)
+        except ConfigError as err:
+            found.append(str(err))
+    return found
+
+
+def test_flops_per_batch_refuses_a_sharded_model_whose_mfu_it_would_overstate() -> None:
+    # A tensor-parallel model's FLOPs were counted whole on each rank, where each computes a
+    # share: mfu was overstated by the degree (2x here), in silence. (FSDP2's failed on the
+    # meta device with a message about .item().)
+    for found in run_ranks(_flops_of_tp_and_fsdp):
+        assert len(found) == 2 and all("before apply_fsdp / apply_tp" in f for f in found)

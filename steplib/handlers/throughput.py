@@ -103,7 +103,8 @@ def flops_per_batch(
 
     Raises:
         ConfigError: ``loss_fn`` cannot run on meta tensors (e.g. it calls ``.item()``); the
-            message says how to count on real tensors instead.
+            message says how to count on real tensors instead. A model with DTensor parameters
+            (FSDP2, tensor parallel): count the model before it is sharded.
 
     Example:
         >>> model = torch.nn.Linear(16, 4)
@@ -116,6 +117,15 @@ def flops_per_batch(
         raise ConfigError(
             f"flops_per_batch received model={describe(model)}, loss_fn={describe(loss_fn)}; "
             "pass the nn.Module and the loss_fn(model, batch) you train with."
+        )
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        raise ConfigError(
+            "flops_per_batch received a model with DTensor parameters (FSDP2, tensor "
+            "parallel), which cannot run on the meta device; and under tensor parallelism the "
+            "counter counts each operation at its global shape, where a rank computes a share: "
+            "Throughput's mfu would be overstated by about the degree. Count the model before "
+            "apply_fsdp / apply_tp; under tensor parallelism divide by the degree: "
+            "flops_per_batch(plain_model, batch, loss_fn=loss_fn) * accumulation / tp_size."
         )
     wrapper = _LossModule(model, loss_fn)
     tensors = {
