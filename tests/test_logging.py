@@ -424,7 +424,8 @@ def test_console_prints_lines_and_a_summary() -> None:
     assert stream.getvalue().splitlines() == [
         "step 10  epoch 0  loss 2.346",
         "step 20  epoch 1  val_loss 1.5",
-        "summary after 2 records, at step 20: epoch 1  loss 2.346  val_loss 1.5",
+        # loss is update 10's: the summary at 20 says so (it read as update 20's)
+        "summary after 2 records, at step 20: epoch 1  loss 2.346 (step 10)  val_loss 1.5",
     ]
 
 

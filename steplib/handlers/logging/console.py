@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from steplib.distributed import is_main
@@ -13,7 +13,8 @@ from steplib.handlers.terminal import tqdm_class
 
 class ConsoleLogger(Sink):
     """Print each record as one short line (above a progress bar, via ``tqdm.write``), and a
-    summary of the last value of every name when closed.
+    summary of the last value of every name when closed (a value of an earlier record than
+    the last says its step).
 
     Args:
         file: the stream (stdout when ``None``).
@@ -41,6 +42,7 @@ class ConsoleLogger(Sink):
         self.keys = check_keys("ConsoleLogger", keys)
         self.active = is_main() or not rank_zero_only
         self.last: Record = {}
+        self.steps: dict[str, Any] = {}  # the step of each name's last value
         self.records = 0
 
     def write(self, record: Record) -> None:
@@ -53,6 +55,7 @@ class ConsoleLogger(Sink):
             return
         self.records += 1
         self.last.update(record)
+        self.steps.update(dict.fromkeys(record, record.get("step")))
         self._print(f"step {record.get('step')}  {self._format(record)}".rstrip())
 
     def close(self) -> None:
@@ -62,12 +65,15 @@ class ConsoleLogger(Sink):
         records, self.records = self.records, 0
         last = self.last
         self._print(
-            f"summary after {records} records, at step {last.get('step')}: {self._format(last)}"
+            f"summary after {records} records, at step {last.get('step')}: "
+            f"{self._format(last, self.steps)}"
         )
 
-    def _format(self, record: Record) -> str:
+    def _format(self, record: Record, steps: Mapping[str, Any] | None = None) -> str:
+        final = record.get("step")
         shown = [
             f"{name} {_short(value)}"
+            + ("" if steps is None or steps[name] == final else f" (step {steps[name]})")
             for name, value in record.items()
             if name not in ("step", "micro_step", "time")
             and (self.keys is None or name in self.keys)
