@@ -55,6 +55,47 @@ def update_outputs(event: Any) -> dict[str, Any]:
     return {name: out for name, out in outputs.items() if bool(closed_window(out).any())}
 
 
+class Unread:
+    """Which outputs of an event a reader of a run has not added yet, and whether the event is
+    an update it has not counted: one rule for every reader. A reader sees an output at its
+    ``micro_step_end`` and again at ``step_end``; a ``Log``'s read at ``fit_end`` (a run
+    stopped inside a window) sees the last update's event again, after later micro-batches,
+    and after another step's windows; a ``read`` may add the event's outputs before
+    ``update`` does. Outputs are told apart by identity, per step (``""`` for one step).
+
+    Example:
+        >>> from types import SimpleNamespace as Event
+        >>> unread, out = Unread(), object()
+        >>> event = Event(name="step_end", output=out, outputs=None)
+        >>> unread.outputs(event), unread.counts(event), unread.outputs(event)
+        ([('', <object object at ...>)], True, [])
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, Any] = {}  # per step, the last output added
+        self._updated: Mapping[str, Any] = {}  # per step, the outputs of the last update
+        self._counted: Any = None  # the output of the last update counted
+
+    def outputs(self, event: Any) -> list[tuple[str, Any]]:
+        """The event's outputs not added yet, by step name; from now on added. Call it before
+        :meth:`counts` at one event."""
+        if event.output is None:
+            return []
+        found = (event.outputs or {"": event.output}).items()
+        new = [
+            (n, o) for n, o in found if o is not self._seen.get(n) and o is not self._updated.get(n)
+        ]
+        self._seen.update(new)
+        return new
+
+    def counts(self, event: Any) -> bool:
+        """Whether ``event`` is a ``step_end`` not counted yet; from now on counted."""
+        if event.name != "step_end" or event.output is None or event.output is self._counted:
+            return False
+        self._counted, self._updated = event.output, event.outputs or {"": event.output}
+        return True
+
+
 def window_sums(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """What the window that this call applied adds to a token-weighted mean loss: its loss times
     its targets, and its targets (float32 at least, on the loss's device); zeros where the call

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from steplib import errors
 from steplib.distributed import rank, world_size
 from steplib.events import Event, Handler
-from steplib.output import closed_window, window_sums
+from steplib.output import Unread, closed_window, window_sums
 
 # Names a record already uses; an aux value with one of these names is written as "aux.<name>".
 _RESERVED = ("loss", "num_targets", "updates", "skipped", "lr", "step", "epoch", "micro_step")
@@ -66,11 +66,7 @@ class TrainMetrics(Handler):
 
     def __init__(self, *, aux: list[str] | tuple[str, ...] | None = None) -> None:
         self.aux = None if aux is None else tuple(aux)
-        self._seen: dict[str, Any] = {}  # per step, the last output added
-        self._counted: Any = None  # the output of the last step_end counted in updates
-        # Per step, the outputs of that step_end: a Log's record at the end of a run stopped
-        # inside a window reads that update's event again, after the window's micro-batches.
-        self._updated: Mapping[str, Any] = {}
+        self._unread = Unread()
         # Per step, the aux sums of its open window (name -> (sum, micro-batches)): added to
         # the interval's when the window closes, so they outlive a read.
         self._open: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -100,15 +96,11 @@ class TrainMetrics(Handler):
         counts one update."""
         if event.output is None:
             return
-        outputs = event.outputs or {"": event.output}
-        for name, out in outputs.items():
-            # read() may already have added this one, or this is the last update's again
-            if out is not self._seen.get(name) and out is not self._updated.get(name):
-                self._seen[name] = out
-                self._add(name, out)
+        for name, out in self._unread.outputs(event):
+            self._add(name, out)
+        for name, out in (event.outputs or {"": event.output}).items():
             self._lr[name] = out.lr  # the rate as of this event: that update's, given again
-        if event.name == "step_end" and event.output is not self._counted:
-            self._counted, self._updated = event.output, outputs
+        if self._unread.counts(event):
             self._updates += 1
 
     def _add(self, name: str, out: Any) -> None:

@@ -6,7 +6,7 @@ norm and the learning rate.
 * :class:`GradNormMonitor`, :class:`LRMonitor`: log sources (see
   :class:`steplib.handlers.logging.Log`).
 
-Imports ``events`` and ``errors`` (handlers never import ``loop`` or ``step``).
+Imports ``events``, ``errors`` and ``output`` (handlers never import ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from steplib import errors
 from steplib.cadence import due
 from steplib.errors import ConfigError, NonFiniteError, describe
 from steplib.events import Event, Handler, Stop
+from steplib.output import Unread
 
 # Where a micro-batch was: the step's name ("" for one step), the update, the epoch, the batch
 # index in the epoch, the micro-step.
@@ -214,15 +215,11 @@ class GradNormMonitor(Handler):
     def __init__(self) -> None:
         # Per step ("" for a run of one step): the sum, max and count of the norms not skipped.
         self._norms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._seen: dict[str, Any] = {}  # per step, the last output added
-        # Per step, the outputs of the last update: a Log's record at the end of a run stopped
-        # inside a window reads that update's event again, after later windows of other steps.
-        self._updated: Mapping[str, Any] = {}
-        # The run's updates since the last read, and the output of the last one counted: a
-        # record says how many it covers (``updates``), so that a sink continuing its file at
-        # a resume drops the record a stopped run wrote after the save of its update.
+        self._unread = Unread()
+        # The run's updates since the last read: a record says how many it covers
+        # (``updates``), so that a sink continuing its file at a resume drops the record a
+        # stopped run wrote after the save of its update.
         self._updates = 0
-        self._counted: Any = None
 
     def on_micro_step_end(self, event: Event) -> None:
         """In a run of several steps, add each step's window that closed with a norm."""
@@ -240,34 +237,19 @@ class GradNormMonitor(Handler):
         Raises:
             ConfigError: the step does not measure the gradient norm.
         """
-        if (
-            event.name == "step_end"
-            and event.output is not None
-            and event.output is not self._counted
-        ):
-            self._counted = event.output
+        for name, out in self._unread.outputs(event):
+            if out.grad_norm is not None:
+                self._add(name, out)
+            elif event.outputs is None:  # several steps: one that measures none is left out
+                raise ConfigError(
+                    "GradNormMonitor: the step reports no gradient norm (StepOutput.grad_norm "
+                    "is None), so there is nothing to monitor. Build the step with clip(step, "
+                    "max_norm=1.0) or skip_nonfinite(step), which measure it."
+                )
+        if self._unread.counts(event):
             self._updates += 1
-        if event.outputs is not None:
-            for name, out in event.outputs.items():
-                again = out is self._seen.get(name) or out is self._updated.get(name)
-                if out.grad_norm is not None and not again:
-                    self._add(name, out)
-            if event.name == "step_end":
-                self._updated = event.outputs
-            return
-        out = event.output
-        if out is None or out is self._seen.get(""):
-            return
-        if out.grad_norm is None:
-            raise ConfigError(
-                "GradNormMonitor: the step reports no gradient norm (StepOutput.grad_norm is "
-                "None), so there is nothing to monitor. Build the step with clip(step, "
-                "max_norm=1.0) or skip_nonfinite(step), which measure it."
-            )
-        self._add("", out)
 
     def _add(self, name: str, out: Any) -> None:
-        self._seen[name] = out
         keep = ~out.skipped.to(out.grad_norm.device)
         norm = torch.where(keep, out.grad_norm.detach().float(), 0.0)
         count = keep.float()

@@ -36,7 +36,7 @@ from steplib import errors
 from steplib.distributed import is_parallel_model, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
-from steplib.output import closed_window
+from steplib.output import Unread, closed_window
 
 
 def count_flops(fn: Callable[[], Any]) -> int:
@@ -237,14 +237,9 @@ class Throughput(Handler):
         self._clock = clock
         self.stats: dict[str, float] = {}
         self._by_batch = tokens is not None  # a count per micro-batch, else per window
-        # The last output counted, of the run and per step: read() counts the event's own
-        # outputs if update() has not, so the order of registration does not matter, and
-        # nothing is counted twice.
-        self._last: Any = None
-        self._seen: dict[str, Any] = {}
-        # Per step, the outputs of the last update: a Log's record at the end of a run stopped
-        # inside a window reads that update's event again, after the window's micro-batches.
-        self._updated: Mapping[str, Any] = {}
+        # read() counts the event's own outputs if update() has not, so the order of
+        # registration does not matter, and nothing is counted twice.
+        self._unread = Unread()
         self._batched = False  # whether micro_step_end events reach it (attached to a run)
         self._micro_step: int | None = None
         self._device: torch.device | None = None
@@ -283,20 +278,16 @@ class Throughput(Handler):
         if out is None:
             return
         self._add(event)
-        if event.name != "step_end" or out is self._last:
+        if not self._unread.counts(event):
             return
         if self._micro_step is None:  # the first update covers event.batches micro-batches
             self._micro_step = event.micro_step - event.batches
         self._micro_steps += event.micro_step - self._micro_step
         self._micro_step = event.micro_step
-        self._last, self._updated = out, event.outputs or {"": out}
         self._steps += 1
 
     def _add(self, event: Event) -> None:
-        for name, out in (event.outputs or {"": event.output}).items():
-            if out is self._seen.get(name) or out is self._updated.get(name):
-                continue
-            self._seen[name] = out
+        for name, out in self._unread.outputs(event):
             if self._by_batch:
                 # An output first seen at step_end, in a run, is a flush's: no micro-batch ran.
                 if event.name == "step_end" and self._batched:
