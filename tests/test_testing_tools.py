@@ -512,3 +512,30 @@ def test_steps_equivalent_compares_buffers_a_stray_forward_moves() -> None:
     assert_steps_equivalent(build(False), build(False), make_batches(3))
     with pytest.raises(AssertionError, match=r"at update 1 .*buffer '1.running_mean' differs"):
         assert_steps_equivalent(build(False), build(True), make_batches(3))
+
+
+def test_reference_loop_makes_no_update_on_a_window_of_no_targets_as_the_step() -> None:
+    # It stepped AdamW on zero gradients (weight decay and momentum moved the parameters) and
+    # its scheduler, where the step makes no update: a comparison failed on a correct step.
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, int]) -> tuple[Any, int]:
+        x, count = batch
+        return model(x).pow(2).sum() * min(count, 1), count
+
+    batches = [(torch.ones(2, 3), 2), (torch.ones(2, 3), 0), (torch.ones(2, 3), 2)]
+    model, opt, sched = build()
+    records = reference_loop(model, opt, batches=batches, loss_fn=loss_fn, scheduler=sched)
+    assert [r.did_update for r in records] == [True, False, True]
+    twin, twin_opt, twin_sched = build()
+    state = TrainState.create(model=twin, optimizer=twin_opt, scheduler=twin_sched)
+    step = make_train_step(loss_fn)
+    for batch in batches:
+        state, _ = step(state, batch)
+    assert sched.last_epoch == twin_sched.last_epoch == 2
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)

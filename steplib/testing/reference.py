@@ -58,7 +58,8 @@ def reference_loop(
         batches: the micro-batches, in order; every ``accumulation`` of them make one update.
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss_sum,
             num_targets)``, optionally followed by a dict of aux tensors (ignored here).
-        scheduler: an LR scheduler stepped after every applied update.
+        scheduler: an LR scheduler stepped after every applied update (a window of no
+            targets applies none).
         max_norm: clip the total gradient norm to this (``clip_grad_norm_``).
         accumulation: micro-batches per update, >= 1.
         autocast_dtype: run the forward under ``torch.autocast`` with this dtype.
@@ -117,14 +118,19 @@ def reference_loop(
         grad_norm = None
         if max_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # A window of no targets (all padding) makes no update, as the step's: an optimizer
+        # with momentum or weight decay would move the parameters on zero gradients.
+        empty = int(targets) == 0
         if scaler is not None:
             scale_before = scaler.get_scale()
-            scaler.step(optimizer)  # skipped when unscale_ found inf/NaN
+            if not empty:
+                scaler.step(optimizer)  # skipped when unscale_ found inf/NaN
             scaler.update()
-            did_update = scaler.get_scale() >= scale_before  # a back-off means it skipped
+            did_update = not empty and scaler.get_scale() >= scale_before  # a back-off: skipped
         else:
-            optimizer.step()
-            did_update = True
+            if not empty:
+                optimizer.step()
+            did_update = not empty
         optimizer.zero_grad(set_to_none=True)
         # The scheduler counts updates, not micro-batches, and not skipped updates.
         if scheduler is not None and did_update:
