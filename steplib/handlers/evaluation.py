@@ -288,7 +288,8 @@ class Evaluator(Handler):
                     f"{', '.join(map(repr, shared))} into state.extras, where the later's value "
                     "would replace the earlier's and be read by name (EarlyStopping, "
                     "checkpoint_every's metric, a Scheduler) as the other model's. Give one a "
-                    "prefix of its own: Evaluator(..., prefix='ema_val_')."
+                    "prefix of its own: Evaluator(..., prefix='ema_val_'); or, for a notebook "
+                    "cell run again on one Events, events.remove(the_old_one) first."
                 )
 
     def unless_evaluated(self, event: Event) -> NewState | Emitted | None:
