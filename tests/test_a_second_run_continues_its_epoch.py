@@ -75,3 +75,34 @@ def test_a_second_run_on_the_returned_state_continues_the_epoch(how: str, worker
     assert (state.step, state.epoch) == (uninterrupted.step, uninterrupted.epoch)
     pairs = zip(state.model.parameters(), uninterrupted.model.parameters(), strict=True)
     assert all(torch.equal(p, q) for p, q in pairs)
+
+
+@pytest.mark.parametrize("data", ["resumable_loader", "a list"])
+def test_a_break_at_an_epochs_last_update_leaves_that_epoch_counted(data: str) -> None:
+    # 5 batches an epoch, 2 per update: update 3 is epoch 0's last. A break there is a stop
+    # at that update: its epoch_end has run, and a next run trains epochs 1 and 2 only (it
+    # trained a fourth pass, with the epoch counter and every epoch end a pass late).
+    def make_data() -> Any:
+        if data == "a list":
+            return [torch.tensor([[float(2 * i)], [float(2 * i + 1)]]) for i in range(5)]
+        return sl.resumable_loader(_Indices(), batch_size=2, seed=0)
+
+    def counting(ended: list[int]) -> sl.Events:
+        return sl.Events().on("epoch_end", lambda e: ended.append(e.epoch))
+
+    seen: list[list[int]] = []
+    ended: list[int] = []
+    uninterrupted = sl.run(_step(seen), _state(), make_data(), events=counting(ended), max_epochs=3)
+    expected, expected_ends, seen[:], ended[:] = list(seen), list(ended), [], []
+
+    step, loader = _step(seen), make_data()
+    for now, _ in sl.iterate(step, _state(), loader, events=counting(ended), max_epochs=3):
+        if now.step == 3:
+            break
+    assert (now.step, now.epoch, ended) == (3, 1, [1])
+    state = sl.run(step, now, loader, events=counting(ended), max_epochs=3)
+
+    assert (seen, ended) == (expected, expected_ends)
+    assert (state.step, state.epoch) == (uninterrupted.step, uninterrupted.epoch)
+    pairs = zip(state.model.parameters(), uninterrupted.model.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
