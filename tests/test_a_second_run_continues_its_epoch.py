@@ -6,11 +6,13 @@ epoch end came a pass late."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import steplib as sl
 
@@ -77,7 +79,14 @@ def test_a_second_run_on_the_returned_state_continues_the_epoch(how: str, worker
     assert all(torch.equal(p, q) for p, q in pairs)
 
 
-@pytest.mark.parametrize("data", ["resumable_loader", "a list"])
+class _Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(10.0).reshape(10, 1))
+
+
+# torchdata's own constructor calls the deprecated torch.set_vital.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("data", ["resumable_loader", "a list", "unsized (the update flushed)"])
 def test_a_break_at_an_epochs_last_update_leaves_that_epoch_counted(data: str) -> None:
     # 5 batches an epoch, 2 per update: update 3 is epoch 0's last. A break there is a stop
     # at that update: its epoch_end has run, and a next run trains epochs 1 and 2 only (it
@@ -85,6 +94,8 @@ def test_a_break_at_an_epochs_last_update_leaves_that_epoch_counted(data: str) -
     def make_data() -> Any:
         if data == "a list":
             return [torch.tensor([[float(2 * i)], [float(2 * i + 1)]]) for i in range(5)]
+        if data.startswith("unsized"):
+            return StatefulDataLoader(_Stream(), batch_size=2)
         return sl.resumable_loader(_Indices(), batch_size=2, seed=0)
 
     def counting(ended: list[int]) -> sl.Events:
