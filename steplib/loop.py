@@ -80,7 +80,9 @@ def iterate(
 
     Yields:
         ``(state, output)`` after each call of the step (including a final flush); with
-        several steps, ``(state, {name: output})``.
+        several steps, ``(state, {name: output})``. A pass's last call is yielded after its
+        ``epoch_end`` (``state.epoch`` counts it), so that a ``break`` there, like a stop at
+        that update, leaves the epoch counted.
 
     Returns:
         The final state (the generator's return value, which ``run`` returns): the last yielded
@@ -190,15 +192,25 @@ def _iterate(
                 break
             total = _length(data)
             index = -1
+            # The outputs of the pass's last call(s), yielded once its epoch_end has run: a
+            # `break` there then leaves the epoch counted, as a stop at that update does (else
+            # a next run on the yielded state trained that epoch again).
+            last: list[Outputs] = []
             for index, batch in enumerate(data):
+                for output in last:  # a sized `data` that yields more than its len()
+                    yield state, output
+                last = []
                 close = total is not None and index == total - 1
                 before = state.step
                 state, out, outs = call(state, batch, close)
                 state, stop = _after_call(events, state, out, outs, before, index, opened)
+                if close:
+                    # Fall through to the end of the epoch, so that a stop here still counts
+                    # the epoch as complete (a resume then starts the next one).
+                    last.append(out if outs is None else outs)
+                    continue
                 yield state, out if outs is None else outs
-                # On the last batch fall through to the end of the epoch, so that a stop there
-                # still counts the epoch as complete (a resume then starts the next one).
-                if (stop is not None or _done(state, max_steps, None)) and not close:
+                if stop is not None or _done(state, max_steps, None):
                     _keep_position(data)
                     break
             else:
@@ -213,13 +225,16 @@ def _iterate(
                 if flushed is not None:
                     # No micro-batch ran, so only step_end: a second micro_step_end with the
                     # same micro_step would fire every/once handlers twice.
-                    state, stop = _after_call(
+                    state, flush_stop = _after_call(
                         events, state, flushed, outs, before, index, opened, micro_batch=False
                     )
-                    yield state, flushed if outs is None else outs
+                    stop = stop or flush_stop
+                    last.append(flushed if outs is None else outs)
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
                 state, epoch_stop = _emit(events, state, "epoch_end")
                 stop = stop or epoch_stop
+                for output in last:
+                    yield state, output
         state, _ = _emit(events, state, "fit_end")
     except GeneratorExit:
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so

@@ -6,11 +6,13 @@ epoch end came a pass late."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import steplib as sl
 
@@ -72,6 +74,46 @@ def test_a_second_run_on_the_returned_state_continues_the_epoch(how: str, worker
     state = sl.run(step, state, loader, max_epochs=3)
 
     assert seen == expected
+    assert (state.step, state.epoch) == (uninterrupted.step, uninterrupted.epoch)
+    pairs = zip(state.model.parameters(), uninterrupted.model.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
+
+
+class _Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(torch.arange(10.0).reshape(10, 1))
+
+
+# torchdata's own constructor calls the deprecated torch.set_vital.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("data", ["resumable_loader", "a list", "unsized (the update flushed)"])
+def test_a_break_at_an_epochs_last_update_leaves_that_epoch_counted(data: str) -> None:
+    # 5 batches an epoch, 2 per update: update 3 is epoch 0's last. A break there is a stop
+    # at that update: its epoch_end has run, and a next run trains epochs 1 and 2 only (it
+    # trained a fourth pass, with the epoch counter and every epoch end a pass late).
+    def make_data() -> Any:
+        if data == "a list":
+            return [torch.tensor([[float(2 * i)], [float(2 * i + 1)]]) for i in range(5)]
+        if data.startswith("unsized"):
+            return StatefulDataLoader(_Stream(), batch_size=2)
+        return sl.resumable_loader(_Indices(), batch_size=2, seed=0)
+
+    def counting(ended: list[int]) -> sl.Events:
+        return sl.Events().on("epoch_end", lambda e: ended.append(e.epoch))
+
+    seen: list[list[int]] = []
+    ended: list[int] = []
+    uninterrupted = sl.run(_step(seen), _state(), make_data(), events=counting(ended), max_epochs=3)
+    expected, expected_ends, seen[:], ended[:] = list(seen), list(ended), [], []
+
+    step, loader = _step(seen), make_data()
+    for now, _ in sl.iterate(step, _state(), loader, events=counting(ended), max_epochs=3):
+        if now.step == 3:
+            break
+    assert (now.step, now.epoch, ended) == (3, 1, [1])
+    state = sl.run(step, now, loader, events=counting(ended), max_epochs=3)
+
+    assert (seen, ended) == (expected, expected_ends)
     assert (state.step, state.epoch) == (uninterrupted.step, uninterrupted.epoch)
     pairs = zip(state.model.parameters(), uninterrupted.model.parameters(), strict=True)
     assert all(torch.equal(p, q) for p, q in pairs)

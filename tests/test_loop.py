@@ -170,9 +170,11 @@ def test_run_and_iterate_give_the_same_final_state_bit_for_bit():
     assert (by_iterate.step, by_iterate.micro_step, by_iterate.epoch) == (9, 15, 3)
     for a, b in zip(by_run.model.parameters(), by_iterate.model.parameters(), strict=True):
         assert torch.equal(a, b)
-    # One yield per call of the step; the return value has the last epoch counted.
+    # One yield per call of the step; the last call of a pass is yielded once its epoch is
+    # counted (a `break` there leaves it counted), as in the return value.
     assert len(yielded) == 15
-    assert yielded[-1][0].epoch == 2
+    assert [s.epoch for s, _ in yielded[3:6]] == [0, 1, 1]
+    assert yielded[-1][0].epoch == 3
 
 
 # --- limits ---------------------------------------------------------------------------------------
