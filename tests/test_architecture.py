@@ -83,7 +83,13 @@ def test_the_three_concepts_import_almost_nothing() -> None:
     }
     assert _steplib_imports("steplib.state_checks") == {"steplib.errors"}
     assert _steplib_imports("steplib.output") == set()
-    assert _steplib_imports("steplib.loop") == {"steplib.state", "steplib.output", "steplib.events"}
+    assert _steplib_imports("steplib.loop") == {
+        "steplib.state",
+        "steplib.output",
+        "steplib.events",
+        "steplib.loop_checks",
+    }
+    assert _steplib_imports("steplib.loop_checks") == set()
 
 
 def test_handlers_and_checkpoints_never_import_the_loop_or_the_step() -> None:

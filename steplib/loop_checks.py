@@ -1,0 +1,63 @@
+"""What ``run`` and ``iterate`` check before the first batch (raised where they are called, not
+at the first ``next`` of the generator). Imports nothing from steplib."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def check_args(
+    step: Any, state: Any, data: Any, max_steps: Any, max_epochs: Any, feed: Any
+) -> None:
+    """``ValueError`` for what ``run`` / ``iterate`` cannot run: unnamed or non-Step steps, a
+    ``feed`` that names no step, data that is not iterable, a limit that is not a positive
+    int, or steps none of which updates the state's counted optimizer."""
+    several = isinstance(step, Mapping)
+    steps = step if several else {"": step}
+    if several and (not step or not all(isinstance(name, str) and name for name in step)):
+        raise ValueError(
+            f"run/iterate received the steps {list(step)!r}; name each step with a non-empty "
+            'string, in the order they run: run({"D": d_step, "G": g_step}, state, data).'
+        )
+    for name, one in steps.items():
+        if not callable(one) or not callable(getattr(one, "flush", None)):
+            where = f"the step {name!r}" if several else "step"
+            raise ValueError(
+                f"run/iterate received {where} of type {type(one).__name__}, which is not a "
+                "Step. Build one: step = make_train_step(loss_fn), then wrap it as you like; "
+                'several steps go in a dict: run({"D": d_step, "G": g_step}, state, data).'
+            )
+    if feed is not None and (
+        not several
+        or not isinstance(feed, Mapping)
+        or not all(name in step and callable(fn) for name, fn in feed.items())
+    ):
+        raise ValueError(
+            f"run/iterate received feed={feed!r}; it maps the names of several steps to "
+            "functions of (batch, earlier) that give that step its input, e.g. "
+            'run({"D": d_step, "G": g_step}, state, data, feed={"G": lambda batch, earlier: '
+            f'earlier["D"]["fake"]}}). The steps here: {list(steps) if several else "one"}.'
+        )
+    if not hasattr(data, "__iter__"):
+        raise ValueError(
+            f"run/iterate received data of type {type(data).__name__}, which is not iterable. "
+            "Pass a DataLoader, a list of batches, or any re-iterable."
+        )
+    for label, value in (("max_steps", max_steps), ("max_epochs", max_epochs)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(
+                f"run/iterate received {label}={value!r}; it must be a positive int or None."
+            )
+    # Steps none of which updates the counted optimizer would never fire step_end, in silence.
+    updated, names = [getattr(one, "optimizer", None) for one in steps.values()], state.names
+    if names and all(isinstance(n, str) for n in updated) and names[0] not in updated:
+        raise ValueError(
+            f"run/iterate received steps that update {sorted(map(str, updated))!r} but not "
+            f"{names[0]!r}, the state's first optimizer, whose updates the run counts (state.step, "
+            f"step_end, every=, max_steps): they would never advance. Add a step that updates it, "
+            f"create the state with the counted optimizer first, or run on the state of the one "
+            f"updated: state = state.with_lane(run(step, state[{updated[0]!r}], ...))."
+        )
