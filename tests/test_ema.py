@@ -219,3 +219,21 @@ def test_ema_follows_the_step_built_with_its_optimizer_whatever_the_steps_are_na
     assert averages[0][0] == averages[1][0] == 6
     for named, renamed in zip(averages[0][1], averages[1][1], strict=True):
         assert torch.equal(named, renamed)
+
+
+def _ema_of_fsdp(rank: int, world: int) -> str:
+    from steplib.distributed import apply_fsdp
+
+    try:
+        EMA(apply_fsdp(torch.nn.Linear(2, 2)))
+    except ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_an_ema_of_an_fsdp2_model_is_refused_with_what_to_do() -> None:
+    # It failed in torch's deepcopy ("FSDP does not support deepcopy"), naming no way out.
+    from steplib.testing import run_ranks
+
+    for message in run_ranks(_ema_of_fsdp):
+        assert "FSDP2-sharded" in message and "apply_ddp" in message

@@ -28,6 +28,7 @@ Imports ``events`` and ``errors`` only.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,8 +51,9 @@ class EMA(Handler):
     whatever the steps are named (each updates the optimizer it was built with).
 
     Args:
-        model: the trained module (a DDP/FSDP wrapper: pass the inner module); in a state of
-            several optimizers, a module that exactly one of them updates.
+        model: the trained module (a DDP wrapper: pass the inner module; an FSDP2-sharded one
+            is refused); in a state of several optimizers, a module that exactly one of them
+            updates.
         decay: the weight of the old average, in [0, 1).
         warmup: use ``d = min(decay, (1 + n) / (10 + n))`` after ``n`` applied updates, so the
             average does not stay near the initial weights for thousands of updates.
@@ -59,8 +61,9 @@ class EMA(Handler):
             at the cost of a copy per update).
 
     Raises:
-        ConfigError: ``model`` not a module, ``decay`` not in [0, 1); at ``fit_start``, in a
-            state of several optimizers, none or several of them hold the model's parameters.
+        ConfigError: ``model`` not a module, or sharded by FSDP2; ``decay`` not in [0, 1);
+            at ``fit_start``, in a state of several optimizers, none or several of them hold
+            the model's parameters.
 
     Example:
         >>> model = torch.nn.Linear(1, 1, bias=False)
@@ -90,6 +93,15 @@ class EMA(Handler):
             raise ConfigError(
                 f"EMA(decay=...) received {describe(decay)}; it must be a number in [0, 1), "
                 "the weight kept by the old average each update, e.g. decay=0.999."
+            )
+        fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+        if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
+            # FSDP2 refuses the deep copy (its "does not support deepcopy" assertion).
+            raise ConfigError(
+                "EMA(model) received an FSDP2-sharded model, each rank holding a shard of its "
+                "parameters: EMA keeps a deep copy of the model, which FSDP2 cannot give. Keep "
+                "the EMA under DDP (apply_ddp) or tensor parallelism (apply_tp), or in one "
+                "process."
             )
         self.model = model
         self.decay = float(decay)
