@@ -19,7 +19,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from steplib.checkpoint.manifest import fingerprint
 from steplib.data.loader import ResumableLoader
 from steplib.data.order_rng import check_torchdata_order
-from steplib.distributed.parallelize import is_parallel_model, plain_name
+from steplib.distributed.parallelize import (
+    holds_dtensor_parameters,
+    is_parallel_model,
+    plain_name,
+)
 from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
 from steplib.events import Events
 from steplib.seeding import capture_rng
@@ -61,12 +65,6 @@ def holds_only_ddp(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds DDP modules and no FSDP2 one (window gradients are plain)."""
     parallel = [m for m in model.modules() if is_parallel_model(m)]
     return bool(parallel) and all(isinstance(m, DistributedDataParallel) for m in parallel)
-
-
-def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
-    # No DTensor exists before its module is imported: a plain save need not import it.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
 
 
 def prunes_here(state: Any) -> bool:

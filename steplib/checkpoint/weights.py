@@ -14,12 +14,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from steplib import errors
 from steplib.checkpoint import storage
-from steplib.checkpoint.contents import MODEL, holds_dtensor_parameters
+from steplib.checkpoint.contents import MODEL
 from steplib.checkpoint.manifest import SHARDED, Manifest, committed_manifest, newest_valid
 from steplib.checkpoint.pipeline import read_trees
 from steplib.checkpoint.restore import differences, shapes
 from steplib.checkpoint.storage import Location, StorageOptions
-from steplib.distributed.parallelize import inner_module
+from steplib.distributed.parallelize import holds_dtensor_parameters, inner_module
 from steplib.errors import CheckpointError, CheckpointWarning, ConfigError, describe
 from steplib.errors import CorruptCheckpointError as Corrupt
 from steplib.state import TrainState

@@ -7,6 +7,7 @@ wrapped model's parameters (FSDP2 replaces them with sharded DTensors).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -114,6 +115,14 @@ def apply_fsdp(
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def holds_dtensor_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters (FSDP2 shards, tensor parallel), each rank a
+    share of them."""
+    # No DTensor exists before its module is imported: a plain model need not import it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(p, module.DTensor) for p in model.parameters())
 
 
 def is_parallel_model(model: torch.nn.Module) -> bool:

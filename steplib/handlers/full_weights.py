@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from steplib.distributed import rank, world_size
-from steplib.distributed.parallelize import inner_module
+from steplib.distributed.parallelize import holds_dtensor_parameters, inner_module
 from steplib.errors import ConfigError, describe
 from steplib.state import TrainState
 
@@ -45,7 +45,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
     """
     model = exported_module(model)
-    if any(_is_sharded(p) for p in model.parameters()):
+    if holds_dtensor_parameters(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -92,10 +92,6 @@ def _parts_gathered(model: nn.Module) -> dict[str, torch.Tensor]:
     parts: list[Any] | None = [None] * world_size() if rank() == 0 else None
     dist.gather_object(_on_cpu(model), parts, dst=0)
     return {} if parts is None else {k: v for part in parts for k, v in part.items()}
-
-
-def _is_sharded(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "full_tensor")  # a DTensor (FSDP2, tensor parallel)
 
 
 def exported_module(state: Any) -> nn.Module:

@@ -34,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from steplib import errors
 from steplib.distributed import is_parallel_model, world_size
+from steplib.distributed.parallelize import holds_dtensor_parameters
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.output import Unread, closed_window
@@ -118,7 +119,7 @@ def flops_per_batch(
             f"flops_per_batch received model={describe(model)}, loss_fn={describe(loss_fn)}; "
             "pass the nn.Module and the loss_fn(model, batch) you train with."
         )
-    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+    if holds_dtensor_parameters(model):
         raise ConfigError(
             "flops_per_batch received a model with DTensor parameters (FSDP2, tensor "
             "parallel), which cannot run on the meta device; and under tensor parallelism the "

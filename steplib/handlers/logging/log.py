@@ -138,7 +138,7 @@ class Log(Handler):
         record = event_counters(event)
         for source in self.sources:
             values = source(event)
-            if shared := sorted(values.keys() & record.keys() - set(COUNTERS)):
+            if shared := sorted(values.keys() & (record.keys() - COUNTERS)):
                 raise ConfigError(
                     f"Log: the source {getattr(source, '__qualname__', repr(source))} writes "
                     f"{shared}, which an earlier source of this Log wrote: one value would stand "

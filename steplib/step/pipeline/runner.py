@@ -232,14 +232,14 @@ class PipelineRunner(Runner):
             return out
         last = (self.num_stages - 1) % size
         source = last if self.group is None else dist.get_global_rank(self.group, last)
+        mine = {k: (tuple(v.shape), v.dtype) for k, v in out.aux.items()}
         if self.aux_layout is None:  # once, at the first call (a host sync, as torch's own)
-            mine = {k: (tuple(v.shape), v.dtype) for k, v in out.aux.items()}
             sent: list[Any] = [mine if self.is_last else None]
             dist.broadcast_object_list(sent, src=source, group=self.group)
             self.aux_layout = sent[0]
         layout = self.aux_layout
         assert layout is not None
-        if self.is_last and {k: (tuple(v.shape), v.dtype) for k, v in out.aux.items()} != layout:
+        if self.is_last and mine != layout:
             raise ConfigError(
                 f"pipeline step: loss_fn returned the aux values {sorted(out.aux)} here and "
                 f"{sorted(layout)} at the first call (names, shapes and dtypes); the other "
