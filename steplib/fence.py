@@ -31,6 +31,11 @@ class UpdateFence:
         self._pending: list[Joinable] = []
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict[int, object]) -> UpdateFence:
+        """A fence of its own (``copy.deepcopy`` of a state): the work held here reads the
+        original's tensors, not the copy's."""
+        return UpdateFence()
+
     def hold(self, work: Joinable) -> None:
         """Make the next update (and :meth:`wait`) wait for ``work``."""
         with self._lock:

@@ -10,10 +10,16 @@ steplib is functional where Python can afford it and PyTorch where it cannot:
 * **Changed in place** (shared by the old and the new state, exactly as in a plain PyTorch loop):
   the model's parameters and their ``.grad``, the optimizer's buffers, the scheduler's position
   and the ``GradScaler``'s scale. Copying them each step would cost a model's worth of memory.
+
+So only the newest state describes them: a step (and a save) refuses any other with a
+``ConfigError`` (:mod:`steplib.lineage`). Go on from the state the last call returned;
+``state.replace(step=..., micro_step=...)`` makes the state it returns the newest (``load``
+does so to go back to a checkpoint); ``copy.deepcopy(state)`` is a run of its own.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 from collections.abc import Mapping
@@ -24,6 +30,7 @@ from torch import nn
 
 from steplib.errors import ConfigError, describe
 from steplib.fence import UpdateFence
+from steplib.lineage import Lineage
 from steplib.state_checks import (
     as_module,
     check_disjoint,
@@ -77,11 +84,20 @@ class Lane:
             adds to the discriminator's open accumulation window.
         others: on the first optimizer's state, the other optimizers' states by name, as
             their steps left them; empty on theirs.
+        lineage: this optimizer's :class:`~steplib.lineage.Lineage`, the counters of its
+            newest state (shared by all its states, per optimizer: a step compares without a
+            lookup), which a step requires of the state it receives.
     """
 
     fence: UpdateFence
     name: str | None = None
     others: Mapping[str, TrainState] = dataclasses.field(default_factory=lambda: _EMPTY)
+    lineage: Lineage = dataclasses.field(default_factory=Lineage, compare=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Lane:
+        # A fence and lineage of the copy's own (the fence's held work reads the original's).
+        copied = (self.fence, self.name, self.others, self.lineage)
+        return Lane(*(_deepcopy(value, memo) for value in copied))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -296,11 +312,22 @@ class TrainState:
         others = types.MappingProxyType({**lane.others, theirs.name: state})
         return _evolve(self, {"lane": dataclasses.replace(lane, others=others)})
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> TrainState:
+        """``copy.deepcopy(state)``: a run of its own (its model, optimizer, scheduler, scaler,
+        lineage and fence copied, its other optimizers' states with them), to branch off."""
+        new = TrainState.__new__(TrainState)
+        memo[id(self)] = new
+        for name, set_field in _SETTERS:  # the model first: the optimizer's copy refers to it
+            set_field(new, _deepcopy(getattr(self, name), memo))
+        return new
+
     def replace(self, **changes: Any) -> TrainState:
         """The next state with ``changes`` applied (``dataclasses.replace``, checked the same way);
         a model, optimizer, scheduler or scaler swapped in is checked as ``create`` checks it.
         A scheduler passed in is taken at its own position (``scheduler_at`` becomes ``None``
         unless given): pass it again after setting its position by hand (``load_state_dict``).
+        New counters (``step``, ``micro_step``) make the state returned the newest of its run:
+        a step refuses every other (:mod:`steplib.lineage`).
 
         Raises:
             TypeError: a name that is not a field.
@@ -332,7 +359,19 @@ def _evolve(state: TrainState, changes: Mapping[str, Any]) -> TrainState:
     new = TrainState.__new__(TrainState)
     for name, set_field in _SETTERS:  # a frozen dataclass's fields are set through their slots
         set_field(new, changes[name] if name in changes else getattr(state, name))
+    if "micro_step" in changes or "step" in changes:
+        # New counters: this state is now the newest of its optimizer, the one that describes
+        # the model and optimizer changed in place; a step refuses any other (lineage.py).
+        lineage = new.lane.lineage
+        lineage.step, lineage.micro_step = new.step, new.micro_step
     return new
+
+
+def _deepcopy(value: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy``, and a read-only mapping (which it cannot copy) as a read-only copy."""
+    if isinstance(value, types.MappingProxyType):
+        return types.MappingProxyType(copy.deepcopy(dict(value), memo))
+    return copy.deepcopy(value, memo)
 
 
 def _check_swapped(old: TrainState, new: TrainState) -> None:

@@ -282,6 +282,5 @@ def check_scheduler_at(state: Any, at: int | None) -> None:
         "step it yourself (per epoch, on a plateau), create the state without it, "
         "TrainState.create(..., scheduler=None), and use the Scheduler handler. If you set "
         "its position on purpose (load_state_dict), pass it in again: state = "
-        "state.replace(scheduler=scheduler). If you called a step twice on one state (a "
-        "notebook cell run again), go on from the state the last call returned."
+        "state.replace(scheduler=scheduler)."
     )

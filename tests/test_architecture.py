@@ -76,9 +76,11 @@ def test_the_three_concepts_import_almost_nothing() -> None:
     assert _steplib_imports("steplib.events") == {"steplib.cadence"}
     assert _steplib_imports("steplib.cadence") == {"steplib.errors"}
     assert _steplib_imports("steplib.fence") == set()
+    assert _steplib_imports("steplib.lineage") == {"steplib.errors"}
     assert _steplib_imports("steplib.state") == {
         "steplib.errors",
         "steplib.fence",
+        "steplib.lineage",
         "steplib.state_checks",
     }
     assert _steplib_imports("steplib.state_checks") == {"steplib.errors"}

@@ -433,6 +433,8 @@ def test_an_evaluator_built_with_every_and_registered_by_hand_is_refused_at_its_
     with pytest.raises(ConfigError, match=r"every= unused.*events.add\(evaluator\)"):
         run(step, state, _batches(4), events=Events().on("step_end", evaluator))
     assert evaluator.history == []
-    # Attached, its every= applies.
+    # Attached, its every= applies (to a fresh run: the refused one trained an update in place).
+    model = _model()
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
     run(step, state, _batches(4), events=[evaluator])
     assert [at for at, _ in evaluator.history] == [2, 4]

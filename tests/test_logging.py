@@ -664,16 +664,18 @@ def test_a_log_built_with_every_and_registered_by_hand_is_refused_at_its_first_u
 ) -> None:
     # Registered with events.on, a Log's every= was never applied: Log(sink, every=5) wrote a
     # record at each update (10 for 10), or every 2 with events.on(..., every=2).
-    model = torch.nn.Linear(2, 1)
-    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    def fresh() -> TrainState:  # a run that raised trained its model in place: start anew
+        model = torch.nn.Linear(2, 1)
+        return TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+
     sink = RecordingSink()
     events = Events().on("step_end", Log(sink, every=5), every=cadence)
     step = make_train_step(lambda m, b: m(b).sum())
     with pytest.raises(ConfigError, match=r"every= unused.*events.add\(log\)"):
-        run(step, state, [torch.ones(1, 2)] * 10, events=events)
+        run(step, fresh(), [torch.ones(1, 2)] * 10, events=events)
     assert sink.records == []
     # Attached, or registered with its cadence given to events.on, it writes every 5.
     for log in (Log(sink, every=5), None):
         events = Events(log) if log else Events().on("step_end", Log(sink), every=5)
-        run(step, state, [torch.ones(1, 2)] * 10, events=events)
+        run(step, fresh(), [torch.ones(1, 2)] * 10, events=events)
     assert [r["step"] for r in sink.records] == [5, 10, 5, 10]

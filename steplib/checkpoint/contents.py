@@ -26,6 +26,7 @@ from steplib.distributed.parallelize import (
 )
 from steplib.errors import CheckpointWarning, ConfigError, CorruptCheckpointError, describe
 from steplib.events import Events
+from steplib.lineage import check_newest
 from steplib.seeding import capture_rng
 from steplib.state import TrainState
 
@@ -81,6 +82,9 @@ def check_arguments(
             f"{caller} received state={describe(state)}, not a TrainState. Pass the state your "
             "step returns (TrainState.create(...) at the start)."
         )
+    if caller != "load":  # a load makes the state it returns the newest, from any state of the run
+        for lane in lanes(state):
+            check_newest(lane, caller)  # else its counters would not match the weights saved
     if data is not None and not is_stateful(data):
         raise ConfigError(
             f"{caller}(data=...) received {describe(data)}, which has no state_dict() to save "

@@ -22,6 +22,7 @@ import torch
 
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
+from steplib.lineage import check_newest
 from steplib.output import StepOutput, at_least_float32
 from steplib.state import TrainState, Window
 from steplib.state_checks import idle_error, idle_parameters
@@ -74,7 +75,9 @@ class Step:
             ``(next_state, output)``.
 
         Raises:
-            ConfigError: the state has several optimizers and the step names none of them, or
+            ConfigError: ``state`` is not the newest state of its run (a newer one was made
+                from it or beside it: :mod:`steplib.lineage`); the state has several optimizers
+                and the step names none of them, or
                 the step names one and the state has no optimizer of that name; an update with
                 a trainable parameter in no optimizer (unfrozen since ``TrainState.create``).
         """
@@ -86,6 +89,7 @@ class Step:
     def _micro_batch(
         self, state: TrainState, batch: Any, close_window: bool
     ) -> tuple[TrainState, StepOutput]:
+        check_newest(state, "step")  # before anything changes in place
         if self.takes_step:
             batch = _with_step_number(state, batch)
         window = state.window
@@ -138,6 +142,7 @@ class Step:
         return self._flush(state)
 
     def _flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
+        check_newest(state, "step.flush")
         if state.window.size == 0:
             return state, None
         check_scheduler(self.plan, state)

@@ -34,6 +34,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.errors import ConfigError, describe
+from steplib.lineage import check_newest
 from steplib.output import StepOutput, at_least_float32
 from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
@@ -78,11 +79,13 @@ class SweepStep:
         """One micro-batch for every copy; an update when it closes the window.
 
         Raises:
-            ConfigError: the state's model is not this sweep's copies, the state holds a
+            ConfigError: ``state`` is not the newest state of its run (:mod:`steplib.lineage`);
+                the state's model is not this sweep's copies, the state holds a
                 float16 ``GradScaler`` or an ``AbsoluteLR`` over per-copy rates, or
                 ``loss_fn`` counted different targets for different copies (read once
                 landed: on CUDA a call or two later).
         """
+        check_newest(state, "sweep step")  # before anything changes in place
         self._check(state)
         plan = self.step.plan
         size = state.window.size + 1
@@ -125,6 +128,7 @@ class SweepStep:
     def flush(self, state: TrainState) -> tuple[TrainState, StepOutput | None]:
         """Close an open, shorter window (normalised by what it held); ``(state, None)`` when
         no window is open."""
+        check_newest(state, "sweep step.flush")
         if state.window.size == 0:
             return state, None
         return self._close(state, {})

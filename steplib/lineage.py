@@ -1,0 +1,64 @@
+"""``Lineage``: the counters of the newest state of one optimizer, and the refusal of any other
+state by a step or a save. Imports nothing from steplib but its errors.
+
+Why it exists: a step returns a new ``TrainState``, but the parameters and their ``.grad``, the
+optimizer's buffers, the scheduler and the scaler change in place, shared by every state of the
+run. A state used again once a newer one exists (``new, _ = step(state, b)`` twice, the state
+passed to a ``run`` that raised, the state a ``load`` replaced) would pair its counters and
+accumulation window with weights and gradients they do not describe, and nothing would say so.
+
+How: the states of one optimizer (one ``Lane`` of one ``TrainState.create``) share one
+``Lineage``. Every state made with new counters records them there (``TrainState.replace``:
+the step's own advance, a ``load``, a hand edit), and a step compares the state it receives:
+two integer comparisons, no tensor read, no allocation. A ``load`` into any state of the run,
+older or not, is how a run legitimately goes back (its weights are overwritten too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steplib.errors import ConfigError
+
+
+class Lineage:
+    """The counters (``step``, ``micro_step``) of the newest state of one optimizer: the ones
+    its model, optimizer, scheduler and scaler, changed in place, have been advanced to.
+
+    Shared by every state derived from one ``TrainState.create`` for that optimizer
+    (``state.lane.lineage``); a ``copy.deepcopy`` of a state is a lineage of its own.
+    """
+
+    __slots__ = ("micro_step", "step")
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.micro_step = 0
+
+    def __repr__(self) -> str:
+        return f"Lineage(step={self.step}, micro_step={self.micro_step})"
+
+
+def check_newest(state: Any, caller: str) -> None:
+    """Raise ``ConfigError`` unless ``state`` (a ``TrainState``) holds the counters of the newest
+    state of its optimizer: every step calls it before it changes anything in place, and a save
+    before it records the counters."""
+    lineage: Lineage = state.lane.lineage
+    if state.micro_step == lineage.micro_step and state.step == lineage.step:
+        return
+    name = state.lane.name
+    whose = "" if name is None else f" of optimizer {name!r}"
+    raise ConfigError(
+        f"{caller} received a TrainState{whose} at update {state.step} (micro-batch "
+        f"{state.micro_step}), but the newest state of the same run is at update {lineage.step} "
+        f"(micro-batch {lineage.micro_step}). The model's parameters and .grad, the optimizer, "
+        "the scheduler and the scaler change in place and are shared by both: this state's "
+        "counters and accumulation window no longer describe them, so training or saving from "
+        "it would be silently wrong (two updates counted as one, a window that counts fewer "
+        "micro-batches than .grad holds, a checkpoint whose counters do not match its weights). "
+        "Go on from the state the last call returned: `state, out = step(state, batch)`, not "
+        "two calls on one state; `state = run(...)`. After a run "
+        "or step that raised: the state a handler's on_exception saw (if the step itself "
+        "failed after its backward, that one is stale as well), or load the last checkpoint "
+        "(state = load(url, state)), or start over with TrainState.create(...)."
+    )
