@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from steplib.errors import ConfigError, describe
+from steplib.errors import ConfigError
 from steplib.fence import UpdateFence
 from steplib.lineage import Lineage
 from steplib.state_checks import (
@@ -39,6 +39,7 @@ from steplib.state_checks import (
     check_no_gradients,
     check_owners,
     check_pieces,
+    check_swapped,
 )
 
 EVALUATED_AT = "evaluated_at"  # extras: {value name: the update whose model it evaluated}
@@ -319,6 +320,10 @@ class TrainState:
         memo[id(self)] = new
         for name, set_field in _SETTERS:  # the model first: the optimizer's copy refers to it
             set_field(new, _deepcopy(getattr(self, name), memo))
+        # torch's Parameter.__deepcopy__ leaves .grad behind: an open window's is the run's.
+        for mine, copied in zip(self.model.parameters(), new.model.parameters(), strict=True):
+            if mine.grad is not None and copied.grad is None:
+                copied.grad = copy.deepcopy(mine.grad, memo)
         return new
 
     def replace(self, **changes: Any) -> TrainState:
@@ -343,7 +348,7 @@ class TrainState:
             changes = {**changes, "scheduler_at": None}
         new = _evolve(self, changes)
         if not _PIECES.isdisjoint(changes):  # never on the step's path: it replaces counters
-            _check_swapped(self, new)
+            check_swapped(self, new)
         return new
 
 
@@ -372,23 +377,3 @@ def _deepcopy(value: Any, memo: dict[int, Any]) -> Any:
     if isinstance(value, types.MappingProxyType):
         return types.MappingProxyType(copy.deepcopy(dict(value), memo))
     return copy.deepcopy(value, memo)
-
-
-def _check_swapped(old: TrainState, new: TrainState) -> None:
-    """``create``'s checks of the pieces, for ``replace``: swapped in by hand (a new optimizer
-    to lower the learning rate), a piece that does not fit trained nothing, or the old one."""
-    caller = "TrainState.replace"
-    if not isinstance(new.model, nn.Module):
-        raise ConfigError(
-            f"{caller}(model=...) received {describe(new.model)}, which is not a "
-            "torch.nn.Module. Pass the module you train, with its optimizer: "
-            "state.replace(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
-        )
-    if new.model is not old.model and old.names:
-        raise ConfigError(
-            f"{caller}(model=...) received another model for a state of several optimizers "
-            f"({list(old.names)}): each optimizer's state holds the model, and this would change "
-            "the first's alone, so the other steps would go on training the old one. Create the "
-            "state anew: TrainState.create(model=..., optimizer={...})."
-        )
-    check_pieces(new.model, new.optimizer, new.scheduler, new.scaler, key="", caller=caller)

@@ -284,3 +284,24 @@ def check_scheduler_at(state: Any, at: int | None) -> None:
         "its position on purpose (load_state_dict), pass it in again: state = "
         "state.replace(scheduler=scheduler)."
     )
+
+
+def check_swapped(old: Any, new: Any) -> None:
+    """``TrainState.create``'s checks of the pieces, for ``replace`` (``old`` to ``new``):
+    swapped in by hand (a new optimizer to lower the learning rate), a piece that does not fit
+    trained nothing, or the old one."""
+    caller = "TrainState.replace"
+    if not isinstance(new.model, nn.Module):
+        raise ConfigError(
+            f"{caller}(model=...) received {describe(new.model)}, which is not a "
+            "torch.nn.Module. Pass the module you train, with its optimizer: "
+            "state.replace(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
+        )
+    if new.model is not old.model and old.names:
+        raise ConfigError(
+            f"{caller}(model=...) received another model for a state of several optimizers "
+            f"({list(old.names)}): each optimizer's state holds the model, and this would change "
+            "the first's alone, so the other steps would go on training the old one. Create the "
+            "state anew: TrainState.create(model=..., optimizer={...})."
+        )
+    check_pieces(new.model, new.optimizer, new.scheduler, new.scaler, key="", caller=caller)

@@ -202,17 +202,23 @@ def test_counters_replaced_by_hand_make_the_newest_state() -> None:
     assert tagged.step == 2
 
 
-def test_a_deepcopy_is_a_run_of_its_own() -> None:
-    state = _state()
-    step = make_train_step(mean_loss)
-    state, _ = step(state, BATCHES[0])
+def test_a_deepcopy_is_a_run_of_its_own_with_its_open_window() -> None:
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1 / (n + 1))
+    state = TrainState.create(model=model, optimizer=opt, scheduler=sched, extras={"tag": [1]})
+    step = accumulate(make_train_step(mean_loss), 2)
+    for batch in BATCHES[:3]:  # an update, then a window holding one micro-batch
+        state, _ = step(state, batch)
     branch = copy.deepcopy(state)  # before: TypeError, cannot pickle 'mappingproxy' object
-    assert branch.model is not state.model
+    assert branch.model is not state.model and branch.scheduler is not None
+    assert branch.scheduler.optimizer is branch.optimizer
     assert branch.optimizer.param_groups[0]["params"][0] is next(branch.model.parameters())
-    branch, _ = step(branch, BATCHES[1])
-    state, _ = step(state, BATCHES[1])  # the original is still its own run's newest
+    assert _same(_grads(branch.model), _grads(state.model))  # the open window's gradients too
+    branch, _ = step(branch, BATCHES[3])
+    state, _ = step(state, BATCHES[3])  # the original is still its own run's newest
     assert _same(_params(branch.model), _params(state.model))
-    assert (branch.step, state.step) == (2, 2)
+    assert (branch.step, state.step, dict(branch.extras)) == (2, 2, {"tag": [1]})
 
 
 def test_a_deepcopy_of_a_gan_state_keeps_its_optimizers_together() -> None:
