@@ -18,7 +18,7 @@ from torch import nn
 from torchmetrics.regression import MeanSquaredError
 
 from steplib import ConfigError, Events, TrainState, accumulate, make_train_step, run
-from steplib.checkpoint import load, save
+from steplib.checkpoint import AsyncSaver, load, save
 from steplib.handlers import evaluate, make_eval_step
 from steplib.step.compile import compile_step
 from steplib.sweep import Copies, SweepSGD, sweep_step
@@ -171,6 +171,17 @@ def test_after_a_load_the_state_it_replaced_is_refused_by_a_step_and_a_save(
         reference, _ = step(reference, batch)
     assert (again.step, again.micro_step) == (3, 3)
     assert _same(_params(again.model), _params(reference.model))
+
+
+def test_a_background_save_of_a_stale_state_is_refused_before_it_copies(memory_dir: str) -> None:
+    state = _state()
+    step = make_train_step(mean_loss)
+    newer, _ = step(state, BATCHES[0])
+    with AsyncSaver() as saver:
+        with pytest.raises(ConfigError, match="AsyncSaver.save " + _stale(0, 0)):
+            saver.save(state, f"{memory_dir}/wrong")
+        assert state.fence.held == 0  # nothing copied, nothing for the next update to wait for
+        saver.save(newer, f"{memory_dir}/right")
 
 
 def test_a_load_into_a_stale_state_gives_the_newest(memory_dir: str) -> None:
