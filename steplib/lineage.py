@@ -60,5 +60,7 @@ def check_newest(state: Any, caller: str) -> None:
         "two calls on one state; `state = run(...)`. After a run "
         "or step that raised: the state a handler's on_exception saw (if the step itself "
         "failed after its backward, that one is stale as well), or load the last checkpoint "
-        "(state = load(url, state)), or start over with TrainState.create(...)."
+        "(state = load(url, state)), or start over with TrainState.create(...). To set "
+        "counters by hand: state.replace(step=..., micro_step=...), not dataclasses.replace "
+        "(which the run does not see)."
     )

@@ -10,6 +10,7 @@ counters on trained weights, a save recording counters its weights did not have.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -285,3 +286,15 @@ def test_the_check_reads_nothing_from_the_device() -> None:
         with pytest.raises(ConfigError, match=_stale(0, 0)):
             step(state, BATCHES[2])
     assert (newer.lane.lineage.step, newer.lane.lineage.micro_step) == (2, 2)
+
+
+def test_counters_set_with_dataclasses_replace_are_refused_with_the_fix() -> None:
+    state = _state()
+    step = make_train_step(mean_loss)
+    state, _ = step(state, BATCHES[0])
+    hand_made = dataclasses.replace(state, step=0, micro_step=0)  # bypasses TrainState.replace
+    with pytest.raises(ConfigError, match=r"state.replace\(step=\.\.\., micro_step=\.\.\.\)"):
+        step(hand_made, BATCHES[1])
+    # Other fields through dataclasses.replace (as the loop's epoch) keep the newest counters.
+    state, _ = step(dataclasses.replace(state, epoch=1), BATCHES[1])
+    assert (state.step, state.epoch) == (2, 1)
