@@ -12,6 +12,12 @@ How: the states of one optimizer (one ``Lane`` of one ``TrainState.create``) sha
 the step's own advance, a ``load``, a hand edit), and a step compares the state it receives:
 two integer comparisons, no tensor read, no allocation. A ``load`` into any state of the run,
 older or not, is how a run legitimately goes back (its weights are overwritten too).
+
+A backward that raises (out of memory, a KeyboardInterrupt) may have added part of its
+micro-batch's gradient to ``.grad`` before the counters moved: :func:`backward_failed` clears an
+empty window's gradients (what ``optimizer.zero_grad()`` at the top of a plain loop does, so the
+same state can be stepped again), and marks an open window's ``torn``: its earlier micro-batches'
+gradients can no longer be told apart from the failed one's.
 """
 
 from __future__ import annotations
@@ -29,14 +35,16 @@ class Lineage:
     (``state.lane.lineage``); a ``copy.deepcopy`` of a state is a lineage of its own.
     """
 
-    __slots__ = ("micro_step", "step")
+    __slots__ = ("micro_step", "step", "torn")
 
     def __init__(self) -> None:
         self.step = 0
         self.micro_step = 0
+        self.torn = False  # .grad holds part of a micro-batch (see backward_failed)
 
     def __repr__(self) -> str:
-        return f"Lineage(step={self.step}, micro_step={self.micro_step})"
+        torn = ", torn" if self.torn else ""
+        return f"Lineage(step={self.step}, micro_step={self.micro_step}{torn})"
 
 
 def check_newest(state: Any, caller: str) -> None:
@@ -44,10 +52,22 @@ def check_newest(state: Any, caller: str) -> None:
     state of its optimizer: every step calls it before it changes anything in place, and a save
     before it records the counters."""
     lineage: Lineage = state.lane.lineage
-    if state.micro_step == lineage.micro_step and state.step == lineage.step:
+    if state.micro_step == lineage.micro_step and state.step == lineage.step and not lineage.torn:
         return
     name = state.lane.name
     whose = "" if name is None else f" of optimizer {name!r}"
+    if lineage.torn:
+        raise ConfigError(
+            f"{caller} received a TrainState{whose} whose accumulation window's gradients are "
+            f"incomplete: a backward inside that window (after micro-batch {lineage.micro_step} "
+            "of update "
+            f"{lineage.step + 1}) raised after it may have added part of its micro-batch's "
+            "gradient to .grad, which holds the window's earlier micro-batches too, so no state "
+            "describes the model's gradients any more and the update would be silently wrong. "
+            "Load the last checkpoint (state = load(url, state), or resume_from), or drop the "
+            "window: state.model.zero_grad(set_to_none=True); state = state.replace(window="
+            "steplib.state.EMPTY_WINDOW, micro_step=state.micro_step - state.window.size)."
+        )
     raise ConfigError(
         f"{caller} received a TrainState{whose} at update {state.step} (micro-batch "
         f"{state.micro_step}), but the newest state of the same run is at update {lineage.step} "
@@ -58,9 +78,21 @@ def check_newest(state: Any, caller: str) -> None:
         "micro-batches than .grad holds, a checkpoint whose counters do not match its weights). "
         "Go on from the state the last call returned: `state, out = step(state, batch)`, not "
         "two calls on one state; `state = run(...)`. After a run "
-        "or step that raised: the state a handler's on_exception saw (if the step itself "
-        "failed after its backward, that one is stale as well), or load the last checkpoint "
+        "or step that raised: the state a handler's on_exception saw, or load the last checkpoint "
         "(state = load(url, state)), or start over with TrainState.create(...). To set "
         "counters by hand: state.replace(step=..., micro_step=...), not dataclasses.replace "
         "(which the run does not see)."
     )
+
+
+def backward_failed(state: Any) -> None:
+    """Called when a step's backward raised, with the state the step received: part of its
+    micro-batch's gradient may be in ``.grad``. An empty window's gradients are cleared (the
+    state is then whole: step it again); an open window's lineage is marked ``torn``, so that
+    the next step or save of the run refuses instead of updating with them."""
+    if state.window.size == 0:
+        for group in state.optimizer.param_groups:  # this optimizer's: a GAN's other window
+            for p in group["params"]:  # may be open
+                p.grad = None
+    else:
+        state.lane.lineage.torn = True

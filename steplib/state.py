@@ -368,7 +368,7 @@ def _evolve(state: TrainState, changes: Mapping[str, Any]) -> TrainState:
         # New counters: this state is now the newest of its optimizer, the one that describes
         # the model and optimizer changed in place; a step refuses any other (lineage.py).
         lineage = new.lane.lineage
-        lineage.step, lineage.micro_step = new.step, new.micro_step
+        lineage.step, lineage.micro_step, lineage.torn = new.step, new.micro_step, False
     return new
 
 

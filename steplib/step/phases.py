@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from steplib.errors import ConfigError, TooManySkipsError
+from steplib.lineage import backward_failed
 from steplib.state import EMPTY_WINDOW, TrainState
 from steplib.state_checks import check_scheduler_at, scheduler_position, trained
 from steplib.step import device_skips
@@ -59,17 +60,21 @@ def _forward_backward(step: Step, state: TrainState, batch: Any) -> LossOutput:
     if plan.hooks:
         _call(plan, "before_backward", state)
     lane = state.lane
-    # Several optimizers: only this one's parameters take gradients, so the generator's
-    # backward through the discriminator leaves the discriminator's open window alone.
-    if lane.name is None:
-        loss.backward()
-    else:  # the optimizer's parameters now: one may have been (un)frozen or added since
-        params = trained(state.optimizer)
-        loss.backward(inputs=params)
-        # backward(inputs=...) leaves a parameter the loss does not reach without a gradient,
-        # silently: a step named with another model's optimizer would "update" nothing.
-        if not any(p.grad is not None for p in params):
-            _reached_none(lane.name)
+    try:
+        # Several optimizers: only this one's parameters take gradients, so the generator's
+        # backward through the discriminator leaves the discriminator's open window alone.
+        if lane.name is None:
+            loss.backward()
+        else:  # the optimizer's parameters now: one may have been (un)frozen or added since
+            params = trained(state.optimizer)
+            loss.backward(inputs=params)
+    except BaseException:  # out of memory, a KeyboardInterrupt: .grad may hold part of it
+        backward_failed(state)
+        raise
+    # backward(inputs=...) leaves a parameter the loss does not reach without a gradient,
+    # silently: a step named with another model's optimizer would "update" nothing.
+    if lane.name is not None and not any(p.grad is not None for p in params):
+        _reached_none(lane.name)
     if plan.hooks:
         _call(plan, "after_backward", state)
     return out

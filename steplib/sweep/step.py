@@ -34,7 +34,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.errors import ConfigError, describe
-from steplib.lineage import check_newest
+from steplib.lineage import backward_failed, check_newest
 from steplib.output import StepOutput, at_least_float32
 from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
@@ -99,7 +99,11 @@ class SweepStep:
                     inner.enter_context(enter_forward(state))
                 loss_sum, count, aux = self.losses(batch)
             _call(plan.hooks, "before_backward", state)
-            loss_sum.sum().backward()  # independent copies: each row gets its own gradient
+            try:
+                loss_sum.sum().backward()  # independent copies: each row gets its own gradient
+            except BaseException:  # .grad may hold part of it (steplib.lineage)
+                backward_failed(state)
+                raise
             _call(plan.hooks, "after_backward", state)
         loss_sum = at_least_float32(loss_sum.detach())
         if self.counted:

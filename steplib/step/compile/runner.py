@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from steplib.errors import ConfigError, describe
+from steplib.lineage import backward_failed
 from steplib.state import TrainState
 from steplib.step.compile.fused import FusedPlan, make_fused_plan
 from steplib.step.compile.graphs import (
@@ -176,9 +177,13 @@ class CompiledRunner(Runner):
         plan = self.plan(step, state)
         if plan is not None:
             if plan.checked:
-                if sync and self.updates_in_graph(step, state, state.window.size + 1):
-                    return self.micro_update(plan, step, state, batch)
-                return self.micro(plan, batch)
+                try:  # one graph: its backward may have added to .grad when it raised
+                    if sync and self.updates_in_graph(step, state, state.window.size + 1):
+                        return self.micro_update(plan, step, state, batch)
+                    return self.micro(plan, batch)
+                except BaseException:
+                    backward_failed(state)
+                    raise
             try:
                 out = self.micro(plan, batch)
             except Exception as error:
