@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torchmetrics.regression import MeanSquaredError
 
-from steplib import ConfigError, Events, TrainState, accumulate, make_train_step, run
+from steplib import ConfigError, Events, TrainState, accumulate, iterate, make_train_step, run
 from steplib.checkpoint import AsyncSaver, load, save
 from steplib.handlers import evaluate, make_eval_step
 from steplib.step.compile import compile_step
@@ -298,3 +298,25 @@ def test_counters_set_with_dataclasses_replace_are_refused_with_the_fix() -> Non
     # Other fields through dataclasses.replace (as the loop's epoch) keep the newest counters.
     state, _ = step(dataclasses.replace(state, epoch=1), BATCHES[1])
     assert (state.step, state.epoch) == (2, 1)
+
+
+def test_an_interrupted_iterate_loop_leaves_its_variable_the_newest_state() -> None:
+    # The notebook recipe the refusal names: a KeyboardInterrupt inside the step (here in its
+    # loss_fn) leaves the loop variable at the last state yielded, which is the newest.
+    calls = [0]
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return mean_loss(model, batch)
+
+    state = _state()
+    step = make_train_step(loss_fn)
+    with pytest.raises(KeyboardInterrupt):
+        for state, _ in iterate(step, state, BATCHES, max_steps=6):  # noqa: B007, B020
+            pass
+    assert state.step == 2
+    for state, _ in iterate(step, state, BATCHES, max_steps=6):  # noqa: B007, B020
+        pass
+    assert state.step == 6
