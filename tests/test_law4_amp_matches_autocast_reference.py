@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from steplib import TrainState, amp_wrap, clip, make_train_step, skip_nonfinite
+from steplib import TrainState, accumulate, amp_wrap, clip, make_train_step, skip_nonfinite
 from tests.reference import make_batches, mean_loss, params_of, reference_loop, tiny_model
 
 
@@ -173,3 +174,42 @@ def test_law4_fp16_token_sums_skip_as_torchs_recipe_from_a_scale_per_target() ->
             assert got == want and state.skipped_updates == 0
         else:
             assert state.skipped_updates > 0 and want == [2.0**16] * 8  # the recipe skipped none
+
+
+@pytest.mark.parametrize("fused", [False, True])  # the skip decided on the host, on the device
+def test_law4_fp16_a_nonfinite_micro_batch_mid_window_skips_its_window_as_torchs_recipe(
+    fused: bool,
+) -> None:
+    batches = make_batches(12)
+    batches[5] = (batches[5][0] * float("inf"), *batches[5][1:])  # a window's second
+    batches[8] = (batches[8][0] * float("nan"), *batches[8][1:])  # a window's first
+    runs = []
+    for ours in (False, True):
+        model = tiny_model(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        state = TrainState.create(model=model, optimizer=opt, scaler=scaler)
+        step = amp_wrap(accumulate(make_train_step(mean_loss), 2), dtype=torch.float16)
+        step = skip_nonfinite(clip(step, max_norm=1.0))
+        scales = []
+        for i, batch in enumerate(batches):
+            if ours:
+                state, _ = step(state, batch)
+            else:  # torch's recipe with accumulation: each micro-batch's loss / 2
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = mean_loss(model, batch)
+                scaler.scale(loss / 2).backward()
+                if i % 2 == 1:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad(set_to_none=True)
+            scales.append(scaler.get_scale())
+        runs.append((scales, list(model.parameters())))
+        if ours:
+            assert int(state.skipped_updates) == 2 and state.step == 6
+    (want, ref), (got, params) = runs
+    assert got == want and want[1::2] == [256.0, 512.0, 256.0, 256.0, 128.0, 128.0]
+    for a, b in zip(params, ref, strict=True):
+        assert torch.equal(a, b)
