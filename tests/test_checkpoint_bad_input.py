@@ -201,6 +201,37 @@ def test_load_into_a_state_built_differently(memory_dir: str) -> None:
         load(url, make_state(), data=loader, extras={"ema": nn.Linear(2, 2)})
 
 
+def _with_scaler(scaler: torch.amp.GradScaler | None, seed: int = 0) -> TrainState:
+    model = make_state(seed).model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return TrainState.create(model=model, optimizer=opt, scaler=scaler)
+
+
+def test_a_scaler_that_scales_loads_only_into_one_that_scales(memory_dir: str) -> None:
+    # The enabled=use_fp16 idiom saves a disabled GradScaler, whose state_dict is {}. Loading it
+    # into an enabled one failed inside torch's load_state_dict after the model was loaded, and
+    # an enabled one's scale was dropped in silence by a disabled one (a later save then held
+    # {}). Both are refused before anything changes; None and a disabled one are alike.
+    def enabled() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    def disabled() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", enabled=False)
+
+    for saved, here in ((disabled, enabled), (enabled, disabled)):
+        url = save(train(_with_scaler(saved())), f"{memory_dir}/{saved.__name__}")
+        fresh = _with_scaler(here(), seed=5)
+        before = [p.detach().clone() for p in fresh.model.parameters()]
+        with pytest.raises(
+            ConfigError, match=rf"scaler {saved is enabled} in the checkpoint, {here is enabled}"
+        ):
+            load(url, fresh)
+        assert all(map(torch.equal, before, fresh.model.parameters()))  # nothing changed
+    for saved_scaler, here_scaler in ((None, disabled()), (disabled(), None)):
+        url = save(train(_with_scaler(saved_scaler)), f"{memory_dir}/{saved_scaler is None}")
+        assert load(url, _with_scaler(here_scaler, seed=5)).step == 3
+
+
 def test_resume_may_add_or_drop_observation_only_wrappers(tmp_path) -> None:
     from steplib import TrainState, accumulate, make_train_step, tap
     from steplib.checkpoint import load, save

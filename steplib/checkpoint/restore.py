@@ -192,7 +192,8 @@ def check_fits(
                 [len(g["params"]) for g in lane.optimizer.param_groups],
             ),
             "scheduler": (tree["scheduler_type"], scheduler),
-            "scaler": (tree["scaler"] is not None, lane.scaler is not None),
+            # Whether it scales: a disabled GradScaler saves {} and loads nothing, as None does.
+            "scaler": (bool(tree["scaler"]), lane.scaler is not None and lane.scaler.is_enabled()),
         }
         differ = [f"{k} {a} in the checkpoint, {b} here" for k, (a, b) in pairs.items() if a != b]
         if differ:
@@ -200,7 +201,9 @@ def check_fits(
             raise ConfigError(
                 f"load: checkpoint {checkpoint} was trained with another set-up{whose}: "
                 f"{'; '.join(differ)}. Create the state as the run that saved it did: the same "
-                "optimizer class and parameter groups, scheduler and scaler (or None)."
+                "optimizer class and parameter groups, scheduler and scaler (or None; "
+                "GradScaler(enabled=False) counts as None, and torch disables "
+                "GradScaler('cuda') without CUDA: GradScaler('cpu') loads its state there)."
             )
     # The attached handlers' states have their own check; a load not given them leaves them out.
     objects, handlers = train_state["objects"], extras.get(HANDLERS)

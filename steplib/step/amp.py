@@ -26,7 +26,8 @@ def amp_wrap(
     With ``dtype=torch.float16`` the loss is scaled by the ``GradScaler`` in the state
     (``TrainState.create(..., scaler=torch.amp.GradScaler(device))``); gradients are unscaled
     before clipping, an update with inf/NaN gradients is skipped (``out.did_update`` False),
-    the scale backs off, and the scheduler does not advance. bfloat16 needs no scaler.
+    the scale backs off, and the scheduler does not advance. bfloat16 needs no scaler. The loss
+    *sum* is scaled: token-weighted, start it at ``2.0**16 / targets`` (docs/concepts.md).
 
     Args:
         step: the step to wrap.

@@ -246,7 +246,9 @@ def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
         f"{limit}), at step {step}: a non-finite loss or gradient (with a float16 GradScaler, "
         "scaled gradients that overflowed) or a window with no targets. Training has diverged: "
         "lower the learning rate, add clip(step, max_norm=1.0), check the data for NaN/inf "
-        "and empty batches, or raise max_consecutive (a resume may raise it)."
+        "and empty batches, or raise max_consecutive (a resume may raise it). At the start of "
+        "a float16 run with a token-weighted loss, start the GradScaler per target: "
+        "GradScaler(device, init_scale=2.0**16 / targets_per_micro_batch)."
     )
 
 
