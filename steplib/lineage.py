@@ -17,7 +17,9 @@ A backward that raises (out of memory, a KeyboardInterrupt) may have added part 
 micro-batch's gradient to ``.grad`` before the counters moved: :func:`backward_failed` clears an
 empty window's gradients (what ``optimizer.zero_grad()`` at the top of a plain loop does, so the
 same state can be stepped again), and marks an open window's ``torn``: its earlier micro-batches'
-gradients can no longer be told apart from the failed one's.
+gradients can no longer be told apart from the failed one's. A step that raises while it closes
+a window (:func:`update_failed`) marks it torn too: the gradients were processed in place and
+the update may have begun.
 """
 
 from __future__ import annotations
@@ -58,15 +60,15 @@ def check_newest(state: Any, caller: str) -> None:
     whose = "" if name is None else f" of optimizer {name!r}"
     if lineage.torn:
         raise ConfigError(
-            f"{caller} received a TrainState{whose} whose accumulation window's gradients are "
-            f"incomplete: a backward inside that window (after micro-batch {lineage.micro_step} "
-            "of update "
-            f"{lineage.step + 1}) raised after it may have added part of its micro-batch's "
-            "gradient to .grad, which holds the window's earlier micro-batches too, so no state "
-            "describes the model's gradients any more and the update would be silently wrong. "
-            "Load the last checkpoint (state = load(url, state), or resume_from), or drop the "
-            "window: state.model.zero_grad(set_to_none=True); state = state.replace(window="
-            "steplib.state.EMPTY_WINDOW, micro_step=state.micro_step - state.window.size)."
+            f"{caller} received a TrainState{whose} of a run whose last step raised part-way "
+            f"(at micro-batch {lineage.micro_step}, update {lineage.step}): in a backward "
+            "inside an open accumulation window, or while closing a window (its gradients "
+            "processed in place, its update perhaps begun). .grad, and the parameters if the "
+            "update began, are no longer what any state describes: training or saving on "
+            "would be silently wrong. Load the last checkpoint (state = load(url, state), or "
+            "resume_from), or drop the window: state.model.zero_grad(set_to_none=True); state "
+            "= state.replace(window=steplib.state.EMPTY_WINDOW, micro_step=state.micro_step - "
+            "state.window.size)."
         )
     raise ConfigError(
         f"{caller} received a TrainState{whose} at update {state.step} (micro-batch "
@@ -98,3 +100,10 @@ def backward_failed(state: Any) -> None:
                 p.grad = None
     else:
         state.lane.lineage.torn = True
+
+
+def update_failed(state: Any) -> None:
+    """Called when a step raised while it closed a window (``state``: the one it closed): the
+    gradients processed in place, the update perhaps begun. The run's next step or save
+    refuses, naming the ways out."""
+    state.lane.lineage.torn = True

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from steplib import ConfigError, TrainState, accumulate, make_train_step
+from steplib import ConfigError, TrainState, accumulate, make_train_step, tap
 from steplib.checkpoint import load, save
 from steplib.state import EMPTY_WINDOW
 from steplib.sweep import Copies, SweepSGD, sweep_step
@@ -26,7 +26,7 @@ from tests.reference import make_batches, mean_loss, tiny_model
 __all__ = ["memory_dir"]  # the fixture, used by name
 
 BATCHES = make_batches(6)
-TORN = "whose accumulation window's gradients are incomplete"
+TORN = "of a run whose last step raised part-way"
 
 
 class _OutOfMemoryError(RuntimeError):
@@ -174,3 +174,27 @@ def test_a_sweep_step_retried_after_its_backward_raised_equals_the_clean_step() 
     assert all(p.grad is None for p in state.model.parameters())
     state, _ = step(state, BATCHES[0])
     assert all(torch.equal(a, b) for a, b in zip(_params(state), _params(clean), strict=True))
+
+
+def test_a_step_that_raised_while_it_closed_its_window_is_refused_with_the_way_out() -> None:
+    # Before: the input state was refused as "not the newest" (its window's micro-batch was
+    # counted by a state nobody received), naming states the user never had.
+    armed = [True]
+
+    def before_update(state: TrainState) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _OutOfMemoryError("in the update (simulated)")
+
+    step = tap(make_train_step(mean_loss), before_update=before_update)
+    state = _state()
+    with pytest.raises(_OutOfMemoryError):
+        step(state, BATCHES[0])  # its gradients were normalised in place, then it raised
+    with pytest.raises(ConfigError, match=TORN):
+        step(state, BATCHES[0])
+    state.model.zero_grad(set_to_none=True)
+    state = state.replace(window=EMPTY_WINDOW, micro_step=state.micro_step - state.window.size)
+    state, _ = step(state, BATCHES[1])
+
+    reference, _ = make_train_step(mean_loss)(_state(), BATCHES[1])
+    assert all(torch.equal(a, b) for a, b in zip(_params(state), _params(reference), strict=True))

@@ -22,7 +22,7 @@ import torch
 
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
-from steplib.lineage import check_newest
+from steplib.lineage import check_newest, update_failed
 from steplib.output import StepOutput, at_least_float32
 from steplib.state import TrainState, Window
 from steplib.state_checks import idle_error, idle_parameters
@@ -166,6 +166,15 @@ class Step:
                 self.plan.skips.settle(lane.scheduler)
 
     def _close(
+        self, state: TrainState, aux: Mapping[str, torch.Tensor], report: GradReport | None
+    ) -> tuple[TrainState, StepOutput]:
+        try:
+            return self._update(state, aux, report)
+        except BaseException:
+            update_failed(state)
+            raise
+
+    def _update(
         self, state: TrainState, aux: Mapping[str, torch.Tensor], report: GradReport | None
     ) -> tuple[TrainState, StepOutput]:
         runner = self.plan.runner

@@ -34,7 +34,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from steplib.errors import ConfigError, describe
-from steplib.lineage import backward_failed, check_newest
+from steplib.lineage import backward_failed, check_newest, update_failed
 from steplib.output import StepOutput, at_least_float32
 from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
@@ -151,6 +151,15 @@ class SweepStep:
         self.step.settle(state)
 
     def _close(
+        self, state: TrainState, aux: Mapping[str, torch.Tensor]
+    ) -> tuple[TrainState, StepOutput]:
+        try:
+            return self._update(state, aux)
+        except BaseException:
+            update_failed(state)
+            raise
+
+    def _update(
         self, state: TrainState, aux: Mapping[str, torch.Tensor]
     ) -> tuple[TrainState, StepOutput]:
         plan, optimizer = self.step.plan, state.optimizer
