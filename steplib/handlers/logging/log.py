@@ -3,10 +3,11 @@ values, written to every sink. Imports ``base`` for the records and the :class:`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from steplib.cadence import Batches, check_every, check_not_by_hand, due
-from steplib.distributed import is_main
+from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
 from steplib.handlers.logging.base import (
@@ -18,6 +19,8 @@ from steplib.handlers.logging.base import (
     event_record,
     logged_number,
 )
+
+_log = logging.getLogger("steplib.logging")
 
 
 class Log(Handler):
@@ -44,7 +47,8 @@ class Log(Handler):
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
             yourself with ``events.on``. Attached, it also writes the run's last update at
             ``fit_end`` when that was not due (a stop, or a run of 105 updates with
-            ``every=10``), so that the updates after the last interval are in the log (so it
+            ``every=10``), or at an error on one process (:meth:`on_exception`), so that the
+            updates after the last interval are in the log (so it
             is refused registered by hand on a step event, where it would go unused).
 
     Raises:
@@ -122,8 +126,22 @@ class Log(Handler):
             self._record(unwritten)
 
     def on_exception(self, event: Event) -> None:
-        # Nothing written: a source may all-reduce, and the other ranks need not be here.
-        self._unwritten = None
+        """Write the last update before the error if it was not due, as at ``fit_end``: the
+        updates since the last record (a loss diverging before the crash) are in the log. On
+        one process only: a source may all-reduce, and the other ranks need not be here. A
+        failure to read or write is logged (``steplib.logging``, ERROR), never raised: the
+        run's error stays the one raised (after a device error, a tensor read raises again)."""
+        unwritten, self._unwritten = self._unwritten, None
+        if unwritten is None or world_size() > 1:
+            return
+        try:
+            self._record(unwritten)
+        except Exception as error:
+            _log.error(
+                "Log could not write the record of update %s while the run was failing: %r",
+                unwritten.step,
+                error,
+            )
 
     def __call__(self, event: Event) -> None:
         """Write one record of ``event`` (registered with ``events.on``: on each call).
