@@ -459,8 +459,12 @@ def test_two_sources_that_write_one_name_are_refused_before_the_record_is_writte
     state = TrainState.create(model=model, optimizer=opt, scheduler=sched)
     url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics.jsonl"
     train = TrainMetrics()
-    log = Log(JsonlLogger(url), sources=[train.read, LRMonitor().read], every=1)
-    with pytest.raises(ConfigError, match=r"LRMonitor.read writes \['lr'\]"):
+
+    def scheduled_lr(event) -> dict[str, float]:  # LRMonitor's, under the name it had
+        return {"lr": LRMonitor().read(event)["next_lr"]}
+
+    log = Log(JsonlLogger(url), sources=[train.read, scheduled_lr], every=1)
+    with pytest.raises(ConfigError, match=r"scheduled_lr writes \['lr'\]"):
         run(make_train_step(lambda m, b: m(b).pow(2).mean()), state, [torch.ones(2, 2)] * 2,
             events=[train, log])  # fmt: skip
     assert _read_lines(url) == []

@@ -28,7 +28,7 @@ class Log(Handler):
     values of each source, merged. Two sources that write one name (a counter such as
     ``updates`` aside) are refused at the first record, before it is written: the later's
     value would stand for both (``TrainMetrics``' ``lr``, the rate this update used, replaced
-    by ``LRMonitor``'s, the next update's).
+    by another source's ``lr``).
 
     Sources are called on every rank (a source may all-reduce, which every rank must join);
     each sink writes the record on the ranks it writes on: rank 0, or every rank for a sink
