@@ -225,9 +225,11 @@ def test_a_grad_norm_record_written_after_the_save_of_its_update_is_replaced_at_
         assert [line[key] for line in parts] == [line[key] for line in whole]
 
 
-def _evaluated_run(root: Path, *, max_steps: int) -> tuple[list[Any], list[dict[str, str]]]:
-    """TrainMetrics' means every 2 updates and an evaluation every 5 into one JSONL and one
-    CSV file, a checkpoint every 5 (after the evaluation at its update)."""
+def _evaluated_run(
+    root: Path, *, max_steps: int, **options: Any
+) -> tuple[list[Any], list[dict[str, str]]]:
+    """TrainMetrics' means every 2 updates and an evaluation every 5 (or as ``options`` say)
+    into one JSONL and one CSV file, a checkpoint every 5 (after the evaluation at its update)."""
     from torchmetrics import MeanMetric
 
     state, step, data = _training()
@@ -235,7 +237,8 @@ def _evaluated_run(root: Path, *, max_steps: int) -> tuple[list[Any], list[dict[
     val = [torch.randn(4, 2, generator=torch.Generator().manual_seed(2))]
     sinks = [JsonlLogger(str(root / "m.jsonl")), CSVLogger(str(root / "m.csv"))]
     evaluate = make_eval_step(lambda m, batch: {"value": m(batch).pow(2).flatten()})
-    evaluator = Evaluator(evaluate, val, metrics={"loss": MeanMetric()}, every=5, sinks=sinks)
+    options = {"every": 5, **options}
+    evaluator = Evaluator(evaluate, val, metrics={"loss": MeanMetric()}, sinks=sinks, **options)
     with Log(sinks, sources=[train.read], every=2) as log:
         events = Events(resume_from(ckpt), train, evaluator, ckpt, log)
         run(step, state, data, events=events, max_steps=max_steps)
@@ -258,6 +261,25 @@ def test_an_evaluation_at_the_resumed_update_is_kept_in_the_continued_log(tmp_pa
     assert parts == whole
     assert [(r["step"], r["updates"], r["val_loss"]) for r in rows] == [
         (r["step"], r["updates"], r["val_loss"]) for r in whole_rows
+    ]
+
+
+def test_a_resumed_runs_first_means_replace_a_stopped_runs_even_after_an_evaluation(
+    tmp_path: Path,
+) -> None:
+    # Stopped at 5 (saved there), its fit_end record holds the means of update 5. The resumed
+    # run's first record was the evaluation at 6 (every 3), which holds no means, so the files
+    # kept that record of 5 beside the resumed run's of 5 and 6: update 5 counted twice.
+    options = {"every": 3, "at_fit_end": False}
+    whole, whole_rows = _evaluated_run(tmp_path / "whole", max_steps=10, **options)
+    _evaluated_run(tmp_path / "parts", max_steps=5, **options)
+    parts, rows = _evaluated_run(tmp_path / "parts", max_steps=10, **options)
+    assert [(s, u) for s, u, _ in whole] == [
+        (2, 2), (3, None), (4, 2), (6, None), (6, 2), (8, 2), (9, None), (10, 2),
+    ]  # fmt: skip
+    assert parts == whole
+    assert [(r["step"], r["updates"]) for r in rows] == [
+        (r["step"], r["updates"]) for r in whole_rows
     ]
 
 
