@@ -7,6 +7,7 @@ import io
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import fsspec
 import orjson
@@ -460,7 +461,7 @@ def test_two_sources_that_write_one_name_are_refused_before_the_record_is_writte
     url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics.jsonl"
     train = TrainMetrics()
 
-    def scheduled_lr(event) -> dict[str, float]:  # LRMonitor's, under the name it had
+    def scheduled_lr(event) -> dict[str, Any]:  # LRMonitor's, under the name it had
         return {"lr": LRMonitor().read(event)["next_lr"]}
 
     log = Log(JsonlLogger(url), sources=[train.read, scheduled_lr], every=1)
