@@ -71,3 +71,26 @@ def test_a_crash_on_several_ranks_writes_no_record(
     monkeypatch.setattr(log_module, "world_size", lambda: 2)
     lines = _crashed_run(str(tmp_path / "m.jsonl"))
     assert [line["step"] for line in lines] == [5]
+
+
+def test_a_crash_in_a_handler_before_the_log_is_written_at_its_update(tmp_path: Path) -> None:
+    # An alarm attached before the Log raised at update 7's step_end: the record went out at
+    # the last step_end the Log saw (6) with TrainMetrics' sums of 6 and 7 under it.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    train, url = TrainMetrics(), str(tmp_path / "m.jsonl")
+
+    def alarm(event) -> None:
+        if event.step == 7:
+            raise _CrashError("the run's own error")
+
+    events = Events(train)
+    events.on("step_end", alarm)
+    with Log(JsonlLogger(url, append=False), sources=[train.read], every=5) as log:
+        log.attach(events)
+        with pytest.raises(_CrashError):
+            run(make_train_step(lambda m, b: m(b).pow(2).mean()), state,
+                list(torch.randn(8, 4, 2)), events=events, max_steps=8)  # fmt: skip
+    lines = [orjson.loads(line) for line in Path(url).read_bytes().splitlines()]
+    assert [(line["step"], line["updates"]) for line in lines] == [(5, 5), (7, 2)]

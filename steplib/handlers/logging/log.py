@@ -92,6 +92,7 @@ class Log(Handler):
         self.sources = tuple(sources)
         self.every = check_every("Log(every=...)", every)
         self._unwritten: Event | None = None  # the last step_end, when it was not due
+        self._written_at: int | None = None  # the step of this run's last record
 
     def on_attach(self, events: Events) -> None:
         """Refuse to be attached without ``every`` (close the sinks yourself, or use the
@@ -108,6 +109,7 @@ class Log(Handler):
 
     def on_fit_start(self, event: Event) -> None:
         """Tell each sink a run starts (one resumed in this process writes steps again)."""
+        self._written_at = None
         for sink in self.sinks:
             sink.start_run()
 
@@ -126,20 +128,24 @@ class Log(Handler):
             self._record(unwritten)
 
     def on_exception(self, event: Event) -> None:
-        """Write the last update before the error if it was not due, as at ``fit_end``: the
-        updates since the last record (a loss diverging before the crash) are in the log. On
+        """Write the updates since the last record (a loss diverging before the crash), as at
+        ``fit_end``, at the error's counters (the last update the run made). On
         one process only: a source may all-reduce, and the other ranks need not be here. A
         failure to read or write is logged (``steplib.logging``, ERROR), never raised: the
         run's error stays the one raised (after a device error, a tensor read raises again)."""
         unwritten, self._unwritten = self._unwritten, None
-        if unwritten is None or world_size() > 1:
+        # At the error's own counters: a handler before this one that raised at a step_end
+        # (an alarm) left the record of that update unwritten, its sources holding it.
+        last = self._written_at
+        nothing_new = unwritten is None and (last is None or event.step == last)
+        if nothing_new or world_size() > 1:
             return
         try:
-            self._record(unwritten)
+            self._record(event)
         except Exception as error:
             _log.error(
                 "Log could not write the record of update %s while the run was failing: %r",
-                unwritten.step,
+                event.step,
                 error,
             )
 
@@ -153,6 +159,7 @@ class Log(Handler):
         self._record(event)
 
     def _record(self, event: Event) -> None:
+        self._written_at = event.step
         record = event_counters(event)
         for source in self.sources:
             values = source(event)
