@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # logging_steps; HF's learning_rate is read after the scheduler's step (the next
         # update's rate), where TrainMetrics' lr is the rate its updates used
         next_lr = LRMonitor()
-        sources = [train_metrics.read, lambda e: {"learning_rate": next_lr.read(e)["lr"]}]
+        sources = [train_metrics.read, lambda e: {"learning_rate": next_lr.read(e)["next_lr"]}]
         events.on("step_end", Log(log, sources=sources), every=args.logging_steps)
         state = run(step, state, train_loader, events=events, max_steps=args.max_steps)
     trained = state.step  # TrainOutput.global_step: loading the best rewinds the counters

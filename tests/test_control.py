@@ -35,6 +35,7 @@ from steplib.handlers import (
     TimeLimit,
     make_eval_step,
 )
+from steplib.handlers.logging import Log, Sink, event_record
 
 
 def _setup(n: int = 12, *, nan_at: int | None = None, lr: float = 0.1):
@@ -301,7 +302,7 @@ def test_lr_monitor_reads_the_scheduled_rate() -> None:
     seen: list[dict] = []
     events = Events().on("step_end", lambda e: seen.append(LRMonitor().read(e)))
     run(make_train_step(_loss_fn), state, batches, events=events)
-    assert [d["lr"] for d in seen] == pytest.approx([0.05, 0.1 / 3, 0.025])
+    assert [d["next_lr"] for d in seen] == pytest.approx([0.05, 0.1 / 3, 0.025])
 
 
 @pytest.mark.parametrize(
@@ -319,3 +320,26 @@ def test_lr_monitor_reads_the_scheduled_rate() -> None:
 def test_bad_control_settings_are_config_errors(make) -> None:
     with pytest.raises(ConfigError):
         make()
+
+
+def test_lr_monitor_names_the_next_updates_rate_apart_from_the_rate_an_update_used() -> None:
+    # LRMonitor wrote the rate after the scheduler's step (the next update's) as `lr`, the
+    # name of the rate the update used (the step's record, TrainMetrics'): a warmup's curve
+    # one update early (update 1 at 0.05, where it trained at 0.1), and beside the step's
+    # record the Log refused the two sources.
+    state, batches = _setup(3)
+    sched = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0 / (1 + s))
+    state = TrainState.create(model=state.model, optimizer=state.optimizer, scheduler=sched)
+    records: list[dict] = []
+
+    class Records(Sink):
+        def write(self, record: dict) -> None:
+            records.append(record)
+
+        def close(self) -> None:
+            pass
+
+    log = Log(Records(), sources=[event_record, LRMonitor().read], every=1)
+    run(make_train_step(_loss_fn), state, batches, events=[log])
+    assert [r["lr"] for r in records] == pytest.approx([0.1, 0.05, 0.1 / 3])
+    assert [r["next_lr"] for r in records] == pytest.approx([0.05, 0.1 / 3, 0.025])

@@ -8,6 +8,7 @@ import contextlib
 import csv
 import io
 import logging
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -224,9 +225,11 @@ def test_a_grad_norm_record_written_after_the_save_of_its_update_is_replaced_at_
         assert [line[key] for line in parts] == [line[key] for line in whole]
 
 
-def _evaluated_run(root: Path, *, max_steps: int) -> tuple[list[Any], list[dict[str, str]]]:
-    """TrainMetrics' means every 2 updates and an evaluation every 5 into one JSONL and one
-    CSV file, a checkpoint every 5 (after the evaluation at its update)."""
+def _evaluated_run(
+    root: Path, *, max_steps: int, **options: Any
+) -> tuple[list[Any], list[dict[str, str]]]:
+    """TrainMetrics' means every 2 updates and an evaluation every 5 (or as ``options`` say)
+    into one JSONL and one CSV file, a checkpoint every 5 (after the evaluation at its update)."""
     from torchmetrics import MeanMetric
 
     state, step, data = _training()
@@ -234,7 +237,8 @@ def _evaluated_run(root: Path, *, max_steps: int) -> tuple[list[Any], list[dict[
     val = [torch.randn(4, 2, generator=torch.Generator().manual_seed(2))]
     sinks = [JsonlLogger(str(root / "m.jsonl")), CSVLogger(str(root / "m.csv"))]
     evaluate = make_eval_step(lambda m, batch: {"value": m(batch).pow(2).flatten()})
-    evaluator = Evaluator(evaluate, val, metrics={"loss": MeanMetric()}, every=5, sinks=sinks)
+    options = {"every": 5, **options}
+    evaluator = Evaluator(evaluate, val, metrics={"loss": MeanMetric()}, sinks=sinks, **options)
     with Log(sinks, sources=[train.read], every=2) as log:
         events = Events(resume_from(ckpt), train, evaluator, ckpt, log)
         run(step, state, data, events=events, max_steps=max_steps)
@@ -257,6 +261,25 @@ def test_an_evaluation_at_the_resumed_update_is_kept_in_the_continued_log(tmp_pa
     assert parts == whole
     assert [(r["step"], r["updates"], r["val_loss"]) for r in rows] == [
         (r["step"], r["updates"], r["val_loss"]) for r in whole_rows
+    ]
+
+
+def test_a_resumed_runs_first_means_replace_a_stopped_runs_even_after_an_evaluation(
+    tmp_path: Path,
+) -> None:
+    # Stopped at 5 (saved there), its fit_end record holds the means of update 5. The resumed
+    # run's first record was the evaluation at 6 (every 3), which holds no means, so the files
+    # kept that record of 5 beside the resumed run's of 5 and 6: update 5 counted twice.
+    options = {"every": 3, "at_fit_end": False}
+    whole, whole_rows = _evaluated_run(tmp_path / "whole", max_steps=10, **options)
+    _evaluated_run(tmp_path / "parts", max_steps=5, **options)
+    parts, rows = _evaluated_run(tmp_path / "parts", max_steps=10, **options)
+    assert [(s, u) for s, u, _ in whole] == [
+        (2, 2), (3, None), (4, 2), (6, None), (6, 2), (8, 2), (9, None), (10, 2),
+    ]  # fmt: skip
+    assert parts == whole
+    assert [(r["step"], r["updates"]) for r in rows] == [
+        (r["step"], r["updates"]) for r in whole_rows
     ]
 
 
@@ -292,3 +315,48 @@ def test_a_run_resumed_in_the_same_process_with_the_same_sinks_logs_each_update_
     parts = runs(tmp_path / "parts", [5, 10] if stopped else [10, 10], None if stopped else 7)
     assert [s for s, _, _ in whole[0]] == [2, 4, 6, 8, 10]
     assert parts == whole
+
+
+def _evaluated_tensorboard_run(root: Path, *, max_steps: int) -> dict[str, list[int]]:
+    """As ``_evaluated_run``, into TensorBoard: the steps of the loss and val_loss points."""
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        EventAccumulator,
+    )
+    from torchmetrics import MeanMetric
+
+    state, step, data = _training()
+    ckpt, train = checkpoint_every(str(root / "ckpt"), every=5), TrainMetrics()
+    val = [torch.randn(4, 2, generator=torch.Generator().manual_seed(2))]
+    tb = TensorBoardLogger(str(root / "tb"))
+    evaluate = make_eval_step(lambda m, batch: {"value": m(batch).pow(2).flatten()})
+    evaluator = Evaluator(evaluate, val, metrics={"loss": MeanMetric()}, every=5, sinks=tb)
+    with Log(tb, sources=[train.read], every=2) as log:
+        events = Events(resume_from(ckpt), train, evaluator, ckpt, log)
+        run(step, state, data, events=events, max_steps=max_steps)
+    reader = EventAccumulator(str(root / "tb"))
+    reader.Reload()
+    return {name: [point.step for point in reader.Scalars(name)] for name in ("loss", "val_loss")}
+
+
+@pytest.mark.parametrize("end", ["stopped", "crashed"])
+def test_an_evaluation_at_the_resumed_update_keeps_its_tensorboard_point(
+    tmp_path: Path, end: str
+) -> None:
+    # The evaluation at 5 is logged before the save at 5. The resumed run's first point (6)
+    # covers updates 5 and 6, and its first update (5) was the purge_step: the val_loss point
+    # at 5 was hidden, and the resumed run does not evaluate 5 again ([10], not [5, 10]).
+    pytest.importorskip("tensorboard")  # the `tb` extra; CI installs it
+    whole = _evaluated_tensorboard_run(tmp_path / "whole", max_steps=10)
+    parts = tmp_path / "parts"
+    if end == "stopped":
+        _evaluated_tensorboard_run(parts, max_steps=5)
+    else:  # the first run wrote up to 8 (saved at 5), then was killed
+        _evaluated_tensorboard_run(parts, max_steps=8)
+        shutil.rmtree(parts / "ckpt" / "step-00000008")  # killed before this save
+    time.sleep(1.0)  # the resumed run's event file sorts after the first's (see above)
+    resumed = _evaluated_tensorboard_run(parts, max_steps=10)
+    assert whole == {"loss": [2, 4, 6, 8, 10], "val_loss": [5, 10]}
+    assert resumed["val_loss"] == [5, 10]
+    # A stopped run's fit_end point of the means of update 5 (written after the save) stays
+    # beside the resumed run's of 5 and 6; the purge hides the crashed run's points from 6 on.
+    assert resumed["loss"] == ([2, 4, 5, 6, 8, 10] if end == "stopped" else [2, 4, 6, 8, 10])

@@ -364,7 +364,7 @@ def test_the_lr_monitor_reads_every_optimizer_under_its_name() -> None:
     reads: list[dict[str, Any]] = []
     events = Events().on("step_end", lambda event: reads.append(LRMonitor().read(event)))
     run(_steps(), _state(), _batches(3), events=events)
-    assert reads[-1] == {"G/lr": pytest.approx(1e-2), "D/lr": pytest.approx(0.1)}
+    assert reads[-1] == {"G/next_lr": pytest.approx(1e-2), "D/next_lr": pytest.approx(0.1)}
 
 
 def test_a_record_at_an_update_holds_each_steps_values_only_of_a_window_it_closed(

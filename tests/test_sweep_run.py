@@ -213,7 +213,7 @@ def test_lr_monitor_logs_each_copy_rate_not_the_schedule_factor() -> None:
         state, _ = step(state, batch)
     read = LRMonitor().read(sl.Event("step_end", state=state, step=5))
     factor = sl.warmup_cosine(warmup=3, total=40)(5)
-    assert read == {"lr": pytest.approx([lr * factor for lr in LRS], rel=1e-12)}
+    assert read == {"next_lr": pytest.approx([lr * factor for lr in LRS], rel=1e-12)}
 
 
 @pytest.mark.parametrize("watcher", ["Evaluator", "EarlyStopping", "export_best"])

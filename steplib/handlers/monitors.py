@@ -319,10 +319,15 @@ class GradNormMonitor(Handler):
 
 
 class LRMonitor:
-    """A log source: the learning rate of each parameter group, read from the optimizer.
+    """A log source: the learning rate each parameter group holds after the update, the one
+    the next update uses (the state's scheduler has stepped; a ``Scheduler`` handler steps its
+    own at the epoch's end, after this read), read from the optimizer.
 
+    Its names say so: one group is logged as ``next_lr``, several as ``next_lr/group0``, ...
+    ``lr`` is the rate the update used (the step's record, ``TrainMetrics``; the first group's),
+    one update behind on a schedule: under one name, a warmup's curve would be an update early.
     The optimizer keeps a float LR on the host, so reading it costs no device sync (a tensor LR
-    is read with ``float``). One group is logged as ``lr``, several as ``lr/group0``, ...
+    is read with ``float``).
 
     Example:
         >>> import torch
@@ -331,13 +336,13 @@ class LRMonitor:
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
         >>> LRMonitor().read(Event("step_end", state=SimpleNamespace(optimizer=opt)))
-        {'lr/group0': 0.1, 'lr/group1': 0.1}
+        {'next_lr/group0': 0.1, 'next_lr/group1': 0.1}
     """
 
     def read(self, event: Event) -> dict[str, float | list[float]]:
         """The current LR of every group (after this update's scheduler step); a sweep
         optimizer's, one per copy. A state of several optimizers: each one's under its name
-        (``G/lr``, ``D/lr/group1``), not the first's alone as the run's."""
+        (``G/next_lr``, ``D/next_lr/group1``), not the first's alone as the run's."""
         state = event.state
         names = getattr(state, "names", ())
         if not names:
@@ -350,8 +355,8 @@ class LRMonitor:
 def _rates(optimizer: Any, prefix: str) -> dict[str, float | list[float]]:
     rates = [_rate(group) for group in optimizer.param_groups]
     if len(rates) == 1:
-        return {f"{prefix}lr": rates[0]}
-    return {f"{prefix}lr/group{i}": rate for i, rate in enumerate(rates)}
+        return {f"{prefix}next_lr": rates[0]}
+    return {f"{prefix}next_lr/group{i}": rate for i, rate in enumerate(rates)}
 
 
 def _rate(group: Mapping[str, Any]) -> float | list[float]:

@@ -20,13 +20,16 @@ def first_update(record: Record) -> Any:
     return step
 
 
-def written_again(first: Record, written: Mapping[str, Any]) -> bool:
+def written_again(first: Record, written: Mapping[str, Any], *, means_only: bool = False) -> bool:
     """Whether a resumed run whose first record is ``first`` writes ``written``, a record of
     the file it continues, again: a record at ``first``'s step or later; and an interval's
     means (with ``updates``: ``TrainMetrics``', ``GradNormMonitor``'s) from the first update
     ``first`` covers on (the one a run wrote at ``fit_end`` after the save of its update,
     which ``first`` covers again). Another record before ``first``'s step is kept: an
     evaluation at the checkpoint's update, which the resumed run does not run again.
+
+    ``means_only``: the interval means alone, for a run whose first record held none (an
+    evaluation's): its first record of means then judges them, and its own records are kept.
 
     Example:
         >>> first = {"step": 6, "updates": 2}  # the means of updates 5 and 6
@@ -37,4 +40,5 @@ def written_again(first: Record, written: Mapping[str, Any]) -> bool:
     step, start = written.get("step"), first_update(first)
     if not isinstance(step, int) or not isinstance(start, int):
         return False
-    return step >= first["step"] or (step >= start and written.get("updates") is not None)
+    means = step >= start and written.get("updates") is not None
+    return means if means_only else step >= first["step"] or means

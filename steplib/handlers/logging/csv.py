@@ -94,13 +94,19 @@ class CSVLogger(FileSink):
         self.replace_contents(b"".join(lines), record)
         self.fields = fields
 
-    def records_before(self, data: bytes, first: Record) -> tuple[bytes, int]:
+    def records_before(
+        self, data: bytes, first: Record, *, means_only: bool = False
+    ) -> tuple[bytes, int]:
         """The header and the rows of ``data`` that a resumed run whose first record is
         ``first`` does not write again."""
         if "step" not in self.fields:
             return data, 0
         rows = self._rows(data)
-        kept = [row for row in rows if not written_again(first, self._numbers(row))]
+        kept = [
+            row
+            for row in rows
+            if not written_again(first, self._numbers(row), means_only=means_only)
+        ]
         lines = [_csv_line(self.fields), *(_csv_line(row) for row in kept)]
         return b"".join(lines), len(rows) - len(kept)
 

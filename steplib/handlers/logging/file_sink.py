@@ -80,6 +80,7 @@ class FileSink(Sink):
         self.active = is_main() or not rank_zero_only
         self._file = None
         self._continuing = append  # until the first record: drop the steps it writes again
+        self._means_pending = False  # until the first record of means, when the first held none
         if not self.active:
             return
         try:
@@ -108,9 +109,29 @@ class FileSink(Sink):
             LogWriteError: the file cannot be read or rewritten; the message names the URL.
         """
         step = first_update(record)
-        if not self._continuing or self._file is None or not isinstance(step, int):
+        if self._file is None or not isinstance(step, int):
             return
-        self._continuing = False
+        means = record.get("updates") is not None
+        if self._means_pending and means:
+            # The run's first record held no means (an evaluation's): this first one of means
+            # judges the interval means a stopped run wrote at fit_end after its save, which it
+            # covers again (its other records, this run's, are kept).
+            self._means_pending = False
+            kept, dropped = self.records_before(self.read_all(record), record, means_only=True)
+            if dropped:
+                self.replace_contents(kept, record)
+                _log.info(
+                    "%s(%r) dropped %d record(s) of means from update %d on: this run's first "
+                    "record of means covers those updates again",
+                    type(self).__name__,
+                    self.url,
+                    dropped,
+                    step,
+                )
+            return
+        if not self._continuing:
+            return
+        self._continuing, self._means_pending = False, not means
         kept, dropped = self.records_before(self.read_all(record), record)
         if dropped and step <= 1:  # a run from the start: the file is an earlier run's log
             warnings.warn(
@@ -137,10 +158,12 @@ class FileSink(Sink):
         crashed or stopped run wrote after the checkpoint."""
         self._continuing = True
 
-    def records_before(self, data: bytes, first: Record) -> tuple[bytes, int]:
+    def records_before(
+        self, data: bytes, first: Record, *, means_only: bool = False
+    ) -> tuple[bytes, int]:
         """The part of the file's ``data`` written before a resumed run whose first record is
-        ``first`` (without the records it writes again: ``written_again``), and the number of
-        records left out."""
+        ``first`` (without the records it writes again: ``written_again``, with
+        ``means_only``), and the number of records left out."""
         raise NotImplementedError
 
     def read_all(self, record: Record) -> bytes:

@@ -76,7 +76,9 @@ class JsonlLogger(FileSink):
         self.continue_at(record)
         self.write_bytes(line, record)
 
-    def records_before(self, data: bytes, first: Record) -> tuple[bytes, int]:
+    def records_before(
+        self, data: bytes, first: Record, *, means_only: bool = False
+    ) -> tuple[bytes, int]:
         """The lines of ``data`` that a resumed run whose first record is ``first`` does not
         write again (lines that are not records are kept)."""
         kept: list[bytes] = []
@@ -86,7 +88,7 @@ class JsonlLogger(FileSink):
                 written = orjson.loads(line)
             except orjson.JSONDecodeError:  # not a record: not ours to judge
                 written = None
-            if isinstance(written, dict) and written_again(first, written):
+            if isinstance(written, dict) and written_again(first, written, means_only=means_only):
                 dropped += 1
             else:
                 kept.append(line)

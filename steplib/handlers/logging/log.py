@@ -3,10 +3,11 @@ values, written to every sink. Imports ``base`` for the records and the :class:`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from steplib.cadence import Batches, check_every, check_not_by_hand, due
-from steplib.distributed import is_main
+from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
 from steplib.handlers.logging.base import (
@@ -19,13 +20,15 @@ from steplib.handlers.logging.base import (
     logged_number,
 )
 
+_log = logging.getLogger("steplib.logging")
+
 
 class Log(Handler):
     """A handler that writes one record per call to every sink: the event's counters, then the
     values of each source, merged. Two sources that write one name (a counter such as
     ``updates`` aside) are refused at the first record, before it is written: the later's
     value would stand for both (``TrainMetrics``' ``lr``, the rate this update used, replaced
-    by ``LRMonitor``'s, the next update's).
+    by another source's ``lr``).
 
     Sources are called on every rank (a source may all-reduce, which every rank must join);
     each sink writes the record on the ranks it writes on: rank 0, or every rank for a sink
@@ -44,7 +47,8 @@ class Log(Handler):
             list of handlers), or every n batches with ``Batches(n)``; ``None`` to register it
             yourself with ``events.on``. Attached, it also writes the run's last update at
             ``fit_end`` when that was not due (a stop, or a run of 105 updates with
-            ``every=10``), so that the updates after the last interval are in the log (so it
+            ``every=10``), or at an error on one process (:meth:`on_exception`), so that the
+            updates after the last interval are in the log (so it
             is refused registered by hand on a step event, where it would go unused).
 
     Raises:
@@ -88,6 +92,7 @@ class Log(Handler):
         self.sources = tuple(sources)
         self.every = check_every("Log(every=...)", every)
         self._unwritten: Event | None = None  # the last step_end, when it was not due
+        self._written_at: int | None = None  # the step of this run's last record
 
     def on_attach(self, events: Events) -> None:
         """Refuse to be attached without ``every`` (close the sinks yourself, or use the
@@ -104,6 +109,7 @@ class Log(Handler):
 
     def on_fit_start(self, event: Event) -> None:
         """Tell each sink a run starts (one resumed in this process writes steps again)."""
+        self._written_at = None
         for sink in self.sinks:
             sink.start_run()
 
@@ -122,8 +128,26 @@ class Log(Handler):
             self._record(unwritten)
 
     def on_exception(self, event: Event) -> None:
-        # Nothing written: a source may all-reduce, and the other ranks need not be here.
-        self._unwritten = None
+        """Write the updates since the last record (a loss diverging before the crash), as at
+        ``fit_end``, at the error's counters (the last update the run made). On
+        one process only: a source may all-reduce, and the other ranks need not be here. A
+        failure to read or write is logged (``steplib.logging``, ERROR), never raised: the
+        run's error stays the one raised (after a device error, a tensor read raises again)."""
+        unwritten, self._unwritten = self._unwritten, None
+        # At the error's own counters: a handler before this one that raised at a step_end
+        # (an alarm) left the record of that update unwritten, its sources holding it.
+        last = self._written_at
+        nothing_new = unwritten is None and (last is None or event.step == last)
+        if nothing_new or world_size() > 1:
+            return
+        try:
+            self._record(event)
+        except Exception as error:
+            _log.error(
+                "Log could not write the record of update %s while the run was failing: %r",
+                event.step,
+                error,
+            )
 
     def __call__(self, event: Event) -> None:
         """Write one record of ``event`` (registered with ``events.on``: on each call).
@@ -135,6 +159,7 @@ class Log(Handler):
         self._record(event)
 
     def _record(self, event: Event) -> None:
+        self._written_at = event.step
         record = event_counters(event)
         for source in self.sources:
             values = source(event)

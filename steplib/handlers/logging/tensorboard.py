@@ -8,7 +8,6 @@ from typing import Any
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
 from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
-from steplib.handlers.logging.continued import first_update
 
 
 class TensorBoardLogger(Sink):
@@ -20,10 +19,13 @@ class TensorBoardLogger(Sink):
     not plotted unless ``keys`` names them (``time`` is the wall time of the points);
     non-numbers (lists, strings) are skipped. A name is written once per step: a second record
     at the same step (an evaluation's, the one at ``fit_end``) adds no duplicate point. The
-    first update the first record covers (its step; an interval's first for ``TrainMetrics``'
-    means) is the writer's ``purge_step``: the points a killed run wrote in this
+    first record's step is the writer's ``purge_step``: the points a killed run wrote in this
     directory at that step and after, which a run resumed from an earlier checkpoint writes
-    again, are hidden, so each step has one point.
+    again, are hidden, so each step has one point. A purge hides every name at a step, so it
+    starts at the first update the resumed run writes, not at the first its means cover: the
+    killed run's evaluation at the checkpoint's update, which the resumed run does not run
+    again, stays; so does the point of the means a stopped run wrote at ``fit_end`` after
+    that save (the files drop it), whose update the resumed run's first point covers again.
 
     Args:
         log_dir: the run's directory (``tensorboard --logdir`` its parent).
@@ -99,7 +101,10 @@ class TensorBoardLogger(Sink):
         if not self._purged:  # a resumed run writes its steps again: hide the killed run's
             self._purged = True
             self._writer.close()
-            self._writer = self._open(purge_step=first_update(record))
+            # From the step of the first record, not the first update its means cover: a purge
+            # hides every name there, and the evaluation at the checkpoint's update is not
+            # written again (its point vanished from the curve).
+            self._writer = self._open(purge_step=step)
         try:
             for name, value in select(record, self.keys, default_skip=COUNTERS).items():
                 if name == "step" or isinstance(value, bool) or not isinstance(value, int | float):
