@@ -174,6 +174,7 @@ class Registration:
         once: ``once=``, or ``None``.
         owner: the handler object ``Events.add`` registered it for (``Events.remove``).
         last: whether it runs after the functions registered without ``last=True``.
+        first: whether it runs before the functions registered without ``first=True``.
     """
 
     handler: Callable[[Any], Any]
@@ -181,6 +182,7 @@ class Registration:
     once: int | None
     owner: Any
     last: bool
+    first: bool = False
 
     def runs_at(self, event: Any) -> bool:
         """Whether it runs at ``event`` (an event without a counter, e.g. ``fit_end``:

@@ -136,14 +136,17 @@ class NewState:
 
 class Handler:
     """The base of steplib's handler objects, optional for yours: :meth:`Events.add` registers
-    the methods named ``on_<event>`` of any object. It adds :meth:`attach` and ``last``.
+    the methods named ``on_<event>`` of any object. It adds :meth:`attach`, ``last``, ``first``.
 
     Attributes:
         last: ``True`` to register every ``on_`` method with ``last=True`` (a checkpoint's
             save: it must hold what the other handlers did at that event).
+        first: ``True`` to register them with ``first=True`` (a resume: every other handler
+            starts from the resumed state, wherever it was attached).
     """
 
     last: bool = False
+    first: bool = False
 
     def attach(self, events: Events) -> Events:
         """Register its ``on_<event>`` methods on ``events`` (``events.add(self)``); return it."""
@@ -152,15 +155,10 @@ class Handler:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Emitted:
-    """The outcome of :meth:`Events.emit`: the (possibly replaced) state and a stop request.
-
+    """The outcome of :meth:`Events.emit`: ``state`` after the handlers (the event's own, or
+    one a handler swapped in) and ``stop``, the first :class:`Stop` one returned, or ``None``.
     A handler that emits an event of its own returns it: the emitter then goes on with its
-    state (as for a :class:`NewState`) and keeps its stop (as for a :class:`Stop`).
-
-    Attributes:
-        state: the state after the handlers (the event's own, or one a handler swapped in).
-        stop: the first :class:`Stop` a handler returned, or ``None``.
-    """
+    state (as for a :class:`NewState`) and keeps its stop (as for a :class:`Stop`)."""
 
     state: Any
     stop: Stop | None
@@ -168,7 +166,7 @@ class Emitted:
 
 class Events:
     """Handlers by event name, called in registration order (those registered with
-    ``last=True`` after the others). Safe to rebuild in a notebook: nothing is global.
+    ``first=True`` before the others, with ``last=True`` after). Nothing is global.
 
     Args:
         *handlers: handler objects to :meth:`add` now, in order.
@@ -191,9 +189,9 @@ class Events:
     def add(self, *handlers: Any) -> Events:
         """Register handler objects, in order: each one's methods named ``on_<event>`` (in
         ``EVENT_NAMES`` order), after its ``on_attach(events)`` if it has one (where it refuses
-        a configuration), all with ``last=True`` if its ``last`` is ``True``. A cadence is the
-        handler's own (``if not due(self.every, event): return None``). An object whose class
-        defines its own ``attach(events)`` is registered by calling it.
+        a configuration), with its ``last`` and ``first``. A cadence is the handler's own
+        (``if not due(self.every, event): return None``). An object whose class defines its
+        own ``attach(events)`` is registered by calling it.
 
         Args:
             *handlers: objects with ``on_<event>`` methods, with or without :class:`Handler`.
@@ -203,7 +201,7 @@ class Events:
 
         Raises:
             ValueError: a handler with no ``on_<event>`` method (a plain function needs an
-                event name: :meth:`on`), whose ``last`` is not a bool, or attached already.
+                event name: :meth:`on`), whose ``last`` or ``first`` is not a bool, or twice.
 
         Example:
             >>> from steplib.cadence import due
@@ -240,21 +238,21 @@ class Events:
         if not methods:
             raise ValueError(
                 f"Events received the handler {handler!r}, which has no on_<event> method, so it "
-                "does not say on which event it runs. Define one (on_step_end(self, event), "
-                f"... for {', '.join(EVENT_NAMES)}), or register a plain function with "
-                "events.on('step_end', handler, every=100)."
+                f"does not say on which event it runs. Define one (on_step_end(self, event), ... "
+                f"for {', '.join(EVENT_NAMES)}), or register a function: events.on('step_end', fn)."
             )
-        last = getattr(handler, "last", False)
-        if not isinstance(last, bool):
+        last, first = getattr(handler, "last", False), getattr(handler, "first", False)
+        if not isinstance(last, bool) or not isinstance(first, bool) or (last and first):
             raise ValueError(
-                f"Events received the handler {handler!r}, whose last is {last!r}: it says whether "
-                "its on_ methods run after the others'. Make it True or False."
+                f"Events received the handler {handler!r}, whose last is {last!r} and first "
+                f"{first!r}: whether its on_ methods run after or before the others'. Make "
+                "each True or False, not both True."
             )
         on_attach = getattr(handler, "on_attach", None)
         if callable(on_attach):
             on_attach(self)
         for name, method in methods:
-            self.on(name, method, last=last)
+            self.on(name, method, last=last, first=first)
 
     def remove(self, handler: Any) -> Events:
         """Unregister ``handler`` from every event: a function given to :meth:`on`, or a
@@ -305,6 +303,7 @@ class Events:
         every: int | Batches | None = None,
         once: int | None = None,
         last: bool = False,
+        first: bool = False,
     ) -> Events:
         """Register ``handler`` for event ``name``, after those registered before it.
 
@@ -317,6 +316,7 @@ class Events:
             once: call it only when the event's counter equals this.
             last: call it after every handler registered without ``last`` (what a save does:
                 it must hold what the others did at this event, e.g. a scheduler's step).
+            first: call it before every handler registered without ``first`` (a resume).
 
         Returns:
             ``self``, so registrations chain.
@@ -338,10 +338,11 @@ class Events:
             )
         check_every_or_once(name, every, once, handler, self._handlers[name])
         # A new list, not an insert: an emission under way iterates the old one (a handler
-        # registered during it runs from the next event). `last` handlers stay at its end.
+        # registered during it runs from the next event). `first` ones stay at its start,
+        # `last` ones at its end.
         old = self._handlers[name]
-        at = len(old) if last else sum(1 for r in old if not r.last)
-        new = Registration(handler, every, once, self._adding, last)
+        at = len(old) if last else sum(1 for r in old if r.first or not (first or r.last))
+        new = Registration(handler, every, once, self._adding, last, first)
         self._handlers[name] = [*old[:at], new, *old[at:]]
         return self
 

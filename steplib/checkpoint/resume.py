@@ -27,6 +27,10 @@ _log = logging.getLogger("steplib.checkpoint")
 class Resume(Handler):
     """The ``fit_start`` handler :func:`resume_from` builds; ``loaded``: the URL it loaded."""
 
+    # Before every other handler, wherever attached: each starts from the resumed state and
+    # its own resumed state (an early stopper that had stopped stops at once).
+    first = True
+
     def __init__(self, given: Checkpoints) -> None:
         self.given = given
         self.loaded: str | None = None
