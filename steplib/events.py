@@ -141,8 +141,7 @@ class Handler:
     Attributes:
         last: ``True`` to register every ``on_`` method with ``last=True`` (a checkpoint's
             save: it must hold what the other handlers did at that event).
-        first: ``True`` to register them with ``first=True`` (a resume: every other handler
-            starts from the resumed state, wherever it was attached).
+        first: ``True`` to register them with ``first=True`` (a resume: the others start from it).
     """
 
     last: bool = False
@@ -238,8 +237,9 @@ class Events:
         if not methods:
             raise ValueError(
                 f"Events received the handler {handler!r}, which has no on_<event> method, so it "
-                f"does not say on which event it runs. Define one (on_step_end(self, event), ... "
-                f"for {', '.join(EVENT_NAMES)}), or register a function: events.on('step_end', fn)."
+                "does not say on which event it runs. Define one (on_step_end(self, event), "
+                f"... for {', '.join(EVENT_NAMES)}), or register a plain function with "
+                "events.on('step_end', handler, every=100)."
             )
         last, first = getattr(handler, "last", False), getattr(handler, "first", False)
         if not isinstance(last, bool) or not isinstance(first, bool) or (last and first):

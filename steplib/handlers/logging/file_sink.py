@@ -112,28 +112,19 @@ class FileSink(Sink):
         if self._file is None or not isinstance(step, int):
             return
         means = record.get("updates") is not None
-        if self._means_pending and means:
-            # The run's first record held no means (an evaluation's): this first one of means
-            # judges the interval means a stopped run wrote at fit_end after its save, which it
-            # covers again (its other records, this run's, are kept).
-            self._means_pending = False
-            kept, dropped = self.records_before(self.read_all(record), record, means_only=True)
-            if dropped:
-                self.replace_contents(kept, record)
-                _log.info(
-                    "%s(%r) dropped %d record(s) of means from update %d on: this run's first "
-                    "record of means covers those updates again",
-                    type(self).__name__,
-                    self.url,
-                    dropped,
-                    step,
-                )
+        if self._continuing:  # the run's first record judges every record of the file
+            means_only, self._continuing = False, False
+            # An evaluation's holds no interval means: then the run's first record of means
+            # judges those a stopped run wrote at fit_end after its save (it covers them again).
+            self._means_pending = not means
+        elif self._means_pending and means:
+            means_only, self._means_pending = True, False
+        else:
             return
-        if not self._continuing:
+        kept, dropped = self.records_before(self.read_all(record), record, means_only=means_only)
+        if not dropped:
             return
-        self._continuing, self._means_pending = False, not means
-        kept, dropped = self.records_before(self.read_all(record), record)
-        if dropped and step <= 1:  # a run from the start: the file is an earlier run's log
+        if step <= 1 and not means_only:  # a run from the start: the file is an earlier run's
             warnings.warn(
                 f"{type(self).__name__}({self.url!r}) replaces the {dropped} record(s) an "
                 f"earlier run wrote there from step {step} on (append=True, and this run starts "
@@ -141,16 +132,15 @@ class FileSink(Sink):
                 "to keep them.",
                 stacklevel=2,
             )
-        if dropped:
-            self.replace_contents(kept, record)
-            _log.info(
-                "%s(%r) dropped %d record(s) at step %d or later from the file it continues: "
-                "this run writes those steps again",
-                type(self).__name__,
-                self.url,
-                dropped,
-                step,
-            )
+        self.replace_contents(kept, record)
+        _log.info(
+            "%s(%r) dropped %d record(s) at step %d or later from the file it continues: "
+            "this run writes those steps again",
+            type(self).__name__,
+            self.url,
+            dropped,
+            step,
+        )
 
     def start_run(self) -> None:
         """At the run's first record, drop the records it writes again (:meth:`continue_at`),
