@@ -42,7 +42,7 @@ class Lineage:
     def __init__(self) -> None:
         self.step = 0
         self.micro_step = 0
-        self.torn = False  # .grad holds part of a micro-batch (see backward_failed)
+        self.torn = False  # a step raised part-way: .grad is what no state describes
 
     def __repr__(self) -> str:
         torn = ", torn" if self.torn else ""
