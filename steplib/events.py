@@ -19,16 +19,9 @@ from typing import Any
 from steplib.cadence import Batches, Registration, attached_to, check_every_or_once
 
 EVENT_NAMES = (
-    "fit_start",
-    "epoch_start",
-    "micro_step_end",
-    "step_end",
-    "epoch_end",
-    "fit_end",
-    "exception",
-    "validation_end",
-    "checkpoint_end",
-)
+    "fit_start", "epoch_start", "micro_step_end", "step_end", "epoch_end", "fit_end",
+    "exception", "validation_end", "checkpoint_end",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,8 +47,12 @@ class Event:
         events: the :class:`Events` emitting this event (:meth:`Events.emit` sets it): where a
             handler emits an event of its own and finds the attached handlers.
         outputs: in a run of several steps, each one's ``StepOutput`` by name (those that ran).
-        batches: the batches this event covers, for step events: 1 for ``micro_step_end``,
-            the update's window for ``step_end`` (what ``every=Batches(n)`` counts).
+        batches: the batches this event covers, for step events: 1 for ``micro_step_end``
+            (0 if ``flushed``), the update's window for ``step_end`` (``every=Batches(n)``).
+        flushed: ``True`` at the ``micro_step_end`` a run of several steps emits after it
+            flushed the windows open when unsized data ended (``outputs``: the steps whose
+            window it closed, also one whose optimizer the run does not count, which no
+            ``step_end`` carries): no micro-batch ran, so ``every=`` and ``once=`` skip it.
     """
 
     name: str
@@ -73,6 +70,7 @@ class Event:
     events: Events | None = None
     outputs: Mapping[str, Any] | None = None
     batches: int = 0
+    flushed: bool = False
 
     @classmethod
     def at(cls, name: str, state: Any, **payload: Any) -> Event:

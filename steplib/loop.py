@@ -224,10 +224,10 @@ def _iterate(
                 before, close, continued = state.step, True, False  # the pass has ended
                 state, flushed, outs = flush(state)
                 if flushed is not None:
-                    # No micro-batch ran, so only step_end: a second micro_step_end with the
-                    # same micro_step would fire every/once handlers twice.
+                    # step_end if the counted optimizer updated; with several steps first a
+                    # micro_step_end marked flushed (see _after_call).
                     state, flush_stop = _after_call(
-                        events, state, flushed, outs, before, index, opened, micro_batch=False
+                        events, state, flushed, outs, before, index, opened, flushed=True
                     )
                     stop = stop or flush_stop
                     last.append(flushed if outs is None else outs)
@@ -264,7 +264,8 @@ def run(
 
     Emits ``fit_start`` (with ``data``, ``train_step`` and ``events``: where a checkpoint finds
     the loader, the step(s) and the handlers whose state it saves), then per epoch ``epoch_start``,
-    ``micro_step_end`` after every call of the step(s), ``step_end`` after every update,
+    ``micro_step_end`` after every call of the step(s) (with several steps, also after a
+    flush: ``event.flushed``), ``step_end`` after every update,
     ``epoch_end``, and finally ``fit_end`` (or ``exception``, then re-raises).
 
     Args:
@@ -310,15 +311,21 @@ def _after_call(
     index: int,
     opened: list[int],
     *,
-    micro_batch: bool = True,
+    flushed: bool = False,
 ) -> tuple[TrainState, Stop | None]:
     # An event is built only when a handler listens for it (_emit): a loop without step
     # handlers pays nothing per micro-batch.
     stop = None
-    if micro_batch and events.has("micro_step_end"):
+    # A flush ran no micro-batch. One step's flush is the counted optimizer's update, which
+    # its step_end carries. Several steps' flush may close a window of a step whose optimizer
+    # is not counted (D's, with G counted), which no step_end carries: a micro_step_end marked
+    # flushed (covering no batch, skipped by every=/once=) brings it to the readers (the
+    # metrics, the bar, the alarm, an EMA of that step's model).
+    if events.has("micro_step_end") and (not flushed or outs is not None):
         state, stop = _emit(
-            events, state, "micro_step_end", output=out, outputs=outs, batch_index=index, batches=1
-        )
+            events, state, "micro_step_end", output=out, outputs=outs, batch_index=index,
+            batches=0 if flushed else 1, flushed=flushed,
+        )  # fmt: skip
     if state.step != step_before:  # a window closed: host ints
         covered = state.micro_step - opened[0]
         opened[0] = state.micro_step

@@ -290,8 +290,9 @@ class Throughput(Handler):
     def _add(self, event: Event) -> None:
         for name, out in self._unread.outputs(event):
             if self._by_batch:
-                # An output first seen at step_end, in a run, is a flush's: no micro-batch ran.
-                if event.name == "step_end" and self._batched:
+                # A flush's output (seen at a micro_step_end marked flushed, or first at
+                # step_end, in a run): no micro-batch ran, no tokens to count.
+                if getattr(event, "flushed", False) or (event.name == "step_end" and self._batched):
                     continue
                 count = self.tokens(out)
             else:  # a window's targets, on the call that closes it
