@@ -79,11 +79,13 @@ def check_newest(state: Any, caller: str) -> None:
         "it would be silently wrong (two updates counted as one, a window that counts fewer "
         "micro-batches than .grad holds, a checkpoint whose counters do not match its weights). "
         "Go on from the state the last call returned: `state, out = step(state, batch)`, not "
-        "two calls on one state; `state = run(...)`. After a run "
-        "or step that raised: the state a handler's on_exception saw (in a notebook, loop with "
-        "`for state, out in iterate(step, state, data)`: an interrupted cell leaves `state` the "
-        "newest), or load the last checkpoint "
-        "(state = load(url, state)), or start over with TrainState.create(...). To set "
+        "two calls on one state; `state = run(...)`. After a run or step that raised: the "
+        'state the run\'s exception event saw (register `seen = []; events.on("exception", '
+        "lambda e: seen.append(e.state))` before the run, then `state = seen[-1]`; a loop "
+        "`for state, out in iterate(...)` leaves `state` the newest only when the step itself "
+        "raised, one call behind when a handler did: an evaluation, a save, a log), or load "
+        "the last checkpoint (state = load(url, state)), or start over with "
+        "TrainState.create(...). To set "
         "counters by hand: state.replace(step=..., micro_step=...), not dataclasses.replace "
         "(which the run does not see)."
     )

@@ -8,7 +8,16 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from steplib import ConfigError, TrainState, accumulate, make_train_step
+from steplib import (
+    ConfigError,
+    Event,
+    Events,
+    TrainState,
+    accumulate,
+    iterate,
+    make_train_step,
+    run,
+)
 from tests.reference import make_batches, mean_loss, params_of, reference_loop, tiny_model
 
 GRADIENT_HELD = r"already hold a gradient .* model\.zero_grad\(set_to_none=True\)"
@@ -79,3 +88,39 @@ def test_a_piece_swapped_in_with_replace_is_checked_as_create_checks_it() -> Non
 
     # Both pieces at once: the plain loop with the new optimizer.
     _assert_trains_as_the_plain_loop(state.replace(optimizer=lower, scheduler=None), lr=0.01)
+
+
+def test_a_cell_interrupted_inside_a_handler_is_refused_with_a_way_on_that_works() -> None:
+    # The refusal named `for state, out in iterate(...)` as the way to keep the newest state of
+    # an interrupted cell; interrupted inside a handler (an evaluation at step_end, a save at
+    # epoch_end) the loop had stepped past the last yielded state, so the next cell was refused
+    # again, naming the same loop, and only a checkpoint or a new start was left.
+    data = make_batches(6)
+    step = make_train_step(mean_loss)
+
+    def fresh() -> TrainState:
+        model = tiny_model(0)
+        return TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+
+    uninterrupted = run(step, fresh(), data, max_epochs=2)
+
+    def interrupt(event: Event) -> None:
+        if event.epoch == 1:  # after the last update of epoch 0 was counted
+            raise KeyboardInterrupt
+
+    events = Events()
+    events.on("epoch_end", interrupt)
+    seen: list[TrainState] = []
+    events.on("exception", lambda e: seen.append(e.state))  # the fix the refusal names
+    start = state = fresh()
+    with pytest.raises(KeyboardInterrupt):  # the notebook's loop: `state` as the cell left it
+        for state, _ in iterate(step, start, data, events=events, max_epochs=2):  # noqa: B007
+            pass
+    assert (state.step, state.epoch) == (5, 0)  # one call behind
+    with pytest.raises(ConfigError, match=r'(?s)events\.on\("exception", lambda e: seen\.append'):
+        run(step, state, data, max_epochs=2)
+
+    state = run(step, seen[-1], data, max_epochs=2)
+    assert (state.step, state.epoch) == (uninterrupted.step, uninterrupted.epoch) == (12, 2)
+    for got, want in zip(params_of(state.model), params_of(uninterrupted.model), strict=True):
+        assert torch.equal(got, want)

@@ -120,3 +120,36 @@ def test_a_plateau_scheduler_given_an_evaluator_is_fed_its_values_alone(other_fi
     run(STEP, state, [torch.ones(3, 2)] * len(VALUES), events=events)
     assert len(other.history) == len(VALUES)
     assert lrs[1::2] == _reference_lrs()  # the lr after each of the watched evaluations
+
+
+def test_a_scheduler_cell_run_again_on_one_events_is_refused_with_the_fix() -> None:
+    # The cell `events.add(Scheduler(StepLR(opt, 1, 0.5)))` run twice on an Events built in an
+    # earlier cell: both handlers halved the rate at each epoch end (0.0625 after 2 epochs
+    # where the schedule gives 0.25), in silence.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    events = Events()
+    for _ in range(2):
+        events.add(Scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)))
+    data = [torch.ones(1, 2)] * 3
+    state = TrainState.create(model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match=r"step the same optimizer at each epoch end"):
+        run(STEP, state, data, events=events, max_epochs=2)
+    assert opt.param_groups[0]["lr"] == 1.0  # refused at fit_start, before any update
+
+    # The fixes it names: one handler per optimizer and cadence (Events built in the cell) ...
+    fresh = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = run(STEP, state, data, events=Events(Scheduler(fresh)), max_epochs=2)
+    assert opt.param_groups[0]["lr"] == 0.25
+    # ... and two schedules on purpose, chained in one handler.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    chained = torch.optim.lr_scheduler.ChainedScheduler(
+        [
+            torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5),
+        ]
+    )
+    state = TrainState.create(model=model, optimizer=opt)
+    run(STEP, state, data, events=Events(Scheduler(chained)), max_epochs=2)
+    assert opt.param_groups[0]["lr"] == 0.0625

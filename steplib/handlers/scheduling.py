@@ -34,7 +34,8 @@ class Scheduler(Handler):
     Raises:
         ConfigError: not a scheduler; a ``ReduceLROnPlateau`` without ``metric``, or a
             ``metric`` for a scheduler that takes none; at ``fit_start``, the same scheduler
-            is the state's too (it would be stepped twice).
+            is the state's too (it would be stepped twice), or another ``Scheduler`` of the
+            run steps the same optimizer at the same events (a notebook cell run again).
 
     Example:
         >>> import torch
@@ -108,7 +109,8 @@ class Scheduler(Handler):
 
         Raises:
             ConfigError: ``event.state`` (or one of its optimizers') holds this scheduler; the
-                evaluator is not attached to ``event.events``.
+                evaluator is not attached to ``event.events``; another ``Scheduler`` of
+                ``event.events`` steps the same optimizer at the same events.
         """
         if self.evaluator is not None:
             errors.evaluator_attached("Scheduler", self.evaluator, event.events)
@@ -120,6 +122,29 @@ class Scheduler(Handler):
                 "once per update and this handler would step it again. Create the state "
                 "without it (TrainState.create(..., scheduler=None)) for a per-epoch or "
                 "plateau schedule, or drop this handler for a per-update one."
+            )
+        # A notebook cell that adds a Scheduler, run again on the same Events, leaves the old
+        # one attached: both step one optimizer at each of their events, the rate decays twice
+        # as fast, and nothing else would say so.
+        twins = [
+            other
+            for other in (event.events.attached() if event.events is not None else ())
+            if isinstance(other, Scheduler)
+            and other is not self
+            and other.scheduler.optimizer is self.scheduler.optimizer
+            and other.metric == self.metric
+        ]
+        if twins:
+            when = "at each epoch end" if self.metric is None else f"on each {self.metric!r}"
+            raise ConfigError(
+                f"Scheduler: this Scheduler ({type(self.scheduler).__name__}) and another "
+                f"attached to the same Events ({type(twins[0].scheduler).__name__}) step the "
+                f"same optimizer {when}, so its learning rate would move twice as often (a "
+                "notebook cell that adds a Scheduler, run again on an Events built in an "
+                "earlier cell). Build the Events in the cell that adds its handlers (events = "
+                "Events(...)), or events.remove(the_old_one) first; to apply two schedules on "
+                "purpose, chain them in one handler: Scheduler(torch.optim.lr_scheduler."
+                "ChainedScheduler([first, second]))."
             )
 
     def step(self, event: Event) -> None:
