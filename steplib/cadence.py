@@ -73,8 +73,8 @@ def due(every: int | Batches, event: Any) -> bool:
         ...  if due(Batches(3), Event("step_end", None, step=s, micro_step=2 * s, batches=2))]
         [2, 3, 5, 6]
     """
-    if event.name == "micro_step_end" and getattr(event, "flushed", False):
-        return False  # after a flush: no micro-batch ran, so no cadence counts it
+    if getattr(event, "flushed", False):
+        return False  # a flush's micro_step_end: no micro-batch ran, so no cadence counts it
     if isinstance(every, Batches):
         # The event covers batches micro_step - batches + 1 .. micro_step: due when one of them
         # is a multiple of n.
@@ -197,8 +197,7 @@ class Registration:
         if self.once is None:
             return True
         # A flush's micro_step_end has the micro_step of the batch before it: not again.
-        flushed = event.name == "micro_step_end" and getattr(event, "flushed", False)
-        return not flushed and getattr(event, counter) == self.once
+        return not getattr(event, "flushed", False) and getattr(event, counter) == self.once
 
     def belongs_to(self, handler: Any) -> bool:
         """Whether removing ``handler`` removes it: the same function, or an object's."""

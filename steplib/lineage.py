@@ -96,10 +96,8 @@ def backward_failed(state: Any) -> None:
     micro-batch's gradient may be in ``.grad``. An empty window's gradients are cleared (the
     state is then whole: step it again); an open window's lineage is marked ``torn``, so that
     the next step or save of the run refuses instead of updating with them."""
-    if state.window.size == 0:
-        for group in state.optimizer.param_groups:  # this optimizer's: a GAN's other window
-            for p in group["params"]:  # may be open
-                p.grad = None
+    if state.window.size == 0:  # this optimizer's alone: a GAN's other window may be open
+        state.optimizer.zero_grad(set_to_none=True)
     else:
         state.lane.lineage.torn = True
 
