@@ -6,7 +6,7 @@ steplib, so a bug in steplib cannot hide in its own oracle.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,17 @@ from torch import nn
 from steplib.handlers import Logger
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x, y, mask (which targets count)
+
+
+class Unsized:
+    """Batches re-iterable without ``__len__`` (a stream): a loop flushes the open windows
+    when a pass ends."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
 
 
 def tiny_model(seed: int = 0, *, dropout: float = 0.0) -> nn.Module:

@@ -20,6 +20,7 @@ from steplib import (
     make_train_step,
     run,
 )
+from tests.reference import Unsized
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 RECORDED = ("fit_start", "epoch_start", "micro_step_end", "step_end", "epoch_end", "fit_end")
@@ -62,16 +63,6 @@ def _drain(
 
 def _params(state: TrainState) -> list[torch.Tensor]:
     return [p.detach().clone() for p in state.model.parameters()]
-
-
-class Unsized:
-    """A re-iterable without ``__len__``."""
-
-    def __init__(self, items: list[Batch]) -> None:
-        self.items = items
-
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.items)
 
 
 class Streamed(IterableDataset):

@@ -7,7 +7,6 @@ every step's composition; bad arguments are refused with the fix."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +31,7 @@ from steplib.checkpoint import checkpoint_every, list_checkpoints, load, save
 from steplib.errors import NonFiniteError
 from steplib.handlers import GradNormMonitor, LRMonitor, NonFiniteAlarm, TrainMetrics
 from steplib.handlers.logging import event_record
+from tests.reference import Unsized
 
 
 def _state() -> TrainState:
@@ -68,16 +68,6 @@ def _steps(d_clip: float = 1.0) -> dict[str, Any]:
 def _batches(n: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 1, generator=g) + 3, torch.randn(8, 4, generator=g)) for _ in range(n)]
-
-
-class Unsized:
-    """Batches without a length: an open window is flushed when the pass ends."""
-
-    def __init__(self, batches: list[Any]) -> None:
-        self.batches = batches
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.batches)
 
 
 def _own_loop(data: list[Any], epochs: int, *, sized: bool) -> tuple[TrainState, list[float]]:

@@ -9,7 +9,6 @@ update: no handler saw D's last update. ``TrainMetrics`` and the progress bar le
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from torch import nn
 from steplib import EMA, Event, Events, ProgressBar, TrainState, accumulate, make_train_step, run
 from steplib.errors import NonFiniteError
 from steplib.handlers import NonFiniteAlarm, Throughput, TrainMetrics
+from tests.reference import Unsized
 
 
 def _state(first: str = "G") -> TrainState:
@@ -61,16 +61,6 @@ def _batches(n: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(2, 1, generator=g) + 3, torch.randn(2, 4, generator=g)) for _ in range(n)]
 
 
-class _Stream:
-    """Batches without a length: the open windows are flushed when the pass ends."""
-
-    def __init__(self, batches: list[Any]) -> None:
-        self.batches = batches
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.batches)
-
-
 def test_every_steps_flushed_window_reaches_the_readers() -> None:
     # G (counted) updates on each of the 7 batches; D accumulates 3: its windows hold batches
     # 0-2, 3-5, and 6, flushed after the pass, with no update of G after it.
@@ -99,7 +89,7 @@ def test_every_steps_flushed_window_reaches_the_readers() -> None:
     events = Events(train, speed, per_batch, bar).on("micro_step_end", size)
     events.on("micro_step_end", lambda e: every_batch.append(e.micro_step), every=1)
     events.on("micro_step_end", lambda e: every_batch.append(-e.micro_step), once=7)
-    done = run(_steps(), _state(), _Stream(data), events=events, max_epochs=epochs)
+    done = run(_steps(), _state(), Unsized(data), events=events, max_epochs=epochs)
     for name, tensor in state.model.state_dict().items():
         assert torch.equal(done.model.state_dict()[name], tensor), name
     record = train.read(None)
@@ -123,7 +113,7 @@ def test_a_non_finite_flushed_window_of_an_uncounted_step_raises_the_alarm() -> 
     data = _batches()
     data[6] = (torch.full_like(data[6][0], float("nan")), data[6][1])
     with pytest.raises(NonFiniteError, match=r"loss of step 'D'"):
-        run(_steps(), _state(), _Stream(data), events=[NonFiniteAlarm(every=1000)])
+        run(_steps(), _state(), Unsized(data), events=[NonFiniteAlarm(every=1000)])
 
 
 def test_the_ema_of_an_uncounted_steps_model_follows_its_flushed_update() -> None:
@@ -131,6 +121,6 @@ def test_the_ema_of_an_uncounted_steps_model_follows_its_flushed_update() -> Non
     # step_end follows it, and EMA(generator) averaged 2 of G's 3 updates.
     state = _state(first="D")
     ema = EMA(state.model.get_submodule("G"), decay=0.5)
-    done = run(_steps(d_every=1, g_every=3), state, _Stream(_batches()), events=[ema])
+    done = run(_steps(d_every=1, g_every=3), state, Unsized(_batches()), events=[ema])
     assert done["G"].step == 3
     assert ema.updates == 3
