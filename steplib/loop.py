@@ -15,6 +15,7 @@ import torch
 
 from steplib.events import Event, Events, Stop
 from steplib.loop_checks import check_args
+from steplib.loop_data import PULLING, after_error, keep_position, left_after
 from steplib.output import StepOutput
 from steplib.state import TrainState
 
@@ -184,6 +185,11 @@ def _iterate(
     # (every=Batches(n) counts them). A resumed state may hold an open window.
     opened = [state.micro_step - state.window.size]
     close = True  # whether the pass has no batch left
+    # What the loader yielded that the step has not trained yet: a step that raises leaves it
+    # untrained (given back to the loader); PULLING while the loader is asked for a batch.
+    pulled: Any = None
+    total: int | None = None
+    index = -1
     # A stateful loader over unsized data may continue a pass after its last batch: its end.
     continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
     try:
@@ -197,24 +203,29 @@ def _iterate(
             # `break` there then leaves the epoch counted, as a stop at that update does (else
             # a next run on the yielded state trained that epoch again).
             last: list[Outputs] = []
+            pulled = PULLING
             for index, batch in enumerate(data):
                 for output in last:  # a sized `data` that yields more than its len()
                     yield state, output
                 last = []
                 close = total is not None and index == total - 1
-                before = state.step
+                before, pulled = state.step, batch
                 state, out, outs = call(state, batch, close)
+                pulled = None
                 state, stop = _after_call(events, state, out, outs, before, index, opened)
                 if close:
                     # Fall through to the end of the epoch, so that a stop here still counts
                     # the epoch as complete (a resume then starts the next one).
                     last.append(out if outs is None else outs)
+                    pulled = PULLING
                     continue
                 yield state, out if outs is None else outs
                 if stop is not None or _done(state, max_steps, None):
-                    _keep_position(data)
+                    keep_position(data, left_after(total, index))
                     break
+                pulled = PULLING
             else:
+                pulled = None
                 if index < 0 and not continued:
                     raise ValueError(
                         f"iterate: data yielded no batches in epoch {state.epoch}. Pass a "
@@ -241,10 +252,11 @@ def _iterate(
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
         if not close:  # inside a pass
-            _keep_position(data)
+            keep_position(data, left_after(total, index))
         _emit(events, state, "fit_end")
         raise
     except BaseException as error:
+        after_error(data, error, pulled, inside=not close, left=left_after(total, index))
         _emit(events, state, "exception", error=error)
         raise
     return state
@@ -334,13 +346,6 @@ def _after_call(
         )
         stop = stop or step_stop
     return state, stop
-
-
-def _keep_position(data: Any) -> None:
-    # A stop inside a pass: a stateful loader's next pass goes on with this one (as after a
-    # resume), so a next run on the returned state sees the uninterrupted run's batches.
-    if hasattr(data, "load_state_dict") and hasattr(data, "state_dict"):
-        data.load_state_dict(data.state_dict())
 
 
 def _length(data: Iterable[Any]) -> int | None:

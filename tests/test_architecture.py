@@ -90,8 +90,10 @@ def test_the_three_concepts_import_almost_nothing() -> None:
         "steplib.output",
         "steplib.events",
         "steplib.loop_checks",
+        "steplib.loop_data",
     }
     assert _steplib_imports("steplib.loop_checks") == set()
+    assert _steplib_imports("steplib.loop_data") == set()
 
 
 def test_handlers_and_checkpoints_never_import_the_loop_or_the_step() -> None:

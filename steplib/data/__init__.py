@@ -3,7 +3,8 @@
 batch to the model's device (``to_device``)."""
 
 from steplib.data.device import on_model_device, to_device
-from steplib.data.loader import ResumableLoader, resumable_loader
+from steplib.data.loader import ResumableLoader
+from steplib.data.resumable import resumable_loader
 from steplib.data.shards import ShardedSampler, check_new_world
 
 __all__ = [

@@ -12,8 +12,9 @@ workers' generators, and the state of a dataset that lives in the main process.
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,10 +22,9 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from steplib.data.order_rng import check_order_rng
-from steplib.data.rank_share import check_still_shared, share_sampler
+from steplib.data.rank_share import check_still_shared
 from steplib.data.shards import SHARDED, ShardedSampler
 from steplib.data.worker_rng import WORKERS, WorkerRng, worker_states
-from steplib.distributed.process_group import world_size
 from steplib.errors import ConfigError, describe
 
 # torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
@@ -85,9 +85,35 @@ class ResumableLoader(StatefulDataLoader):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
         self.epoch_completed_on_load = False
-        # Set by resumable_loader, for steplib.data.rank_share.check_still_shared.
+        # Set by resumable_loader (expect_ranks), for rank_share.check_still_shared.
         self._built_for_ranks: int | None = None
         self._shard_unsaid = False
+        # Set by continue_pass: (batches to yield first, batches left in the pass after them).
+        self._continued: tuple[list[Any], int | None] | None = None
+
+    def expect_ranks(self, ranks: int, *, shard_unsaid: bool) -> None:
+        """Refuse a pass on another number of ranks than ``ranks`` (a loader built before
+        ``init_distributed()``), and any pass on several ranks when ``shard_unsaid``
+        (:func:`~steplib.data.resumable.resumable_loader` calls it)."""
+        self._built_for_ranks, self._shard_unsaid = ranks, shard_unsaid
+
+    def continue_pass(self, untrained: Sequence[Any] = (), *, left: int | None) -> None:
+        """Make the next pass go on with the current one, which a run left part-way (a stop,
+        a ``break``, an error): ``run`` and ``iterate`` call it, so that a next run on the
+        state the run ended with sees the batches of the uninterrupted run.
+
+        The next pass yields ``untrained`` first (batches this pass yielded that the run's
+        step raised on, so never trained), then the rest of this pass, from the same iterator:
+        the same order, the workers' random augmentations drawn where they were. A
+        :meth:`load_state_dict` (a resume) replaces it.
+
+        Args:
+            untrained: batches to yield again first, in order.
+            left: the batches of this pass after the last one yielded (``None``: unsized).
+        """
+        if self._iterator is None or (left == 0 and not untrained):
+            return  # no pass begun, or nothing of it left: the next pass is the next epoch
+        self._continued = (list(untrained), left)
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch and the generator states (plain data).
@@ -103,6 +129,14 @@ class ResumableLoader(StatefulDataLoader):
             Both hold ``"dataset"``: without workers, the dataset's own ``state_dict()``
             (``None`` when it has none; a sharded one is loaded on the same world size).
         """
+        if self._continued is not None and self._continued[0]:
+            raise ConfigError(
+                "ResumableLoader.state_dict: the last batch this loader yielded was not "
+                "trained (the run's step raised on it) and is held for the next pass, so no "
+                "position describes where the data is. Run on first (state = run(step, state, "
+                "loader, ...)): its first step trains that batch, and a save after it holds the "
+                "position. Or go back to a saved one: load(url, state, data=loader)."
+            )
         if isinstance(self.sampler, ShardedSampler):
             return {**self._sharded_state(), DATASET: self._dataset_state()}
         loader_state = super().state_dict()  # may create the epoch's iterator (and draw)
@@ -150,6 +184,7 @@ class ResumableLoader(StatefulDataLoader):
                 dataset size, batch size, shuffling or number of workers; or a sharded one
                 cannot continue here.
         """
+        self._continued = None  # a loaded position replaces a pass a run left part-way
         sharded = isinstance(self.sampler, ShardedSampler)
         if sharded or (isinstance(state_dict, Mapping) and SHARDED in state_dict):
             self._load_sharded(state_dict)
@@ -267,6 +302,9 @@ class ResumableLoader(StatefulDataLoader):
         return iterator
 
     def __iter__(self) -> Any:
+        if self._continued is not None:  # the pass a run left part-way goes on
+            untrained, self._continued = self._continued[0], None
+            return itertools.chain(untrained, self._iterator)
         # The resumed pass begins: the next one is a full epoch. Not in _get_iterator, which
         # state_dict() also calls (a save right after the resume, before the loop reads len).
         iterator = super().__iter__()
@@ -274,125 +312,7 @@ class ResumableLoader(StatefulDataLoader):
         return iterator
 
     def __len__(self) -> int:
-        full = super().__len__()
+        full = super().__len__()  # raises TypeError for unsized data, continued or not
+        if self._continued is not None and self._continued[1] is not None:
+            return len(self._continued[0]) + self._continued[1]
         return full if self._pending_left is None else self._pending_left
-
-
-def resumable_loader(
-    dataset: Any,
-    *,
-    batch_size: int | None,
-    shuffle: bool = True,
-    seed: int = 0,
-    drop_last: bool = False,
-    num_workers: int = 0,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
-    pin_memory: bool = False,
-    shard: bool | None = None,
-) -> ResumableLoader:
-    """A data loader over a map-style ``dataset`` whose position belongs in a checkpoint.
-
-    Pass it to ``steplib.checkpoint.save(..., data=loader)`` / ``load(..., data=loader)`` (or
-    the ``checkpoint_every`` / ``resume_from`` handlers): a resumed run then sees the same
-    batches in the same order as an uninterrupted one, mid-epoch and in later epochs.
-
-    Args:
-        dataset: a map-style dataset (``__getitem__`` and ``__len__``).
-        batch_size: samples per batch, an int >= 1; ``None`` when every item of ``dataset``
-            is already a batch (they are then only shuffled, not collated).
-        shuffle: reshuffle every epoch (from the loader's own generator).
-        seed: seed of the loader's generator: the shuffle order and worker seeds derive from it
-            alone, never from the global torch generator.
-        drop_last: drop the last, smaller batch of an epoch.
-        num_workers: worker processes (0 loads in the main process).
-        collate_fn: how samples become a batch (torch's default collation when ``None``).
-        pin_memory: copy batches into pinned memory (faster host-to-GPU copies).
-        shard: ``True``: share every epoch out among the ranks of the default process group
-            (each rank gets ``len(dataset) // world_size`` samples, as from
-            ``DistributedSampler(..., drop_last=True)``; build it on every rank with the same
-            ``seed``, after ``init_distributed()``), with a position that another world size
-            can resume from; see "Resuming on another number of ranks" below. ``batch_size``
-            is then per rank. ``False``: every rank iterates its whole ``dataset`` (right when
-            each rank's dataset is already its own, or when every rank must see the same
-            batch: tensor and pipeline parallelism). ``None`` (the default): ``False`` in one
-            process; refused in a process group of several ranks (also at the first pass of
-            a loader built before ``init_distributed()``), where the same dataset and seed on
-            every rank would give every rank the same batches, so the global batch would be
-            ``world_size`` copies of one.
-
-    Resuming on another number of ranks (``shard=True``): the position is the epoch and the
-    samples all ranks consumed together, so every rank of the new world size continues with its
-    share of the rest of the epoch; the RNG states, the workers' and, without workers, the
-    dataset's own state are carried on the same world size only. What is exact and what is
-    refused: docs/resume_on_another_world_size.md.
-
-    Returns:
-        A :class:`ResumableLoader`.
-
-    Raises:
-        ConfigError: ``batch_size`` or ``num_workers`` out of range, ``seed`` not an int, an
-            empty ``dataset``, ``shard=True`` with ``len(dataset)`` smaller than the number
-            of ranks or with another ``seed``, dataset length or ``shuffle`` on some rank (a
-            collective at build time), or ``shard`` left unsaid in a process group of several
-            ranks.
-
-    Example:
-        >>> import torch
-        >>> loader = resumable_loader(torch.arange(6), batch_size=2, seed=0)
-        >>> it = iter(loader)
-        >>> first = next(it)
-        >>> position = loader.state_dict()
-        >>> resumed = resumable_loader(torch.arange(6), batch_size=2, seed=0)
-        >>> resumed.load_state_dict(position)
-        >>> len(resumed)  # batches left in the interrupted epoch
-        2
-        >>> [b.tolist() for b in resumed] == [b.tolist() for b in it]
-        True
-
-        Sharded (here one process, so one rank; on 4 ranks each rank gets a quarter):
-
-        >>> sharded = resumable_loader(torch.arange(6), batch_size=2, seed=0, shard=True)
-        >>> it = iter(sharded)
-        >>> first = next(it)
-        >>> sharded.state_dict()["sharded"]["samples"]  # consumed by all ranks together
-        2
-    """
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ConfigError(
-            f"resumable_loader(batch_size=...) received {describe(batch_size)}; it must be an "
-            "int >= 1 (samples per batch), e.g. batch_size=32, or None when every item of the "
-            "dataset is already a batch."
-        )
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ConfigError(
-            f"resumable_loader(num_workers=...) received {describe(num_workers)}; it must be an "
-            "int >= 0, e.g. num_workers=0 (load in the main process)."
-        )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(
-            f"resumable_loader(seed=...) received {describe(seed)}; pass an int, e.g. seed=0."
-        )
-    if hasattr(dataset, "__len__") and len(dataset) == 0:
-        # torch would say only "num_samples should be a positive integer value" (shuffled) or
-        # train on nothing (not shuffled).
-        raise ConfigError(
-            f"resumable_loader(dataset) received an empty {type(dataset).__name__} (len 0): "
-            "there is nothing to train on. Check the path, split or filter that built it, and "
-            "pass a dataset with at least one sample."
-        )
-    sampler = share_sampler(shard, dataset, seed=seed, shuffle=shuffle)  # None: not shared
-    loader = ResumableLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        shuffle=shuffle and sampler is None,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        collate_fn=collate_fn,
-        pin_memory=pin_memory,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    loader._built_for_ranks, loader._shard_unsaid = world_size(), shard is None
-    return loader

@@ -1,0 +1,67 @@
+"""Where the data goes on when a run ends inside a pass (a stop, a ``break``, an error): a
+stateful loader's next pass continues this one, so that a next run on the state the run ended
+with sees the batches of the uninterrupted run. Imports nothing from steplib; the loader is
+used through its methods (``continue_pass``, or ``state_dict`` / ``load_state_dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# What the loop holds as `pulled` while the loader is asked for the next batch.
+PULLING = object()
+
+
+def keep_position(data: Any, left: int | None, untrained: Sequence[Any] = ()) -> None:
+    """Make ``data``'s next pass go on with this one, after ``untrained`` (batches yielded,
+    not trained); ``left``: the batches of this sized pass still to come (None: unsized)."""
+    # A run that ends inside a pass (a stop, a break, an error): a stateful loader's next pass
+    # goes on with this one, so that a next run on the state it ended with sees the batches
+    # of the uninterrupted run. A ResumableLoader continues the pass itself, after the batches
+    # it yielded that were not trained; another stateful loader reloads its own position.
+    if hasattr(data, "continue_pass"):
+        data.continue_pass(untrained, left=left)
+    elif hasattr(data, "load_state_dict") and hasattr(data, "state_dict"):
+        data.load_state_dict(data.state_dict())
+
+
+def after_error(
+    data: Any, error: BaseException, pulled: Any, *, inside: bool, left: int | None
+) -> None:
+    """Where ``data`` goes on after the run raised ``error``: ``pulled`` is the batch the step
+    was given (None once trained, ``PULLING`` while the loader was asked for one); ``inside``:
+    whether its pass had batches left."""
+    # Where the run raised decides where the data goes on. A handler (or the loop) raised:
+    # the batch was trained, as at a stop. The step raised: the batch it was given is
+    # untrained, and the step leaves the state as it received it (lineage.backward_failed),
+    # so the uninterrupted run's next batch is that one again. The loader raised: its
+    # position is unknown, and its next pass begins a new one.
+    stateful = hasattr(data, "load_state_dict") and hasattr(data, "state_dict")
+    if pulled is PULLING:
+        if stateful:
+            error.add_note(
+                "steplib: the data loader raised while yielding a batch, so its position is "
+                "unknown: a next run over it begins a new pass. To go on exactly, load the "
+                "last checkpoint (steplib.checkpoint.load(url, state, data=loader))."
+            )
+        return
+    if pulled is None:
+        if inside:
+            keep_position(data, left)
+        return
+    if hasattr(data, "continue_pass"):
+        keep_position(data, left, [pulled])
+    elif stateful:
+        keep_position(data, left)
+        error.add_note(
+            "steplib: the step raised on a batch that this loader yielded, so a next run over "
+            "it goes on after that batch, which is never trained in this epoch. A loader "
+            "that gives it back to the next run: steplib.data.resumable_loader(...)."
+        )
+
+
+def left_after(total: int | None, index: int) -> int | None:
+    """The batches of a pass of ``total`` (None: unsized) after the one at ``index``."""
+    # The batches of a sized pass after the one at `index`.
+    return None if total is None else total - index - 1
