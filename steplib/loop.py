@@ -15,7 +15,7 @@ import torch
 
 from steplib.events import Event, Events, Stop
 from steplib.loop_checks import check_args
-from steplib.loop_data import PULLING, after_error, keep_position, left_after
+from steplib.loop_data import PULLING, TRAINED, after_error, keep_position, left_after
 from steplib.output import StepOutput
 from steplib.state import TrainState
 
@@ -185,13 +185,16 @@ def _iterate(
     # (every=Batches(n) counts them). A resumed state may hold an open window.
     opened = [state.micro_step - state.window.size]
     close = True  # whether the pass has no batch left
-    # What the loader yielded that the step has not trained yet: a step that raises leaves it
-    # untrained (given back to the loader); PULLING while the loader is asked for a batch.
+    # Inside a pass, where the batch the loader yielded last is: PULLING (being yielded),
+    # the batch itself (the step runs on it: untrained if the step raises), TRAINED; outside
+    # a pass, None. Where a run that raises leaves the data (loop_data.after_error).
     pulled: Any = None
     total: int | None = None
     index = -1
     # A stateful loader over unsized data may continue a pass after its last batch: its end.
     continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
+    # A ResumableLoader may go on with a pass that a run which raised at its last batch left.
+    continued = continued or getattr(data, "continuing", False)
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
             state, stop = _emit(events, state, "epoch_start")
@@ -211,7 +214,7 @@ def _iterate(
                 close = total is not None and index == total - 1
                 before, pulled = state.step, batch
                 state, out, outs = call(state, batch, close)
-                pulled = None
+                pulled = TRAINED
                 state, stop = _after_call(events, state, out, outs, before, index, opened)
                 if close:
                     # Fall through to the end of the epoch, so that a stop here still counts
@@ -222,6 +225,7 @@ def _iterate(
                 yield state, out if outs is None else outs
                 if stop is not None or _done(state, max_steps, None):
                     keep_position(data, left_after(total, index))
+                    pulled = None  # the position is kept
                     break
                 pulled = PULLING
             else:
@@ -256,7 +260,7 @@ def _iterate(
         _emit(events, state, "fit_end")
         raise
     except BaseException as error:
-        after_error(data, error, pulled, inside=not close, left=left_after(total, index))
+        after_error(data, error, pulled, left=left_after(total, index))
         _emit(events, state, "exception", error=error)
         raise
     return state

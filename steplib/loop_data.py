@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-# What the loop holds as `pulled` while the loader is asked for the next batch.
+# What the loop holds as `pulled` while the loader is asked for the next batch, and once the
+# step has trained the batch the loader yielded last.
 PULLING = object()
+TRAINED = object()
 
 
 def keep_position(data: Any, left: int | None, untrained: Sequence[Any] = ()) -> None:
@@ -22,16 +24,15 @@ def keep_position(data: Any, left: int | None, untrained: Sequence[Any] = ()) ->
     # it yielded that were not trained; another stateful loader reloads its own position.
     if hasattr(data, "continue_pass"):
         data.continue_pass(untrained, left=left)
-    elif hasattr(data, "load_state_dict") and hasattr(data, "state_dict"):
+    elif hasattr(data, "load_state_dict") and hasattr(data, "state_dict") and left != 0:
+        # At a pass's end another loader starts the next epoch (its epoch_end comes late).
         data.load_state_dict(data.state_dict())
 
 
-def after_error(
-    data: Any, error: BaseException, pulled: Any, *, inside: bool, left: int | None
-) -> None:
+def after_error(data: Any, error: BaseException, pulled: Any, *, left: int | None) -> None:
     """Where ``data`` goes on after the run raised ``error``: ``pulled`` is the batch the step
-    was given (None once trained, ``PULLING`` while the loader was asked for one); ``inside``:
-    whether its pass had batches left."""
+    was given, ``TRAINED`` once trained, ``PULLING`` while the loader was asked for one, None
+    outside a pass; ``left``: the batches of the pass after it (None: unsized)."""
     # Where the run raised decides where the data goes on. A handler (or the loop) raised:
     # the batch was trained, as at a stop. The step raised: the batch it was given is
     # untrained, and the step leaves the state as it received it (lineage.backward_failed),
@@ -46,9 +47,10 @@ def after_error(
                 "last checkpoint (steplib.checkpoint.load(url, state, data=loader))."
             )
         return
-    if pulled is None:
-        if inside:
-            keep_position(data, left)
+    if pulled is None:  # before, between or after the passes: nothing to keep
+        return
+    if pulled is TRAINED:
+        keep_position(data, left)
         return
     if hasattr(data, "continue_pass"):
         keep_position(data, left, [pulled])
@@ -63,5 +65,4 @@ def after_error(
 
 def left_after(total: int | None, index: int) -> int | None:
     """The batches of a pass of ``total`` (None: unsized) after the one at ``index``."""
-    # The batches of a sized pass after the one at `index`.
     return None if total is None else total - index - 1

@@ -57,11 +57,11 @@ def _loader(kind: str, workers: int) -> Any:
 def _interrupted(how: str, trained: list[list[int]]) -> tuple[sl.Step, sl.Events]:
     # 5 batches an epoch, 2 per update (windows [0, 1], [2, 3], [4]).
     events = sl.Events()
-    if how == "a handler raised":  # after update 1 (micro-batches 0 and 1): trained
-        step = _step(trained)
+    if how.startswith("a handler raised"):  # after update 1 or 3 (the epoch's last): trained
+        step, at = _step(trained), 3 if how.endswith("last update") else 1
 
         def fail(event: sl.Event) -> None:
-            if event.step == 1 and event.epoch == 0:
+            if event.step == at and event.epoch == 0:
                 raise _Failure
 
         events.on("step_end", fail)
@@ -72,7 +72,12 @@ def _interrupted(how: str, trained: list[list[int]]) -> tuple[sl.Step, sl.Events
     return step, events
 
 
-_HOW = ["a handler raised", "the step raised", "the step raised on the last batch"]
+_HOW = [
+    "a handler raised",
+    "a handler raised at the epoch's last update",
+    "the step raised",
+    "the step raised on the last batch",
+]
 
 
 # torchdata's own constructor calls the deprecated torch.set_vital.

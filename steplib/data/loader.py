@@ -104,16 +104,22 @@ class ResumableLoader(StatefulDataLoader):
 
         The next pass yields ``untrained`` first (batches this pass yielded that the run's
         step raised on, so never trained), then the rest of this pass, from the same iterator:
-        the same order, the workers' random augmentations drawn where they were. A
+        the same order, the workers' random augmentations drawn where they were: none when
+        the run raised after the pass's last batch (the loop then ends that epoch). A
         :meth:`load_state_dict` (a resume) replaces it.
 
         Args:
             untrained: batches to yield again first, in order.
             left: the batches of this pass after the last one yielded (``None``: unsized).
         """
-        if self._iterator is None or (left == 0 and not untrained):
-            return  # no pass begun, or nothing of it left: the next pass is the next epoch
-        self._continued = (list(untrained), left)
+        if self._iterator is not None:  # else no pass begun: nothing to go on with
+            self._continued = (list(untrained), left)
+
+    @property
+    def continuing(self) -> bool:
+        """Whether the next pass goes on with one a run left part-way (:meth:`continue_pass`):
+        it may then yield no batch (the run raised at its last), and the loop ends it."""
+        return self._continued is not None
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch and the generator states (plain data).
