@@ -189,6 +189,7 @@ def _iterate(
     # the batch itself (the step runs on it: untrained if the step raises), TRAINED; outside
     # a pass, None. Where a run that raises leaves the data (loop_data.after_error).
     pulled: Any = None
+    passing: Any = None  # the iterator of the pass: what iter(data) returned
     total: int | None = None
     index = -1
     # A stateful loader over unsized data may continue a pass after its last batch: its end.
@@ -207,7 +208,8 @@ def _iterate(
             # a next run on the yielded state trained that epoch again).
             last: list[Outputs] = []
             pulled = PULLING
-            for index, batch in enumerate(data):
+            passing = iter(data)
+            for index, batch in enumerate(passing):
                 for output in last:  # a sized `data` that yields more than its len()
                     yield state, output
                 last = []
@@ -224,7 +226,7 @@ def _iterate(
                     continue
                 yield state, out if outs is None else outs
                 if stop is not None or _done(state, max_steps, None):
-                    keep_position(data, left_after(total, index))
+                    keep_position(data, passing, left=left_after(total, index))
                     pulled = None  # the position is kept
                     break
                 pulled = PULLING
@@ -256,11 +258,11 @@ def _iterate(
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
         if not close:  # inside a pass
-            keep_position(data, left_after(total, index))
+            keep_position(data, passing, left=left_after(total, index))
         _emit(events, state, "fit_end")
         raise
     except BaseException as error:
-        after_error(data, error, pulled, left=left_after(total, index))
+        after_error(data, passing, error=error, pulled=pulled, left=left_after(total, index))
         _emit(events, state, "exception", error=error)
         raise
     return state

@@ -6,7 +6,7 @@ used through its methods (``continue_pass``, or ``state_dict`` / ``load_state_di
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 # What the loop holds as `pulled` while the loader is asked for the next batch, and once the
@@ -15,22 +15,28 @@ PULLING = object()
 TRAINED = object()
 
 
-def keep_position(data: Any, left: int | None, untrained: Sequence[Any] = ()) -> None:
-    """Make ``data``'s next pass go on with this one, after ``untrained`` (batches yielded,
-    not trained); ``left``: the batches of this sized pass still to come (None: unsized)."""
+def keep_position(
+    data: Any, passing: Iterator[Any], *, left: int | None, untrained: Sequence[Any] = ()
+) -> None:
+    """Make ``data``'s next pass go on with ``passing`` (what ``iter(data)`` returned for the
+    pass the run left), after ``untrained`` (batches yielded, not trained); ``left``: the
+    batches of this sized pass still to come (None: unsized)."""
     # A run that ends inside a pass (a stop, a break, an error): a stateful loader's next pass
     # goes on with this one, so that a next run on the state it ended with sees the batches
     # of the uninterrupted run. A ResumableLoader continues the pass itself, after the batches
     # it yielded that were not trained; another stateful loader reloads its own position.
     if hasattr(data, "continue_pass"):
-        data.continue_pass(untrained, left=left)
+        data.continue_pass(passing, untrained, left=left)
     elif hasattr(data, "load_state_dict") and hasattr(data, "state_dict") and left != 0:
         # At a pass's end another loader starts the next epoch (its epoch_end comes late).
         data.load_state_dict(data.state_dict())
 
 
-def after_error(data: Any, error: BaseException, pulled: Any, *, left: int | None) -> None:
-    """Where ``data`` goes on after the run raised ``error``: ``pulled`` is the batch the step
+def after_error(
+    data: Any, passing: Iterator[Any], *, error: BaseException, pulled: Any, left: int | None
+) -> None:
+    """Where ``data`` goes on after the run raised ``error`` in the pass ``passing``
+    (``iter(data)``): ``pulled`` is the batch the step
     was given, ``TRAINED`` once trained, ``PULLING`` while the loader was asked for one, None
     outside a pass; ``left``: the batches of the pass after it (None: unsized)."""
     # Where the run raised decides where the data goes on. A handler (or the loop) raised:
@@ -50,12 +56,12 @@ def after_error(data: Any, error: BaseException, pulled: Any, *, left: int | Non
     if pulled is None:  # before, between or after the passes: nothing to keep
         return
     if pulled is TRAINED:
-        keep_position(data, left)
+        keep_position(data, passing, left=left)
         return
     if hasattr(data, "continue_pass"):
-        keep_position(data, left, [pulled])
+        keep_position(data, passing, left=left, untrained=[pulled])
     elif stateful:
-        keep_position(data, left)
+        keep_position(data, passing, left=left)
         error.add_note(
             "steplib: the step raised on a batch that this loader yielded, so a next run over "
             "it goes on after that batch, which is never trained in this epoch. A loader "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +90,7 @@ class ResumableLoader(StatefulDataLoader):
         self._shard_unsaid = False
         # Set by continue_pass: (batches to yield first, batches left in the pass after them).
         self._continued: tuple[list[Any], int | None] | None = None
+        self._pass: Any = None  # what __iter__ returned last: the pass a run may leave
 
     def expect_ranks(self, ranks: int, *, shard_unsaid: bool) -> None:
         """Refuse a pass on another number of ranks than ``ranks`` (a loader built before
@@ -97,7 +98,9 @@ class ResumableLoader(StatefulDataLoader):
         (:func:`~steplib.data.resumable.resumable_loader` calls it)."""
         self._built_for_ranks, self._shard_unsaid = ranks, shard_unsaid
 
-    def continue_pass(self, untrained: Sequence[Any] = (), *, left: int | None) -> None:
+    def continue_pass(
+        self, passing: Iterator[Any], untrained: Sequence[Any] = (), *, left: int | None
+    ) -> None:
         """Make the next pass go on with the current one, which a run left part-way (a stop,
         a ``break``, an error): ``run`` and ``iterate`` call it, so that a next run on the
         state the run ended with sees the batches of the uninterrupted run.
@@ -109,10 +112,13 @@ class ResumableLoader(StatefulDataLoader):
         :meth:`load_state_dict` (a resume) replaces it.
 
         Args:
+            passing: what ``iter(loader)`` returned for that pass. Another pass begun since
+                (a generator of ``iterate`` closed late, after a next run began) is left as
+                it is.
             untrained: batches to yield again first, in order.
             left: the batches of this pass after the last one yielded (``None``: unsized).
         """
-        if self._iterator is not None:  # else no pass begun: nothing to go on with
+        if passing is self._pass:
             self._continued = (list(untrained), left)
 
     @property
@@ -310,12 +316,13 @@ class ResumableLoader(StatefulDataLoader):
     def __iter__(self) -> Any:
         if self._continued is not None:  # the pass a run left part-way goes on
             untrained, self._continued = self._continued[0], None
-            return itertools.chain(untrained, self._iterator)
+            self._pass = itertools.chain(untrained, self._iterator)
+            return self._pass
         # The resumed pass begins: the next one is a full epoch. Not in _get_iterator, which
         # state_dict() also calls (a save right after the resume, before the loop reads len).
-        iterator = super().__iter__()
+        self._pass = super().__iter__()
         self._pending_left = None
-        return iterator
+        return self._pass
 
     def __len__(self) -> int:
         full = super().__len__()  # raises TypeError for unsized data, continued or not
