@@ -188,3 +188,13 @@ def test_an_iterate_generator_closed_late_leaves_a_later_runs_passes_alone() -> 
     assert _a_later_run(close_the_held_generator_inside=True) == _a_later_run(
         close_the_held_generator_inside=False
     )
+
+
+def test_a_loaded_position_outlives_a_run_that_leaves_its_pass_later() -> None:
+    loader = _loader("resumable_loader", 0)
+    held = sl.iterate(_step([]), _state(), loader, max_epochs=2)
+    next(held)  # suspended inside its first pass
+    loader.load_state_dict(_loader("resumable_loader", 0).state_dict())  # a resume: the start
+    held.close()  # the run leaves its old pass now: the loaded position stays
+    fresh = _loader("resumable_loader", 0)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]

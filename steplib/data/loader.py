@@ -196,7 +196,9 @@ class ResumableLoader(StatefulDataLoader):
                 dataset size, batch size, shuffling or number of workers; or a sharded one
                 cannot continue here.
         """
-        self._continued = None  # a loaded position replaces a pass a run left part-way
+        # A loaded position replaces a pass a run left part-way, also for a run that leaves it
+        # later (an iterate generator closed late).
+        self._continued, self._pass = None, None
         sharded = isinstance(self.sampler, ShardedSampler)
         if sharded or (isinstance(state_dict, Mapping) and SHARDED in state_dict):
             self._load_sharded(state_dict)
