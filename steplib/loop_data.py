@@ -6,8 +6,12 @@ used through its methods (``continue_pass``, or ``state_dict`` / ``load_state_di
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+# A run that raised is told where its data goes on here: its error is the one raised.
+_log = logging.getLogger("steplib.loop")
 
 # What the loop holds as `pulled` while the loader is asked for the next batch, and once the
 # step has trained the batch the loader yielded last.
@@ -36,36 +40,38 @@ def after_error(
     data: Any, passing: Iterator[Any], *, error: BaseException, pulled: Any, left: int | None
 ) -> None:
     """Where ``data`` goes on after the run raised ``error`` in the pass ``passing``
-    (``iter(data)``): ``pulled`` is the batch the step
-    was given, ``TRAINED`` once trained, ``PULLING`` while the loader was asked for one, None
-    outside a pass; ``left``: the batches of the pass after it (None: unsized)."""
+    (``iter(data)``): ``pulled`` is the batch the step was given, ``TRAINED`` once trained,
+    ``PULLING`` while the loader was asked for one, None outside a pass; ``left``: the batches
+    of the pass after it (None: unsized). Never raises: the run's error is the one raised."""
     # Where the run raised decides where the data goes on. A handler (or the loop) raised:
     # the batch was trained, as at a stop. The step raised: the batch it was given is
     # untrained, and the step leaves the state as it received it (lineage.backward_failed),
     # so the uninterrupted run's next batch is that one again. The loader raised: its
     # position is unknown, and its next pass begins a new one.
     stateful = hasattr(data, "load_state_dict") and hasattr(data, "state_dict")
+    if pulled is None or not stateful:  # outside a pass, or data without a position
+        return
     if pulled is PULLING:
-        if stateful:
-            error.add_note(
-                "steplib: the data loader raised while yielding a batch, so its position is "
-                "unknown: a next run over it begins a new pass. To go on exactly, load the "
-                "last checkpoint (steplib.checkpoint.load(url, state, data=loader))."
-            )
+        _log.warning(
+            "the data loader raised while yielding a batch (%s), so its position is "
+            "unknown: a next run over it begins a new pass. To go on exactly, load the "
+            "last checkpoint (steplib.checkpoint.load(url, state, data=loader)).",
+            type(error).__name__,
+        )
         return
-    if pulled is None:  # before, between or after the passes: nothing to keep
+    untrained = [] if pulled is TRAINED else [pulled]
+    try:
+        keep_position(data, passing, left=left, untrained=untrained)
+    except Exception as failed:  # logged: the run's own error is the one raised
+        _log.error("keeping the data position after %r failed: %r", error, failed)
         return
-    if pulled is TRAINED:
-        keep_position(data, passing, left=left)
-        return
-    if hasattr(data, "continue_pass"):
-        keep_position(data, passing, left=left, untrained=[pulled])
-    elif stateful:
-        keep_position(data, passing, left=left)
-        error.add_note(
-            "steplib: the step raised on a batch that this loader yielded, so a next run over "
-            "it goes on after that batch, which is never trained in this epoch. A loader "
-            "that gives it back to the next run: steplib.data.resumable_loader(...)."
+    if untrained and not hasattr(data, "continue_pass"):
+        _log.warning(
+            "the step raised (%s) on a batch that %s yielded, so a next run over it goes on "
+            "after that batch, which is never trained in this epoch. A loader that gives it "
+            "back to the next run: steplib.data.resumable_loader(...).",
+            type(error).__name__,
+            type(data).__name__,
         )
 
 
