@@ -112,8 +112,9 @@ def iterate(
 
         Breaking out of the loop is how a notebook stops early (``fit_end`` handlers still
         run); here it continues from the state above, at update 2. (A run stopped inside an
-        epoch leaves a stateful loader, ``resumable_loader``, at its position: a next run over
-        it continues that epoch, as the uninterrupted run would. A list starts over.)
+        epoch, or that raised there, leaves a stateful loader, ``resumable_loader``, at its
+        position: a next run over it continues that epoch, as the uninterrupted run would,
+        first with the batch a raising step was given. A list starts over.)
 
         >>> for state, out in iterate(step, state, [torch.ones(4, 2)] * 10):
         ...     if state.step == 4:

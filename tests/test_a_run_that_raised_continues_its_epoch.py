@@ -200,3 +200,19 @@ def test_a_loaded_position_outlives_a_run_that_leaves_its_pass_later() -> None:
     held.close()  # the run leaves its old pass now: the loaded position stays
     fresh = _loader("resumable_loader", 0)
     assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]
+
+
+class _Broken(_Indices):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 7:
+            raise OSError("a corrupt sample")
+        return super().__getitem__(i)
+
+
+def test_a_loader_that_raised_says_its_position_is_unknown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loader = sl.resumable_loader(_Broken(), batch_size=2, seed=0)
+    with pytest.raises(OSError, match="a corrupt sample"):
+        sl.run(_step([]), _state(), loader, max_epochs=2)
+    assert "its position is unknown" in caplog.text
