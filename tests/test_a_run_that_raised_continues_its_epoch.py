@@ -97,6 +97,8 @@ def test_a_run_continued_after_it_raised_trains_what_the_uninterrupted_run_train
     trained: list[list[int]] = []
     uninterrupted = sl.run(_step(trained), _state(), _loader(kind, workers), max_epochs=2)
     expected, trained[:] = list(trained), []
+    plain = _loader(kind, workers)  # the oracle's order: a plain loop over the loader
+    assert expected == [batch.flatten().long().tolist() for _ in range(2) for batch in plain]
 
     loader = _loader(kind, workers)
     step, events = _interrupted(how, trained)
