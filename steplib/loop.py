@@ -188,20 +188,26 @@ def _iterate(
     continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
-            state, stop = _emit(events, state, "epoch_start")
-            if stop is not None:
-                break
+            # A pass that continues an epoch from a loaded position (a resume, or a run going
+            # on with a stopped one) gets no epoch_start: it ran where that epoch began, and a
+            # handler that starts something per epoch (a hidden state set to zeros) would
+            # otherwise start it again in the middle, which the uninterrupted run does not.
+            first = _resumed_at(data)
+            if first == 0:
+                state, stop = _emit(events, state, "epoch_start")
+                if stop is not None:
+                    break
             total = _length(data)
-            index = -1
+            index = first - 1
             # The outputs of the pass's last call(s), yielded once its epoch_end has run: a
             # `break` there then leaves the epoch counted, as a stop at that update does (else
             # a next run on the yielded state trained that epoch again).
             last: list[Outputs] = []
-            for index, batch in enumerate(data):
+            for index, batch in enumerate(data, start=first):  # the index within the epoch
                 for output in last:  # a sized `data` that yields more than its len()
                     yield state, output
                 last = []
-                close = total is not None and index == total - 1
+                close = total is not None and index == first + total - 1
                 before = state.step
                 state, out, outs = call(state, batch, close)
                 state, stop = _after_call(events, state, out, outs, before, index, opened)
@@ -215,7 +221,7 @@ def _iterate(
                     _keep_position(data)
                     break
             else:
-                if index < 0 and not continued:
+                if index < first and not continued:
                     raise ValueError(
                         f"iterate: data yielded no batches in epoch {state.epoch}. Pass a "
                         "re-iterable with at least one batch (a DataLoader or a list), not an "
@@ -263,10 +269,12 @@ def run(
     """Drive ``step`` over ``data`` and return the final state; see :func:`iterate`.
 
     Emits ``fit_start`` (with ``data``, ``train_step`` and ``events``: where a checkpoint finds
-    the loader, the step(s) and the handlers whose state it saves), then per epoch ``epoch_start``,
-    ``micro_step_end`` after every call of the step(s) (with several steps, also after a
-    flush: ``event.flushed``), ``step_end`` after every update,
-    ``epoch_end``, and finally ``fit_end`` (or ``exception``, then re-raises).
+    the loader, the step(s) and the handlers whose state it saves), then per epoch ``epoch_start``
+    (not for the rest of an epoch that a ``resumable_loader`` continues from a loaded position:
+    the uninterrupted run had it once, before the epoch's first batch), ``micro_step_end`` after
+    every call of the step(s) (with several steps, also after a flush: ``event.flushed``),
+    ``step_end`` after every update, ``epoch_end``, and finally ``fit_end`` (or
+    ``exception``, then re-raises).
 
     Args:
         step: a ``Step`` (``make_train_step`` and its wrappers); or several steps over one
@@ -341,6 +349,13 @@ def _keep_position(data: Any) -> None:
     # resume), so a next run on the returned state sees the uninterrupted run's batches.
     if hasattr(data, "load_state_dict") and hasattr(data, "state_dict"):
         data.load_state_dict(data.state_dict())
+
+
+def _resumed_at(data: Iterable[Any]) -> int:
+    # A ResumableLoader loaded at a position inside an epoch: the batches that epoch yielded
+    # before (0 for anything else, whose passes the loop cannot tell apart).
+    at = getattr(data, "resumed_at", 0)
+    return at if isinstance(at, int) else 0
 
 
 def _length(data: Iterable[Any]) -> int | None:

@@ -23,25 +23,13 @@ from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from steplib.data.order_rng import check_order_rng
 from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
+from steplib.data.torchdata_state import FINISHED, batches_yielded
 from steplib.data.worker_rng import WORKERS, WorkerRng, worker_states
 from steplib.distributed.process_group import world_size
 from steplib.errors import ConfigError, describe
 
-# torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
-# that another version degrades to "position unknown" instead of failing.
-FINISHED = "_iterator_finished"
 # The key of the dataset's own state in a position, without workers (see _dataset_state).
 DATASET = "dataset"
-
-
-def batches_yielded(loader_state: Mapping[str, Any]) -> int | None:
-    """Batches of the current epoch already yielded, from torchdata's state (None: unknown)."""
-    if "_num_yielded" in loader_state:  # no workers
-        return int(loader_state["_num_yielded"])
-    snapshot = loader_state.get("_snapshot")  # workers: the last snapshot plus the steps since
-    if isinstance(snapshot, Mapping) and "_snapshot_step" in snapshot:
-        return int(snapshot["_snapshot_step"]) + int(loader_state.get("_steps_since_snapshot", 0))
-    return None
 
 
 class ResumableLoader(StatefulDataLoader):
@@ -49,7 +37,9 @@ class ResumableLoader(StatefulDataLoader):
     one included. Build it with :func:`resumable_loader`.
 
     ``len(loader)`` is the number of batches the next pass yields: the rest of an interrupted
-    epoch right after :meth:`load_state_dict`, a full epoch otherwise.
+    epoch right after :meth:`load_state_dict`, a full epoch otherwise; ``resumed_at`` is then
+    the batches that epoch had yielded before (0 when the next pass starts an epoch), where
+    ``run`` counts the pass's ``batch_index`` from, with no second ``epoch_start``.
 
     With worker processes, ``loader.dataset`` is the given dataset wrapped in a
     :class:`~steplib.data.worker_rng.WorkerRng` (``loader.dataset.dataset`` is yours): each
@@ -84,6 +74,7 @@ class ResumableLoader(StatefulDataLoader):
         self._epoch_start_rng: torch.Tensor = generator.get_state()
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
+        self.resumed_at = 0
         self.epoch_completed_on_load = False
         # Set by resumable_loader, for steplib.data.rank_share.check_still_shared.
         self._built_for_ranks: int | None = None
@@ -183,9 +174,10 @@ class ResumableLoader(StatefulDataLoader):
             # which is what a fresh iterator of the uninterrupted run draws from.
             super().load_state_dict({})
             self.generator.set_state(state_dict["generator"])
-            self._pending, self._pending_left = None, None
+            self._pending, self._pending_left, self.resumed_at = None, None, 0
             return
         super().load_state_dict(loader_state)
+        self.resumed_at = yielded or 0
         self._pending = (state_dict["epoch_start_generator"], state_dict["generator"])
         self._pending_left = None if yielded is None or full is None else full - yielded
 
@@ -227,6 +219,9 @@ class ResumableLoader(StatefulDataLoader):
         self.epoch_completed_on_load = self.sampler.resume(
             position, batch_size=self.batch_size or 1
         )
+        # This world size's batches that the samples all ranks consumed together make.
+        per_batch = self.sampler.world_size * (self.batch_size or 1)
+        self.resumed_at = 0 if self.epoch_completed_on_load else position["samples"] // per_batch
         super().load_state_dict({})  # a fresh iterator: the sampler starts at the position
         # Only the same ranks, batch size and workers make the batches the saved workers
         # made; elsewhere the workers start from their seeds (not carried over).
@@ -270,7 +265,7 @@ class ResumableLoader(StatefulDataLoader):
         # The resumed pass begins: the next one is a full epoch. Not in _get_iterator, which
         # state_dict() also calls (a save right after the resume, before the loop reads len).
         iterator = super().__iter__()
-        self._pending_left = None
+        self._pending_left, self.resumed_at = None, 0
         return iterator
 
     def __len__(self) -> int:
