@@ -18,18 +18,16 @@ from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib.data.order_rng import check_order_rng
+from steplib.data.own_states import check_collate, load_own_states, own_states
 from steplib.data.rank_share import check_still_shared, share_sampler
 from steplib.data.shards import SHARDED, ShardedSampler
 from steplib.data.torchdata_state import FINISHED, batches_yielded
 from steplib.data.worker_rng import WORKERS, WorkerRng, worker_states
 from steplib.distributed.process_group import world_size
 from steplib.errors import ConfigError, describe
-
-# The key of the dataset's own state in a position, without workers (see _dataset_state).
-DATASET = "dataset"
 
 
 class ResumableLoader(StatefulDataLoader):
@@ -91,29 +89,20 @@ class ResumableLoader(StatefulDataLoader):
             in the global order}`` (see ``ShardedSampler.position``), which any world size
             can continue from, ``"workers": the state of each worker process}`` (mid-epoch,
             with workers; loaded on the same world size, batch size and ``num_workers``).
-            Both hold ``"dataset"``: without workers, the dataset's own ``state_dict()``
-            (``None`` when it has none; a sharded one is loaded on the same world size).
+            Both hold ``"dataset"`` and ``"collate"``: without workers, the dataset's and the
+            ``collate_fn``'s own ``state_dict()`` (``None`` when it has none; a sharded one is
+            loaded on the same world size).
         """
         if isinstance(self.sampler, ShardedSampler):
-            return {**self._sharded_state(), DATASET: self._dataset_state()}
+            return {**self._sharded_state(), **own_states(self)}
         loader_state = super().state_dict()  # may create the epoch's iterator (and draw)
         return {
             "loader": loader_state,
             "generator": self.generator.get_state(),
             "epoch_start_generator": self._epoch_start_rng.clone(),
             "layout": self._layout(),
-            DATASET: self._dataset_state(),
+            **own_states(self),
         }
-
-    def _dataset_state(self) -> Any:
-        # Without workers the dataset lives on from epoch to epoch in this process, its state
-        # with it; torchdata keeps that only inside an unsharded epoch. (Workers copy it anew.)
-        stateful = isinstance(self.dataset, Stateful) and self.num_workers == 0
-        return self.dataset.state_dict() if stateful else None
-
-    def _load_dataset_state(self, state_dict: Mapping[str, Any]) -> None:
-        if state_dict.get(DATASET) is not None and self.num_workers == 0:
-            self.dataset.load_state_dict(state_dict[DATASET])
 
     def _layout(self) -> dict[str, Any]:
         # What the position's batch count and sample order mean: loaded into a loader that
@@ -164,7 +153,7 @@ class ResumableLoader(StatefulDataLoader):
                 "did (the same dataset, batch_size, shuffle and num_workers); to resume with "
                 "another batch size, use resumable_loader(..., shard=True) in both runs."
             )
-        self._load_dataset_state(state_dict)
+        load_own_states(self, state_dict)
         # Unsized data (an IterableDataset without __len__) tells its epoch's end by ending.
         full = super().__len__() if hasattr(self.dataset, "__len__") else None
         ended = full is not None and yielded is not None and yielded >= full
@@ -231,7 +220,7 @@ class ResumableLoader(StatefulDataLoader):
             here = [self.sampler.world_size, self.batch_size or 1, self.num_workers]
             self.dataset.resume_states = states if saved == here else None
         if position["world_size"] == self.sampler.world_size:  # each rank's dataset its own
-            self._load_dataset_state(state_dict)
+            load_own_states(self, state_dict)
 
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
@@ -300,7 +289,9 @@ def resumable_loader(
             alone, never from the global torch generator.
         drop_last: drop the last, smaller batch of an epoch.
         num_workers: worker processes (0 loads in the main process).
-        collate_fn: how samples become a batch (torch's default collation when ``None``).
+        collate_fn: how samples become a batch (torch's default collation when ``None``). One
+            with ``state_dict()`` / ``load_state_dict()`` (a batch transform such as mixup
+            with a generator of its own) is saved and restored with the position.
         pin_memory: copy batches into pinned memory (faster host-to-GPU copies).
         shard: ``True``: share every epoch out among the ranks of the default process group
             (each rank gets ``len(dataset) // world_size`` samples, as from
@@ -369,6 +360,7 @@ def resumable_loader(
         raise ConfigError(
             f"resumable_loader(seed=...) received {describe(seed)}; pass an int, e.g. seed=0."
         )
+    check_collate(collate_fn, num_workers)
     if hasattr(dataset, "__len__") and len(dataset) == 0:
         # torch would say only "num_samples should be a positive integer value" (shuffled) or
         # train on nothing (not shuffled).
