@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steplib import Events, Stop, TrainState, make_train_step, run
+from steplib import ConfigError, Events, Stop, TrainState, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
 
@@ -61,3 +61,23 @@ def test_a_continued_epoch_has_one_epoch_start_and_its_own_batch_indices(
 
     assert ("step_end", 1, 1) in want and want.count(("epoch_start", 1, None)) == 1
     assert got == want
+
+
+@pytest.mark.parametrize("handler", ["resume_from", "checkpoint_every"])
+def test_a_checkpoint_handler_given_another_loader_than_the_runs_is_refused(
+    tmp_path: Path, handler: str
+) -> None:
+    """A loader built again beside a handler built with the old one (a notebook cell run
+    again): the old loader's position would be restored and saved, and the run's epoch would
+    start over in silence."""
+    url = str(tmp_path / "ckpt")
+    state, step, old = _build(False)
+    run(step, state, old, events=[checkpoint_every(url, every=1, data=old)], max_steps=STOP_AT)
+    state, step, data = _build(False)
+    made = (
+        resume_from(url, data=old)
+        if handler == "resume_from"
+        else checkpoint_every(url, every=1, data=old)
+    )
+    with pytest.raises(ConfigError, match="another ResumableLoader"):
+        run(step, state, data, events=[made], max_epochs=3)
