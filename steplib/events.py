@@ -36,7 +36,8 @@ class Event:
         step: optimizer updates so far (``state.step``).
         micro_step: micro-batches so far (``state.micro_step``).
         epoch: completed epochs (``state.epoch``).
-        batch_index: index of the batch within the epoch, for step events.
+        batch_index: index of the batch within the epoch, for step events (counted from the
+            epoch's start also in a pass that a ``resumable_loader`` continues).
         error: the exception, for ``exception``.
         metrics: the values an evaluation recorded (``{"val_loss": ...}``), for
             ``validation_end``.

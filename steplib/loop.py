@@ -15,7 +15,7 @@ import torch
 
 from steplib.events import Event, Events, Stop
 from steplib.loop_checks import check_args
-from steplib.loop_data import PULLING, TRAINED, after_error, keep_position, left_after
+from steplib.loop_data import PULLING, TRAINED, after_error, keep_position, resumed_at
 from steplib.output import StepOutput
 from steplib.state import TrainState
 
@@ -191,30 +191,35 @@ def _iterate(
     # a pass, None. Where a run that raises leaves the data (loop_data.after_error).
     pulled: Any = None
     passing: Any = None  # the iterator of the pass: what iter(data) returned
-    total: int | None = None
-    index = -1
+    first, index, end = 0, -1, None  # in the epoch: the pass's first batch, the last, the end
     # A stateful loader over unsized data may continue a pass after its last batch: its end.
     continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
     # A ResumableLoader may go on with a pass that a run which raised at its last batch left.
     continued = continued or getattr(data, "continuing", False)
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
-            state, stop = _emit(events, state, "epoch_start")
-            if stop is not None:
-                break
+            # A pass that continues an epoch from a loaded position (a resume, or a run going
+            # on with a stopped one) gets no epoch_start: it ran where that epoch began, and a
+            # handler that starts something per epoch (a hidden state set to zeros) would
+            # otherwise start it again in the middle, which the uninterrupted run does not.
+            first = resumed_at(data)
+            if first == 0:
+                state, stop = _emit(events, state, "epoch_start")
+                if stop is not None:
+                    break
             total = _length(data)
-            index = -1
+            index, end = first - 1, None if total is None else first + total
             # The outputs of the pass's last call(s), yielded once its epoch_end has run: a
             # `break` there then leaves the epoch counted, as a stop at that update does (else
             # a next run on the yielded state trained that epoch again).
             last: list[Outputs] = []
             pulled = PULLING
             passing = iter(data)
-            for index, batch in enumerate(passing):
+            for index, batch in enumerate(passing, start=first):  # the index within the epoch
                 for output in last:  # a sized `data` that yields more than its len()
                     yield state, output
                 last = []
-                close = total is not None and index == total - 1
+                close = index + 1 == end
                 before, pulled = state.step, batch
                 state, out, outs = call(state, batch, close)
                 pulled = TRAINED
@@ -227,13 +232,13 @@ def _iterate(
                     continue
                 yield state, out if outs is None else outs
                 if stop is not None or _done(state, max_steps, None):
-                    keep_position(data, passing, left=left_after(total, index))
+                    keep_position(data, passing, at=index + 1, end=end)
                     pulled = None  # the position is kept
                     break
                 pulled = PULLING
             else:
                 pulled = None
-                if index < 0 and not continued:
+                if index < first and not continued:
                     raise ValueError(
                         f"iterate: data yielded no batches in epoch {state.epoch}. Pass a "
                         "re-iterable with at least one batch (a DataLoader or a list), not an "
@@ -259,11 +264,11 @@ def _iterate(
         # The caller stopped iterating (a `break` in a notebook): the run ended by choice, so
         # handlers get to finish (close a progress bar, flush a log) as after a normal end.
         if not close:  # inside a pass
-            keep_position(data, passing, left=left_after(total, index))
+            keep_position(data, passing, at=index + 1, end=end)
         _emit(events, state, "fit_end")
         raise
     except BaseException as error:
-        after_error(data, passing, error=error, pulled=pulled, left=left_after(total, index))
+        after_error(data, passing, error=error, pulled=pulled, at=index + 1, end=end)
         _emit(events, state, "exception", error=error)
         raise
     return state
@@ -282,10 +287,12 @@ def run(
     """Drive ``step`` over ``data`` and return the final state; see :func:`iterate`.
 
     Emits ``fit_start`` (with ``data``, ``train_step`` and ``events``: where a checkpoint finds
-    the loader, the step(s) and the handlers whose state it saves), then per epoch ``epoch_start``,
-    ``micro_step_end`` after every call of the step(s) (with several steps, also after a
-    flush: ``event.flushed``), ``step_end`` after every update,
-    ``epoch_end``, and finally ``fit_end`` (or ``exception``, then re-raises).
+    the loader, the step(s) and the handlers whose state it saves), then per epoch ``epoch_start``
+    (not for the rest of an epoch that a ``resumable_loader`` continues from a loaded position:
+    the uninterrupted run had it once, before the epoch's first batch), ``micro_step_end`` after
+    every call of the step(s) (with several steps, also after a flush: ``event.flushed``),
+    ``step_end`` after every update, ``epoch_end``, and finally ``fit_end`` (or
+    ``exception``, then re-raises).
 
     Args:
         step: a ``Step`` (``make_train_step`` and its wrappers); or several steps over one

@@ -20,29 +20,41 @@ TRAINED = object()
 
 
 def keep_position(
-    data: Any, passing: Iterator[Any], *, left: int | None, untrained: Sequence[Any] = ()
+    data: Any,
+    passing: Iterator[Any],
+    *,
+    at: int,
+    end: int | None,
+    untrained: Sequence[Any] = (),
 ) -> None:
     """Make ``data``'s next pass go on with ``passing`` (what ``iter(data)`` returned for the
-    pass the run left), after ``untrained`` (batches yielded, not trained); ``left``: the
-    batches of this sized pass still to come (None: unsized)."""
+    pass the run left), after ``untrained`` (batches yielded, not trained); ``at``: the
+    batches of the epoch yielded so far, of ``end`` (None: unsized)."""
+    left = None if end is None else end - at
     # A run that ends inside a pass (a stop, a break, an error): a stateful loader's next pass
     # goes on with this one, so that a next run on the state it ended with sees the batches
     # of the uninterrupted run. A ResumableLoader continues the pass itself, after the batches
     # it yielded that were not trained; another stateful loader reloads its own position.
     if hasattr(data, "continue_pass"):
-        data.continue_pass(passing, untrained, left=left)
+        data.continue_pass(passing, untrained, at=at, left=left)
     elif hasattr(data, "load_state_dict") and hasattr(data, "state_dict") and left != 0:
         # At a pass's end another loader starts the next epoch (its epoch_end comes late).
         data.load_state_dict(data.state_dict())
 
 
 def after_error(
-    data: Any, passing: Iterator[Any], *, error: BaseException, pulled: Any, left: int | None
+    data: Any,
+    passing: Iterator[Any],
+    *,
+    error: BaseException,
+    pulled: Any,
+    at: int,
+    end: int | None,
 ) -> None:
     """Where ``data`` goes on after the run raised ``error`` in the pass ``passing``
     (``iter(data)``): ``pulled`` is the batch the step was given, ``TRAINED`` once trained,
-    ``PULLING`` while the loader was asked for one, None outside a pass; ``left``: the batches
-    of the pass after it (None: unsized). Never raises: the run's error is the one raised."""
+    ``PULLING`` while the loader was asked for one, None outside a pass; ``at`` and ``end``:
+    as for :func:`keep_position`. Never raises: the run's error is the one raised."""
     # Where the run raised decides where the data goes on. A handler (or the loop) raised:
     # the batch was trained, as at a stop. The step raised: the batch it was given is
     # untrained, and the step leaves the state as it received it (lineage.backward_failed),
@@ -61,7 +73,7 @@ def after_error(
         return
     untrained = [] if pulled is TRAINED else [pulled]
     try:
-        keep_position(data, passing, left=left, untrained=untrained)
+        keep_position(data, passing, at=at, end=end, untrained=untrained)
     except Exception as failed:  # logged: the run's own error is the one raised
         _log.error("keeping the data position after %r failed: %r", error, failed)
         return
@@ -75,6 +87,8 @@ def after_error(
         )
 
 
-def left_after(total: int | None, index: int) -> int | None:
-    """The batches of a pass of ``total`` (None: unsized) after the one at ``index``."""
-    return None if total is None else total - index - 1
+def resumed_at(data: Any) -> int:
+    """Where in its epoch ``data``'s next pass begins: a ``ResumableLoader`` that continues an
+    epoch (loaded at a position, or going on with a pass a run left) says it; 0 otherwise."""
+    at = getattr(data, "resumed_at", 0)
+    return at if isinstance(at, int) else 0

@@ -109,7 +109,21 @@ class Checkpoints:
 
     def for_run(self, event: Event) -> Checkpoints:
         """These with the ``fit_start`` event's loader (unless ``data`` is given; if stateful)
-        and its step(s), if Steps (a checkpoint records their composition and settles them)."""
+        and its step(s), if Steps (a checkpoint records their composition and settles them).
+
+        Raises:
+            ConfigError: ``data`` was given and the run draws from another stateful loader.
+        """
+        if self.data is not None and is_stateful(event.data) and event.data is not self.data:
+            # A loader built again (a notebook cell run again) beside a handler built before:
+            # the position saved and loaded would be the old loader's, the run's would restart.
+            raise ConfigError(
+                f"checkpoint_every / resume_from received data= a {type(self.data).__name__}, "
+                f"but the run draws its batches from another {type(event.data).__name__}: the "
+                "position saved and restored would be that other loader's, and this run's "
+                "would start its epoch over. Pass the loader the run draws from (data=loader "
+                "with run(step, state, loader)), or leave data= out to use the run's."
+            )
         data = event.data if self.data is None and is_stateful(event.data) else self.data
         step = event.train_step
         ones = step.values() if isinstance(step, Mapping) else (step,)

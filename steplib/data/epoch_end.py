@@ -9,8 +9,9 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from steplib.data.loader import FINISHED, ResumableLoader, batches_yielded
+from steplib.data.loader import ResumableLoader
 from steplib.data.shards import ShardedSampler
+from steplib.data.torchdata_state import FINISHED, batches_yielded
 
 
 def at_epoch_end(data: Any) -> bool:

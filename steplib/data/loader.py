@@ -19,29 +19,15 @@ from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from steplib.data.order_rng import check_order_rng
+from steplib.data.own_states import load_own_states, own_states
 from steplib.data.rank_share import check_still_shared
 from steplib.data.shards import SHARDED, ShardedSampler
+from steplib.data.torchdata_state import FINISHED, batches_yielded
 from steplib.data.worker_rng import WORKERS, WorkerRng, worker_states
 from steplib.errors import ConfigError, describe
-
-# torchdata's state keys (0.10 and 0.11) for the position in the epoch; read with defaults so
-# that another version degrades to "position unknown" instead of failing.
-FINISHED = "_iterator_finished"
-# The key of the dataset's own state in a position, without workers (see _dataset_state).
-DATASET = "dataset"
-
-
-def batches_yielded(loader_state: Mapping[str, Any]) -> int | None:
-    """Batches of the current epoch already yielded, from torchdata's state (None: unknown)."""
-    if "_num_yielded" in loader_state:  # no workers
-        return int(loader_state["_num_yielded"])
-    snapshot = loader_state.get("_snapshot")  # workers: the last snapshot plus the steps since
-    if isinstance(snapshot, Mapping) and "_snapshot_step" in snapshot:
-        return int(snapshot["_snapshot_step"]) + int(loader_state.get("_steps_since_snapshot", 0))
-    return None
 
 
 class ResumableLoader(StatefulDataLoader):
@@ -49,7 +35,9 @@ class ResumableLoader(StatefulDataLoader):
     one included. Build it with :func:`resumable_loader`.
 
     ``len(loader)`` is the number of batches the next pass yields: the rest of an interrupted
-    epoch right after :meth:`load_state_dict`, a full epoch otherwise.
+    epoch right after :meth:`load_state_dict`, a full epoch otherwise; ``resumed_at`` is then
+    the batches that epoch had yielded before (0 when the next pass starts an epoch), where
+    ``run`` counts the pass's ``batch_index`` from, with no second ``epoch_start``.
 
     With worker processes, ``loader.dataset`` is the given dataset wrapped in a
     :class:`~steplib.data.worker_rng.WorkerRng` (``loader.dataset.dataset`` is yours): each
@@ -84,6 +72,7 @@ class ResumableLoader(StatefulDataLoader):
         self._epoch_start_rng: torch.Tensor = generator.get_state()
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
+        self.resumed_at = 0
         self.epoch_completed_on_load = False
         # Set by resumable_loader (expect_ranks), for rank_share.check_still_shared.
         self._built_for_ranks: int | None = None
@@ -99,7 +88,7 @@ class ResumableLoader(StatefulDataLoader):
         self._built_for_ranks, self._shard_unsaid = ranks, shard_unsaid
 
     def continue_pass(
-        self, passing: Iterator[Any], untrained: Sequence[Any] = (), *, left: int | None
+        self, passing: Iterator[Any], untrained: Sequence[Any] = (), *, at: int, left: int | None
     ) -> None:
         """Make the next pass go on with the current one, which a run left part-way (a stop,
         a ``break``, an error): ``run`` and ``iterate`` call it, so that a next run on the
@@ -116,10 +105,13 @@ class ResumableLoader(StatefulDataLoader):
                 (a generator of ``iterate`` closed late, after a next run began) is left as
                 it is.
             untrained: batches to yield again first, in order.
+            at: the batches of the epoch yielded so far (``untrained`` included): the next
+                pass is ``resumed_at`` the epoch's batch ``at - len(untrained)``.
             left: the batches of this pass after the last one yielded (``None``: unsized).
         """
         if passing is self._pass:
             self._continued = (list(untrained), left)
+            self.resumed_at = at - len(untrained)
 
     @property
     def continuing(self) -> bool:
@@ -138,8 +130,9 @@ class ResumableLoader(StatefulDataLoader):
             in the global order}`` (see ``ShardedSampler.position``), which any world size
             can continue from, ``"workers": the state of each worker process}`` (mid-epoch,
             with workers; loaded on the same world size, batch size and ``num_workers``).
-            Both hold ``"dataset"``: without workers, the dataset's own ``state_dict()``
-            (``None`` when it has none; a sharded one is loaded on the same world size).
+            Both hold ``"dataset"`` and ``"collate"``: without workers, the dataset's and the
+            ``collate_fn``'s own ``state_dict()`` (``None`` when it has none; a sharded one is
+            loaded on the same world size).
         """
         if self._continued is not None and self._continued[0]:
             raise ConfigError(
@@ -150,25 +143,15 @@ class ResumableLoader(StatefulDataLoader):
                 "position. Or go back to a saved one: load(url, state, data=loader)."
             )
         if isinstance(self.sampler, ShardedSampler):
-            return {**self._sharded_state(), DATASET: self._dataset_state()}
+            return {**self._sharded_state(), **own_states(self)}
         loader_state = super().state_dict()  # may create the epoch's iterator (and draw)
         return {
             "loader": loader_state,
             "generator": self.generator.get_state(),
             "epoch_start_generator": self._epoch_start_rng.clone(),
             "layout": self._layout(),
-            DATASET: self._dataset_state(),
+            **own_states(self),
         }
-
-    def _dataset_state(self) -> Any:
-        # Without workers the dataset lives on from epoch to epoch in this process, its state
-        # with it; torchdata keeps that only inside an unsharded epoch. (Workers copy it anew.)
-        stateful = isinstance(self.dataset, Stateful) and self.num_workers == 0
-        return self.dataset.state_dict() if stateful else None
-
-    def _load_dataset_state(self, state_dict: Mapping[str, Any]) -> None:
-        if state_dict.get(DATASET) is not None and self.num_workers == 0:
-            self.dataset.load_state_dict(state_dict[DATASET])
 
     def _layout(self) -> dict[str, Any]:
         # What the position's batch count and sample order mean: loaded into a loader that
@@ -222,7 +205,7 @@ class ResumableLoader(StatefulDataLoader):
                 "did (the same dataset, batch_size, shuffle and num_workers); to resume with "
                 "another batch size, use resumable_loader(..., shard=True) in both runs."
             )
-        self._load_dataset_state(state_dict)
+        load_own_states(self, state_dict)
         # Unsized data (an IterableDataset without __len__) tells its epoch's end by ending.
         full = super().__len__() if hasattr(self.dataset, "__len__") else None
         ended = full is not None and yielded is not None and yielded >= full
@@ -232,9 +215,10 @@ class ResumableLoader(StatefulDataLoader):
             # which is what a fresh iterator of the uninterrupted run draws from.
             super().load_state_dict({})
             self.generator.set_state(state_dict["generator"])
-            self._pending, self._pending_left = None, None
+            self._pending, self._pending_left, self.resumed_at = None, None, 0
             return
         super().load_state_dict(loader_state)
+        self.resumed_at = yielded or 0
         self._pending = (state_dict["epoch_start_generator"], state_dict["generator"])
         self._pending_left = None if yielded is None or full is None else full - yielded
 
@@ -276,6 +260,9 @@ class ResumableLoader(StatefulDataLoader):
         self.epoch_completed_on_load = self.sampler.resume(
             position, batch_size=self.batch_size or 1
         )
+        # This world size's batches that the samples all ranks consumed together make.
+        per_batch = self.sampler.world_size * (self.batch_size or 1)
+        self.resumed_at = 0 if self.epoch_completed_on_load else position["samples"] // per_batch
         super().load_state_dict({})  # a fresh iterator: the sampler starts at the position
         # Only the same ranks, batch size and workers make the batches the saved workers
         # made; elsewhere the workers start from their seeds (not carried over).
@@ -285,7 +272,7 @@ class ResumableLoader(StatefulDataLoader):
             here = [self.sampler.world_size, self.batch_size or 1, self.num_workers]
             self.dataset.resume_states = states if saved == here else None
         if position["world_size"] == self.sampler.world_size:  # each rank's dataset its own
-            self._load_dataset_state(state_dict)
+            load_own_states(self, state_dict)
 
     def _get_iterator(self) -> Any:
         # Called for every new epoch iterator (by __iter__ and by state_dict before a pass).
@@ -318,12 +305,12 @@ class ResumableLoader(StatefulDataLoader):
     def __iter__(self) -> Any:
         if self._continued is not None:  # the pass a run left part-way goes on
             untrained, self._continued = self._continued[0], None
-            self._pass = itertools.chain(untrained, self._iterator)
+            self._pass, self.resumed_at = itertools.chain(untrained, self._iterator), 0
             return self._pass
         # The resumed pass begins: the next one is a full epoch. Not in _get_iterator, which
         # state_dict() also calls (a save right after the resume, before the loop reads len).
         self._pass = super().__iter__()
-        self._pending_left = None
+        self._pending_left, self.resumed_at = None, 0
         return self._pass
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from steplib.data.loader import ResumableLoader
+from steplib.data.own_states import check_collate
 from steplib.data.rank_share import share_sampler
 from steplib.distributed.process_group import world_size
 from steplib.errors import ConfigError, describe
@@ -41,7 +42,9 @@ def resumable_loader(
             alone, never from the global torch generator.
         drop_last: drop the last, smaller batch of an epoch.
         num_workers: worker processes (0 loads in the main process).
-        collate_fn: how samples become a batch (torch's default collation when ``None``).
+        collate_fn: how samples become a batch (torch's default collation when ``None``). One
+            with ``state_dict()`` / ``load_state_dict()`` (a batch transform such as mixup
+            with a generator of its own) is saved and restored with the position.
         pin_memory: copy batches into pinned memory (faster host-to-GPU copies).
         shard: ``True``: share every epoch out among the ranks of the default process group
             (each rank gets ``len(dataset) // world_size`` samples, as from
@@ -110,6 +113,7 @@ def resumable_loader(
         raise ConfigError(
             f"resumable_loader(seed=...) received {describe(seed)}; pass an int, e.g. seed=0."
         )
+    check_collate(collate_fn, num_workers)
     if hasattr(dataset, "__len__") and len(dataset) == 0:
         # torch would say only "num_samples should be a positive integer value" (shuffled) or
         # train on nothing (not shuffled).
