@@ -28,7 +28,7 @@ from steplib.sweep import (
     sweep_step,
 )
 from steplib.testing import assert_no_host_sync
-from tests.reference import make_batches, tiny_model
+from tests.reference import RecordingSink, make_batches, tiny_model
 
 N = 4
 LRS = [1e-3, 3e-3, 1e-2, 3e-1]
@@ -52,7 +52,9 @@ def build(n: int = N) -> tuple[Copies, sl.TrainState, Any]:
     return copies, state, step
 
 
-def evaluator(copies: Copies, every: int = 4, monitor: str | None = None) -> sl.Evaluator:
+def evaluator(
+    copies: Copies, every: int = 4, monitor: str | None = None, sinks: Any = ()
+) -> sl.Evaluator:
     eval_step = sl.make_eval_step(lambda m, b: m(b[0]) - b[1].expand(m.n, *b[1].shape))
     metrics = {"loss": per_copy_metric(torchmetrics.MeanSquaredError(), copies.n)}
     return sl.Evaluator(
@@ -61,6 +63,7 @@ def evaluator(copies: Copies, every: int = 4, monitor: str | None = None) -> sl.
         metrics=metrics,
         every=every,
         monitor=monitor,
+        sinks=sinks,
     )
 
 
@@ -239,3 +242,31 @@ def test_an_ema_of_a_sweep_is_refused_with_the_fix() -> None:
     copies, state, step = build()
     with pytest.raises(sl.ConfigError, match=r"one per copy of a sweep.*copies\.copy\(i\)"):
         sl.run(step, state, data(2), events=[sl.handlers.EMA(copies)])
+
+
+def test_tensorboard_plots_one_curve_per_copy_of_a_sweeps_values(tmp_path: Path) -> None:
+    # Each list was skipped as "not a number": a sweep's TensorBoard held no curve at all.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        EventAccumulator,
+    )
+
+    copies, state, step = build()
+    records = RecordingSink()
+    with sl.TensorBoardLogger(str(tmp_path / "tb")) as tb:
+        ev = evaluator(copies, every=4, sinks=[tb])
+        sl.run(step, state, data(8), events=[ev, Log([tb, records], every=2)])
+    reader = EventAccumulator(str(tmp_path / "tb"))
+    reader.Reload()
+    tags = set(reader.Tags()["scalars"])
+    for name in ("loss", "lr", "grad_norm", "val_loss"):
+        assert {f"{name}/{i}" for i in range(N)} <= tags, name
+    for i in range(N):  # each curve is its copy's own values, at each logged update
+        points = reader.Scalars(f"loss/{i}")
+        assert [s.step for s in points] == [r["step"] for r in records.records] == [2, 4, 6, 8]
+        expected = [r["loss"][i] for r in records.records]
+        assert [s.value for s in points] == pytest.approx(expected, rel=1e-6)
+        points = reader.Scalars(f"val_loss/{i}")
+        assert [s.step for s in points] == [at for at, _ in ev.history] == [4, 8]
+        expected = [values["val_loss"][i] for _, values in ev.history]
+        assert [s.value for s in points] == pytest.approx(expected, rel=1e-6)

@@ -81,6 +81,32 @@ def select(
     return {k: v for k, v in record.items() if k in keys or k == "step"}
 
 
+def plotted(record: Record, keys: tuple[str, ...] | None) -> dict[str, int | float]:
+    """The numbers a sink that plots curves (TensorBoard, W&B, MLflow) writes of ``record``:
+    those :func:`select` keeps but ``step`` and, with ``keys=None``, the counters; no booleans
+    or text. A flat list of numbers (a sweep's value, one per copy) is one curve per element,
+    ``loss/0``, ``loss/1``, ...: a point is one number, and dropping the list would leave a
+    sweep with no curve at all. A nested list (a matrix) is not a curve and is left out.
+
+    Example:
+        >>> plotted({"step": 3, "loss": [0.5, 0.25], "lr": 0.1, "note": "x"}, None)
+        {'loss/0': 0.5, 'loss/1': 0.25, 'lr': 0.1}
+    """
+    numbers: dict[str, int | float] = {}
+    for name, value in select(record, keys, default_skip=COUNTERS).items():
+        if name == "step":
+            continue
+        if _is_number(value):
+            numbers[name] = value
+        elif isinstance(value, list | tuple) and value and all(map(_is_number, value)):
+            numbers.update({f"{name}/{i}": v for i, v in enumerate(value)})
+    return numbers
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def event_record(event: Event) -> Record:
     """The numbers of one event as a flat, JSON-ready record.
 
