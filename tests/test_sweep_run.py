@@ -175,6 +175,29 @@ def test_resume_restores_the_stopped_copies_and_the_stoppers_state(tmp_path: Pat
         assert torch.equal(a, b)
 
 
+def test_a_run_resumed_after_every_copy_stopped_stops_at_once_as_the_run_it_continues(
+    tmp_path: Path,
+) -> None:
+    # It went on to its next evaluation: 2 more updates of no copy, one more evaluation and
+    # checkpoint, and the schedule moved, at each resume.
+    def one_run() -> tuple[sl.TrainState, sl.Evaluator]:
+        copies, state, step = build()
+        ev = evaluator(copies, every=2)
+        stopper = SweepEarlyStopping("val_loss", patience=1, min_delta=10.0)  # never improves
+        ckpt = sl.checkpoint_every(str(tmp_path), every=2)
+        loader = sl.resumable_loader(data(40), batch_size=None, seed=1)
+        events = sl.Events(sl.resume_from(ckpt), ev, stopper, ckpt)
+        return sl.run(step, state, loader, events=events, max_steps=40), ev
+
+    whole, ev = one_run()
+    assert whole.step == 4 and not active_copies(whole.optimizer)  # stopped at evaluation 2
+    resumed, ev2 = one_run()
+    assert resumed.step == whole.step
+    assert ev2.history == ev.history
+    assert resumed.scheduler.state_dict() == whole.scheduler.state_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+
+
 def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
     _, state, step = build()
     ev = sl.Evaluator(
