@@ -17,12 +17,14 @@ from torch import nn
 
 import steplib as sl
 from steplib.checkpoint import load, save
-from steplib.handlers import Log, LRMonitor, export_best
+from steplib.errors import NonFiniteError
+from steplib.handlers import Log, LRMonitor, NonFiniteAlarm, export_best
 from steplib.sweep import (
     Copies,
     SuccessiveHalving,
     SweepAdamW,
     SweepEarlyStopping,
+    SweepSGD,
     active_copies,
     per_copy_metric,
     sweep_step,
@@ -196,6 +198,31 @@ def test_a_run_resumed_after_every_copy_stopped_stops_at_once_as_the_run_it_cont
     assert ev2.history == ev.history
     assert resumed.scheduler.state_dict() == whole.scheduler.state_dict()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.parametrize("lrs", [[1e-2, 1e30], [1e30, 1e-2], [1e-2, 1e-2, 1e-2, 1e30]])
+def test_non_finite_alarm_judges_each_copy_by_its_own_skip(lrs: list[float]) -> None:
+    # The [N] flags were reduced before the [N] skip mask met the [2] flag pair: with 2
+    # copies, copy 1's skipped NaN raised (or copy 0's was called a gradient norm's); with 4,
+    # a RuntimeError (shapes 2 and 4) at the first skip.
+    def train(wrap: Any) -> list[Any]:
+        copies = Copies.stack([tiny_model(i) for i in range(len(lrs))])
+        opt = SweepSGD(copies.parameters(), lr=lrs)
+        state = sl.TrainState.create(model=copies, optimizer=opt)
+        step = sweep_step(wrap(sl.make_train_step(loss_fn)), copies=copies, example_batch=data()[0])
+        skipped: list[Any] = []
+        events = sl.Events(NonFiniteAlarm(every=1)).on(
+            "step_end", lambda e: skipped.append(e.output.skipped.tolist())
+        )
+        sl.run(step, state, data(4), events=events)
+        return skipped
+
+    diverged = lrs.index(1e30)
+    skipped = train(sl.skip_nonfinite)  # the diverged copy's updates were not applied: no alarm
+    assert [s[diverged] for s in skipped] == [False, True, True, True]
+    assert not any(s[i] for s in skipped for i in range(len(lrs)) if i != diverged)
+    with pytest.raises(NonFiniteError, match=r"non-finite loss .* at step 2"):
+        train(lambda s: s)  # applied: the alarm
 
 
 def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
