@@ -18,7 +18,7 @@ from torch import nn
 import steplib as sl
 from steplib.checkpoint import load, save
 from steplib.errors import NonFiniteError
-from steplib.handlers import Log, LRMonitor, NonFiniteAlarm, export_best
+from steplib.handlers import Log, LRMonitor, NonFiniteAlarm, Scheduler, export_best
 from steplib.sweep import (
     Copies,
     SuccessiveHalving,
@@ -284,6 +284,35 @@ def test_a_handler_that_watches_one_number_is_refused_a_sweeps_per_copy_value(wa
         events.on("step_end", handler, every=4)
     with pytest.raises(sl.ConfigError, match=r"'val_loss' is a list of 4 .*SweepEarlyStopping"):
         sl.run(step, state, data(8), events=events)
+
+
+def test_combine_a_plateau_scheduler_and_keep_best_refuse_a_sweeps_value_naming_it(
+    tmp_path: Path,
+) -> None:
+    # Each failed without a word of why: float() of a list (TypeError) for combine and the
+    # Scheduler; keep_best said "found no 'val_loss'" while val_loss was there, a list of 4.
+    copies, state, step = build()
+    ev = sl.Evaluator(
+        sl.make_eval_step(lambda m, b: m(b[0]) - b[1].expand(m.n, *b[1].shape)),
+        {"a": data(2, seed=9), "b": data(2, seed=10)},
+        metrics={"loss": per_copy_metric(torchmetrics.MeanMetric(), copies.n)},
+        every=4,
+        combine="loss",
+    )
+    with pytest.raises(sl.ConfigError, match=r"combine='loss'.* is a list of 4 .*Leave combine"):
+        sl.run(step, state, data(8), events=[ev])
+
+    copies, state, step = build()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer)
+    events = [evaluator(copies), Scheduler(plateau, metric="val_loss")]
+    with pytest.raises(sl.ConfigError, match=r"Scheduler\(metric='val_loss'\) .* list of 4"):
+        sl.run(step, state, data(8), events=events)
+
+    copies, state, step = build()
+    ckpt = sl.checkpoint_every(str(tmp_path), every=4, keep_best=1, metric="val_loss")
+    with pytest.raises(sl.ConfigError, match=r"'val_loss' is a list of 4 .*keep_last alone"):
+        sl.run(step, state, data(8), events=[evaluator(copies), ckpt])
+    assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
 def test_an_ema_of_a_sweep_is_refused_with_the_fix() -> None:
