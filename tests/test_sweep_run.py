@@ -225,6 +225,20 @@ def test_non_finite_alarm_judges_each_copy_by_its_own_skip(lrs: list[float]) -> 
         train(lambda s: s)  # applied: the alarm
 
 
+def test_the_log_record_says_which_copies_skipped() -> None:
+    # It wrote "skipped": true when any copy skipped: which one was lost (the loss, lr and
+    # grad_norm of the same record are per copy).
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    opt = SweepSGD(copies.parameters(), lr=[1e-2, 1e30, 1e-2])
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    step = sweep_step(sl.skip_nonfinite(sl.make_train_step(loss_fn)), copies=copies,
+                      example_batch=data()[0])  # fmt: skip
+    records = RecordingSink()
+    sl.run(step, state, data(3), events=[Log(records, every=1)])
+    diverged = [False, True, False]  # copy 1, from its second update on
+    assert [r.get("skipped") for r in records.records] == [None, diverged, diverged]
+
+
 def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
     _, state, step = build()
     ev = sl.Evaluator(

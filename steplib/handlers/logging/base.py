@@ -119,7 +119,8 @@ def event_record(event: Event) -> Record:
     Returns:
         ``{"step", "epoch", "micro_step", "time"}`` (``time`` in unix seconds) and, when the
         event carries a ``StepOutput``: ``loss``, ``lr``, ``num_targets``, ``grad_norm`` (when
-        measured), ``skipped`` (when an update was skipped) and each aux value by its name
+        measured), ``skipped`` (when an update was skipped: ``True``, or a sweep's one bool
+        per copy) and each aux value by its name
         (``aux.<name>`` if the name is one of the keys above): the output's own, so at an
         update with accumulation the loss is the window's and an aux value its last
         micro-batch's, and on several ranks the loss is over every rank and an aux value this
@@ -157,8 +158,8 @@ def event_record(event: Event) -> Record:
         record[prefix + "num_targets"] = int(targets) if float(targets).is_integer() else targets
         if out.grad_norm is not None:
             record[prefix + "grad_norm"] = logged_number(out.grad_norm)
-        if out.skipped.any():  # a sweep's is one per copy
-            record[prefix + "skipped"] = True
+        if out.skipped.any():  # a sweep's says which copies: one bool per copy
+            record[prefix + "skipped"] = logged_number(out.skipped)
         for key, value in out.aux.items():
             reserved = key in _RESERVED or key == "skipped"
             record[prefix + (f"aux.{key}" if reserved else key)] = logged_number(value)
