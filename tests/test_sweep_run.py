@@ -5,6 +5,7 @@ update, no host read in the step), checkpoints and exact resume."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from steplib.sweep import (
     SweepSGD,
     active_copies,
     per_copy_metric,
+    stop_copies,
     sweep_step,
 )
 from steplib.testing import assert_no_host_sync
@@ -88,6 +90,20 @@ def test_run_logs_one_loss_per_copy_and_the_progress_bar_shows_the_range(tmp_pat
     assert len(records[-1]["lr"]) == N and len(records[-1]["grad_norm"]) == N
     assert "skipped" not in records[-1]
     assert len(bar.stats["loss"]) == N and "(best #" in bar_file.getvalue()
+
+
+def test_the_progress_bar_shows_the_range_of_the_copies_that_trained() -> None:
+    # With copy 0 stopped (its mean NaN), the bar showed "loss=1.1853-nan": max() keeps a NaN
+    # that comes first; stopped last, the same copies showed a number.
+    _, state, step = build()
+    stop_copies(state.optimizer, [0])
+    bar_file = io.StringIO()
+    bar = sl.ProgressBar(every=2, file=bar_file)
+    sl.run(step, state, data(4), events=[bar])
+    losses = bar.stats["loss"]
+    assert math.isnan(losses[0]) and not any(map(math.isnan, losses[1:]))
+    shown = f"loss={min(losses[1:]):.4f}-{max(losses[1:]):.4f} (best #"
+    assert shown in bar_file.getvalue().splitlines()[-1]
 
 
 def test_evaluator_records_per_copy_metrics_and_early_stopping_stops_copies_alone() -> None:

@@ -305,11 +305,14 @@ def _count(values: list[float]) -> int | list[int]:
 
 
 def _range(values: list[float], spec: str, *, best: bool = False) -> str:
-    """One number as it is; a sweep's numbers as ``low-high``, with the lowest's copy."""
+    """One number as it is; a sweep's numbers as ``low-high``, with the lowest's copy. A NaN
+    (a copy stopped, or all its updates skipped, in the interval) is neither end: ``max``
+    would return it when it came first and pass over it otherwise."""
     if len(values) == 1:
         return format(values[0], spec)
     low = min(range(len(values)), key=lambda i: (values[i] != values[i], values[i]))
-    text = f"{format(values[low], spec)}-{format(max(values), spec)}"
+    high = max((v for v in values if v == v), default=values[low])  # values[low]: all NaN
+    text = f"{format(values[low], spec)}-{format(high, spec)}"
     return f"{text} (best #{low})" if best else text
 
 
