@@ -212,6 +212,7 @@ def test_a_run_resumed_after_every_copy_stopped_stops_at_once_as_the_run_it_cont
     resumed, ev2 = one_run()
     assert resumed.step == whole.step
     assert ev2.history == ev.history
+    assert resumed.scheduler is not None and whole.scheduler is not None
     assert resumed.scheduler.state_dict() == whole.scheduler.state_dict()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
 
