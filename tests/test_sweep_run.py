@@ -19,7 +19,7 @@ from torch import nn
 import steplib as sl
 from steplib.checkpoint import load, save
 from steplib.errors import NonFiniteError
-from steplib.handlers import Log, LRMonitor, NonFiniteAlarm, Scheduler, export_best
+from steplib.handlers import LivePlot, Log, LRMonitor, NonFiniteAlarm, Scheduler, export_best
 from steplib.sweep import (
     Copies,
     SuccessiveHalving,
@@ -104,6 +104,13 @@ def test_the_progress_bar_shows_the_range_of_the_copies_that_trained() -> None:
     assert math.isnan(losses[0]) and not any(map(math.isnan, losses[1:]))
     shown = f"loss={min(losses[1:]):.4f}-{max(losses[1:]):.4f} (best #"
     assert shown in bar_file.getvalue().splitlines()[-1]
+    # LivePlot's line outside a notebook, the same range ("... 1.185-nan over 4 copies").
+    _, state, step = build()
+    stop_copies(state.optimizer, [0])
+    plot_file = io.StringIO()
+    sl.run(step, state, data(4), events=[LivePlot(every=2, mode="text", file=plot_file)])
+    last = plot_file.getvalue().splitlines()[-1]
+    assert "nan" not in last and "over 4 copies" in last
 
 
 def test_evaluator_records_per_copy_metrics_and_early_stopping_stops_copies_alone() -> None:
