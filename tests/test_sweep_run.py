@@ -5,6 +5,7 @@ update, no host read in the step), checkpoints and exact resume."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +18,21 @@ from torch import nn
 
 import steplib as sl
 from steplib.checkpoint import load, save
-from steplib.handlers import Log, LRMonitor, export_best
+from steplib.errors import NonFiniteError
+from steplib.handlers import LivePlot, Log, LRMonitor, NonFiniteAlarm, Scheduler, export_best
 from steplib.sweep import (
     Copies,
     SuccessiveHalving,
     SweepAdamW,
     SweepEarlyStopping,
+    SweepSGD,
     active_copies,
     per_copy_metric,
+    stop_copies,
     sweep_step,
 )
 from steplib.testing import assert_no_host_sync
-from tests.reference import make_batches, tiny_model
+from tests.reference import RecordingSink, make_batches, tiny_model
 
 N = 4
 LRS = [1e-3, 3e-3, 1e-2, 3e-1]
@@ -52,7 +56,9 @@ def build(n: int = N) -> tuple[Copies, sl.TrainState, Any]:
     return copies, state, step
 
 
-def evaluator(copies: Copies, every: int = 4, monitor: str | None = None) -> sl.Evaluator:
+def evaluator(
+    copies: Copies, every: int = 4, monitor: str | None = None, sinks: Any = ()
+) -> sl.Evaluator:
     eval_step = sl.make_eval_step(lambda m, b: m(b[0]) - b[1].expand(m.n, *b[1].shape))
     metrics = {"loss": per_copy_metric(torchmetrics.MeanSquaredError(), copies.n)}
     return sl.Evaluator(
@@ -61,6 +67,7 @@ def evaluator(copies: Copies, every: int = 4, monitor: str | None = None) -> sl.
         metrics=metrics,
         every=every,
         monitor=monitor,
+        sinks=sinks,
     )
 
 
@@ -83,6 +90,27 @@ def test_run_logs_one_loss_per_copy_and_the_progress_bar_shows_the_range(tmp_pat
     assert len(records[-1]["lr"]) == N and len(records[-1]["grad_norm"]) == N
     assert "skipped" not in records[-1]
     assert len(bar.stats["loss"]) == N and "(best #" in bar_file.getvalue()
+
+
+def test_the_progress_bar_shows_the_range_of_the_copies_that_trained() -> None:
+    # With copy 0 stopped (its mean NaN), the bar showed "loss=1.1853-nan": max() keeps a NaN
+    # that comes first; stopped last, the same copies showed a number.
+    _, state, step = build()
+    stop_copies(state.optimizer, [0])
+    bar_file = io.StringIO()
+    bar = sl.ProgressBar(every=2, file=bar_file)
+    sl.run(step, state, data(4), events=[bar])
+    losses = bar.stats["loss"]
+    assert math.isnan(losses[0]) and not any(map(math.isnan, losses[1:]))
+    shown = f"loss={min(losses[1:]):.4f}-{max(losses[1:]):.4f} (best #"
+    assert shown in bar_file.getvalue().splitlines()[-1]
+    # LivePlot's line outside a notebook, the same range ("... 1.185-nan over 4 copies").
+    _, state, step = build()
+    stop_copies(state.optimizer, [0])
+    plot_file = io.StringIO()
+    sl.run(step, state, data(4), events=[LivePlot(every=2, mode="text", file=plot_file)])
+    last = plot_file.getvalue().splitlines()[-1]
+    assert "nan" not in last and "over 4 copies" in last
 
 
 def test_evaluator_records_per_copy_metrics_and_early_stopping_stops_copies_alone() -> None:
@@ -172,6 +200,69 @@ def test_resume_restores_the_stopped_copies_and_the_stoppers_state(tmp_path: Pat
         assert torch.equal(a, b)
 
 
+def test_a_run_resumed_after_every_copy_stopped_stops_at_once_as_the_run_it_continues(
+    tmp_path: Path,
+) -> None:
+    # It went on to its next evaluation: 2 more updates of no copy, one more evaluation and
+    # checkpoint, and the schedule moved, at each resume.
+    def one_run() -> tuple[sl.TrainState, sl.Evaluator]:
+        copies, state, step = build()
+        ev = evaluator(copies, every=2)
+        stopper = SweepEarlyStopping("val_loss", patience=1, min_delta=10.0)  # never improves
+        ckpt = sl.checkpoint_every(str(tmp_path), every=2)
+        loader = sl.resumable_loader(data(40), batch_size=None, seed=1)
+        events = sl.Events(sl.resume_from(ckpt), ev, stopper, ckpt)
+        return sl.run(step, state, loader, events=events, max_steps=40), ev
+
+    whole, ev = one_run()
+    assert whole.step == 4 and not active_copies(whole.optimizer)  # stopped at evaluation 2
+    resumed, ev2 = one_run()
+    assert resumed.step == whole.step
+    assert ev2.history == ev.history
+    assert resumed.scheduler is not None and whole.scheduler is not None
+    assert resumed.scheduler.state_dict() == whole.scheduler.state_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.parametrize("lrs", [[1e-2, 1e30], [1e30, 1e-2], [1e-2, 1e-2, 1e-2, 1e30]])
+def test_non_finite_alarm_judges_each_copy_by_its_own_skip(lrs: list[float]) -> None:
+    # The [N] flags were reduced before the [N] skip mask met the [2] flag pair: with 2
+    # copies, copy 1's skipped NaN raised (or copy 0's was called a gradient norm's); with 4,
+    # a RuntimeError (shapes 2 and 4) at the first skip.
+    def train(wrap: Any) -> list[Any]:
+        copies = Copies.stack([tiny_model(i) for i in range(len(lrs))])
+        opt = SweepSGD(copies.parameters(), lr=lrs)
+        state = sl.TrainState.create(model=copies, optimizer=opt)
+        step = sweep_step(wrap(sl.make_train_step(loss_fn)), copies=copies, example_batch=data()[0])
+        skipped: list[Any] = []
+        events = sl.Events(NonFiniteAlarm(every=1)).on(
+            "step_end", lambda e: skipped.append(e.output.skipped.tolist())
+        )
+        sl.run(step, state, data(4), events=events)
+        return skipped
+
+    diverged = lrs.index(1e30)
+    skipped = train(sl.skip_nonfinite)  # the diverged copy's updates were not applied: no alarm
+    assert [s[diverged] for s in skipped] == [False, True, True, True]
+    assert not any(s[i] for s in skipped for i in range(len(lrs)) if i != diverged)
+    with pytest.raises(NonFiniteError, match=r"non-finite loss .* at step 2"):
+        train(lambda s: s)  # applied: the alarm
+
+
+def test_the_log_record_says_which_copies_skipped() -> None:
+    # It wrote "skipped": true when any copy skipped: which one was lost (the loss, lr and
+    # grad_norm of the same record are per copy).
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    opt = SweepSGD(copies.parameters(), lr=[1e-2, 1e30, 1e-2])
+    state = sl.TrainState.create(model=copies, optimizer=opt)
+    step = sweep_step(sl.skip_nonfinite(sl.make_train_step(loss_fn)), copies=copies,
+                      example_batch=data()[0])  # fmt: skip
+    records = RecordingSink()
+    sl.run(step, state, data(3), events=[Log(records, every=1)])
+    diverged = [False, True, False]  # copy 1, from its second update on
+    assert [r.get("skipped") for r in records.records] == [None, diverged, diverged]
+
+
 def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
     _, state, step = build()
     ev = sl.Evaluator(
@@ -233,9 +324,66 @@ def test_a_handler_that_watches_one_number_is_refused_a_sweeps_per_copy_value(wa
         sl.run(step, state, data(8), events=events)
 
 
+def test_combine_a_plateau_scheduler_and_keep_best_refuse_a_sweeps_value_naming_it(
+    tmp_path: Path,
+) -> None:
+    # Each failed without a word of why: float() of a list (TypeError) for combine and the
+    # Scheduler; keep_best said "found no 'val_loss'" while val_loss was there, a list of 4.
+    copies, state, step = build()
+    ev = sl.Evaluator(
+        sl.make_eval_step(lambda m, b: m(b[0]) - b[1].expand(m.n, *b[1].shape)),
+        {"a": data(2, seed=9), "b": data(2, seed=10)},
+        metrics={"loss": per_copy_metric(torchmetrics.MeanMetric(), copies.n)},
+        every=4,
+        combine="loss",
+    )
+    with pytest.raises(sl.ConfigError, match=r"combine='loss'.* is a list of 4 .*Leave combine"):
+        sl.run(step, state, data(8), events=[ev])
+
+    copies, state, step = build()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer)
+    events = [evaluator(copies), Scheduler(plateau, metric="val_loss")]
+    with pytest.raises(sl.ConfigError, match=r"Scheduler\(metric='val_loss'\) .* list of 4"):
+        sl.run(step, state, data(8), events=events)
+
+    copies, state, step = build()
+    ckpt = sl.checkpoint_every(str(tmp_path), every=4, keep_best=1, metric="val_loss")
+    with pytest.raises(sl.ConfigError, match=r"'val_loss' is a list of 4 .*keep_last alone"):
+        sl.run(step, state, data(8), events=[evaluator(copies), ckpt])
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
 def test_an_ema_of_a_sweep_is_refused_with_the_fix() -> None:
     # It failed inside its count with "output with shape [] doesn't match the broadcast shape
     # [4]": one EMA counts one model's updates, while a sweep's copies update one by one.
     copies, state, step = build()
     with pytest.raises(sl.ConfigError, match=r"one per copy of a sweep.*copies\.copy\(i\)"):
         sl.run(step, state, data(2), events=[sl.handlers.EMA(copies)])
+
+
+def test_tensorboard_plots_one_curve_per_copy_of_a_sweeps_values(tmp_path: Path) -> None:
+    # Each list was skipped as "not a number": a sweep's TensorBoard held no curve at all.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+        EventAccumulator,
+    )
+
+    copies, state, step = build()
+    records = RecordingSink()
+    with sl.TensorBoardLogger(str(tmp_path / "tb")) as tb:
+        ev = evaluator(copies, every=4, sinks=[tb])
+        sl.run(step, state, data(8), events=[ev, Log([tb, records], every=2)])
+    reader = EventAccumulator(str(tmp_path / "tb"))
+    reader.Reload()
+    tags = set(reader.Tags()["scalars"])
+    for name in ("loss", "lr", "grad_norm", "val_loss"):
+        assert {f"{name}/{i}" for i in range(N)} <= tags, name
+    for i in range(N):  # each curve is its copy's own values, at each logged update
+        points = reader.Scalars(f"loss/{i}")
+        assert [s.step for s in points] == [r["step"] for r in records.records] == [2, 4, 6, 8]
+        expected = [r["loss"][i] for r in records.records]
+        assert [s.value for s in points] == pytest.approx(expected, rel=1e-6)
+        points = reader.Scalars(f"val_loss/{i}")
+        assert [s.step for s in points] == [at for at, _ in ev.history] == [4, 8]
+        expected = [values["val_loss"][i] for _, values in ev.history]
+        assert [s.value for s in points] == pytest.approx(expected, rel=1e-6)

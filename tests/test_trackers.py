@@ -259,6 +259,18 @@ def test_mlflow_run_fails_when_the_block_raises_and_reuses_the_experiment(
         second.write({"step": 2, "loss": 1.0})
 
 
+def test_mlflow_logs_a_sweeps_per_copy_values_as_one_metric_per_copy(mlflow_uri: str) -> None:
+    # A list (a sweep's loss, one per copy) was skipped as "not a number": no metric at all.
+    from mlflow.tracking import MlflowClient
+
+    with MLflowLogger(tracking_uri=mlflow_uri, experiment="sweep") as logger:
+        run_id = logger.run_id
+        assert run_id is not None
+        logger.write({"step": 1, "loss": [2.0, 0.5, 1.25], "matrix": [[1.0, 2.0]], "lr": 0.1})
+    metrics = MlflowClient(tracking_uri=mlflow_uri).get_run(run_id).data.metrics
+    assert metrics == {"loss/0": 2.0, "loss/1": 0.5, "loss/2": 1.25, "lr": 0.1}
+
+
 def test_mlflow_bad_arguments_say_the_fix() -> None:
     with pytest.raises(ConfigError, match="tracking_uri"):
         MLflowLogger(tracking_uri="", experiment="e")

@@ -207,12 +207,23 @@ class Checkpointer(Handler):
                 f"checkpoint_every(keep_best={self.keep_best}, metric={self.metric!r}) found no "
                 f"{self.metric!r} among this checkpoint's metrics; they are: {recorded}."
             )
-            if strict:  # a scheduled save: refused before anything is written or pruned
-                raise ConfigError(
-                    f"{found} Nothing was saved or pruned. Name one (an evaluator's carry its "
-                    "prefix: 'val_accuracy'), or pass metric=evaluator, or metrics= a function "
-                    "that returns it."
+            fix = (
+                "Name one (an evaluator's carry its prefix: 'val_accuracy'), or pass "
+                "metric=evaluator, or metrics= a function that returns it."
+            )
+            value = state.extras.get(str(self.metric))
+            if isinstance(value, list | tuple):  # not "no such name": it is there, N of it
+                found = (
+                    f"checkpoint_every(keep_best={self.keep_best}, metric={self.metric!r}): "
+                    f"{self.metric!r} is a list of {len(value)} (a sweep's, one per copy), and "
+                    "one checkpoint holds every copy: no one value ranks it."
                 )
+                fix = (
+                    "Keep checkpoints by keep_last alone, and choose copies by their values "
+                    "(SweepEarlyStopping, SuccessiveHalving, evaluator.history)."
+                )
+            if strict:  # a scheduled save: refused before anything is written or pruned
+                raise ConfigError(f"{found} Nothing was saved or pruned. {fix}")
             # At fit end or a preemption, perhaps before any evaluation: saved, not refused.
             _log.warning("%s It was saved without pruning, so that no best one is lost.", found)
         extras = with_handlers("checkpoint_every", self.given.extras, event.events)

@@ -116,3 +116,31 @@ def combined_value(
             f"value the combined value's name {name!r}. Rename that set."
         )
     return {f"{prefix}{set_name}_": w for set_name, w in numbers.items()}, name
+
+
+def weighted_mean(values: Mapping[str, Any], combine: Any, weights: Mapping[str, float]) -> float:
+    """The combined value: ``sum(weight * value) / sum(weight)`` of each set's ``combine``
+    value (``weights``: label -> weight, from :func:`combined_value`).
+
+    Raises:
+        ConfigError: a set's value is missing, or is a sweep's (a list, one per copy).
+    """
+    names = {label + str(combine): label for label in weights}
+    missing = [name for name in names if name not in values]
+    if missing:
+        raise ConfigError(
+            f"Evaluator(combine={combine!r}) found no {', '.join(map(repr, missing))} "
+            f"among the evaluated values ({', '.join(sorted(values))}). Pass the name of "
+            "one of the metrics, as the sets' values name it after their prefix."
+        )
+    for name in names:
+        if isinstance(values[name], list | tuple):  # float() would fail with no word of why
+            raise ConfigError(
+                f"Evaluator(combine={combine!r}) weighs one number per set, and {name!r} is a "
+                f"list of {len(values[name])} (a sweep's, one per copy), whose combined value "
+                "would be one per copy, and the Evaluator would monitor it as one number. "
+                "Leave combine out: each set's value is recorded per copy, and "
+                f"SweepEarlyStopping({name!r}) or SuccessiveHalving({name!r}) watches one."
+            )
+    total = sum(weights.values())
+    return sum(weights[label] * float(values[name]) for name, label in names.items()) / total

@@ -25,7 +25,12 @@ from steplib.data.shards import ShardedSampler
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, describe
 from steplib.events import Emitted, Event, Handler, NewState
-from steplib.handlers.eval_sets import combined_value, named_datasets, same_on_every_rank
+from steplib.handlers.eval_sets import (
+    combined_value,
+    named_datasets,
+    same_on_every_rank,
+    weighted_mean,
+)
 from steplib.handlers.eval_step import as_metrics, check_whole_set, evaluate
 from steplib.handlers.logging.base import Sink, event_counters
 from steplib.handlers.logging.log import Log
@@ -382,15 +387,4 @@ class Evaluator(Handler):
         return one_number("Evaluator", self.monitor, values[self.monitor])
 
     def _weighted_mean(self, values: Mapping[str, Any]) -> float:
-        names = {label + str(self.combine): label for label in self.weights}
-        missing = [name for name in names if name not in values]
-        if missing:
-            raise ConfigError(
-                f"Evaluator(combine={self.combine!r}) found no {', '.join(map(repr, missing))} "
-                f"among the evaluated values ({', '.join(sorted(values))}). Pass the name of "
-                "one of the metrics, as the sets' values name it after their prefix."
-            )
-        total = sum(self.weights.values())
-        return (
-            sum(self.weights[label] * float(values[name]) for name, label in names.items()) / total
-        )
+        return weighted_mean(values, self.combine, self.weights)

@@ -11,7 +11,7 @@ each of the run's updates, the token-weighted mean over the windows that step cl
 previous one (NaN, a gap, where it closed none), as ``ProgressBar`` shows them. Drawing needs
 matplotlib (``pip install steplib[plot]``); the text fallback does not.
 
-Imports ``events``, ``errors`` and ``output`` only.
+Imports ``events``, ``errors``, ``output`` and ``handlers.progress`` (``spread``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
+from steplib.handlers.progress import spread
 from steplib.output import window_sums
 
 
@@ -228,8 +229,8 @@ def _curves(ax: Any, steps: list[int], values: list[Any], label: str, **style: A
 def _numbers(value: Any) -> str:
     if not isinstance(value, list):
         return f"{value:.4g}"
-    best = min(range(len(value)), key=lambda i: (math.isnan(value[i]), value[i]))
-    return f"{value[best]:.4g}-{max(value):.4g} over {len(value)} copies (lowest #{best})"
+    best, high = spread(value)
+    return f"{value[best]:.4g}-{high:.4g} over {len(value)} copies (lowest #{best})"
 
 
 def _in_notebook() -> bool:

@@ -100,7 +100,9 @@ class NonFiniteAlarm(Handler):
 
     def _flag(self, event: Event, name: str, out: Any) -> None:
         self._flagged[name] = out
-        bad = ~torch.isfinite(out.loss.detach()).all()
+        # Per element: a sweep's loss is one per copy, and each copy's flags are masked by its
+        # own skip below (reduced only then: a copy skipped must not hide another's NaN).
+        bad = ~torch.isfinite(out.loss.detach())
         window = self._window.setdefault(name, [])
         window.append(torch.stack((bad, torch.zeros_like(bad))))
         # The update (of the run's counter) this micro-batch belongs to: while the counted
@@ -117,12 +119,13 @@ class NonFiniteAlarm(Handler):
             return  # this step's window is still open: its skip is not decided yet
         # The window closed at this micro-batch: its gradient norm and its own skip.
         if out.grad_norm is not None:
-            grad_bad = ~torch.isfinite(out.grad_norm.detach()).all().to(window[-1].device)
+            grad_bad = ~torch.isfinite(out.grad_norm.detach()).to(window[-1].device)
             window[-1] = window[-1] | torch.stack((torch.zeros_like(grad_bad), grad_bad))
         if not self.include_skipped:
             keep = ~out.skipped.to(window[-1].device)
             window = [flags & keep.to(flags.device) for flags in window]
-        self._pending.extend(window)
+        # [loss bad, grad norm bad] of any copy (a sweep's [2, N]; one model's is [2] already).
+        self._pending.extend(flags.reshape(2, -1).any(dim=1) for flags in window)
         self._pending_where.extend(self._window_where[name])
         self._window[name], self._window_where[name] = [], []
 

@@ -308,9 +308,22 @@ def _range(values: list[float], spec: str, *, best: bool = False) -> str:
     """One number as it is; a sweep's numbers as ``low-high``, with the lowest's copy."""
     if len(values) == 1:
         return format(values[0], spec)
-    low = min(range(len(values)), key=lambda i: (values[i] != values[i], values[i]))
-    text = f"{format(values[low], spec)}-{format(max(values), spec)}"
+    low, high = spread(values)
+    text = f"{format(values[low], spec)}-{format(high, spec)}"
     return f"{text} (best #{low})" if best else text
+
+
+def spread(values: Sequence[float]) -> tuple[int, float]:
+    """The copy of the lowest of a sweep's ``values`` and the highest value, NaN left out
+    (a copy stopped, or whose updates were all skipped, in the interval): ``max`` would
+    return a NaN that comes first and pass over one that does not.
+
+    Example:
+        >>> spread([float("nan"), 0.5, 0.25])
+        (2, 0.5)
+    """
+    low = min(range(len(values)), key=lambda i: (values[i] != values[i], values[i]))
+    return low, max((v for v in values if v == v), default=values[low])  # all NaN: NaN
 
 
 def _si(value: float) -> str:

@@ -7,7 +7,7 @@ handler with ``state_dict``; see ``steplib.checkpoint.contents``), and checkpoin
 after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
 scheduler from before its step.
 
-Imports ``errors`` and ``events`` only.
+Imports ``errors``, ``events`` and ``handlers.stopping`` (``one_number``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
+from steplib.handlers.stopping import one_number
 
 
 class Scheduler(Handler):
@@ -163,7 +164,7 @@ class Scheduler(Handler):
                 f"Scheduler(metric={self.metric!r}): the evaluation recorded "
                 f"{', '.join(sorted(values)) or 'nothing'}. Name one of those."
             )
-        self.scheduler.step(float(values[self.metric]))
+        self.scheduler.step(one_number("Scheduler", self.metric, values[self.metric], arg="metric"))
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's state (saved with each checkpoint, without being named), and what

@@ -131,11 +131,11 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float | None:
     return one_number(owner, monitor, extras[monitor])
 
 
-def one_number(owner: str, monitor: str, value: Any) -> float:
+def one_number(owner: str, monitor: str, value: Any, *, arg: str = "monitor") -> float:
     """``value`` as a float; ``ConfigError`` for a sweep's (a list, one per copy): no one best."""
     if isinstance(value, list | tuple):
         raise ConfigError(
-            f"{owner}(monitor={monitor!r}) watches one number, and {monitor!r} is a list of "
+            f"{owner}({arg}={monitor!r}) watches one number, and {monitor!r} is a list of "
             f"{len(value)} (a sweep's, one per copy). Use steplib.sweep.SweepEarlyStopping"
             f"({monitor!r}) or SuccessiveHalving, and no monitor= on a sweep's Evaluator."
         )

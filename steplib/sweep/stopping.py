@@ -163,6 +163,17 @@ class SweepEarlyStopping(Handler):
         self.best: list[float | None] = []
         self.wait: list[int] = []
 
+    def on_fit_start(self, event: Event) -> Stop | None:
+        """Stop at once a run resumed after this stopper had stopped every copy: it would
+        otherwise go on to its next evaluation, with updates that update no copy and more
+        evaluations, checkpoints and schedule steps than the run it continues."""
+        if self.wait and all(wait >= self.patience for wait in self.wait):
+            return Stop(
+                f"sweep early stopping: resumed after every copy had stopped improving "
+                f"{self.monitor}"
+            )
+        return None
+
     def on_validation_end(self, event: Event) -> Stop | None:
         """Check each copy after each evaluation; stop the run when every copy has stopped."""
         optimizer = event.state.optimizer

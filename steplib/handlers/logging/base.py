@@ -81,6 +81,32 @@ def select(
     return {k: v for k, v in record.items() if k in keys or k == "step"}
 
 
+def plotted(record: Record, keys: tuple[str, ...] | None) -> dict[str, int | float]:
+    """The numbers a sink that plots curves (TensorBoard, W&B, MLflow) writes of ``record``:
+    those :func:`select` keeps but ``step`` and, with ``keys=None``, the counters; no booleans
+    or text. A flat list of numbers (a sweep's value, one per copy) is one curve per element,
+    ``loss/0``, ``loss/1``, ...: a point is one number, and dropping the list would leave a
+    sweep with no curve at all. A nested list (a matrix) is not a curve and is left out.
+
+    Example:
+        >>> plotted({"step": 3, "loss": [0.5, 0.25], "lr": 0.1, "note": "x"}, None)
+        {'loss/0': 0.5, 'loss/1': 0.25, 'lr': 0.1}
+    """
+    numbers: dict[str, int | float] = {}
+    for name, value in select(record, keys, default_skip=COUNTERS).items():
+        if name == "step":
+            continue
+        if _is_number(value):
+            numbers[name] = value
+        elif isinstance(value, list | tuple) and value and all(map(_is_number, value)):
+            numbers.update({f"{name}/{i}": v for i, v in enumerate(value)})
+    return numbers
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def event_record(event: Event) -> Record:
     """The numbers of one event as a flat, JSON-ready record.
 
@@ -93,7 +119,8 @@ def event_record(event: Event) -> Record:
     Returns:
         ``{"step", "epoch", "micro_step", "time"}`` (``time`` in unix seconds) and, when the
         event carries a ``StepOutput``: ``loss``, ``lr``, ``num_targets``, ``grad_norm`` (when
-        measured), ``skipped`` (when an update was skipped) and each aux value by its name
+        measured), ``skipped`` (when an update was skipped: ``True``, or a sweep's one bool
+        per copy) and each aux value by its name
         (``aux.<name>`` if the name is one of the keys above): the output's own, so at an
         update with accumulation the loss is the window's and an aux value its last
         micro-batch's, and on several ranks the loss is over every rank and an aux value this
@@ -131,8 +158,8 @@ def event_record(event: Event) -> Record:
         record[prefix + "num_targets"] = int(targets) if float(targets).is_integer() else targets
         if out.grad_norm is not None:
             record[prefix + "grad_norm"] = logged_number(out.grad_norm)
-        if out.skipped.any():  # a sweep's is one per copy
-            record[prefix + "skipped"] = True
+        if out.skipped.any():  # a sweep's says which copies: one bool per copy
+            record[prefix + "skipped"] = logged_number(out.skipped)
         for key, value in out.aux.items():
             reserved = key in _RESERVED or key == "skipped"
             record[prefix + (f"aux.{key}" if reserved else key)] = logged_number(value)

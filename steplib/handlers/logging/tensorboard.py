@@ -7,7 +7,7 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
+from steplib.handlers.logging.base import Record, Sink, check_keys, plotted
 
 
 class TensorBoardLogger(Sink):
@@ -16,16 +16,18 @@ class TensorBoardLogger(Sink):
     Needs the ``tb`` extra (``pip install 'steplib[tb]'``, i.e. ``tensorboard``); the events are
     written by ``torch.utils.tensorboard.SummaryWriter`` and flushed after each record. The
     counters (``step``, ``micro_step``, ``time``, ``epoch``, ``num_targets``, ``updates``) are
-    not plotted unless ``keys`` names them (``time`` is the wall time of the points);
-    non-numbers (lists, strings) are skipped. A name is written once per step: a second record
-    at the same step (an evaluation's, the one at ``fit_end``) adds no duplicate point. The
-    first record's step is the writer's ``purge_step``: the points a killed run wrote in this
-    directory at that step and after, which a run resumed from an earlier checkpoint writes
-    again, are hidden, so each step has one point. A purge hides every name at a step, so it
-    starts at the first update the resumed run writes, not at the first its means cover: the
-    killed run's evaluation at the checkpoint's update, which the resumed run does not run
-    again, stays; so does the point of the means a stopped run wrote at ``fit_end`` after
-    that save (the files drop it), whose update the resumed run's first point covers again.
+    not plotted unless ``keys`` names them (``time`` is the wall time of the points); a flat
+    list of numbers (a sweep's, one per copy) is one curve per element (``loss/0``, ``loss/1``,
+    ...), and other non-numbers (strings, nested lists) are skipped. A name is written once per
+    step: a second record at the same step (an evaluation's, the one at ``fit_end``) adds no
+    duplicate point. The first record's step is the writer's ``purge_step``: the points a killed
+    run wrote in this directory at that step and after, which a run resumed from an earlier
+    checkpoint writes again, are hidden, so each step has one point. A purge hides every name at
+    a step, so it starts at the first update the resumed run writes, not at the first its means
+    cover: the killed run's evaluation at the checkpoint's update, which the resumed run does
+    not run again, stays; so does the point of the means a stopped run wrote at ``fit_end``
+    after that save (the files drop it), whose update the resumed run's first point covers
+    again.
 
     Args:
         log_dir: the run's directory (``tensorboard --logdir`` its parent).
@@ -106,9 +108,7 @@ class TensorBoardLogger(Sink):
             # written again (its point vanished from the curve).
             self._writer = self._open(purge_step=step)
         try:
-            for name, value in select(record, self.keys, default_skip=COUNTERS).items():
-                if name == "step" or isinstance(value, bool) or not isinstance(value, int | float):
-                    continue
+            for name, value in plotted(record, self.keys).items():
                 if self._last_step.get(name) == step:
                     continue
                 self._last_step[name] = step

@@ -11,8 +11,9 @@ JSONL, CSV and TensorBoard sinks and compose with them in one
         state = run(step, state, loader, events=events)
 
 Every number of a record is logged at the record's ``step``; ``step``, ``micro_step`` and
-``time`` are not plotted (``time`` becomes the point's timestamp), and non-numbers (lists,
-strings, booleans) are skipped, as in the TensorBoard sink.
+``time`` are not plotted (``time`` becomes the point's timestamp), a flat list of numbers
+(a sweep's, one per copy) is one metric per element (``loss/0``, ``loss/1``, ...), and other
+non-numbers (strings, booleans, nested lists) are skipped, as in the TensorBoard sink.
 
 Rank 0 only (``rank_zero_only=True``): on other ranks nothing is imported, no run is created
 and ``write`` does nothing, so build the logger after the process group is initialised.
@@ -33,15 +34,7 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import COUNTERS, Record, Sink, check_keys, select
-
-
-def _numbers(record: Record, keys: tuple[str, ...] | None) -> dict[str, float]:
-    return {
-        name: value
-        for name, value in select(record, keys, default_skip=COUNTERS).items()
-        if name != "step" and not isinstance(value, bool) and isinstance(value, int | float)
-    }
+from steplib.handlers.logging.base import Record, Sink, check_keys, plotted
 
 
 def _check_name(caller: str, label: str, value: Any, example: str) -> None:
@@ -168,7 +161,7 @@ class WandbLogger(Sink):
                 "Create a new logger, or keep the `with WandbLogger(...)` block open."
             )
         try:
-            self.run.log(_numbers(record, self.keys), step=int(record.get("step", 0)))
+            self.run.log(plotted(record, self.keys), step=int(record.get("step", 0)))
         except Exception as error:
             raise LogWriteError(
                 f"WandbLogger(project={self.project!r}) could not log {record!r}: {error!r}."
@@ -306,7 +299,7 @@ class MLflowLogger(Sink):
         stamp = int(float(record.get("time", 0.0)) * 1000)
         metrics = [
             self._metric(name, float(value), stamp, step)
-            for name, value in _numbers(record, self.keys).items()
+            for name, value in plotted(record, self.keys).items()
         ]
         if not metrics:
             return
