@@ -105,5 +105,16 @@ def backward_failed(state: Any) -> None:
 def update_failed(state: Any) -> None:
     """Called when a step raised while it closed a window (``state``: the one it closed): the
     gradients processed in place, the update perhaps begun. The run's next step or save
-    refuses, naming the ways out."""
+    refuses, naming the ways out.
+
+    A float16 ``GradScaler`` whose ``unscale_`` ran for this window marks the optimizer
+    "unscaled" until its ``update()``, which the step did not reach: every later update of the
+    run (after either way out) would raise torch's "unscale_() has already been called". Its
+    per-optimizer record is cleared as ``update()`` clears it, with the scale kept as it is
+    (``new_scale``: no backoff, no growth counted, no host read): the window is dropped, not
+    applied."""
     state.lane.lineage.torn = True
+    scaler = state.scaler
+    # _scale is None until the scaler's first scale(): update() would then refuse.
+    if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
+        scaler.update(new_scale=scaler._scale)
