@@ -11,7 +11,10 @@ How: the states of one optimizer (one ``Lane`` of one ``TrainState.create``) sha
 ``Lineage``. Every state made with new counters records them there (``TrainState.replace``:
 the step's own advance, a ``load``, a hand edit), and a step compares the state it receives:
 two integer comparisons, no tensor read, no allocation. A ``load`` into any state of the run,
-older or not, is how a run legitimately goes back (its weights are overwritten too).
+older or not, is how a run legitimately goes back (its weights are overwritten too), and
+begins a new lineage (:func:`lineage_after_load`): equal counters do not make a state from
+before the load describe what the load put in place (a window's loss and target count, the
+skip counters, the extras), so every state from before it is refused, whatever its counters.
 
 A backward that raises (out of memory, a KeyboardInterrupt) may have added part of its
 micro-batch's gradient to ``.grad`` before the counters moved: :func:`backward_failed` clears an
@@ -34,15 +37,18 @@ class Lineage:
     its model, optimizer, scheduler and scaler, changed in place, have been advanced to.
 
     Shared by every state derived from one ``TrainState.create`` for that optimizer
-    (``state.lane.lineage``); a ``copy.deepcopy`` of a state is a lineage of its own.
+    (``state.lane.lineage``) up to a ``load``, which begins a new one (its ``successor``);
+    a ``copy.deepcopy`` of a state is a lineage of its own.
     """
 
-    __slots__ = ("micro_step", "step", "torn")
+    __slots__ = ("micro_step", "step", "successor", "torn")
 
     def __init__(self) -> None:
         self.step = 0
         self.micro_step = 0
         self.torn = False  # a step raised part-way: .grad is what no state describes
+        # The lineage a load began after this one's states: none of them is the newest since.
+        self.successor: Lineage | None = None
 
     def __repr__(self) -> str:
         torn = ", torn" if self.torn else ""
@@ -54,11 +60,25 @@ def check_newest(state: Any, caller: str) -> None:
     state of its optimizer: every step calls it before it changes anything in place, and a save
     before it records the counters."""
     lineage: Lineage = state.lane.lineage
-    if state.micro_step == lineage.micro_step and state.step == lineage.step and not lineage.torn:
+    if (
+        state.micro_step == lineage.micro_step
+        and state.step == lineage.step
+        and not lineage.torn
+        and lineage.successor is None
+    ):
         return
     name = state.lane.name
     whose = "" if name is None else f" of optimizer {name!r}"
-    if lineage.torn:
+    loaded = ""
+    if lineage.successor is not None:
+        while lineage.successor is not None:
+            lineage = lineage.successor
+        loaded = (
+            ": the state a load made after this one returned, or one stepped on from it (the "
+            "load put a checkpoint's weights, .grad, accumulation window and optimizer state "
+            "in place, which this state does not describe, even with the same counters)"
+        )
+    elif lineage.torn:
         raise ConfigError(
             f"{caller} received a TrainState{whose} of a run whose last step raised part-way "
             f"(at micro-batch {lineage.micro_step}, update {lineage.step}): in a backward "
@@ -73,11 +93,12 @@ def check_newest(state: Any, caller: str) -> None:
     raise ConfigError(
         f"{caller} received a TrainState{whose} at update {state.step} (micro-batch "
         f"{state.micro_step}), but the newest state of the same run is at update {lineage.step} "
-        f"(micro-batch {lineage.micro_step}). The model's parameters and .grad, the optimizer, "
-        "the scheduler and the scaler change in place and are shared by both: this state's "
-        "counters and accumulation window no longer describe them, so training or saving from "
-        "it would be silently wrong (two updates counted as one, a window that counts fewer "
-        "micro-batches than .grad holds, a checkpoint whose counters do not match its weights). "
+        f"(micro-batch {lineage.micro_step}){loaded}. The model's parameters and .grad, the "
+        "optimizer, the scheduler and the scaler change in place and are shared by both: this "
+        "state's counters and accumulation window no longer describe them, so training or "
+        "saving from it would be silently wrong (two updates counted as one, a window that "
+        "counts fewer micro-batches than .grad holds, a checkpoint whose counters do not match "
+        "its weights). "
         "Go on from the state the last call returned: `state, out = step(state, batch)`, not "
         "two calls on one state; `state = run(...)`. After a run or step that raised: the "
         'state the run\'s exception event saw (register `seen = []; events.on("exception", '
@@ -89,6 +110,18 @@ def check_newest(state: Any, caller: str) -> None:
         "counters by hand: state.replace(step=..., micro_step=...), not dataclasses.replace "
         "(which the run does not see)."
     )
+
+
+def lineage_after_load(lineage: Lineage) -> Lineage:
+    """The new lineage of the state a ``load`` returns (``lineage``: the state's it loaded
+    into). The newest lineage of the run, ``lineage`` or the one an earlier load began, gets it
+    as its successor: every state from before the load is refused from then on, even one whose
+    counters equal the loaded ones (a run rewound and stepped on from there)."""
+    newest = lineage
+    while newest.successor is not None:  # a load into a state an earlier load replaced
+        newest = newest.successor
+    newest.successor = Lineage()
+    return newest.successor
 
 
 def backward_failed(state: Any) -> None:

@@ -87,7 +87,8 @@ class Lane:
             their steps left them; empty on theirs.
         lineage: this optimizer's :class:`~steplib.lineage.Lineage`, the counters of its
             newest state (shared by all its states, per optimizer: a step compares without a
-            lookup), which a step requires of the state it receives.
+            lookup), which a step requires of the state it receives; a ``load`` gives the
+            state it returns a new one, and every state from before it is refused.
     """
 
     fence: UpdateFence
