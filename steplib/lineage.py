@@ -9,12 +9,13 @@ accumulation window with weights and gradients they do not describe, and nothing
 
 How: the states of one optimizer (one ``Lane`` of one ``TrainState.create``) share one
 ``Lineage``. Every state made with new counters records them there (``TrainState.replace``:
-the step's own advance, a ``load``, a hand edit), and a step compares the state it receives:
-two integer comparisons, no tensor read, no allocation. A ``load`` into any state of the run,
-older or not, is how a run legitimately goes back (its weights are overwritten too), and
-begins a new lineage (:func:`lineage_after_load`): equal counters do not make a state from
-before the load describe what the load put in place (a window's loss and target count, the
-skip counters, the extras), so every state from before it is refused, whatever its counters.
+the step's own advance, a hand edit), and a step compares the state it receives: two integer
+comparisons and an identity, no tensor read, no allocation. A ``load`` into any state of the
+run, older or not, is how a run legitimately goes back (its weights are overwritten too), and
+begins a new lineage (:func:`lineage_after_load`), which the run's ``Head`` then names: equal
+counters do not make a state from before the load describe what the load put in place (a
+window's loss and target count, the skip counters, the extras), so every state from before it
+is refused, whatever its counters, until one has its counters set by hand.
 
 A backward that raises (out of memory, a KeyboardInterrupt) may have added part of its
 micro-batch's gradient to ``.grad`` before the counters moved: :func:`backward_failed` clears an
@@ -32,23 +33,38 @@ from typing import Any
 from steplib.errors import ConfigError
 
 
+class Head:
+    """Which lineage of one optimizer's run is the newest: shared by them all. A ``load``
+    moves it to the new lineage it begins; new counters (a step's, a hand edit's) to theirs."""
+
+    __slots__ = ("lineage",)
+
+    def __init__(self, lineage: Lineage) -> None:
+        self.lineage = lineage
+
+
 class Lineage:
     """The counters (``step``, ``micro_step``) of the newest state of one optimizer: the ones
     its model, optimizer, scheduler and scaler, changed in place, have been advanced to.
 
     Shared by every state derived from one ``TrainState.create`` for that optimizer
-    (``state.lane.lineage``) up to a ``load``, which begins a new one (its ``successor``);
-    a ``copy.deepcopy`` of a state is a lineage of its own.
+    (``state.lane.lineage``) up to a ``load``, which begins a new one (``head``, shared, names
+    the newest); a ``copy.deepcopy`` of a state is a run of its own.
     """
 
-    __slots__ = ("micro_step", "step", "successor", "torn")
+    __slots__ = ("head", "micro_step", "step", "torn")
 
-    def __init__(self) -> None:
+    def __init__(self, head: Head | None = None) -> None:
         self.step = 0
         self.micro_step = 0
         self.torn = False  # a step raised part-way: .grad is what no state describes
-        # The lineage a load began after this one's states: none of them is the newest since.
-        self.successor: Lineage | None = None
+        self.head = Head(self) if head is None else head
+
+    def record(self, step: int, micro_step: int) -> None:
+        """New counters: the state that has them is the newest of the run (a hand edit of a
+        state from before a load makes it so again)."""
+        self.step, self.micro_step, self.torn = step, micro_step, False
+        self.head.lineage = self
 
     def __repr__(self) -> str:
         torn = ", torn" if self.torn else ""
@@ -64,19 +80,19 @@ def check_newest(state: Any, caller: str) -> None:
         state.micro_step == lineage.micro_step
         and state.step == lineage.step
         and not lineage.torn
-        and lineage.successor is None
+        and lineage.head.lineage is lineage
     ):
         return
     name = state.lane.name
     whose = "" if name is None else f" of optimizer {name!r}"
     loaded = ""
-    if lineage.successor is not None:
-        while lineage.successor is not None:
-            lineage = lineage.successor
+    if lineage.head.lineage is not lineage:
+        lineage = lineage.head.lineage
         loaded = (
-            ": the state a load made after this one returned, or one stepped on from it (the "
-            "load put a checkpoint's weights, .grad, accumulation window and optimizer state "
-            "in place, which this state does not describe, even with the same counters)"
+            ", on another line of states than this one: a load made after this state (or "
+            "state.replace(step=..., micro_step=...) on a state from before a load) put in "
+            "place weights, .grad, an accumulation window and optimizer state that this state "
+            "does not describe, even with the same counters"
         )
     elif lineage.torn:
         raise ConfigError(
@@ -114,14 +130,12 @@ def check_newest(state: Any, caller: str) -> None:
 
 def lineage_after_load(lineage: Lineage) -> Lineage:
     """The new lineage of the state a ``load`` returns (``lineage``: the state's it loaded
-    into). The newest lineage of the run, ``lineage`` or the one an earlier load began, gets it
-    as its successor: every state from before the load is refused from then on, even one whose
-    counters equal the loaded ones (a run rewound and stepped on from there)."""
-    newest = lineage
-    while newest.successor is not None:  # a load into a state an earlier load replaced
-        newest = newest.successor
-    newest.successor = Lineage()
-    return newest.successor
+    into), named the newest by the run's ``Head``: every state from before the load is refused
+    from then on, even one whose counters equal the loaded ones (a run rewound and stepped on
+    from there)."""
+    new = Lineage(lineage.head)
+    new.head.lineage = new
+    return new
 
 
 def backward_failed(state: Any) -> None:

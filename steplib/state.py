@@ -368,8 +368,7 @@ def _evolve(state: TrainState, changes: Mapping[str, Any]) -> TrainState:
     if "micro_step" in changes or "step" in changes:
         # New counters: this state is now the newest of its optimizer, the one that describes
         # the model and optimizer changed in place; a step refuses any other (lineage.py).
-        lineage = new.lane.lineage
-        lineage.step, lineage.micro_step, lineage.torn = new.step, new.micro_step, False
+        new.lane.lineage.record(new.step, new.micro_step)
     return new
 
 
