@@ -9,9 +9,13 @@ accumulation window with weights and gradients they do not describe, and nothing
 
 How: the states of one optimizer (one ``Lane`` of one ``TrainState.create``) share one
 ``Lineage``. Every state made with new counters records them there (``TrainState.replace``:
-the step's own advance, a ``load``, a hand edit), and a step compares the state it receives:
-two integer comparisons, no tensor read, no allocation. A ``load`` into any state of the run,
-older or not, is how a run legitimately goes back (its weights are overwritten too).
+the step's own advance, a hand edit), and a step compares the state it receives: two integer
+comparisons and an identity, no tensor read, no allocation. A ``load`` into any state of the
+run, older or not, is how a run legitimately goes back (its weights are overwritten too), and
+begins a new lineage (:func:`lineage_after_load`), which the run's ``Head`` then names: equal
+counters do not make a state from before the load describe what the load put in place (a
+window's loss and target count, the skip counters, the extras), so every state from before it
+is refused, whatever its counters, until one has its counters set by hand.
 
 A backward that raises (out of memory, a KeyboardInterrupt) may have added part of its
 micro-batch's gradient to ``.grad`` before the counters moved: :func:`backward_failed` clears an
@@ -29,20 +33,38 @@ from typing import Any
 from steplib.errors import ConfigError
 
 
+class Head:
+    """Which lineage of one optimizer's run is the newest: shared by them all. A ``load``
+    moves it to the new lineage it begins; new counters (a step's, a hand edit's) to theirs."""
+
+    __slots__ = ("lineage",)
+
+    def __init__(self, lineage: Lineage) -> None:
+        self.lineage = lineage
+
+
 class Lineage:
     """The counters (``step``, ``micro_step``) of the newest state of one optimizer: the ones
     its model, optimizer, scheduler and scaler, changed in place, have been advanced to.
 
     Shared by every state derived from one ``TrainState.create`` for that optimizer
-    (``state.lane.lineage``); a ``copy.deepcopy`` of a state is a lineage of its own.
+    (``state.lane.lineage``) up to a ``load``, which begins a new one (``head``, shared, names
+    the newest); a ``copy.deepcopy`` of a state is a run of its own.
     """
 
-    __slots__ = ("micro_step", "step", "torn")
+    __slots__ = ("head", "micro_step", "step", "torn")
 
-    def __init__(self) -> None:
+    def __init__(self, head: Head | None = None) -> None:
         self.step = 0
         self.micro_step = 0
         self.torn = False  # a step raised part-way: .grad is what no state describes
+        self.head = Head(self) if head is None else head
+
+    def record(self, step: int, micro_step: int) -> None:
+        """New counters: the state that has them is the newest of the run (a hand edit of a
+        state from before a load makes it so again)."""
+        self.step, self.micro_step, self.torn = step, micro_step, False
+        self.head.lineage = self
 
     def __repr__(self) -> str:
         torn = ", torn" if self.torn else ""
@@ -54,11 +76,25 @@ def check_newest(state: Any, caller: str) -> None:
     state of its optimizer: every step calls it before it changes anything in place, and a save
     before it records the counters."""
     lineage: Lineage = state.lane.lineage
-    if state.micro_step == lineage.micro_step and state.step == lineage.step and not lineage.torn:
+    if (
+        state.micro_step == lineage.micro_step
+        and state.step == lineage.step
+        and not lineage.torn
+        and lineage.head.lineage is lineage
+    ):
         return
     name = state.lane.name
     whose = "" if name is None else f" of optimizer {name!r}"
-    if lineage.torn:
+    loaded = ""
+    if lineage.head.lineage is not lineage:
+        lineage = lineage.head.lineage
+        loaded = (
+            ", on another line of states than this one: a load made after this state (or "
+            "state.replace(step=..., micro_step=...) on a state from before a load) put in "
+            "place weights, .grad, an accumulation window and optimizer state that this state "
+            "does not describe, even with the same counters"
+        )
+    elif lineage.torn:
         raise ConfigError(
             f"{caller} received a TrainState{whose} of a run whose last step raised part-way "
             f"(at micro-batch {lineage.micro_step}, update {lineage.step}): in a backward "
@@ -73,11 +109,12 @@ def check_newest(state: Any, caller: str) -> None:
     raise ConfigError(
         f"{caller} received a TrainState{whose} at update {state.step} (micro-batch "
         f"{state.micro_step}), but the newest state of the same run is at update {lineage.step} "
-        f"(micro-batch {lineage.micro_step}). The model's parameters and .grad, the optimizer, "
-        "the scheduler and the scaler change in place and are shared by both: this state's "
-        "counters and accumulation window no longer describe them, so training or saving from "
-        "it would be silently wrong (two updates counted as one, a window that counts fewer "
-        "micro-batches than .grad holds, a checkpoint whose counters do not match its weights). "
+        f"(micro-batch {lineage.micro_step}){loaded}. The model's parameters and .grad, the "
+        "optimizer, the scheduler and the scaler change in place and are shared by both: this "
+        "state's counters and accumulation window no longer describe them, so training or "
+        "saving from it would be silently wrong (two updates counted as one, a window that "
+        "counts fewer micro-batches than .grad holds, a checkpoint whose counters do not match "
+        "its weights). "
         "Go on from the state the last call returned: `state, out = step(state, batch)`, not "
         "two calls on one state; `state = run(...)`. After a run or step that raised: the "
         'state the run\'s exception event saw (register `seen = []; events.on("exception", '
@@ -89,6 +126,16 @@ def check_newest(state: Any, caller: str) -> None:
         "counters by hand: state.replace(step=..., micro_step=...), not dataclasses.replace "
         "(which the run does not see)."
     )
+
+
+def lineage_after_load(lineage: Lineage) -> Lineage:
+    """The new lineage of the state a ``load`` returns (``lineage``: the state's it loaded
+    into), named the newest by the run's ``Head``: every state from before the load is refused
+    from then on, even one whose counters equal the loaded ones (a run rewound and stepped on
+    from there)."""
+    new = Lineage(lineage.head)
+    new.head.lineage = new
+    return new
 
 
 def backward_failed(state: Any) -> None:
@@ -105,5 +152,16 @@ def backward_failed(state: Any) -> None:
 def update_failed(state: Any) -> None:
     """Called when a step raised while it closed a window (``state``: the one it closed): the
     gradients processed in place, the update perhaps begun. The run's next step or save
-    refuses, naming the ways out."""
+    refuses, naming the ways out.
+
+    A float16 ``GradScaler`` whose ``unscale_`` ran for this window marks the optimizer
+    "unscaled" until its ``update()``, which the step did not reach: every later update of the
+    run (after either way out) would raise torch's "unscale_() has already been called". Its
+    per-optimizer record is cleared as ``update()`` clears it, with the scale kept as it is
+    (``new_scale``: no backoff, no growth counted, no host read): the window is dropped, not
+    applied."""
     state.lane.lineage.torn = True
+    scaler = state.scaler
+    # _scale is None until the scaler's first scale(): update() would then refuse.
+    if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
+        scaler.update(new_scale=scaler._scale)

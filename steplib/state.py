@@ -87,7 +87,8 @@ class Lane:
             their steps left them; empty on theirs.
         lineage: this optimizer's :class:`~steplib.lineage.Lineage`, the counters of its
             newest state (shared by all its states, per optimizer: a step compares without a
-            lookup), which a step requires of the state it receives.
+            lookup), which a step requires of the state it receives; a ``load`` gives the
+            state it returns a new one, and every state from before it is refused.
     """
 
     fence: UpdateFence
@@ -367,8 +368,7 @@ def _evolve(state: TrainState, changes: Mapping[str, Any]) -> TrainState:
     if "micro_step" in changes or "step" in changes:
         # New counters: this state is now the newest of its optimizer, the one that describes
         # the model and optimizer changed in place; a step refuses any other (lineage.py).
-        lineage = new.lane.lineage
-        lineage.step, lineage.micro_step, lineage.torn = new.step, new.micro_step, False
+        new.lane.lineage.record(new.step, new.micro_step)
     return new
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from steplib import ConfigError, TrainState, accumulate, make_train_step, tap
+from steplib import ConfigError, TrainState, accumulate, amp_wrap, make_train_step, tap
 from steplib.checkpoint import load, save
 from steplib.state import EMPTY_WINDOW
 from steplib.sweep import Copies, SweepSGD, sweep_step
@@ -198,3 +198,54 @@ def test_a_step_that_raised_while_it_closed_its_window_is_refused_with_the_way_o
 
     reference, _ = make_train_step(mean_loss)(_state(), BATCHES[1])
     assert all(torch.equal(a, b) for a, b in zip(_params(state), _params(reference), strict=True))
+
+
+def _fp16_state() -> TrainState:
+    model = tiny_model(0)
+    return TrainState.create(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+    )
+
+
+@pytest.mark.parametrize("way_out", ["drop the window", "load the checkpoint"])
+def test_a_float16_update_that_raised_after_unscale_goes_on_by_either_way_out(
+    way_out: str, memory_dir: str
+) -> None:
+    # Before: the GradScaler stayed marked "unscaled" for the optimizer (its update() never
+    # ran), so every later update of the run raised torch's "unscale_() has already been
+    # called on this optimizer since the last update()", after either way out the refusal names.
+    armed = [False]
+
+    def before_update(state: TrainState) -> None:  # the gradients unscaled, the update next
+        if armed[0]:
+            armed[0] = False
+            raise _OutOfMemoryError("in the update (simulated)")
+
+    step = amp_wrap(
+        tap(make_train_step(mean_loss), before_update=before_update), dtype=torch.float16
+    )
+    state = _fp16_state()
+    state, _ = step(state, BATCHES[0])
+    url = save(state, memory_dir)
+    armed[0] = True
+    with pytest.raises(_OutOfMemoryError):
+        step(state, BATCHES[1])
+    with pytest.raises(ConfigError, match=TORN):
+        step(state, BATCHES[1])
+    if way_out == "drop the window":
+        state.model.zero_grad(set_to_none=True)
+        state = state.replace(window=EMPTY_WINDOW, micro_step=state.micro_step - state.window.size)
+    else:
+        state = load(url, state)
+    for batch in BATCHES[2:5]:  # past a growth of the scale (growth_interval=2)
+        state, out = step(state, batch)
+        assert out.did_update
+
+    reference = _fp16_state()
+    for batch in [BATCHES[0], *BATCHES[2:5]]:  # as if the failed update had not been tried
+        reference, _ = step(reference, batch)
+    assert (state.step, state.micro_step) == (reference.step, reference.micro_step) == (4, 4)
+    assert all(torch.equal(a, b) for a, b in zip(_params(state), _params(reference), strict=True))
+    assert state.scaler.state_dict() == reference.scaler.state_dict()  # type: ignore[union-attr]

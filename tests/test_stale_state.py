@@ -25,7 +25,7 @@ from steplib.step.compile import compile_step
 from steplib.sweep import Copies, SweepSGD, sweep_step
 from tests.checkpoint_helpers import memory_dir
 from tests.host_reads import on_host_read
-from tests.reference import make_batches, mean_loss, tiny_model
+from tests.reference import make_batches, mean_loss, tiny_model, token_loss
 
 __all__ = ["memory_dir"]  # the fixture, used by name
 
@@ -172,6 +172,63 @@ def test_after_a_load_the_state_it_replaced_is_refused_by_a_step_and_a_save(
         reference, _ = step(reference, batch)
     assert (again.step, again.micro_step) == (3, 3)
     assert _same(_params(again.model), _params(reference.model))
+
+
+def test_a_state_from_before_a_rewinding_load_is_refused_though_its_counters_are_the_newest(
+    memory_dir: str,
+) -> None:
+    # A rewind that skips a batch (as after a loss spike): back to update 0, then another
+    # micro-batch than the first time. The state of the first time is at the same counters.
+    first, other, closing = (make_batches(1, n, seed=s)[0] for n, s in ((2, 3), (12, 4), (6, 5)))
+    step = accumulate(make_train_step(token_loss), 2)
+    state = _state()
+    url = save(state, f"{memory_dir}/at0")
+    before, _ = step(state, first)  # a window of 2 targets
+    loaded = load(url, before)
+    rewound, _ = step(loaded, other)  # a window of 24 targets: .grad holds their sum
+    assert (before.step, before.micro_step) == (rewound.step, rewound.micro_step) == (0, 1)
+    # Before: accepted; the update divided .grad (other's and closing's) by 2 + 13 targets
+    # where 24 + 13 were summed: 2.5 times the update (measured: parameters 0.035 apart where
+    # the whole update moves them 0.024), and a loss of 1.195 for 1.013.
+    with pytest.raises(ConfigError, match=_stale(0, 1) + ".*on another line of states"):
+        step(before, closing)
+    with pytest.raises(ConfigError, match="save " + _stale(0, 1)):
+        save(before, f"{memory_dir}/wrong")
+    rewound, out = step(rewound, closing)
+    reference = _state()
+    for batch in (other, closing):
+        reference, expected = step(reference, batch)
+    assert _same(_params(rewound.model), _params(reference.model))
+    assert torch.equal(out.loss, expected.loss)
+
+
+def test_a_load_into_a_state_an_earlier_load_replaced_leaves_one_newest(memory_dir: str) -> None:
+    state = _state()
+    step = make_train_step(mean_loss)
+    url = save(state, f"{memory_dir}/at0")
+    first = load(url, state)
+    second = load(url, state)  # into the state the first load replaced: still a load
+    with pytest.raises(ConfigError, match=_stale(0, 0) + ".*a load made after this state"):
+        step(first, BATCHES[0])
+    with pytest.raises(ConfigError, match=_stale(0, 0) + ".*a load made after this state"):
+        step(state, BATCHES[0])
+    second, _ = step(second, BATCHES[0])
+    assert second.step == 1
+
+
+def test_counters_set_by_hand_on_a_state_from_before_a_load_make_it_the_newest(
+    memory_dir: str,
+) -> None:
+    state = _state()
+    step = make_train_step(mean_loss)
+    url = save(state, f"{memory_dir}/at0")
+    state, _ = step(state, BATCHES[0])
+    loaded = load(url, state)
+    again = state.replace(step=0, micro_step=0)  # as replace() promises: now the newest
+    with pytest.raises(ConfigError, match=_stale(0, 0) + ".*state.replace"):
+        step(loaded, BATCHES[1])
+    again, _ = step(again, BATCHES[1])
+    assert again.step == 1
 
 
 def test_a_background_save_of_a_stale_state_is_refused_before_it_copies(memory_dir: str) -> None:

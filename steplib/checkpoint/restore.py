@@ -3,6 +3,7 @@ nothing), then loaded; ``dcp`` loads its tensors itself, then the train state he
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from steplib.checkpoint.manifest import fingerprint
 from steplib.data.epoch_end import restore_position
 from steplib.distributed.parallelize import plain_name
 from steplib.errors import ConfigError
+from steplib.lineage import lineage_after_load
 from steplib.seeding import restore_rng
 from steplib.state import TrainState, Window
 
@@ -145,6 +147,8 @@ def _restore_lane(tree: Mapping[str, Any], state: TrainState) -> TrainState:
         state.scaler.load_state_dict(tree["scaler"])
     counters, window, device = tree["counters"], tree["window"], state.device
     return state.replace(
+        # The states from before the load are refused from now on, equal counters or not.
+        lane=dataclasses.replace(state.lane, lineage=lineage_after_load(state.lane.lineage)),
         step=counters["step"],
         micro_step=counters["micro_step"],
         window=Window(
