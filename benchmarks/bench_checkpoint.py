@@ -204,8 +204,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def unnumbered() -> TrainState:
         # The updates between rounds advance state.step: saved as step 0 all along, every
-        # checkpoint has one name, so that --overwrite replaces the previous one.
-        return state.replace(step=0)
+        # checkpoint has one name, so that --overwrite replaces the previous one. The state
+        # with the counters set is the run's newest from then on: the updates go on from it.
+        nonlocal state
+        state = state.replace(step=0)
+        return state
 
     def steplib_save(path: Path) -> None:
         saved["url"] = save(unnumbered(), str(path))
@@ -219,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         state.optimizer.load_state_dict(trees["optimizer.pt"])
 
     def steplib_load(_: Path) -> None:
-        load(saved["url"], state)
+        nonlocal state
+        state = load(saved["url"], state)  # the state a load returns is the newest
 
     def async_stall(path: Path) -> None:
         saver.save(unnumbered(), str(path))
