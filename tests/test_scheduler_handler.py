@@ -153,3 +153,76 @@ def test_a_scheduler_cell_run_again_on_one_events_is_refused_with_the_fix() -> N
     state = TrainState.create(model=model, optimizer=opt)
     run(STEP, state, data, events=Events(Scheduler(chained)), max_epochs=2)
     assert opt.param_groups[0]["lr"] == 0.0625
+
+
+def _accuracy_run(plateau_mode: str, *, by_name: bool) -> tuple[list[float], Scheduler | None]:
+    # An accuracy that improves at every evaluation, ranked "max" by its evaluator.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    feed = iter([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    evaluator = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(next(feed))),
+        [0],
+        metrics={"acc": MeanMetric()},
+        every=1,
+        monitor="val_acc",
+        mode="max",
+        sanity_batches=0,
+    )
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        opt, mode=plateau_mode, factor=0.5, patience=1
+    )
+    scheduler = Scheduler(plateau, metric="val_acc" if by_name else evaluator)
+    lrs: list[float] = []
+    events = Events(evaluator, scheduler).on(
+        "validation_end", lambda e: lrs.append(e.state.optimizer.param_groups[0]["lr"])
+    )
+    run(STEP, TrainState.create(model=model, optimizer=opt), [torch.ones(3, 2)] * 6, events=events)
+    return lrs, scheduler
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_a_plateau_scheduler_in_another_mode_than_its_evaluator_is_refused(by_name: bool) -> None:
+    # ReduceLROnPlateau's own mode is "min" by default: fed an accuracy that its evaluator
+    # ranks "max" and that rose at each of 6 evaluations, it halved the rate twice (1.0 to
+    # 0.25), in silence, where the hand-written loop's ReduceLROnPlateau(mode="max") keeps 1.0.
+    lrs, _ = _accuracy_run("max", by_name=by_name)
+    assert lrs == [1.0] * 6
+    match = (
+        r"mode 'min' .*monitors it ranks it in mode 'max'.*ReduceLROnPlateau\(optimizer, mode='max'"
+    )
+    with pytest.raises(ConfigError, match=match):
+        _accuracy_run("min", by_name=by_name)  # at build time, or at fit_start by name
+
+
+def test_a_plateau_scheduler_given_a_name_is_fed_by_the_evaluator_that_records_it() -> None:
+    # A validation and a test evaluator, the plateau given the validation value's name: the
+    # test evaluator's first evaluation (which records test_mean alone) was refused with
+    # "the evaluation recorded test_mean", though the name is right.
+    state, evaluator, _ = _build(VALUES)
+    test = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(0.5)),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=2,
+        sanity_batches=0,
+        prefix="test_",
+    )
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer, factor=0.5, patience=1)
+    lrs: list[float] = []
+    events = Events(test, evaluator, Scheduler(plateau, metric="val_mean"))
+    events.on("step_end", lambda e: lrs.append(e.state.optimizer.param_groups[0]["lr"]))
+    run(STEP, state, [torch.ones(3, 2)] * len(VALUES), events=events)
+    assert len(test.history) == len(VALUES) // 2
+    assert lrs == _reference_lrs()
+
+    # A name that no evaluator records is still refused, once each has evaluated.
+    state, evaluator, _ = _build(VALUES)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer)
+    with pytest.raises(ConfigError, match=r"metric='val_typo'.*recorded val_mean"):
+        run(
+            STEP,
+            state,
+            [torch.ones(3, 2)] * 2,
+            events=[evaluator, Scheduler(plateau, metric="val_typo")],
+        )

@@ -29,11 +29,14 @@ class Scheduler(Handler):
             ``ReduceLROnPlateau``).
         metric: for a scheduler that takes a value (``ReduceLROnPlateau``): the ``Evaluator``
             whose monitored value feeds it after each of its evaluations, or the name of a
-            value an evaluation records (``"val_loss"``). ``None``: step once per epoch.
+            value an evaluation records (``"val_loss"``; evaluations that do not record it,
+            another evaluator's, pass it by). ``None``: step once per epoch.
 
     Raises:
         ConfigError: not a scheduler; a ``ReduceLROnPlateau`` without ``metric``, or a
-            ``metric`` for a scheduler that takes none; at ``fit_start``, the same scheduler
+            ``metric`` for a scheduler that takes none; a ``ReduceLROnPlateau`` in the other
+            ``mode`` than the evaluator's (given by name: at ``fit_start``, the attached
+            evaluator that monitors it); at ``fit_start``, the same scheduler
             is the state's too (it would be stepped twice), or another ``Scheduler`` of the
             run steps the same optimizer at the same events (a notebook cell run again).
 
@@ -80,6 +83,21 @@ class Scheduler(Handler):
                 f"Scheduler(metric=...) received {describe(metric)}, which names no value. Pass "
                 "an Evaluator built with monitor='val_loss', or the name itself."
             )
+        if self.evaluator is not None:  # a name's evaluator is known at fit_start (check)
+            self._same_mode([self.evaluator])
+
+    def _same_mode(self, handlers: Any) -> None:
+        # ReduceLROnPlateau has a mode of its own ("min" by default): fed an accuracy that an
+        # evaluator ranks "max", it lowered the rate at every improvement, in silence.
+        mode = self.scheduler.mode
+        errors.same_mode(
+            "Scheduler(ReduceLROnPlateau)",
+            str(self.metric),
+            mode,
+            handlers,
+            fix=f"Build it in the evaluator's mode: ReduceLROnPlateau(optimizer, "
+            f"mode={'max' if mode == 'min' else 'min'!r}, ...).",
+        )
 
     def on_fit_start(self, event: Event) -> None:
         """:meth:`check`."""
@@ -114,6 +132,8 @@ class Scheduler(Handler):
         """
         if self.evaluator is not None:
             errors.evaluator_attached("Scheduler", self.evaluator, event.events)
+        elif self.metric is not None:
+            self._same_mode(event.events)
         state = event.state
         held = [state.scheduler] + [state[n].scheduler for n in getattr(state, "names", ())]
         if any(s is self.scheduler for s in held):
@@ -159,11 +179,28 @@ class Scheduler(Handler):
             return
         values = event.metrics or {}
         if self.metric not in values:
+            if self._recorded_by_another(event):
+                return  # another evaluator's evaluation (a test set's): not this value's
             raise ConfigError(
                 f"Scheduler(metric={self.metric!r}): the evaluation recorded "
                 f"{', '.join(sorted(values)) or 'nothing'}. Name one of those."
             )
         self.scheduler.step(float(values[self.metric]))
+
+    def _recorded_by_another(self, event: Event) -> bool:
+        """Whether the value named may come from another attached evaluator than the one that
+        just evaluated: one that records it, or one that has not evaluated yet (so its names
+        are not known). A name given with two evaluators (``val_``, ``test_``) was refused
+        at the other's first evaluation; a name no evaluator records still is, once each has
+        evaluated (or at the first evaluation, with the sanity pass that names them)."""
+        if self.evaluator is not None or event.events is None:
+            return False
+        names = [
+            h.names
+            for h in event.events.attached()
+            if isinstance(getattr(h, "names", None), frozenset)  # an Evaluator's values
+        ]
+        return any(not written or self.metric in written for written in names)
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's state (saved with each checkpoint, without being named), and what
