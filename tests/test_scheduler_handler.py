@@ -4,9 +4,11 @@ saved and resumed without being named; what cannot work is refused with the fix.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.optim.lr_scheduler import LambdaLR, LinearLR, ReduceLROnPlateau, StepLR
 from torchmetrics import MeanMetric
 
 from steplib import ConfigError, Evaluator, Events, TrainState, make_eval_step, make_train_step, run
@@ -226,3 +228,54 @@ def test_a_plateau_scheduler_given_a_name_is_fed_by_the_evaluator_that_records_i
             [torch.ones(3, 2)] * 2,
             events=[evaluator, Scheduler(plateau, metric="val_typo")],
         )
+
+
+def test_a_schedule_that_sets_the_rate_beside_another_of_the_same_optimizer_is_refused() -> None:
+    # The state's per-update LambdaLR sets the rate from its base at each update: a plateau
+    # (patience 0, a value that never improves) halved it after each evaluation and the next
+    # update put it back: 6 updates ran at 1, 1, 0.5, 0.5, 0.5, 0.5 where the plateau alone
+    # gives 1, 1, 0.5, 0.25, 0.125, 0.0625.
+    # torch's own way, in silence; a per-epoch StepLR beside it was erased the same way.
+    def rates(per_update: Any, handler: Any, *, epochs: int = 1) -> list[float]:
+        lrs: list[float] = []
+        state = TrainState.create(model=model, optimizer=opt, scheduler=per_update)
+        evaluator = Evaluator(
+            make_eval_step(lambda m, b: torch.tensor(1.0)),
+            [0],
+            metrics={"mean": MeanMetric()},
+            every=1,
+            monitor="val_mean",
+            sanity_batches=0,
+        )
+        metric = evaluator if isinstance(handler, ReduceLROnPlateau) else None
+        events = Events(evaluator, Scheduler(handler, metric=metric))
+        events.on("step_end", lambda e: lrs.append(e.output.lr.item()))
+        run(STEP, state, [torch.ones(3, 2)] * 3, events=events, max_epochs=epochs)
+        return lrs
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    lam = LambdaLR(opt, lambda n: 1.0)
+    plateau = ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    with pytest.raises(ConfigError, match=r"the LambdaLR sets it from its base rate.*LinearLR"):
+        rates(lam, plateau)
+    with pytest.raises(ConfigError, match=r"Scheduler\(StepLR\) and the state's per-update Lambda"):
+        rates(lam, StepLR(opt, step_size=1, gamma=0.5), epochs=2)
+    assert opt.param_groups[0]["lr"] == 1.0  # the probe put the rate back
+
+    # The fix it names: a warmup that scales the current rate, under which the plateau's
+    # reductions hold, as in the hand-written loop.
+    warmup = LinearLR(opt, start_factor=0.5, total_iters=2)
+    plateau = ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    got = rates(warmup, plateau, epochs=2)
+    ref_opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    ref_warmup = LinearLR(ref_opt, start_factor=0.5, total_iters=2)
+    ref_plateau = ReduceLROnPlateau(ref_opt, factor=0.5, patience=0)
+    expected = []
+    for _ in range(6):
+        expected.append(ref_opt.param_groups[0]["lr"])  # the update's rate
+        ref_opt.step()
+        ref_warmup.step()
+        ref_plateau.step(1.0)  # the evaluation after the update
+    assert got == pytest.approx(expected)
+    assert got[-1] < 0.1

@@ -12,6 +12,7 @@ Imports ``errors`` and ``events`` only.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ class Scheduler(Handler):
         ConfigError: not a scheduler; a ``ReduceLROnPlateau`` without ``metric``, or a
             ``metric`` for a scheduler that takes none; a ``ReduceLROnPlateau`` in the other
             ``mode`` than the evaluator's (given by name: at ``fit_start``, the attached
-            evaluator that monitors it); at ``fit_start``, the same scheduler
+            evaluator that monitors it); at ``fit_start``, a per-update scheduler of the
+            state that steps the same optimizer where one of the two sets the rate from its
+            base rates (``LambdaLR``: it would erase the other's changes), the same scheduler
             is the state's too (it would be stepped twice), or another ``Scheduler`` of the
             run steps the same optimizer at the same events (a notebook cell run again).
 
@@ -143,6 +146,21 @@ class Scheduler(Handler):
                 "without it (TrainState.create(..., scheduler=None)) for a per-epoch or "
                 "plateau schedule, or drop this handler for a per-update one."
             )
+        # A scheduler that sets the rate from its base rates (LambdaLR, OneCycleLR, AbsoluteLR)
+        # erases, at each of its steps, what another scheduler of the optimizer did to it: a
+        # plateau's reductions lasted until the next update (torch's own way, in silence).
+        for other in (s for s in held if getattr(s, "optimizer", None) is self.scheduler.optimizer):
+            setter = next((s for s in (other, self.scheduler) if _sets_the_rate(s)), None)
+            if setter is not None:
+                raise ConfigError(
+                    f"Scheduler({type(self.scheduler).__name__}) and the state's per-update "
+                    f"{type(other).__name__} change the same optimizer's rate, and the "
+                    f"{type(setter).__name__} sets it from its base rate at each step: what the "
+                    "other did is erased (a plateau's reduction lasts until the next update). "
+                    "Give the optimizer one schedule: fold both into the state's scheduler, or "
+                    "pair this handler with a per-update scheduler that scales the current rate "
+                    "(LinearLR for a warmup, ExponentialLR, StepLR)."
+                )
         # A notebook cell that adds a Scheduler, run again on the same Events, leaves the old
         # one attached: both step one optimizer at each of their events, the rate decays twice
         # as fast, and nothing else would say so.
@@ -222,3 +240,26 @@ class Scheduler(Handler):
 
     def _built(self) -> dict[str, Any]:
         return {"kind": type(self.scheduler).__name__, "metric": self.metric}
+
+
+def _sets_the_rate(scheduler: Any) -> bool:
+    """Whether ``scheduler`` computes the rate from its base rates, whatever the optimizer's
+    current one (``LambdaLR``, ``OneCycleLR``, ``AbsoluteLR``), rather than from it (``StepLR``,
+    ``ExponentialLR``, ``LinearLR``): asked for its rate with each group's halved, it gives the
+    same. The rates are put back; a scheduler that cannot say (``SequentialLR``, a rate of 0)
+    counts as not."""
+    groups = scheduler.optimizer.param_groups
+    rates = [group["lr"] for group in groups]
+    try:
+        with warnings.catch_warnings():  # torch warns of get_lr outside its step
+            warnings.simplefilter("ignore")
+            before = [float(rate) for rate in scheduler.get_lr()]
+            for group in groups:
+                group["lr"] = group["lr"] * 0.5
+            after = [float(rate) for rate in scheduler.get_lr()]
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return False
+    finally:
+        for group, rate in zip(groups, rates, strict=True):
+            group["lr"] = rate
+    return before == after and any(before)
