@@ -202,7 +202,7 @@ def test_a_value_watched_by_name_in_the_other_mode_than_its_evaluators_is_refuse
     data = [torch.ones(3, 2)] * 6
     url = str(tmp_path / "best.pt")
     for mode in ("min", "max"):  # the default, and the evaluator's
-        watchers = [
+        watchers: list[tuple[str, Any]] = [
             ("export_best", export_best(url, monitor="val_acc", mode=mode)),
             ("EarlyStopping", EarlyStopping("val_acc", mode=mode, patience=2)),
         ]
