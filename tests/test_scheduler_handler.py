@@ -279,3 +279,32 @@ def test_a_schedule_that_sets_the_rate_beside_another_of_the_same_optimizer_is_r
         ref_plateau.step(1.0)  # the evaluation after the update
     assert got == pytest.approx(expected)
     assert got[-1] < 0.1
+
+
+def test_a_per_epoch_schedule_that_sets_the_rate_beside_a_plateau_handler_is_refused() -> None:
+    # Two handlers of one optimizer: a per-epoch LambdaLR (a constant factor) put the rate back
+    # at each epoch end, where the plateau (patience 0, a value that never improves) had
+    # halved it: updates 4 to 6 ran at 1, 0.5, 0.25 where the plateau alone gives 0.25,
+    # 0.125, 0.0625; in silence.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    evaluator = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(1.0)),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=1,
+        monitor="val_mean",
+        sanity_batches=0,
+    )
+    per_epoch = Scheduler(LambdaLR(opt, lambda epoch: 1.0))
+    plateau = Scheduler(ReduceLROnPlateau(opt, factor=0.5, patience=0), metric=evaluator)
+    state = TrainState.create(model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match=r"another Scheduler's LambdaLR change the same"):
+        run(
+            STEP,
+            state,
+            [torch.ones(3, 2)] * 3,
+            events=[evaluator, plateau, per_epoch],
+            max_epochs=2,
+        )
+    assert opt.param_groups[0]["lr"] == 1.0

@@ -38,8 +38,9 @@ class Scheduler(Handler):
             ``metric`` for a scheduler that takes none; a ``ReduceLROnPlateau`` in the other
             ``mode`` than the evaluator's (given by name: at ``fit_start``, the attached
             evaluator that monitors it); at ``fit_start``, a per-update scheduler of the
-            state that steps the same optimizer where one of the two sets the rate from its
-            base rates (``LambdaLR``: it would erase the other's changes), the same scheduler
+            state, or another ``Scheduler``'s, that steps the same optimizer where one of the
+            two sets the rate from its base rates (``LambdaLR``: it would erase the other's
+            changes), the same scheduler
             is the state's too (it would be stepped twice), or another ``Scheduler`` of the
             run steps the same optimizer at the same events (a notebook cell run again).
 
@@ -146,27 +147,13 @@ class Scheduler(Handler):
                 "without it (TrainState.create(..., scheduler=None)) for a per-epoch or "
                 "plateau schedule, or drop this handler for a per-update one."
             )
-        # A scheduler that sets the rate from its base rates (LambdaLR, OneCycleLR, AbsoluteLR)
-        # erases, at each of its steps, what another scheduler of the optimizer did to it: a
-        # plateau's reductions lasted until the next update (torch's own way, in silence).
-        for other in (s for s in held if getattr(s, "optimizer", None) is self.scheduler.optimizer):
-            setter = next((s for s in (other, self.scheduler) if _sets_the_rate(s)), None)
-            if setter is not None:
-                raise ConfigError(
-                    f"Scheduler({type(self.scheduler).__name__}) and the state's per-update "
-                    f"{type(other).__name__} change the same optimizer's rate, and the "
-                    f"{type(setter).__name__} sets it from its base rate at each step: what the "
-                    "other did is erased (a plateau's reduction lasts until the next update). "
-                    "Give the optimizer one schedule: fold both into the state's scheduler, or "
-                    "pair this handler with a per-update scheduler that scales the current rate "
-                    "(LinearLR for a warmup, ExponentialLR, StepLR)."
-                )
         # A notebook cell that adds a Scheduler, run again on the same Events, leaves the old
         # one attached: both step one optimizer at each of their events, the rate decays twice
         # as fast, and nothing else would say so.
+        attached = event.events.attached() if event.events is not None else ()
         twins = [
             other
-            for other in (event.events.attached() if event.events is not None else ())
+            for other in attached
             if isinstance(other, Scheduler)
             and other is not self
             and other.scheduler.optimizer is self.scheduler.optimizer
@@ -184,6 +171,31 @@ class Scheduler(Handler):
                 "purpose, chain them in one handler: Scheduler(torch.optim.lr_scheduler."
                 "ChainedScheduler([first, second]))."
             )
+        self._not_erased(held, attached)
+
+    def _not_erased(self, held: list[Any], attached: Any) -> None:
+        # A scheduler that sets the rate from its base rates (LambdaLR, OneCycleLR, AbsoluteLR)
+        # erases, at each of its steps, what another scheduler of the optimizer did to it: a
+        # plateau's reductions lasted until the next update (torch's own way, in silence).
+        others = [("the state's per-update", s) for s in held] + [
+            ("another Scheduler's", h.scheduler)
+            for h in attached
+            if isinstance(h, Scheduler) and h is not self
+        ]
+        for where, other in others:
+            if getattr(other, "optimizer", None) is not self.scheduler.optimizer:
+                continue
+            setter = next((s for s in (other, self.scheduler) if _sets_the_rate(s)), None)
+            if setter is not None:
+                raise ConfigError(
+                    f"Scheduler({type(self.scheduler).__name__}) and {where} "
+                    f"{type(other).__name__} change the same optimizer's rate, and the "
+                    f"{type(setter).__name__} sets it from its base rate at each step: what the "
+                    "other did is erased (a plateau's reduction lasts until its next step). "
+                    "Give the optimizer one schedule: fold both into one scheduler, or pair a "
+                    "plateau or per-epoch Scheduler with a per-update scheduler that scales the "
+                    "current rate (LinearLR for a warmup, ExponentialLR, StepLR)."
+                )
 
     def step(self, event: Event) -> None:
         """Step the scheduler: once, or with the evaluation's value of :attr:`metric`.
