@@ -190,6 +190,45 @@ def evaluator_attached(owner: str, evaluator: Any, events: Any) -> None:
         )
 
 
+def same_mode(owner: str, name: str, mode: str, handlers: Any, *, fix: str) -> None:
+    """Refuse ``mode`` for the value ``name`` where another handler of the run that monitors
+    it (an ``Evaluator`` built with ``monitor=name, mode=...``) ranks it the other way: one of
+    the two would take the worst value for the best, in silence (a ``ReduceLROnPlateau`` in
+    its default mode ``'min'`` fed an accuracy lowers the rate at each improvement;
+    ``export_best`` in mode ``'min'`` keeps the least accurate model).
+
+    Args:
+        owner: the caller, for the message.
+        name: the watched value's name (``"val_acc"``).
+        mode: the caller's ``"min"`` or ``"max"``.
+        handlers: the run's ``Events`` (its attached handlers; ``None``: none), or a list.
+        fix: the literal fix, for the message.
+
+    Raises:
+        ConfigError: a handler whose ``monitor`` is ``name`` has the other ``mode``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> evaluator = SimpleNamespace(monitor="val_acc", mode="max")
+        >>> same_mode("export_best", "val_acc", "max", [evaluator], fix="")
+        >>> same_mode("export_best", "val_acc", "min", [evaluator], fix="Pass mode='max'.")
+        Traceback (most recent call last):
+        ...
+        steplib.errors.ConfigError: export_best ranks 'val_acc' in mode 'min' (lower is ...
+    """
+    if hasattr(handlers, "attached"):
+        handlers = handlers.attached()
+    for handler in handlers or ():
+        its = getattr(handler, "mode", None)
+        if getattr(handler, "monitor", None) == name and its in ("min", "max") and its != mode:
+            better = "lower" if mode == "min" else "higher"
+            raise ConfigError(
+                f"{owner} ranks {name!r} in mode {mode!r} ({better} is better), but the "
+                f"{type(handler).__name__} of this run that monitors it ranks it in mode "
+                f"{its!r}: one of the two would take the worst value for the best. {fix}"
+            )
+
+
 def reader_attached(owner: str, reader: Any, event: Any, example: str) -> None:
     """Refuse a log source that sums the updates since its last read (``TrainMetrics``,
     ``Throughput``, ``GradNormMonitor``) read at an event of a run it is not attached to: it

@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torchmetrics import MeanMetric
 
 from steplib import (
+    ConfigError,
     Evaluator,
     Events,
     NewState,
@@ -176,3 +178,51 @@ def test_early_stopping_attached_before_its_evaluator_checks_each_evaluation_at_
             },
         )
     )
+
+
+def test_a_value_watched_by_name_in_the_other_mode_than_its_evaluators_is_refused(
+    tmp_path: Path,
+) -> None:
+    # An accuracy ranked "max" by its evaluator, watched by name with the default mode "min":
+    # export_best kept the model of update 2 (accuracy 0.1) as the best of 0.1, 0.2, 0.3,
+    # keep_best=1 kept update 2's checkpoint, EarlyStopping(patience=2) stopped at update 6
+    # while the accuracy improved at each evaluation; all in silence.
+    def accuracy() -> Evaluator:
+        feed = iter([0.1, 0.2, 0.3, 0.4])
+        return Evaluator(
+            make_eval_step(lambda m, b: torch.tensor(next(feed))),
+            [0],
+            metrics={"acc": MeanMetric()},
+            every=2,
+            monitor="val_acc",
+            mode="max",
+            sanity_batches=0,
+        )
+
+    data = [torch.ones(3, 2)] * 6
+    url = str(tmp_path / "best.pt")
+    for mode in ("min", "max"):  # the default, and the evaluator's
+        watchers: list[tuple[str, Any]] = [
+            ("export_best", export_best(url, monitor="val_acc", mode=mode)),
+            ("EarlyStopping", EarlyStopping("val_acc", mode=mode, patience=2)),
+        ]
+        for owner, watcher in watchers:
+            events = Events(accuracy()).on("step_end", watcher, every=2)
+            if mode == "min":
+                with pytest.raises(ConfigError, match=rf"{owner} ranks 'val_acc' in mode 'min'"):
+                    run(STEP, _state(), data, events=events)
+            else:
+                assert run(STEP, _state(), data, events=events).step == 6
+                assert watcher.best.step == 6
+        keep = checkpoint_every(
+            str(tmp_path / mode), every=2, keep_best=1, metric="val_acc", mode=mode
+        )
+        if mode == "min":
+            with pytest.raises(
+                ConfigError, match=r"ranks 'val_acc' in mode 'min'.*metric=evaluator"
+            ):
+                run(STEP, _state(), data, events=Events(accuracy(), keep))
+        else:
+            run(STEP, _state(), data, events=Events(accuracy(), keep))
+            kept = list_checkpoints(str(tmp_path / mode))
+            assert [(c.step, c.metrics["val_acc"]) for c in kept] == [(6, pytest.approx(0.3))]

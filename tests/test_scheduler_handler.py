@@ -4,9 +4,11 @@ saved and resumed without being named; what cannot work is refused with the fix.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 import pytest
 import torch
+from torch.optim.lr_scheduler import LambdaLR, LinearLR, ReduceLROnPlateau, StepLR
 from torchmetrics import MeanMetric
 
 from steplib import ConfigError, Evaluator, Events, TrainState, make_eval_step, make_train_step, run
@@ -153,3 +155,156 @@ def test_a_scheduler_cell_run_again_on_one_events_is_refused_with_the_fix() -> N
     state = TrainState.create(model=model, optimizer=opt)
     run(STEP, state, data, events=Events(Scheduler(chained)), max_epochs=2)
     assert opt.param_groups[0]["lr"] == 0.0625
+
+
+def _accuracy_run(plateau_mode: Literal["min", "max"], *, by_name: bool) -> list[float]:
+    # An accuracy that improves at every evaluation, ranked "max" by its evaluator.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    feed = iter([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    evaluator = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(next(feed))),
+        [0],
+        metrics={"acc": MeanMetric()},
+        every=1,
+        monitor="val_acc",
+        mode="max",
+        sanity_batches=0,
+    )
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        opt, mode=plateau_mode, factor=0.5, patience=1
+    )
+    scheduler = Scheduler(plateau, metric="val_acc" if by_name else evaluator)
+    lrs: list[float] = []
+    events = Events(evaluator, scheduler).on(
+        "validation_end", lambda e: lrs.append(e.state.optimizer.param_groups[0]["lr"])
+    )
+    run(STEP, TrainState.create(model=model, optimizer=opt), [torch.ones(3, 2)] * 6, events=events)
+    return lrs
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_a_plateau_scheduler_in_another_mode_than_its_evaluator_is_refused(by_name: bool) -> None:
+    # ReduceLROnPlateau's own mode is "min" by default: fed an accuracy that its evaluator
+    # ranks "max" and that rose at each of 6 evaluations, it halved the rate twice (1.0 to
+    # 0.25), in silence, where the hand-written loop's ReduceLROnPlateau(mode="max") keeps 1.0.
+    lrs = _accuracy_run("max", by_name=by_name)
+    assert lrs == [1.0] * 6
+    match = (
+        r"mode 'min' .*monitors it ranks it in mode 'max'.*ReduceLROnPlateau\(optimizer, mode='max'"
+    )
+    with pytest.raises(ConfigError, match=match):
+        _accuracy_run("min", by_name=by_name)  # at build time, or at fit_start by name
+
+
+def test_a_plateau_scheduler_given_a_name_is_fed_by_the_evaluator_that_records_it() -> None:
+    # A validation and a test evaluator, the plateau given the validation value's name: the
+    # test evaluator's first evaluation (which records test_mean alone) was refused with
+    # "the evaluation recorded test_mean", though the name is right.
+    state, evaluator, _ = _build(VALUES)
+    test = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(0.5)),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=2,
+        sanity_batches=0,
+        prefix="test_",
+    )
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer, factor=0.5, patience=1)
+    lrs: list[float] = []
+    events = Events(test, evaluator, Scheduler(plateau, metric="val_mean"))
+    events.on("step_end", lambda e: lrs.append(e.state.optimizer.param_groups[0]["lr"]))
+    run(STEP, state, [torch.ones(3, 2)] * len(VALUES), events=events)
+    assert len(test.history) == len(VALUES) // 2
+    assert lrs == _reference_lrs()
+
+    # A name that no evaluator records is still refused, once each has evaluated.
+    state, evaluator, _ = _build(VALUES)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer)
+    with pytest.raises(ConfigError, match=r"metric='val_typo'.*recorded val_mean"):
+        run(
+            STEP,
+            state,
+            [torch.ones(3, 2)] * 2,
+            events=[evaluator, Scheduler(plateau, metric="val_typo")],
+        )
+
+
+def test_a_schedule_that_sets_the_rate_beside_another_of_the_same_optimizer_is_refused() -> None:
+    # The state's per-update LambdaLR sets the rate from its base at each update: a plateau
+    # (patience 0, a value that never improves) halved it after each evaluation and the next
+    # update put it back: 6 updates ran at 1, 1, 0.5, 0.5, 0.5, 0.5 where the plateau alone
+    # gives 1, 1, 0.5, 0.25, 0.125, 0.0625.
+    # torch's own way, in silence; a per-epoch StepLR beside it was erased the same way.
+    def rates(per_update: Any, handler: Any, *, epochs: int = 1) -> list[float]:
+        lrs: list[float] = []
+        state = TrainState.create(model=model, optimizer=opt, scheduler=per_update)
+        evaluator = Evaluator(
+            make_eval_step(lambda m, b: torch.tensor(1.0)),
+            [0],
+            metrics={"mean": MeanMetric()},
+            every=1,
+            monitor="val_mean",
+            sanity_batches=0,
+        )
+        metric = evaluator if isinstance(handler, ReduceLROnPlateau) else None
+        events = Events(evaluator, Scheduler(handler, metric=metric))
+        events.on("step_end", lambda e: lrs.append(e.output.lr.item()))
+        run(STEP, state, [torch.ones(3, 2)] * 3, events=events, max_epochs=epochs)
+        return lrs
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    lam = LambdaLR(opt, lambda n: 1.0)
+    plateau = ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    with pytest.raises(ConfigError, match=r"the LambdaLR sets it from its base rate.*LinearLR"):
+        rates(lam, plateau)
+    with pytest.raises(ConfigError, match=r"Scheduler\(StepLR\) and the state's per-update Lambda"):
+        rates(lam, StepLR(opt, step_size=1, gamma=0.5), epochs=2)
+    assert opt.param_groups[0]["lr"] == 1.0  # the probe put the rate back
+
+    # The fix it names: a warmup that scales the current rate, under which the plateau's
+    # reductions hold, as in the hand-written loop.
+    warmup = LinearLR(opt, start_factor=0.5, total_iters=2)
+    plateau = ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    got = rates(warmup, plateau, epochs=2)
+    ref_opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    ref_warmup = LinearLR(ref_opt, start_factor=0.5, total_iters=2)
+    ref_plateau = ReduceLROnPlateau(ref_opt, factor=0.5, patience=0)
+    expected = []
+    for _ in range(6):
+        expected.append(ref_opt.param_groups[0]["lr"])  # the update's rate
+        ref_opt.step()
+        ref_warmup.step()
+        ref_plateau.step(1.0)  # the evaluation after the update
+    assert got == pytest.approx(expected)
+    assert got[-1] < 0.1
+
+
+def test_a_per_epoch_schedule_that_sets_the_rate_beside_a_plateau_handler_is_refused() -> None:
+    # Two handlers of one optimizer: a per-epoch LambdaLR (a constant factor) put the rate back
+    # at each epoch end, where the plateau (patience 0, a value that never improves) had
+    # halved it: updates 4 to 6 ran at 1, 0.5, 0.25 where the plateau alone gives 0.25,
+    # 0.125, 0.0625; in silence.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    evaluator = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(1.0)),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=1,
+        monitor="val_mean",
+        sanity_batches=0,
+    )
+    per_epoch = Scheduler(LambdaLR(opt, lambda epoch: 1.0))
+    plateau = Scheduler(ReduceLROnPlateau(opt, factor=0.5, patience=0), metric=evaluator)
+    state = TrainState.create(model=model, optimizer=opt)
+    with pytest.raises(ConfigError, match=r"another Scheduler's LambdaLR change the same"):
+        run(
+            STEP,
+            state,
+            [torch.ones(3, 2)] * 3,
+            events=[evaluator, plateau, per_epoch],
+            max_epochs=2,
+        )
+    assert opt.param_groups[0]["lr"] == 1.0

@@ -117,6 +117,9 @@ class Checkpointer(Handler):
         directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
         storage.check_writable(directory, caller=repr(self))
         settle_schedulers(self._run.step, event.state, repr(self))  # a refusal before training
+        if self.keep_best is not None and self.check_metric:  # a typed name, a default mode
+            fix = "Pass metric=evaluator (its name and mode), or the evaluator's mode=..."
+            errors.same_mode(repr(self), str(self.metric), self.mode, event.events, fix=fix)
         if world_size() > 1 and not is_sharded(event.state):  # pipeline stages, say
             self._check_apart(directory)
         if prunes_here(event.state):

@@ -228,6 +228,8 @@ class ExportBest:
         value = monitored_value("export_best", self.monitor, event)
         if value is None:  # another update's score: this model was not evaluated
             return
+        fix = f"Pass the evaluator's: export_best(..., mode={_other(self.best.mode)!r})."
+        errors.same_mode("export_best", self.monitor, self.best.mode, event.events, fix=fix)
         # Rank 0's value decides on every rank: under FSDP2 the export is a collective, and
         # a rank that decided otherwise would leave the others waiting in it.
         value = _from_rank0(value, getattr(event.state, "device", torch.device("cpu")))
@@ -270,6 +272,10 @@ class ExportBest:
 
     def __repr__(self) -> str:
         return f"export_best({self.url!r}, monitor={self.monitor!r}, mode={self.best.mode!r})"
+
+
+def _other(mode: str) -> str:
+    return "max" if mode == "min" else "min"
 
 
 def _from_rank0(value: float, device: torch.device) -> float:

@@ -12,6 +12,7 @@ Imports ``errors``, ``events`` and ``handlers.stopping`` (``one_number``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -30,11 +31,17 @@ class Scheduler(Handler):
             ``ReduceLROnPlateau``).
         metric: for a scheduler that takes a value (``ReduceLROnPlateau``): the ``Evaluator``
             whose monitored value feeds it after each of its evaluations, or the name of a
-            value an evaluation records (``"val_loss"``). ``None``: step once per epoch.
+            value an evaluation records (``"val_loss"``; evaluations that do not record it,
+            another evaluator's, pass it by). ``None``: step once per epoch.
 
     Raises:
         ConfigError: not a scheduler; a ``ReduceLROnPlateau`` without ``metric``, or a
-            ``metric`` for a scheduler that takes none; at ``fit_start``, the same scheduler
+            ``metric`` for a scheduler that takes none; a ``ReduceLROnPlateau`` in the other
+            ``mode`` than the evaluator's (given by name: at ``fit_start``, the attached
+            evaluator that monitors it); at ``fit_start``, a per-update scheduler of the
+            state, or another ``Scheduler``'s, that steps the same optimizer where one of the
+            two sets the rate from its base rates (``LambdaLR``: it would erase the other's
+            changes), the same scheduler
             is the state's too (it would be stepped twice), or another ``Scheduler`` of the
             run steps the same optimizer at the same events (a notebook cell run again).
 
@@ -81,6 +88,21 @@ class Scheduler(Handler):
                 f"Scheduler(metric=...) received {describe(metric)}, which names no value. Pass "
                 "an Evaluator built with monitor='val_loss', or the name itself."
             )
+        if self.evaluator is not None:  # a name's evaluator is known at fit_start (check)
+            self._same_mode([self.evaluator])
+
+    def _same_mode(self, handlers: Any) -> None:
+        # ReduceLROnPlateau has a mode of its own ("min" by default): fed an accuracy that an
+        # evaluator ranks "max", it lowered the rate at every improvement, in silence.
+        mode = self.scheduler.mode
+        errors.same_mode(
+            "Scheduler(ReduceLROnPlateau)",
+            str(self.metric),
+            mode,
+            handlers,
+            fix=f"Build it in the evaluator's mode: ReduceLROnPlateau(optimizer, "
+            f"mode={'max' if mode == 'min' else 'min'!r}, ...).",
+        )
 
     def on_fit_start(self, event: Event) -> None:
         """:meth:`check`."""
@@ -115,6 +137,8 @@ class Scheduler(Handler):
         """
         if self.evaluator is not None:
             errors.evaluator_attached("Scheduler", self.evaluator, event.events)
+        elif self.metric is not None:
+            self._same_mode(event.events)
         state = event.state
         held = [state.scheduler] + [state[n].scheduler for n in getattr(state, "names", ())]
         if any(s is self.scheduler for s in held):
@@ -127,9 +151,10 @@ class Scheduler(Handler):
         # A notebook cell that adds a Scheduler, run again on the same Events, leaves the old
         # one attached: both step one optimizer at each of their events, the rate decays twice
         # as fast, and nothing else would say so.
+        attached = event.events.attached() if event.events is not None else ()
         twins = [
             other
-            for other in (event.events.attached() if event.events is not None else ())
+            for other in attached
             if isinstance(other, Scheduler)
             and other is not self
             and other.scheduler.optimizer is self.scheduler.optimizer
@@ -147,6 +172,31 @@ class Scheduler(Handler):
                 "purpose, chain them in one handler: Scheduler(torch.optim.lr_scheduler."
                 "ChainedScheduler([first, second]))."
             )
+        self._not_erased(held, attached)
+
+    def _not_erased(self, held: list[Any], attached: Any) -> None:
+        # A scheduler that sets the rate from its base rates (LambdaLR, OneCycleLR, AbsoluteLR)
+        # erases, at each of its steps, what another scheduler of the optimizer did to it: a
+        # plateau's reductions lasted until the next update (torch's own way, in silence).
+        others = [("the state's per-update", s) for s in held] + [
+            ("another Scheduler's", h.scheduler)
+            for h in attached
+            if isinstance(h, Scheduler) and h is not self
+        ]
+        for where, other in others:
+            if getattr(other, "optimizer", None) is not self.scheduler.optimizer:
+                continue
+            setter = next((s for s in (other, self.scheduler) if _sets_the_rate(s)), None)
+            if setter is not None:
+                raise ConfigError(
+                    f"Scheduler({type(self.scheduler).__name__}) and {where} "
+                    f"{type(other).__name__} change the same optimizer's rate, and the "
+                    f"{type(setter).__name__} sets it from its base rate at each step: what the "
+                    "other did is erased (a plateau's reduction lasts until its next step). "
+                    "Give the optimizer one schedule: fold both into one scheduler, or pair a "
+                    "plateau or per-epoch Scheduler with a per-update scheduler that scales the "
+                    "current rate (LinearLR for a warmup, ExponentialLR, StepLR)."
+                )
 
     def step(self, event: Event) -> None:
         """Step the scheduler: once, or with the evaluation's value of :attr:`metric`.
@@ -160,11 +210,28 @@ class Scheduler(Handler):
             return
         values = event.metrics or {}
         if self.metric not in values:
+            if self._recorded_by_another(event):
+                return  # another evaluator's evaluation (a test set's): not this value's
             raise ConfigError(
                 f"Scheduler(metric={self.metric!r}): the evaluation recorded "
                 f"{', '.join(sorted(values)) or 'nothing'}. Name one of those."
             )
         self.scheduler.step(one_number("Scheduler", self.metric, values[self.metric], arg="metric"))
+
+    def _recorded_by_another(self, event: Event) -> bool:
+        """Whether the value named may come from another attached evaluator than the one that
+        just evaluated: one that records it, or one that has not evaluated yet (so its names
+        are not known). A name given with two evaluators (``val_``, ``test_``) was refused
+        at the other's first evaluation; a name no evaluator records still is, once each has
+        evaluated (or at the first evaluation, with the sanity pass that names them)."""
+        if self.evaluator is not None or event.events is None:
+            return False
+        names = [
+            h.names
+            for h in event.events.attached()
+            if isinstance(getattr(h, "names", None), frozenset)  # an Evaluator's values
+        ]
+        return any(not written or self.metric in written for written in names)
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's state (saved with each checkpoint, without being named), and what
@@ -186,3 +253,26 @@ class Scheduler(Handler):
 
     def _built(self) -> dict[str, Any]:
         return {"kind": type(self.scheduler).__name__, "metric": self.metric}
+
+
+def _sets_the_rate(scheduler: Any) -> bool:
+    """Whether ``scheduler`` computes the rate from its base rates, whatever the optimizer's
+    current one (``LambdaLR``, ``OneCycleLR``, ``AbsoluteLR``), rather than from it (``StepLR``,
+    ``ExponentialLR``, ``LinearLR``): asked for its rate with each group's halved, it gives the
+    same. The rates are put back; a scheduler that cannot say (``SequentialLR``, a rate of 0)
+    counts as not."""
+    groups = scheduler.optimizer.param_groups
+    rates = [group["lr"] for group in groups]
+    try:
+        with warnings.catch_warnings():  # torch warns of get_lr outside its step
+            warnings.simplefilter("ignore")
+            before = [float(rate) for rate in scheduler.get_lr()]
+            for group in groups:
+                group["lr"] = group["lr"] * 0.5
+            after = [float(rate) for rate in scheduler.get_lr()]
+    except (NotImplementedError, AttributeError, TypeError, ValueError):
+        return False
+    finally:
+        for group, rate in zip(groups, rates, strict=True):
+            group["lr"] = rate
+    return before == after and any(before)

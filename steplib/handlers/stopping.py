@@ -230,9 +230,8 @@ class EarlyStopping(Handler):
         )
 
     def on_validation_end(self, event: Event) -> Stop | None:
-        """Check after each of the evaluator's evaluations: on the ``validation_end`` it
-        emits, so that the check sees this evaluation's value whichever of the two was
-        attached first (at ``step_end`` a stopper attached first saw the previous one's)."""
+        """Check after each of the evaluator's evaluations, on its ``validation_end``: the
+        check sees this evaluation's value whichever was attached first (not the last one's)."""
         return self(event)
 
     def __call__(self, event: Event) -> Stop | None:
@@ -245,6 +244,8 @@ class EarlyStopping(Handler):
         value = monitored_value("EarlyStopping", self.monitor, event)
         if value is not None and self.evaluator is None:  # an evaluator checks its own values
             same_on_every_rank({self.monitor: value}, owner="EarlyStopping")
+            fix = "Give it the evaluator, EarlyStopping(evaluator, ...): its name and mode."
+            errors.same_mode("EarlyStopping", self.monitor, self.best.mode, event.events, fix=fix)
         return None if value is None else self.update(value, step=event.step)
 
     def update(self, value: float, *, step: int) -> Stop | None:
@@ -252,8 +253,7 @@ class EarlyStopping(Handler):
         if self.best.update(value, step=step):
             self.wait = 0
             return None
-        self.wait += 1
-        # Lightning, Keras, Ignite and the HF Trainer stop when the count reaches patience.
+        self.wait += 1  # Lightning, Keras, Ignite, HF Trainer: stop when it reaches patience
         if self.wait < self.patience:
             return None
         return Stop(
