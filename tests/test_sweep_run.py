@@ -341,6 +341,7 @@ def test_combine_a_plateau_scheduler_and_keep_best_refuse_a_sweeps_value_naming_
         sl.run(step, state, data(8), events=[ev])
 
     copies, state, step = build()
+    state = state.replace(scheduler=None)  # a LambdaLR would erase the plateau's changes
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer)
     events = [evaluator(copies), Scheduler(plateau, metric="val_loss")]
     with pytest.raises(sl.ConfigError, match=r"Scheduler\(metric='val_loss'\) .* list of 4"):
