@@ -194,8 +194,6 @@ def _iterate(
     first, index, end = 0, -1, None  # in the epoch: the pass's first batch, the last, the end
     # A stateful loader over unsized data may continue a pass after its last batch: its end.
     continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
-    # A ResumableLoader may go on with a pass that a run which raised at its last batch left.
-    continued = continued or getattr(data, "continuing", False)
     try:
         while stop is None and not _done(state, max_steps, max_epochs):
             # A pass that continues an epoch from a loaded position (a resume, or a run going
@@ -238,7 +236,9 @@ def _iterate(
                 pulled = PULLING
             else:
                 pulled = None
-                if index < first and not continued:
+                # A pass that continues its epoch (first > 0) may hold no batch: a run that
+                # raised at the epoch's last update left it, and this one ends that epoch.
+                if index < 0 and not continued:
                     raise ValueError(
                         f"iterate: data yielded no batches in epoch {state.epoch}. Pass a "
                         "re-iterable with at least one batch (a DataLoader or a list), not an "

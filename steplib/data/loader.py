@@ -113,12 +113,6 @@ class ResumableLoader(StatefulDataLoader):
             self._continued = (list(untrained), left)
             self.resumed_at = at - len(untrained)
 
-    @property
-    def continuing(self) -> bool:
-        """Whether the next pass goes on with one a run left part-way (:meth:`continue_pass`):
-        it may then yield no batch (the run raised at its last), and the loop ends it."""
-        return self._continued is not None
-
     def state_dict(self) -> dict[str, Any]:
         """The position in the epoch and the generator states (plain data).
 
