@@ -15,7 +15,7 @@ import torch
 
 from steplib.events import Event, Events, Stop
 from steplib.loop_checks import check_args
-from steplib.loop_data import PULLING, TRAINED, after_error, keep_position, resumed_at
+from steplib.loop_data import PULLING, TRAINED, Partial, after_error, keep_position, resumed_at
 from steplib.output import StepOutput
 from steplib.state import TrainState
 
@@ -142,7 +142,7 @@ def _one(step: StepLike) -> tuple[_Call, _Flush]:
     return call, flush
 
 
-def _several(steps: Steps, feed: Mapping[str, Feed]) -> tuple[_Call, _Flush]:
+def _several(steps: Steps, feed: Mapping[str, Feed], partial: Partial) -> tuple[_Call, _Flush]:
     steps = dict(steps)  # the caller's dict may change later; this run's steps do not
 
     def call(state: TrainState, batch: Any, close: bool) -> tuple[TrainState, StepOutput, Any]:
@@ -153,6 +153,8 @@ def _several(steps: Steps, feed: Mapping[str, Feed]) -> tuple[_Call, _Flush]:
                 earlier = {n: out.aux_with_graph for n, out in outs.items()}
                 given = feed[name](batch, earlier)
             state, outs[name] = step(state, given, close_window=close)
+            partial.state, partial.done = state, list(outs)  # if a later step raises
+        partial.state = None
         return state, outs[name], outs
 
     def flush(state: TrainState) -> tuple[TrainState, StepOutput | None, Any]:
@@ -175,7 +177,8 @@ def _iterate(
     max_steps: int | None,
     max_epochs: int | None,
 ) -> Generator[tuple[TrainState, Outputs], None, TrainState]:
-    call, flush = _several(step, feed) if isinstance(step, Mapping) else _one(step)
+    partial = Partial()
+    call, flush = _several(step, feed, partial) if isinstance(step, Mapping) else _one(step)
     started = events.emit(Event("fit_start", state, data=data, train_step=step, events=events))
     state, stop = started.state, started.stop
     if max_steps is None and max_epochs is None:
@@ -268,6 +271,8 @@ def _iterate(
         _emit(events, state, "fit_end")
         raise
     except BaseException as error:
+        if (newest := partial.taken(error, step)) is not None:
+            state, pulled = newest, TRAINED
         after_error(data, passing, error=error, pulled=pulled, at=index + 1, end=end)
         _emit(events, state, "exception", error=error)
         raise

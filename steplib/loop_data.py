@@ -92,3 +92,34 @@ def resumed_at(data: Any) -> int:
     epoch (loaded at a position, or going on with a pass a run left) says it; 0 otherwise."""
     at = getattr(data, "resumed_at", 0)
     return at if isinstance(at, int) else 0
+
+
+class Partial:
+    """While several steps run on one batch (``run({"D": ..., "G": ...})``): the state after
+    those that have trained on it, and their names; ``state`` is None outside such a call."""
+
+    __slots__ = ("done", "state")
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        self.done: list[str] = []
+
+    def taken(self, error: BaseException, steps: Any) -> Any:
+        """The newest state when a later step of several (``steps``: the run's, by name)
+        raised after earlier ones trained on the batch (``None`` otherwise), with a warning
+        that the others did not train on it. Training the batch again would train the earlier
+        ones twice, so it counts as trained: an older state would be refused (their lineage
+        moved on)."""
+        if self.state is None:
+            return None
+        rest = [name for name in steps if name not in self.done]  # several steps, by name
+        _log.warning(
+            "the step %r raised (%s) after %s trained on the batch: the run's exception event "
+            "holds their update, and a next run goes on after that batch, which %s did not "
+            "train on. To train it exactly, load the last checkpoint instead.",
+            rest[0],
+            type(error).__name__,
+            ", ".join(map(repr, self.done)),
+            ", ".join(map(repr, rest)),
+        )
+        return self.state
