@@ -13,38 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import TensorDataset
 
 from steplib import Events, TrainState, make_train_step, run
 from steplib.data import resumable_loader
+from tests.test_run_several_steps import _d_loss, _g_loss, _state  # the GAN of run's tests
 
 RAISE_AT = 3  # the micro-batch whose G step raises
-
-
-def _state() -> TrainState:
-    torch.manual_seed(0)
-    g = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    d = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
-    return TrainState.create(
-        model={"G": g, "D": d},
-        optimizer={"G": torch.optim.Adam(g.parameters(), lr=1e-2),
-                   "D": torch.optim.SGD(d.parameters(), lr=1e-1, momentum=0.9)},
-    )  # fmt: skip
-
-
-def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
-
-
-def _d_loss(model: Any, batch: Any) -> torch.Tensor:
-    real, noise = batch
-    return _bce(model["D"](real), 1.0) + _bce(model["D"](model["G"](noise).detach()), 0.0)
-
-
-def _g_loss(model: Any, batch: Any) -> torch.Tensor:
-    return _bce(model["D"](model["G"](batch[1])), 1.0)
 
 
 def _loader() -> Any:
