@@ -113,6 +113,8 @@ class Partial:
         if self.state is None:
             return None
         rest = [name for name in steps if name not in self.done]  # several steps, by name
+        if not rest:  # raised after the last step (a KeyboardInterrupt): every one trained
+            return self.state
         _log.warning(
             "the step %r raised (%s) after %s trained on the batch: the run's exception event "
             "holds their update, and a next run goes on after that batch, which %s did not "

@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 
 from steplib import Events, TrainState, make_train_step, run
 from steplib.data import resumable_loader
+from steplib.loop_data import Partial
 from tests.test_run_several_steps import _d_loss, _g_loss, _state  # the GAN of run's tests
 
 RAISE_AT = 3  # the micro-batch whose G step raises
@@ -69,3 +70,12 @@ def test_a_later_step_that_raised_leaves_the_newest_state_and_the_batch_trained(
     assert state.epoch == 1
     for got, want in zip(_params(state), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_an_interrupt_after_the_last_step_recorded_its_state_keeps_that_state() -> None:
+    # A KeyboardInterrupt between the last step's record and the call's end: every step has
+    # trained on the batch, so the recorded state is the newest (an IndexError over the
+    # user's interrupt before, naming the step that raised among none left).
+    partial = Partial()
+    partial.state, partial.done = "newest", ["D", "G"]
+    assert partial.taken(KeyboardInterrupt(), {"D": None, "G": None}) == "newest"
