@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from steplib import EMA, Event, Events, ProgressBar, TrainState, accumulate, make_train_step, run
 from steplib.errors import NonFiniteError
 from steplib.handlers import NonFiniteAlarm, Throughput, TrainMetrics
 from tests.reference import Unsized
+from tests.test_run_several_steps import _d_loss, _g_loss  # the GAN losses of run's tests
 
 
 def _state(first: str = "G") -> TrainState:
@@ -34,19 +34,6 @@ def _state(first: str = "G") -> TrainState:
     }
     order = [first, *(n for n in ("G", "D") if n != first)]  # the first optimizer is counted
     return TrainState.create(model=models, optimizer={n: optimizers[n] for n in order})
-
-
-def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
-
-
-def _d_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    real, noise = batch
-    return _bce(model["D"](real), 1.0) + _bce(model["D"](model["G"](noise).detach()), 0.0)
-
-
-def _g_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return _bce(model["D"](model["G"](batch[1])), 1.0)
 
 
 def _steps(d_every: int = 3, g_every: int = 1) -> dict[str, Any]:
