@@ -4,6 +4,7 @@ pieces (several optimizers), names that match and parameters that belong to one 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -66,6 +67,15 @@ def check_pieces(
             "not a torch.optim.Optimizer. Pass e.g. "
             "optimizer=torch.optim.AdamW(model.parameters())."
         )
+    if _needs_closure(optimizer):
+        raise ConfigError(
+            f"{caller}(optimizer{key}=...) received {type(optimizer).__name__}, whose step() "
+            "needs a closure that evaluates the loss again, several times per update (a line "
+            "search). A steplib step runs the forward and backward once, then calls "
+            "optimizer.step() without one. Train with a first-order optimizer (AdamW, SGD), or "
+            "write that loop by hand: def closure(): optimizer.zero_grad(); loss = "
+            "loss_fn(model, batch); loss.backward(); return loss, then optimizer.step(closure)."
+        )
     model_params = {id(p) for p in model.parameters()}
     if not model_params:
         raise ConfigError(
@@ -116,6 +126,17 @@ def check_pieces(
             f"{caller}(scaler{key}=...) received {describe(scaler)}. Pass a "
             "torch.amp.GradScaler, e.g. scaler=torch.amp.GradScaler('cuda'), or None."
         )
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    # LBFGS.step(self, closure): a required argument; first-order optimizers have closure=None.
+    # The class's method: a scheduler replaces the instance's with a function taking self.
+    try:
+        parameters = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
+    except (TypeError, ValueError):  # no signature to read: let it through
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.default is p.empty and p.kind in positional for p in parameters)
 
 
 def check_names(optimizers: Mapping[Any, Any], schedulers: Any, scalers: Any) -> tuple[str, ...]:

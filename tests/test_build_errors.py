@@ -416,6 +416,23 @@ def test_create_refuses_a_plateau_scheduler_that_the_step_could_not_feed():
         state.replace(scheduler=plateau)
 
 
+def test_create_refuses_an_optimizer_whose_step_needs_a_closure():
+    # LBFGS re-evaluates the loss through a closure: a steplib step calls optimizer.step()
+    # once, without one. Accepted before, the first update failed inside torch with
+    # "LBFGS.step() missing 1 required positional argument: 'closure'".
+    model = nn.Linear(2, 1)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    fix = r"first-order optimizer.*optimizer.step\(closure\)"
+    needs = r"received LBFGS, whose step\(\) needs a closure.*"
+    with pytest.raises(ConfigError, match=needs + fix):
+        TrainState.create(model=model, optimizer=lbfgs)
+    with pytest.raises(ConfigError, match=r"optimizer\['D'\]=...\) received LBFGS"):
+        TrainState.create(model=model, optimizer={"D": lbfgs})
+    scheduled = torch.optim.SGD(model.parameters())  # a scheduler wraps step: still accepted
+    torch.optim.lr_scheduler.LambdaLR(scheduled, lambda s: 1.0)
+    TrainState.create(model=model, optimizer=scheduled)
+
+
 def test_create_refuses_a_scheduler_bound_to_another_optimizer():
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
