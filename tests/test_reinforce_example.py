@@ -74,7 +74,7 @@ def play(policy: Policy, env: Env) -> Episode:
 
 
 def episode_loss(log_probs: list[torch.Tensor], rewards: list[float]) -> torch.Tensor:
-    discounted, returns = 0.0, []
+    discounted, returns = 0.0, list[float]()
     for reward in reversed(rewards):
         discounted = reward + GAMMA * discounted
         returns.insert(0, discounted)

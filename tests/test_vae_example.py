@@ -76,7 +76,7 @@ class EpochAverage:
     """The example's "Average loss" of each epoch, from TrainMetrics' running means."""
 
     def __init__(self, metrics: TrainMetrics) -> None:
-        self.metrics, self.averages = metrics, []
+        self.metrics, self.averages = metrics, list[float]()
 
     def on_epoch_end(self, event: Any) -> None:
         values = self.metrics.read(event)
@@ -114,7 +114,8 @@ def test_a_summed_loss_under_accumulate_is_the_mean_of_the_window_sums() -> None
     rng = torch.get_rng_state()
     for window in (batches[:2], batches[2:]):  # the last window holds one batch
         ref_opt.zero_grad()
-        (sum(example_loss(expected, x) for x in window) / len(window)).backward()
+        losses = [example_loss(expected, x) for x in window]
+        (torch.stack(losses).sum() / len(window)).backward()
         ref_opt.step()
     torch.set_rng_state(rng)
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
