@@ -57,8 +57,22 @@ def test_4_ranks_resumed_on_2_yield_what_an_uninterrupted_2_rank_run_yields(
         resumed = _loader(rank, 2, 4)
         resumed.load_state_dict(position)
         epochs_left = 3 - batches // 6
+        # Where the continued pass begins in its epoch (run's batch_index; no epoch_start
+        # unless 0), read before the pass: iterating resets it.
+        assert resumed.resumed_at == (0 if batches == 6 else batches % 6)
         assert _epochs(resumed, epochs_left) == uninterrupted[batches:]
         assert resumed.epoch_completed_on_load == (batches == 6)
+
+
+def test_a_pass_resumed_on_another_global_batch_begins_at_its_own_batch_index() -> None:
+    # 4 ranks x 2 samples consumed 3 x 8 = 24 samples: one rank with batches of 2 (24 a pass)
+    # continues at its batch 12, and its batch_index and epoch_start follow from that.
+    position = _after(_loader(0, 4, 2), 3)
+    resumed = _loader(0, 1, 2)
+    resumed.load_state_dict(position)
+    assert resumed.resumed_at == 12
+    assert [batch.tolist() for batch in resumed] == _epochs(_loader(0, 1, 2), 1)[12:]
+    assert resumed.resumed_at == 0  # the next pass begins its epoch
 
 
 def test_with_workers_the_epochs_and_a_resume_on_another_world_size_are_the_same() -> None:
