@@ -8,15 +8,7 @@ from typing import Any, Literal
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import (
-    ChainedScheduler,
-    ExponentialLR,
-    LambdaLR,
-    LinearLR,
-    ReduceLROnPlateau,
-    SequentialLR,
-    StepLR,
-)
+from torch.optim.lr_scheduler import LambdaLR, LinearLR, ReduceLROnPlateau, StepLR
 from torchmetrics import MeanMetric
 
 from steplib import ConfigError, Evaluator, Events, TrainState, make_eval_step, make_train_step, run
@@ -316,39 +308,3 @@ def test_a_per_epoch_schedule_that_sets_the_rate_beside_a_plateau_handler_is_ref
             max_epochs=2,
         )
     assert opt.param_groups[0]["lr"] == 1.0
-
-
-def test_a_sequential_or_chained_schedule_that_sets_the_rate_beside_a_plateau_is_refused() -> None:
-    # The probe could not see inside SequentialLR / ChainedScheduler and let them through.
-    # Measured in torch's own loop with a plateau (patience 0, a value that gets worse from
-    # the second evaluation): SequentialLR([LambdaLR warmup, ExponentialLR], milestones=[3])
-    # left the rate at 0.67, 0.5, 0.5, 0.225 after four updates (the warmup's LambdaLR put the base
-    # rate back over the plateau's halving); ChainedScheduler([LambdaLR, ExponentialLR]) stays
-    # at 0.45 from the second update on.
-    def start(scheduler: Any) -> None:
-        state = TrainState.create(model=model, optimizer=opt, scheduler=scheduler)
-        evaluator = Evaluator(
-            make_eval_step(lambda m, b: torch.tensor(1.0)),
-            [0],
-            metrics={"mean": MeanMetric()},
-            every=1,
-            monitor="val_mean",
-            sanity_batches=0,
-        )
-        plateau = ReduceLROnPlateau(opt, factor=0.5, patience=0)
-        events = Events(evaluator, Scheduler(plateau, metric=evaluator))
-        run(STEP, state, [torch.ones(3, 2)] * 3, events=events)
-
-    model = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    warmup = LambdaLR(opt, lambda n: min(1.0, (n + 1) / 3))
-    warmup_then_decay = SequentialLR(opt, [warmup, ExponentialLR(opt, 0.9)], milestones=[3])
-    with pytest.raises(ConfigError, match=r"the SequentialLR sets it from its base rate"):
-        start(warmup_then_decay)
-    chained = ChainedScheduler([LambdaLR(opt, lambda n: 1.0), ExponentialLR(opt, 0.9)])
-    with pytest.raises(ConfigError, match=r"the ChainedScheduler sets it from its base rate"):
-        start(chained)
-    # Schedulers that each scale the current rate keep the plateau's reductions.
-    linear = LinearLR(opt, 0.5, total_iters=2)
-    start(SequentialLR(opt, [linear, ExponentialLR(opt, 0.9)], milestones=[2]))
-    start(ChainedScheduler([LinearLR(opt, 0.5, total_iters=2), ExponentialLR(opt, 0.9)]))

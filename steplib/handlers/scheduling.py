@@ -16,7 +16,6 @@ import warnings
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import ChainedScheduler, SequentialLR
 
 from steplib import errors
 from steplib.errors import ConfigError, describe
@@ -260,11 +259,8 @@ def _sets_the_rate(scheduler: Any) -> bool:
     """Whether ``scheduler`` computes the rate from its base rates, whatever the optimizer's
     current one (``LambdaLR``, ``OneCycleLR``, ``AbsoluteLR``), rather than from it (``StepLR``,
     ``ExponentialLR``, ``LinearLR``): asked for its rate with each group's halved, it gives the
-    same. The rates are put back; a scheduler that cannot say (a rate of 0) counts as not.
-    ``SequentialLR`` and ``ChainedScheduler`` set it when one of theirs does."""
-    inner = getattr(scheduler, "_schedulers", None)  # read only: they list no other way
-    if isinstance(scheduler, SequentialLR | ChainedScheduler) and isinstance(inner, list):
-        return any(_sets_the_rate(one) for one in inner)
+    same. The rates are put back; a scheduler that cannot say (``SequentialLR``, a rate of 0)
+    counts as not."""
     groups = scheduler.optimizer.param_groups
     rates = [group["lr"] for group in groups]
     try:
