@@ -7,7 +7,7 @@ handler with ``state_dict``; see ``steplib.checkpoint.contents``), and checkpoin
 after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
 scheduler from before its step.
 
-Imports ``errors``, ``events`` and ``handlers.stopping`` (``one_number``).
+Imports ``errors``, ``events`` and ``handlers.watched_value`` (``one_number``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
-from steplib.handlers.stopping import one_number
+from steplib.handlers.watched_value import one_number
 
 
 class Scheduler(Handler):
