@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from steplib import errors
-from steplib.errors import ConfigError
+from steplib.errors import ConfigError, describe
 from steplib.events import Event
 from steplib.state import EVALUATED_AT
 
@@ -44,7 +44,20 @@ class BestValue:
         self.step: int | None = None
 
     def is_better(self, value: float) -> bool:
-        """Whether ``value`` improves on the best by more than ``min_delta`` (NaN never does)."""
+        """Whether ``value`` improves on the best by more than ``min_delta`` (NaN never does).
+
+        Raises:
+            ConfigError: ``value`` is several numbers (a sweep's, one per copy).
+        """
+        many = isinstance(value, torch.Tensor) and value.numel() != 1
+        if many or isinstance(value, list | tuple):  # math.isnan: a bare TypeError
+            raise ConfigError(
+                f"{type(self).__name__} keeps the best of one number and received "
+                f"{describe(value)}, not one (a sweep's values, one per copy?), so no one of "
+                "them is the best. Keep one per copy: bests = [BestValue(mode=...) for _ in "
+                "values], then bests[i].update(values[i], step=...); or watch a sweep with "
+                "steplib.sweep.SweepEarlyStopping or SuccessiveHalving."
+            )
         if math.isnan(value):
             return False
         if self.value is None:
