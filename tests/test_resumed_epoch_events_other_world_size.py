@@ -3,8 +3,8 @@ without a process group (docs/resume_on_another_world_size.md) emits the rest of
 uninterrupted 1-process run's events: each step event's ``batch_index`` counted from its
 epoch's start in the new world size's batches (``ResumableLoader.resumed_at``: the samples the
 2 ranks consumed together, over the new global batch), no second ``epoch_start`` for the epoch
-it continues, and the samples of that run, batch by batch. (A ``resumed_at`` counted in the
-saving ranks' batches, 2 samples, gave batch indices 4, 5, ... of 6 after 3 updates.)
+it continues, and the samples of that run, batch by batch. (A ``resumed_at`` counted in
+the saving ranks' batches of 2 gave indices 6, 7, 8 for batches 3, 4, 5 of epoch 0.)
 
 24 samples; 2 ranks x 2 per batch, or 1 process x 4: 6 updates per epoch either way, 3 epochs.
 The 2-rank run stops (and has saved, every update) inside epoch 0, at its last update (every
