@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,7 +173,8 @@ def test_best_value_given_a_sweeps_values_refuses_them_with_the_fix(values) -> N
     with pytest.raises(ConfigError, match=r"bests\[i\]\.update\(values\[i\]"):
         EarlyStopping("val_loss").update(values, step=1)
     assert (best.value, best.step) == (None, None)
-    assert best.update(torch.tensor([0.5]), step=2)  # one number, in a tensor: as before
+    one: Any = torch.tensor([0.5])  # one number, in a tensor: as before
+    assert best.update(one, step=2)
 
 
 def test_time_limit_stops_before_the_budget_is_crossed() -> None:

@@ -34,7 +34,7 @@ SAMPLES, GLOBAL_BATCH, EPOCHS = 24, 4, 3
 
 def _run(rank: int, world: int, *, url: str, stop_at: int | None, resume: bool) -> Any:
     torch.manual_seed(0)
-    model = nn.Linear(2, 1)
+    model: nn.Module = nn.Linear(2, 1)
     model = apply_ddp(model) if torch.distributed.is_initialized() else model
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     seen: list[list[int]] = []
