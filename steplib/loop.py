@@ -229,13 +229,12 @@ def _iterate(
                     # Fall through to the end of the epoch, so that a stop here still counts
                     # the epoch as complete (a resume then starts the next one).
                     last.append(out if outs is None else outs)
-                    pulled = PULLING
-                    continue
-                yield state, out if outs is None else outs
-                if stop is not None or _done(state, max_steps, None):
-                    keep_position(data, passing, at=index + 1, end=end)
-                    pulled = None  # the position is kept
-                    break
+                else:
+                    yield state, out if outs is None else outs
+                    if stop is not None or _done(state, max_steps, None):
+                        keep_position(data, passing, at=index + 1, end=end)
+                        pulled = None  # the position is kept
+                        break
                 pulled = PULLING
             else:
                 pulled = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +160,21 @@ def test_best_value_ignores_nan_and_follows_the_mode() -> None:
         False,
     ]
     assert (best.value, best.step) == (0.3, 2)
+
+
+@pytest.mark.parametrize("values", [[0.5, 0.4], (0.5,), torch.tensor([0.5, 0.4])])
+def test_best_value_given_a_sweeps_values_refuses_them_with_the_fix(values) -> None:
+    # A sweep's evaluation records one value per copy (a list): BestValue.update (and
+    # EarlyStopping.update, through it) raised a bare "TypeError: must be real number, not
+    # list" (a tensor of 2: "ValueError: only one element tensors ..."), naming neither.
+    best = BestValue(mode="min")
+    with pytest.raises(ConfigError, match=r"keeps the best of one number.*one per copy"):
+        best.update(values, step=1)
+    with pytest.raises(ConfigError, match=r"bests\[i\]\.update\(values\[i\]"):
+        EarlyStopping("val_loss").update(values, step=1)
+    assert (best.value, best.step) == (None, None)
+    one: Any = torch.tensor([0.5])  # one number, in a tensor: as before
+    assert best.update(one, step=2)
 
 
 def test_time_limit_stops_before_the_budget_is_crossed() -> None:

@@ -8,7 +8,15 @@ from typing import Any, Literal
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import LambdaLR, LinearLR, ReduceLROnPlateau, StepLR
+from torch.optim.lr_scheduler import (
+    ChainedScheduler,
+    ConstantLR,
+    LambdaLR,
+    LinearLR,
+    ReduceLROnPlateau,
+    SequentialLR,
+    StepLR,
+)
 from torchmetrics import MeanMetric
 
 from steplib import ConfigError, Evaluator, Events, TrainState, make_eval_step, make_train_step, run
@@ -308,3 +316,53 @@ def test_a_per_epoch_schedule_that_sets_the_rate_beside_a_plateau_handler_is_ref
             max_epochs=2,
         )
     assert opt.param_groups[0]["lr"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        # A warmup from 0, then a constant rate: the warmup's updates erased the reductions.
+        lambda opt: SequentialLR(
+            opt,
+            [LambdaLR(opt, lambda n: n / 4), ConstantLR(opt, factor=1.0, total_iters=0)],
+            milestones=[4],
+        ),
+        # A LinearLR warmup (which scales), then a LambdaLR decay (which sets).
+        lambda opt: SequentialLR(
+            opt,
+            [LinearLR(opt, start_factor=0.5, total_iters=2), LambdaLR(opt, lambda n: 0.9**n)],
+            milestones=[2],
+        ),
+        lambda opt: ChainedScheduler([LambdaLR(opt, lambda n: 1.0), StepLR(opt, step_size=9)]),
+        # Alone too: at rate 0 when the run starts, where a halved rate is 0 as well.
+        lambda opt: LambdaLR(opt, lambda n: n / 4),
+    ],
+    ids=["sequential_warmup_from_0", "sequential_then_lambda", "chained", "warmup_from_0"],
+)
+def test_a_composite_schedule_holding_one_that_sets_the_rate_is_refused_beside_a_plateau(
+    build: Any,
+) -> None:
+    # SequentialLR and ChainedScheduler answer no probe of their own (torch's get_lr raises
+    # NotImplementedError), so a LambdaLR inside one was let through: the state's per-update
+    # SequentialLR([LambdaLR warmup from 0, ConstantLR]) set n/4 again at each warmup update,
+    # erasing the plateau's halvings (patience 0, a value that never improves), in silence:
+    # 6 updates ran at 0, 0.25, 0.25, 0.375, 0.5, 0.25 (the warmup alone: 0, 0.25, 0.5, 0.75,
+    # 1, 1): update 5 ran at 0.5 after 4 halvings.
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    state = TrainState.create(model=model, optimizer=opt, scheduler=build(opt))
+    evaluator = Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(1.0)),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=1,
+        monitor="val_mean",
+        sanity_batches=0,
+    )
+    plateau = Scheduler(ReduceLROnPlateau(opt, factor=0.5, patience=0), metric=evaluator)
+    rates = [group["lr"] for group in opt.param_groups]
+    with pytest.raises(
+        ConfigError, match=r"the ((SequentialLR|ChainedScheduler)'s )?LambdaLR sets"
+    ):
+        run(STEP, state, [torch.ones(3, 2)] * 3, events=[evaluator, plateau], max_epochs=2)
+    assert [group["lr"] for group in opt.param_groups] == rates  # the probe put them back

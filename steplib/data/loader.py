@@ -254,7 +254,8 @@ class ResumableLoader(StatefulDataLoader):
         self.epoch_completed_on_load = self.sampler.resume(
             position, batch_size=self.batch_size or 1
         )
-        # This world size's batches that the samples all ranks consumed together make.
+        # This world size's batches that the samples all ranks consumed together make: a whole
+        # number (resume refused a count that is not), so the division rounds nothing.
         per_batch = self.sampler.world_size * (self.batch_size or 1)
         self.resumed_at = 0 if self.epoch_completed_on_load else position["samples"] // per_batch
         super().load_state_dict({})  # a fresh iterator: the sampler starts at the position

@@ -37,8 +37,9 @@ from steplib.handlers.monitors import GradNormMonitor, LRMonitor, NonFiniteAlarm
 from steplib.handlers.profiling import Profiler
 from steplib.handlers.progress import ProgressBar
 from steplib.handlers.scheduling import Scheduler
-from steplib.handlers.stopping import BestValue, EarlyStopping, StopFile, TimeLimit
+from steplib.handlers.stopping import EarlyStopping, StopFile, TimeLimit
 from steplib.handlers.throughput import Throughput, count_flops, flops_per_batch
+from steplib.handlers.watched_value import BestValue
 
 __all__ = [
     "EMA",

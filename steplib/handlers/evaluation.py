@@ -34,7 +34,7 @@ from steplib.handlers.eval_sets import (
 from steplib.handlers.eval_step import as_metrics, check_whole_set, evaluate
 from steplib.handlers.logging.base import Sink, event_counters
 from steplib.handlers.logging.log import Log
-from steplib.handlers.stopping import BestValue, one_number
+from steplib.handlers.watched_value import BestValue, one_number
 from steplib.state import EVALUATED_AT, TrainState
 
 if TYPE_CHECKING:

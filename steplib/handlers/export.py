@@ -14,7 +14,7 @@ position, possibly sharded. An export is for using the model: one file holding
 :func:`export_best` is the handler that exports only when a monitored value improves, next to
 (and independent of) ``checkpoint_every``'s own retention.
 
-Imports ``state``, ``events``, ``handlers.stopping``, ``handlers.evaluation``, ``distributed``
+Imports ``state``, ``events``, ``handlers.watched_value``, ``handlers.evaluation``, ``distributed``
 and the checkpoint package's storage (never ``loop`` or ``step``).
 """
 
@@ -38,7 +38,7 @@ from steplib.errors import ConfigError, ExportError, describe
 from steplib.events import Event
 from steplib.handlers.evaluation import Evaluator
 from steplib.handlers.full_weights import exported_module, full_state_dict
-from steplib.handlers.stopping import BestValue, monitored_value
+from steplib.handlers.watched_value import BestValue, monitored_value
 from steplib.state import TrainState
 
 FORMATS = ("torch", "safetensors")

@@ -7,7 +7,7 @@ handler with ``state_dict``; see ``steplib.checkpoint.contents``), and checkpoin
 after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
 scheduler from before its step.
 
-Imports ``errors``, ``events`` and ``handlers.stopping`` (``one_number``).
+Imports ``errors``, ``events`` and ``handlers.watched_value`` (``one_number``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
-from steplib.handlers.stopping import one_number
+from steplib.handlers.watched_value import one_number
 
 
 class Scheduler(Handler):
@@ -40,10 +40,11 @@ class Scheduler(Handler):
             ``mode`` than the evaluator's (given by name: at ``fit_start``, the attached
             evaluator that monitors it); at ``fit_start``, a per-update scheduler of the
             state, or another ``Scheduler``'s, that steps the same optimizer where one of the
-            two sets the rate from its base rates (``LambdaLR``: it would erase the other's
-            changes), the same scheduler
-            is the state's too (it would be stepped twice), or another ``Scheduler`` of the
-            run steps the same optimizer at the same events (a notebook cell run again).
+            two sets the rate from its base rates (``LambdaLR``, also inside a
+            ``SequentialLR`` or ``ChainedScheduler``: it would erase the other's changes), the
+            same scheduler is the state's too (it would be stepped twice), or another
+            ``Scheduler`` of the run steps the same optimizer at the same events (a notebook
+            cell run again).
 
     Example:
         >>> import torch
@@ -186,12 +187,14 @@ class Scheduler(Handler):
         for where, other in others:
             if getattr(other, "optimizer", None) is not self.scheduler.optimizer:
                 continue
-            setter = next((s for s in (other, self.scheduler) if _sets_the_rate(s)), None)
+            setter = next(
+                (found for s in (other, self.scheduler) if (found := _rate_setter(s))), None
+            )
             if setter is not None:
                 raise ConfigError(
                     f"Scheduler({type(self.scheduler).__name__}) and {where} "
                     f"{type(other).__name__} change the same optimizer's rate, and the "
-                    f"{type(setter).__name__} sets it from its base rate at each step: what the "
+                    f"{setter} sets it from its base rate at each step: what the "
                     "other did is erased (a plateau's reduction lasts until its next step). "
                     "Give the optimizer one schedule: fold both into one scheduler, or pair a "
                     "plateau or per-epoch Scheduler with a per-update scheduler that scales the "
@@ -255,24 +258,43 @@ class Scheduler(Handler):
         return {"kind": type(self.scheduler).__name__, "metric": self.metric}
 
 
+def _rate_setter(scheduler: Any) -> str | None:
+    """The name of what in ``scheduler`` sets the rate from its base rates (see
+    :func:`_sets_the_rate`): itself (``"LambdaLR"``), or one of the schedulers a
+    ``SequentialLR`` or ``ChainedScheduler`` holds (``"SequentialLR's LambdaLR"``), which step
+    the same optimizer in their turn; ``None`` when nothing does."""
+    # torch keeps a SequentialLR's and a ChainedScheduler's schedulers in `_schedulers`, with
+    # no public name: read, never written.
+    inner = getattr(scheduler, "_schedulers", None)
+    if isinstance(inner, list | tuple):
+        found = next((name for s in inner if (name := _rate_setter(s))), None)
+        return None if found is None else f"{type(scheduler).__name__}'s {found}"
+    return type(scheduler).__name__ if _sets_the_rate(scheduler) else None
+
+
 def _sets_the_rate(scheduler: Any) -> bool:
     """Whether ``scheduler`` computes the rate from its base rates, whatever the optimizer's
     current one (``LambdaLR``, ``OneCycleLR``, ``AbsoluteLR``), rather than from it (``StepLR``,
-    ``ExponentialLR``, ``LinearLR``): asked for its rate with each group's halved, it gives the
-    same. The rates are put back; a scheduler that cannot say (``SequentialLR``, a rate of 0)
-    counts as not."""
+    ``ExponentialLR``, ``LinearLR``): asked for its rate at two current rates (each group's,
+    or 1 where it is 0, and its half), it gives the same. The rates are put back; a scheduler
+    that cannot say (no ``get_lr``) counts as not."""
     groups = scheduler.optimizer.param_groups
     rates = [group["lr"] for group in groups]
+    # Nonzero: a warmup LambdaLR from 0 (lambda s: s / n) is at 0 when the run starts, and a
+    # rate of 0 scaled by any factor stays 0, so that at 0 the two kinds give the same.
+    probes = [rate if float(rate) else 1.0 for rate in rates]
     try:
         with warnings.catch_warnings():  # torch warns of get_lr outside its step
             warnings.simplefilter("ignore")
+            for group, probe in zip(groups, probes, strict=True):
+                group["lr"] = probe
             before = [float(rate) for rate in scheduler.get_lr()]
-            for group in groups:
-                group["lr"] = group["lr"] * 0.5
+            for group, probe in zip(groups, probes, strict=True):
+                group["lr"] = probe * 0.5
             after = [float(rate) for rate in scheduler.get_lr()]
     except (NotImplementedError, AttributeError, TypeError, ValueError):
         return False
     finally:
         for group, rate in zip(groups, rates, strict=True):
             group["lr"] = rate
-    return before == after and any(before)
+    return before == after
