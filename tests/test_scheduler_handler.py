@@ -238,6 +238,19 @@ def test_a_plateau_scheduler_given_a_name_is_fed_by_the_evaluator_that_records_i
         )
 
 
+def _never_improving() -> Evaluator:
+    """An evaluator after every update whose value (1.0) never improves: a plateau with
+    patience 0 halves the rate at each evaluation after the first."""
+    return Evaluator(
+        make_eval_step(lambda m, b: torch.tensor(1.0)),
+        [0],
+        metrics={"mean": MeanMetric()},
+        every=1,
+        monitor="val_mean",
+        sanity_batches=0,
+    )
+
+
 def test_a_schedule_that_sets_the_rate_beside_another_of_the_same_optimizer_is_refused() -> None:
     # The state's per-update LambdaLR sets the rate from its base at each update: a plateau
     # (patience 0, a value that never improves) halved it after each evaluation and the next
@@ -247,14 +260,7 @@ def test_a_schedule_that_sets_the_rate_beside_another_of_the_same_optimizer_is_r
     def rates(per_update: Any, handler: Any, *, epochs: int = 1) -> list[float]:
         lrs: list[float] = []
         state = TrainState.create(model=model, optimizer=opt, scheduler=per_update)
-        evaluator = Evaluator(
-            make_eval_step(lambda m, b: torch.tensor(1.0)),
-            [0],
-            metrics={"mean": MeanMetric()},
-            every=1,
-            monitor="val_mean",
-            sanity_batches=0,
-        )
+        evaluator = _never_improving()
         metric = evaluator if isinstance(handler, ReduceLROnPlateau) else None
         events = Events(evaluator, Scheduler(handler, metric=metric))
         events.on("step_end", lambda e: lrs.append(e.output.lr.item()))
@@ -296,14 +302,7 @@ def test_a_per_epoch_schedule_that_sets_the_rate_beside_a_plateau_handler_is_ref
     # 0.125, 0.0625; in silence.
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    evaluator = Evaluator(
-        make_eval_step(lambda m, b: torch.tensor(1.0)),
-        [0],
-        metrics={"mean": MeanMetric()},
-        every=1,
-        monitor="val_mean",
-        sanity_batches=0,
-    )
+    evaluator = _never_improving()
     per_epoch = Scheduler(LambdaLR(opt, lambda epoch: 1.0))
     plateau = Scheduler(ReduceLROnPlateau(opt, factor=0.5, patience=0), metric=evaluator)
     state = TrainState.create(model=model, optimizer=opt)
@@ -351,14 +350,7 @@ def test_a_composite_schedule_holding_one_that_sets_the_rate_is_refused_beside_a
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     state = TrainState.create(model=model, optimizer=opt, scheduler=build(opt))
-    evaluator = Evaluator(
-        make_eval_step(lambda m, b: torch.tensor(1.0)),
-        [0],
-        metrics={"mean": MeanMetric()},
-        every=1,
-        monitor="val_mean",
-        sanity_batches=0,
-    )
+    evaluator = _never_improving()
     plateau = Scheduler(ReduceLROnPlateau(opt, factor=0.5, patience=0), metric=evaluator)
     rates = [group["lr"] for group in opt.param_groups]
     with pytest.raises(
