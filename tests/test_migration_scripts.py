@@ -178,8 +178,10 @@ def test_script_accuracy_is_correct_over_total_as_in_the_code_it_replaces(name: 
     logits[:, 0] += 1.0  # favours the common class: its accuracy is high, the rare one's low
     correct_over_total = (logits.argmax(1) == target).float().mean()
     for call in calls:
-        settings = {
-            k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "num_classes"
+        settings: dict[str, Any] = {
+            str(k.arg): ast.literal_eval(k.value)
+            for k in call.keywords
+            if k.arg not in (None, "num_classes")
         }
         metric = torchmetrics.classification.MulticlassAccuracy(num_classes=2, **settings)
         metric.update(logits, target)
