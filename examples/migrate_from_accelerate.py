@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if env.world_size > 1:
         model = apply_ddp(model)  # accelerator.prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    # The scheduler steps once per *update*. (A prepared scheduler in Accelerate steps on
-    # every micro-batch unless configured otherwise: a known pitfall.)
+    # The scheduler steps once per *update*. (A prepared scheduler in Accelerate skips the
+    # micro-batches but steps num_processes times per update unless split_batches=True: a
+    # known pitfall.)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(warmup=5, total=args.max_steps)
     )

@@ -130,7 +130,10 @@ def fit(
         val_loader,
         metrics={
             "loss": torchmetrics.MeanMetric(),
-            "acc": torchmetrics.classification.MulticlassAccuracy(num_classes=2),
+            "acc": torchmetrics.classification.MulticlassAccuracy(
+                num_classes=2,
+                average="micro",  # correct / total, as before
+            ),
         },
         at_epoch_end=True,
     ).attach(events)

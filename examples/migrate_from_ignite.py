@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         val_loader,
         metrics={
             "loss": torchmetrics.MeanMetric(),
-            "acc": torchmetrics.classification.MulticlassAccuracy(num_classes=CLASSES),
+            "acc": torchmetrics.classification.MulticlassAccuracy(
+                num_classes=CLASSES,
+                average="micro",  # correct / total, as before
+            ),
         },
         every=updates_per_epoch,
         monitor="val_loss",

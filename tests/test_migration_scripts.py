@@ -147,3 +147,46 @@ def test_hf_trainer_script_reports_the_updates_it_trained_not_the_best_checkpoin
     logged = max(json.loads(line)["step"] for line in lines)
     assert result["best_step"] < logged < 100, result  # stopped early, after its best
     assert result["steps"] == logged, result
+
+
+@pytest.mark.parametrize("name", sorted(GUIDES))
+def test_script_accuracy_is_correct_over_total_as_in_the_code_it_replaces(name: str) -> None:
+    """Every "before" loop computes accuracy as correct / total (ignite's ``Accuracy()``,
+    Lightning's and BaseTrainer's ``(argmax == y).float().mean()``, HF's ``compute_metrics``).
+    torchmetrics' ``MulticlassAccuracy`` defaults to ``average="macro"``, the mean of the
+    per-class accuracies: another number on unbalanced classes (0.456 instead of 0.740 below).
+    Each script's metric, built with its own keywords, must give the replaced number."""
+    import torch
+    import torchmetrics
+
+    tree = ast.parse((ROOT / "examples" / f"migrate_from_{name}.py").read_text())
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute | ast.Name)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+        == "MulticlassAccuracy"
+    ]
+    if name == "accelerate":
+        assert not calls  # a regression: it evaluates no accuracy
+        return
+    assert calls, f"migrate_from_{name}.py builds no MulticlassAccuracy"
+    generator = torch.Generator().manual_seed(0)
+    target = torch.cat([torch.zeros(90, dtype=torch.long), torch.ones(10, dtype=torch.long)])
+    logits = torch.randn(100, 2, generator=generator)
+    logits[:, 0] += 1.0  # favours the common class: its accuracy is high, the rare one's low
+    correct_over_total = (logits.argmax(1) == target).float().mean()
+    for call in calls:
+        settings: dict[str, Any] = {
+            str(k.arg): ast.literal_eval(k.value)
+            for k in call.keywords
+            if k.arg not in (None, "num_classes")
+        }
+        metric = torchmetrics.classification.MulticlassAccuracy(num_classes=2, **settings)
+        metric.update(logits, target)
+        assert torch.allclose(metric.compute(), correct_over_total), (
+            f"migrate_from_{name}.py's MulticlassAccuracy({settings}) gives "
+            f"{float(metric.compute()):.3f}, the replaced code {float(correct_over_total):.3f}: "
+            'pass average="micro"'
+        )
