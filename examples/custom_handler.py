@@ -27,6 +27,7 @@ from torch import nn
 
 from steplib import ConfigError, Event, Events, Stop, TrainState, make_train_step, run
 from steplib.cadence import due
+from steplib.errors import same_handler
 from steplib.events import Handler
 
 
@@ -107,12 +108,18 @@ class LossSpikeStop(Handler):  # Handler gives it attach(events); Events(spikes)
         self.spike_step = first
         return Stop(f"loss spike at update {first}: more than {self.factor}x its running average")
 
+    def _built(self) -> dict[str, Any]:
+        # What tells this stopper from another: two of them swapped at a resume would carry on
+        # from each other's average in silence (docs/custom_wrappers_and_handlers.md, rule 4).
+        return {"factor": self.factor, "decay": self.decay, "warmup": self.warmup}
+
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs to continue the average after a resume."""
-        return {"average": self._average, "first": self._first, "seen": self._seen}
+        """What a checkpoint needs to continue the average after a resume, and its settings."""
+        return {"average": self._average, "first": self._first, "seen": self._seen, **self._built()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (``ConfigError``: another stopper's)."""
+        same_handler("LossSpikeStop", self._built(), state)
         self._average, self._first, self._seen = state["average"], state["first"], state["seen"]
 
 

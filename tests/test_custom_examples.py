@@ -196,6 +196,18 @@ def test_loss_spike_stop_stops_at_the_first_check_after_a_spike() -> None:
     assert stops[9] is not None and "update 7" in stops[9].reason  # type: ignore[attr-defined]
 
 
+def test_loss_spike_stop_refuses_the_state_of_another_stopper() -> None:
+    # The page's rule 4, followed by its own example: two stoppers of other settings swapped
+    # at a resume (attached in another order) would carry on from each other's average.
+    strict, loose = LossSpikeStop(factor=2.0), LossSpikeStop(factor=5.0)
+    feed(strict, [1.0] * 3)
+    with pytest.raises(ConfigError, match=r"LossSpikeStop built with factor=5.0.*factor=2.0"):
+        loose.load_state_dict(strict.state_dict())
+    again = LossSpikeStop(factor=2.0)
+    again.load_state_dict(strict.state_dict())
+    assert again.state_dict()["seen"] == 3
+
+
 def test_loss_spike_stop_lets_a_smooth_run_and_its_warmup_pass() -> None:
     falling = [2.0 * 0.9**i for i in range(40)]
     assert feed(LossSpikeStop(check_every=5), falling) == [None] * 40
