@@ -20,6 +20,7 @@ from torch import nn
 from steplib import TrainState, make_train_step, run
 from steplib.checkpoint import checkpoint_every, list_checkpoints, resume_from
 from steplib.data import resumable_loader
+from tests.checkpoint_helpers import assert_same
 
 IMAGES, BATCH, UPDATES, CONTENT_WEIGHT, STYLE_WEIGHT = 12, 3, 8, 1.0, 10.0
 
@@ -93,10 +94,7 @@ def test_neural_style_with_a_frozen_network_in_the_loss_equals_the_example(tmp_p
     with_steplib(directory, stop_at=UPDATES // 2 + 1)  # mid-epoch: 4 batches a pass
     got, loaded = with_steplib(directory)  # a new process's objects, resumed
     assert loaded is not None and loaded.endswith("step-00000005")
-    for (name, want), have in zip(
-        expected.state_dict().items(), got.state_dict().values(), strict=True
-    ):
-        assert torch.equal(want, have), name
+    assert_same(got.state_dict(), expected.state_dict())  # bit for bit
     assert not got.vgg.training and got.transformer.training
     (saved,) = list_checkpoints(directory)
     weights = torch.load(Path(directory) / saved.name / "model.pt", weights_only=True)

@@ -28,6 +28,7 @@ from torch.distributions import Categorical
 
 from steplib import Events, TrainState, make_train_step, run
 from steplib.events import Event, Stop
+from tests.checkpoint_helpers import assert_same
 
 GAMMA, LR, EPISODES, THRESHOLD = 0.99, 1e-2, 40, 13.0
 Episode = tuple[list[torch.Tensor], list[float]]
@@ -135,7 +136,4 @@ def test_reinforce_equals_the_example_bit_for_bit() -> None:
     got, episodes = with_steplib()
     assert 1 < expected_episodes < EPISODES  # the threshold stops it: the Stop is exercised
     assert episodes == expected_episodes
-    for (name, want), have in zip(
-        expected.state_dict().items(), got.state_dict().values(), strict=True
-    ):
-        assert torch.equal(want, have), name
+    assert_same(got.state_dict(), expected.state_dict())  # bit for bit

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from steplib import TrainMetrics, TrainState, accumulate, make_train_step, run
+from tests.checkpoint_helpers import assert_same
 
 SAMPLES, BATCH, FEATURES, EPOCHS = 10, 4, 12, 2  # batches of 4, 4 and 2
 
@@ -94,10 +95,7 @@ def test_vae_equals_the_example_bit_for_bit_with_its_epoch_average() -> None:
     average = EpochAverage(metrics)
     state = TrainState.create(model=model, optimizer=optimizer)
     run(make_train_step(loss_fn), state, batches, max_epochs=EPOCHS, events=[metrics, average])
-    for (name, want), have in zip(
-        expected.state_dict().items(), model.state_dict().values(), strict=True
-    ):
-        assert torch.equal(want, have), name
+    assert_same(model.state_dict(), expected.state_dict())  # bit for bit
     # The example adds the sums in Python floats, TrainMetrics on the device in float32.
     assert average.averages == [pytest.approx(a, rel=1e-6) for a in expected_averages]
 
@@ -121,7 +119,4 @@ def test_a_summed_loss_under_accumulate_is_the_mean_of_the_window_sums() -> None
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
     state = run(accumulate(make_train_step(example_loss), 2), state, batches)
     assert state.step == 2
-    for (name, want), have in zip(
-        expected.state_dict().items(), model.state_dict().values(), strict=True
-    ):
-        assert torch.equal(have, want), name
+    assert_same(model.state_dict(), expected.state_dict())  # bit for bit
