@@ -37,6 +37,7 @@ from steplib.handlers import (
     make_eval_step,
 )
 from steplib.handlers.logging import Log, Sink, event_record
+from steplib.handlers.watched_value import one_number
 
 
 def _setup(n: int = 12, *, nan_at: int | None = None, lr: float = 0.1):
@@ -175,6 +176,10 @@ def test_best_value_given_a_sweeps_values_refuses_them_with_the_fix(values) -> N
     assert (best.value, best.step) == (None, None)
     one: Any = torch.tensor([0.5])  # one number, in a tensor: as before
     assert best.update(one, step=2)
+    # The value a handler reads from state.extras: the same test of "several" (a tensor of 2
+    # reached .item(), a bare RuntimeError).
+    with pytest.raises(ConfigError, match=r"'val_loss' is a list of \d .*SweepEarlyStopping"):
+        one_number("EarlyStopping", "val_loss", values)
 
 
 def test_time_limit_stops_before_the_budget_is_crossed() -> None:

@@ -49,8 +49,7 @@ class BestValue:
         Raises:
             ConfigError: ``value`` is several numbers (a sweep's, one per copy).
         """
-        many = isinstance(value, torch.Tensor) and value.numel() != 1
-        if many or isinstance(value, list | tuple):  # math.isnan: a bare TypeError
+        if _several(value):  # math.isnan: a bare TypeError
             raise ConfigError(
                 f"{type(self).__name__} keeps the best of one number and received "
                 f"{describe(value)}, not one (a sweep's values, one per copy?), so no one of "
@@ -127,13 +126,21 @@ def monitored_value(owner: str, monitor: str, event: Event) -> float | None:
 
 def one_number(owner: str, monitor: str, value: Any, *, arg: str = "monitor") -> float:
     """``value`` as a float; ``ConfigError`` for a sweep's (a list, one per copy): no one best."""
-    if isinstance(value, list | tuple):
+    if _several(value):  # .item() of a tensor of several: a bare RuntimeError
+        count = value.numel() if isinstance(value, torch.Tensor) else len(value)
         raise ConfigError(
             f"{owner}({arg}={monitor!r}) watches one number, and {monitor!r} is a list of "
-            f"{len(value)} (a sweep's, one per copy). Use steplib.sweep.SweepEarlyStopping"
+            f"{count} (a sweep's, one per copy). Use steplib.sweep.SweepEarlyStopping"
             f"({monitor!r}) or SuccessiveHalving, and no monitor= on a sweep's Evaluator."
         )
     return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _several(value: Any) -> bool:
+    """Whether ``value`` is several numbers (a sweep's, one per copy), not one."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() != 1
+    return isinstance(value, list | tuple)
 
 
 def _is_number(value: Any) -> bool:
