@@ -28,7 +28,8 @@ def main(root: str = "runs/classifier", epochs: int = 4) -> float:
     step = sl.make_train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]), to_device=True)
     step = sl.clip(sl.accumulate(step, 2), max_norm=1.0)
     eval_step = sl.make_eval_step(lambda m, b: (m(b[0]), b[1]), to_device=True)
-    acc, tb = {"accuracy": MulticlassAccuracy(4)}, sl.TensorBoardLogger(f"{root}/tb")
+    acc = {"accuracy": MulticlassAccuracy(4, average="micro")}  # correct / total
+    tb = sl.TensorBoardLogger(f"{root}/tb")
     evaluator = sl.Evaluator(
         eval_step, val, metrics=acc, every=20, monitor="val_accuracy", mode="max", sinks=[tb]
     )

@@ -185,7 +185,7 @@ def as_metrics(metrics: Any, *, owner: str = "evaluate") -> Metric | MetricColle
         f"{owner}(metrics=...) received {describe(metrics)}, which is not a torchmetrics Metric. "
         "Pass a torchmetrics Metric, a MetricCollection, or a dict of them, e.g. "
         "metrics={'loss': torchmetrics.MeanMetric(), "
-        "'acc': torchmetrics.classification.MulticlassAccuracy(num_classes=10)}."
+        "'acc': torchmetrics.classification.MulticlassAccuracy(num_classes=10, average='micro')}."
     )
 
 
