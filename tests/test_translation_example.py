@@ -40,6 +40,7 @@ class PositionalEncoding(nn.Module):
         pos_embedding[:, 0::2] = torch.sin(pos * den)
         pos_embedding[:, 1::2] = torch.cos(pos * den)
         self.dropout = nn.Dropout(dropout)
+        self.pos_embedding: torch.Tensor
         self.register_buffer("pos_embedding", pos_embedding.unsqueeze(-2))
 
     def forward(self, token_embedding: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,8 @@ class Translator(nn.Module):
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
 
-    def forward(self, src, trg, src_mask, tgt_mask, src_padding_mask, tgt_padding_mask):  # type: ignore[no-untyped-def]
+    def forward(self, src: torch.Tensor, trg: torch.Tensor, *masks: torch.Tensor) -> torch.Tensor:
+        src_mask, tgt_mask, src_padding_mask, tgt_padding_mask = masks
         src_emb = self.pos_enc(self.src_embedding(src))
         tgt_emb = self.pos_enc(self.tgt_embedding(trg))
         outs = self.transformer(src_emb, tgt_emb, src_mask, tgt_mask, None, src_padding_mask,
@@ -171,7 +173,7 @@ def reference(loss: str, groups: list[Any]) -> nn.Module:
         if loss == "concatenated":
             example_loss(model, collate([pair for group in window for pair in group])).backward()
         else:
-            (sum(example_loss(model, collate(g)) for g in window) / len(window)).backward()
+            torch.stack([example_loss(model, collate(g)) for g in window]).mean().backward()
         optim.step()
     return model
 
