@@ -10,11 +10,13 @@ from steplib.step.parts import Part
 def accumulate(step: Step, k: int) -> Step:
     """Accumulate gradients over ``k`` calls; update on the k-th.
 
-    The gradient applied equals the gradient of the concatenated window: losses are summed,
-    targets counted (``num_targets`` from ``loss_fn``, 1 per micro-batch for a plain scalar
-    loss) and the gradient divided once by the window's total, on the device. A shorter last
-    window (``step(state, batch, close_window=True)`` or ``step.flush(state)``) is divided by
-    what it held, not by ``k``.
+    Losses are summed, targets counted (``num_targets`` from ``loss_fn``) and the gradient
+    divided once by the window's total, on the device: with ``(loss_sum, num_targets)`` the
+    gradient applied equals the gradient of the concatenated window. A plain scalar (mean)
+    loss counts 1 per micro-batch: the gradient of the mean of the micro-batch means, which is
+    the concatenated window's only when they hold equal numbers of targets (padded sequences
+    do not). A shorter last window (``step(state, batch, close_window=True)`` or
+    ``step.flush(state)``) is divided by what it held, not by ``k``.
 
     Args:
         step: the step to wrap.
