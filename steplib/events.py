@@ -54,6 +54,7 @@ class Event:
             flushed the windows open when unsized data ended (``outputs``: the steps whose
             window it closed, also one whose optimizer the run does not count, which no
             ``step_end`` carries): no micro-batch ran, so ``every=`` and ``once=`` skip it.
+        closes_epoch: at step events, the epoch's ``epoch_end`` comes next (its last batch).
     """
 
     name: str
@@ -72,6 +73,7 @@ class Event:
     outputs: Mapping[str, Any] | None = None
     batches: int = 0
     flushed: bool = False
+    closes_epoch: bool = False
 
     @classmethod
     def at(cls, name: str, state: Any, **payload: Any) -> Event:
@@ -337,8 +339,7 @@ class Events:
             )
         check_every_or_once(name, every, once, handler, self._handlers[name])
         # A new list, not an insert: an emission under way iterates the old one (a handler
-        # registered during it runs from the next event). `first` ones stay at its start,
-        # `last` ones at its end.
+        # registered during it runs from the next event). `first`/`last` ones stay at its ends.
         old = self._handlers[name]
         at = len(old) if last else sum(1 for r in old if r.first or not (first or r.last))
         new = Registration(handler, every, once, self._adding, last, first)

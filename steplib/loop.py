@@ -224,7 +224,9 @@ def _iterate(
                 before, pulled = state.step, batch
                 state, out, outs = call(state, batch, close)
                 pulled = TRAINED
-                state, stop = _after_call(events, state, out, outs, before, index, opened)
+                state, stop = _after_call(
+                    events, state, out, outs, before, index, opened, closes=close
+                )
                 if close:
                     # Fall through to the end of the epoch, so that a stop here still counts
                     # the epoch as complete (a resume then starts the next one).
@@ -252,8 +254,9 @@ def _iterate(
                     # step_end if the counted optimizer updated; with several steps first a
                     # micro_step_end marked flushed (see _after_call).
                     state, flush_stop = _after_call(
-                        events, state, flushed, outs, before, index, opened, flushed=True
-                    )
+                        events, state, flushed, outs, before, index, opened, flushed=True,
+                        closes=True,
+                    )  # fmt: skip
                     stop = stop or flush_stop
                     last.append(flushed if outs is None else outs)
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
@@ -342,6 +345,7 @@ def _after_call(
     opened: list[int],
     *,
     flushed: bool = False,
+    closes: bool = False,
 ) -> tuple[TrainState, Stop | None]:
     # An event is built only when a handler listens for it (_emit): a loop without step
     # handlers pays nothing per micro-batch.
@@ -354,14 +358,15 @@ def _after_call(
     if events.has("micro_step_end") and (not flushed or outs is not None):
         state, stop = _emit(
             events, state, "micro_step_end", output=out, outputs=outs, batch_index=index,
-            batches=0 if flushed else 1, flushed=flushed,
+            batches=0 if flushed else 1, flushed=flushed, closes_epoch=closes,
         )  # fmt: skip
     if state.step != step_before:  # a window closed: host ints
         covered = state.micro_step - opened[0]
         opened[0] = state.micro_step
         state, step_stop = _emit(
-            events, state, "step_end", output=out, outputs=outs, batch_index=index, batches=covered
-        )
+            events, state, "step_end", output=out, outputs=outs, batch_index=index,
+            batches=covered, closes_epoch=closes,
+        )  # fmt: skip
         stop = stop or step_stop
     return state, stop
 

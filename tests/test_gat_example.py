@@ -160,10 +160,13 @@ def with_steplib(
             "best_weights": model.state_dict(), "last_weights": last_weights}  # fmt: skip
 
 
-# A full-batch run evaluates and saves once an update; each pair of cadences works, except
-# a save every=1 with an evaluation at_epoch_end on a list (docs/migration/README.md).
+# A full-batch run evaluates and saves once an update, each at either event. A save every=1
+# at the epoch's last (only) update is made at its epoch_end, after the evaluation: before,
+# it was made at the step_end, no checkpoint held a score, keep_best=1 kept only the newest
+# (the best, of epoch 14, deleted) and best_checkpoint raised after training.
 CADENCES = [
     ({"at_epoch_end": True}, {"at_epoch_end": True}),
+    ({"at_epoch_end": True}, {"every": 1}),
     ({"every": 1}, {"every": 1}),
     ({"every": 1}, {"at_epoch_end": True}),
 ]

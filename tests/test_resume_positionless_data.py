@@ -45,3 +45,19 @@ def test_an_exact_resume_does_not_warn(tmp_path: Path, kind: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _run(tmp_path, loader, **cadence).step == 16  # the second epoch, whole
+
+
+@pytest.mark.parametrize("kind", ["list", "DataLoader"])
+def test_a_save_due_at_an_epochs_last_update_is_made_at_its_epoch_end(
+    tmp_path: Path, kind: str
+) -> None:
+    """``every=8`` on the 8th of 8 batches: data without a position tells the epoch's last
+    update by the loop's count, so the save waits for the epoch_end (after its handlers, the
+    epoch counted) and the resume starts the next epoch. Before, it was saved at the step_end,
+    in epoch 0: the resume warned, trained epoch 0 again and ended at update 24, not 16."""
+    loader = DataLoader(DATA, batch_size=4)
+    data = list(loader) if kind == "list" else loader
+    _run(tmp_path, data, max_steps=8, every=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _run(tmp_path, data, every=8).step == 16

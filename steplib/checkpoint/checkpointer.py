@@ -130,7 +130,7 @@ class Checkpointer(Handler):
     def on_step_end(self, event: Event) -> Emitted:
         self._update = event
         if self.every is not None and due(self.every, event):
-            self._deferred = self.ends_epoch()
+            self._deferred = self.ends_epoch(event)
             if not self._deferred:
                 return self._save_and_report(event, strict=True)
         return self.report(event)
@@ -143,12 +143,13 @@ class Checkpointer(Handler):
             return self._save_and_report(event, strict=True)
         return None
 
-    def ends_epoch(self) -> bool:
-        """Whether the run's loader has yielded its epoch's last batch, whose ``epoch_end`` is
-        still to come. A save now would hold the state before that epoch's ``epoch_end``
-        handlers ran (a per-epoch scheduler, an evaluation), and a resume counts the epoch as
-        ended: they would never run. Saves due then are made at the ``epoch_end``."""
-        return self._run.data is not None and at_epoch_end(self._run.data)
+    def ends_epoch(self, event: Event) -> bool:
+        """Whether ``event`` is the update on its epoch's last batch (the loop marks it; the
+        run's stateful loader tells too), whose ``epoch_end`` is still to come. A save now
+        would hold the state before that epoch's ``epoch_end`` handlers ran (a per-epoch
+        scheduler, an evaluation); resumed, they would never run (a loader with a position) or
+        the epoch would be trained again (data without one). Saves due then wait for it."""
+        return event.closes_epoch or (self._run.data is not None and at_epoch_end(self._run.data))
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted:
         """Emit ``checkpoint_end`` for each unreported commit, oldest first, after ``earlier``."""

@@ -171,7 +171,7 @@ class Preemption(Handler):
         if decided is None:
             return None
         name = signal.Signals(decided).name
-        if self.checkpointer.ends_epoch():  # saved at its epoch_end, after its handlers
+        if self.checkpointer.ends_epoch(event):  # saved at its epoch_end, after its handlers
             return Stop(f"preempted by {name} at step {event.step}, the end of an epoch")
         self._save(event)
         return Stop(f"preempted by {name} at step {event.step}; saved {self.saved}")
