@@ -42,3 +42,39 @@ def written_again(first: Record, written: Mapping[str, Any], *, means_only: bool
         return False
     means = step >= start and written.get("updates") is not None
     return means if means_only else step >= first["step"] or means
+
+
+class Continuation:
+    """When a sink that continues earlier records (a file appended to, a run started again in
+    the same process) drops those its run writes again: at the run's first record, judged by
+    it; and when that one held no interval means (an evaluation's), the earlier means again at
+    the run's first record of means (the stopped run's ``fit_end`` means it covers again).
+
+    Example:
+        >>> continuation = Continuation(continuing=True)
+        >>> continuation.judge({"step": 5, "val_loss": 0.5}), continuation.judge({"step": 6})
+        (False, None)
+        >>> continuation.judge({"step": 8, "updates": 4}), continuation.judge({"step": 9})
+        (True, None)
+    """
+
+    def __init__(self, *, continuing: bool) -> None:
+        self._continuing = continuing  # until the first record: drop the steps it writes again
+        self._means_pending = False  # until the first record of means, when the first held none
+
+    def start_run(self) -> None:
+        """A run starts: its first record judges the earlier ones."""
+        self._continuing = True
+
+    def judge(self, record: Record) -> bool | None:
+        """``None`` when ``record`` drops nothing; else the ``means_only`` of
+        :func:`written_again` for the earlier records it drops."""
+        means = record.get("updates") is not None
+        if self._continuing:  # the run's first record judges every earlier record
+            self._continuing = False
+            self._means_pending = not means
+            return False
+        if self._means_pending and means:
+            self._means_pending = False
+            return True
+        return None
