@@ -3,6 +3,7 @@ from its first record. The file sinks and TensorBoard's ``purge_step`` follow th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,3 +79,23 @@ class Continuation:
             self._means_pending = False
             return True
         return None
+
+
+def warn_rewound(owner: str, record: Record, last: int | None, kept: str) -> None:
+    """Warn when a sink that cannot drop what it logged (a tracker's run: W&B, MLflow) gets
+    a run's first record at or before the last step it logged: a run started again in the
+    same process (after a crash or a stop, from a checkpoint or from scratch) logs those steps
+    again, and ``kept`` says what the tracker then holds (a template of ``{step}``, the
+    record's, and ``{last}``)."""
+    step = record.get("step")
+    if last is None or not isinstance(step, int) or step > last:
+        return
+    warnings.warn(
+        f"{owner}: this run's first record is at step {step}, but its tracker run already holds "
+        f"steps up to {last}, logged by an earlier run of this logger (a run started again in "
+        f"this process, resumed from a checkpoint or from scratch). "
+        f"{kept.format(step=step, last=last)} The tracker cannot "
+        "drop what it holds: for a run of this run's values alone, build a new logger (a new "
+        "tracker run) before running again.",
+        stacklevel=3,
+    )
