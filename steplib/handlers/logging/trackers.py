@@ -39,8 +39,9 @@ from steplib.handlers.logging.continued import warn_rewound
 
 # What each tracker holds after a run that starts again at or before its last step.
 _WANDB_KEPT = (
-    "W&B drops a record at a step lower than the last it holds and merges one at that step: "
-    "steps {step} to {last} keep the earlier run's values."
+    "W&B drops a record at a step lower than the last it holds and merges one at that step "
+    "into the earlier run's: the steps from {step} to before {last} keep the earlier run's "
+    "values, not this run's."
 )
 _MLFLOW_KEPT = (
     "MLflow keeps every value: steps {step} to {last} hold the earlier run's values and this "
