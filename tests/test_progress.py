@@ -344,9 +344,9 @@ def test_a_run_broken_off_before_its_first_update_closes_the_bar() -> None:
 def test_the_first_rate_leaves_out_the_other_fit_start_handlers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The rate's clock started at the bar's own fit_start, before a resume's load (60 s on
-    # the fake clock here) or a sanity evaluation: the first refresh read 2 updates of 1 s
-    # in 62 s (0.03 batches/s), a resumed run's first rate far below the uninterrupted's.
+    # The rate's clock started at the bar's own fit_start, before the fit_start handlers
+    # registered after it (a sanity evaluation: 60 s on the fake clock here): each run's
+    # first refresh read 2 updates of 1 s in 62 s (0.03 batches/s), a dip after each resume.
     clock = types.SimpleNamespace(now=100.0)
     monkeypatch.setattr(
         steplib.handlers.progress, "time", types.SimpleNamespace(perf_counter=lambda: clock.now)

@@ -131,9 +131,9 @@ class ProgressBar(Handler):
 
     def on_attach(self, events: Events) -> None:
         """Start the rate's clock again after every other ``fit_start`` handler."""
-        # A resume's load and a sanity evaluation run at fit_start and train nothing: in the
-        # first interval they made the first rate read low, a resumed run's lower than the
-        # uninterrupted run's (as Throughput's).
+        # A sanity evaluation (and a resume_from registered by hand, not first) run at
+        # fit_start and train nothing: in the first interval they made each run's first rate
+        # read low (as Throughput's).
         events.on("fit_start", self._start_clock, last=True)
 
     def _start_clock(self, event: Event) -> None:

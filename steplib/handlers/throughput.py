@@ -257,9 +257,9 @@ class Throughput(Handler):
     def on_attach(self, events: Events) -> None:
         """Start the clock again after every other ``fit_start`` handler (:meth:`on_fit_start`
         starts the count)."""
-        # A resume's load and a sanity evaluation run at fit_start and train nothing: in the
-        # first interval they made a run's first rate read low (a 60 s load before 2 updates
-        # of 1 s: 0.03 updates/s for 1.0), and a resumed run's lower than the uninterrupted's.
+        # A sanity evaluation (and a resume_from registered by hand, not first) run at
+        # fit_start and train nothing: in the first interval they made each run's first rate
+        # read low (60 s of them before 2 updates of 1 s: 0.03 updates/s for 1.0).
         events.on("fit_start", self._start_clock, last=True)
 
     def _start_clock(self, event: Event) -> None:
