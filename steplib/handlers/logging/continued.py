@@ -1,5 +1,6 @@
 """What a log continued at a resume drops: the records the resumed run writes again, judged
-from its first record. The file sinks and TensorBoard's ``purge_step`` follow these rules."""
+from its first record. The file sinks, the console's summary and TensorBoard's ``purge_step``
+follow these rules; a tracker's run, which cannot drop what it logged, warns instead."""
 
 from __future__ import annotations
 
@@ -90,11 +91,11 @@ def warn_rewound(owner: str, record: Record, last: int | None, kept: str) -> Non
     step = record.get("step")
     if last is None or not isinstance(step, int) or step > last:
         return
+    holds = kept.format(step=step, last=last)
     warnings.warn(
         f"{owner}: this run's first record is at step {step}, but its tracker run already holds "
         f"steps up to {last}, logged by an earlier run of this logger (a run started again in "
-        f"this process, resumed from a checkpoint or from scratch). "
-        f"{kept.format(step=step, last=last)} The tracker cannot "
+        f"this process, resumed from a checkpoint or from scratch). {holds} The tracker cannot "
         "drop what it holds: for a run of this run's values alone, build a new logger (a new "
         "tracker run) before running again.",
         stacklevel=3,
