@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torchmetrics
+from torch.utils.data import TensorDataset
 
 import steplib as sl
+from steplib.checkpoint import checkpoint_every, resume_from
+from steplib.data import resumable_loader
 from steplib.handlers import LivePlot
 from steplib.sweep import Copies, SweepAdamW, per_copy_metric, sweep_step
 from tests.reference import make_batches, mean_loss, tiny_model
@@ -151,3 +155,91 @@ def test_an_update_skipped_as_non_finite_is_a_gap_in_one_steps_curve() -> None:
     assert plot.steps == [1, 2, 3, 4] and math.isinf(losses[1])
     assert math.isnan(plot.losses[1])
     assert [plot.losses[i] for i in (0, 2, 3)] == pytest.approx([losses[i] for i in (0, 2, 3)])
+
+
+class KilledError(Exception):
+    """The run dies here (after the update's save): nothing after it reaches the handlers."""
+
+
+def _plotted_run(plot: LivePlot, directory: Path, *, kill_at: int | None = None) -> None:
+    """10 updates from a fresh model, saved every 4, evaluated every 2, resumed from
+    ``directory``; ``kill_at`` raises after that update."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    state = sl.TrainState.create(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01)
+    )
+    loader = resumable_loader(TensorDataset(torch.arange(10.0).view(-1, 1)), batch_size=1, seed=0)
+    loss_fn = lambda m, b: (m(b[0]) - 3).pow(2).mean()  # noqa: E731
+    evaluator = sl.Evaluator(
+        sl.make_eval_step(loss_fn),
+        [(torch.ones(1, 1),)],
+        metrics={"loss": torchmetrics.MeanMetric()},
+        every=2,
+    )
+    ckpt = checkpoint_every(str(directory), every=4)
+    events = sl.Events(resume_from(ckpt), evaluator, plot, ckpt)
+
+    def kill(event: sl.Event) -> None:
+        if event.step == kill_at:
+            raise KilledError
+
+    events.on("step_end", kill, last=True)
+    sl.run(sl.make_train_step(loss_fn), state, loader, events=events, max_steps=10)
+
+
+@pytest.mark.parametrize("kill_at", [5, 6])  # 5: the losses of 4 and 5 not yet drawn
+def test_a_run_resumed_with_the_same_plot_draws_each_update_once(
+    tmp_path: Path, kill_at: int
+) -> None:
+    # A notebook cell run again after a crash, resumed from the checkpoint at 4 with the same
+    # plot: before, the curve went back from 6 to 5 (steps 1..6, 5..10, a zigzag) and the
+    # crashed run's points at 5 and 6 (and its evaluation at 6) stood beside the new ones.
+    want = LivePlot(every=3, validation=["val_loss"], mode="text", file=io.StringIO())
+    _plotted_run(want, tmp_path / "uninterrupted")
+    got = LivePlot(every=3, validation=["val_loss"], mode="text", file=io.StringIO())
+    with pytest.raises(KilledError):
+        _plotted_run(got, tmp_path / "resumed", kill_at=kill_at)
+    assert got.steps == list(range(1, kill_at + 1))
+    _plotted_run(got, tmp_path / "resumed")
+    assert got.steps == want.steps == list(range(1, 11))
+    assert got.losses == want.losses
+    assert got.values == want.values and [s for s, _ in got.values["val_loss"]] == [2, 4, 6, 8, 10]
+    fresh = LivePlot(every=3, mode="text", file=io.StringIO())  # and run from scratch again:
+    _plotted_run(fresh, tmp_path / "fresh")
+    _plotted_run(fresh, tmp_path / "fresh-again")  # the second run's curve replaces the first
+    assert fresh.steps == want.steps and fresh.losses == want.losses
+
+
+def test_a_run_that_raised_leaves_no_window_in_the_next_runs_first_point() -> None:
+    # A run of several steps raised at an update's step_end before the plot saw it: its
+    # windows, added at micro_step_end, were added again into the next run's first point.
+    def gan() -> sl.TrainState:
+        torch.manual_seed(0)
+        g, d = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+        return sl.TrainState.create(
+            model={"G": g, "D": d},
+            optimizer={"G": torch.optim.SGD(g.parameters(), lr=0.1),
+                       "D": torch.optim.SGD(d.parameters(), lr=0.1)},
+        )  # fmt: skip
+
+    steps = {
+        "G": sl.make_train_step(lambda m, b: m["D"](m["G"](b)).mean() + 10, optimizer="G"),
+        "D": sl.make_train_step(
+            lambda m, b: m["D"](m["G"](b).detach()).pow(2).mean(), optimizer="D"
+        ),
+    }
+    batches = [torch.ones(4, 2) * i for i in range(4)]
+
+    def boom(event: sl.Event) -> None:
+        if event.step == 3:
+            raise KilledError
+
+    plot = LivePlot(every=10, mode="text", file=io.StringIO())
+    with pytest.raises(KilledError):
+        sl.run(steps, gan(), batches, events=sl.Events().on("step_end", boom).add(plot))
+    sl.run(steps, gan(), batches, events=sl.Events(plot))  # the cell run again
+    want = LivePlot(every=10, mode="text", file=io.StringIO())
+    sl.run(steps, gan(), batches, events=sl.Events(want))
+    assert plot.steps == want.steps == [1, 2, 3, 4]
+    assert plot.losses == want.losses

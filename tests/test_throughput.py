@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from steplib import ConfigError, Events, TrainState, accumulate, make_train_step, run
+from steplib.checkpoint import checkpoint_every, resume_from
+from steplib.data import resumable_loader
 from steplib.handlers import Log, Throughput, count_flops, flops_per_batch
 from tests.reference import RecordingSink
 
@@ -300,3 +303,48 @@ def test_samples_and_flops_per_s_count_an_epochs_shorter_last_window_as_what_it_
         assert record["steps_per_s"] == pytest.approx(3 / seconds)
         assert record["samples_per_s"] == pytest.approx(samples / seconds)
         assert record["flops_per_s"] == pytest.approx(per_batch_flops * len(batches) / seconds)
+
+
+class _KilledError(Exception):
+    pass
+
+
+def _timed_run(directory: Path, *, kill_at: int | None = None) -> list[dict[str, Any]]:
+    """10 updates of 1 s each on a fake clock, saved every 4 and resumed from ``directory``,
+    the rates logged every 2; a ``fit_start`` handler registered after ``Throughput`` takes
+    60 s (as an Evaluator's sanity evaluation, or a ``resume_from`` registered by hand with
+    ``events.on``, does); killed after ``kill_at``."""
+    clock = FakeClock()
+    speed = Throughput(samples_per_step=4, clock=clock)
+    ckpt = checkpoint_every(str(directory), every=4)
+    sink = RecordingSink()
+    events = Events(speed, resume_from(ckpt), Log(sink, sources=[speed.read], every=2), ckpt)
+    events.on("fit_start", lambda e: setattr(clock, "now", clock.now + 60.0))
+    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 1.0), first=True)
+
+    def kill(event: Any) -> None:
+        if event.step == kill_at:
+            raise _KilledError
+
+    events.on("step_end", kill, last=True)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = resumable_loader(torch.ones(10, 2), batch_size=1)
+    run(make_train_step(lambda m, b: m(b).pow(2).mean()), state, data, events=events, max_steps=10)
+    return sink.records
+
+
+def test_a_resumed_runs_first_rate_leaves_out_the_other_fit_start_handlers(
+    tmp_path: Path,
+) -> None:
+    # The clock started at Throughput's own fit_start, before the handlers registered after
+    # it: the first interval of every run, a resumed one's too, held their 60 s, and read 2
+    # updates in 62 s (0.03/s, 0.13 samples/s) for the 1.0/s of every other interval.
+    want = _timed_run(tmp_path / "uninterrupted")
+    with pytest.raises(_KilledError):
+        _timed_run(tmp_path / "resumed", kill_at=6)
+    got = _timed_run(tmp_path / "resumed")
+    assert [r["step"] for r in got] == [6, 8, 10]
+    for record in (*want, *got):
+        assert record["steps_per_s"] == pytest.approx(1.0)
+        assert record["samples_per_s"] == pytest.approx(4.0)

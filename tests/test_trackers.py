@@ -15,6 +15,7 @@ import json
 import socket
 import struct
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -299,3 +300,82 @@ def test_trackers_write_nothing_off_rank_zero(
         logger.write({"step": 1, "loss": 1.0})
         logger.close()
     assert not (tmp_path / "wb").exists() and not (tmp_path / "ml").exists()
+
+
+# --- a run started again with the same logger -----------------------------------------------
+
+
+class _KilledError(Exception):
+    pass
+
+
+def _resumable_run(sink: Logger, directory: Path, *, kill_at: int | None = None) -> None:
+    """8 updates, saved every 4 into ``directory`` and resumed from it, each logged to
+    ``sink`` through an attached ``Log``; killed after update ``kill_at``."""
+    from steplib.checkpoint import checkpoint_every, resume_from
+    from steplib.data import resumable_loader
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = resumable_loader(
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(1)), batch_size=1
+    )
+    ckpt = checkpoint_every(str(directory), every=4)
+
+    def kill(event: Any) -> None:
+        if event.step == kill_at:
+            raise _KilledError
+
+    events = Events(resume_from(ckpt), ckpt, Log(sink, every=1)).on("step_end", kill, last=True)
+    run(make_train_step(lambda m, b: m(b).pow(2).mean()), state, data, events=events, max_steps=8)
+
+
+def _started_again(sink: Logger, directory: Path, kept: str) -> None:
+    """Killed after update 6, then the same sink in a run resumed from the save at 4 (a
+    notebook cell run again): it warns what the tracker keeps of steps 5 and 6 (``kept``)."""
+    with pytest.raises(_KilledError):
+        _resumable_run(sink, directory, kill_at=6)
+    match = rf"first record is at step 5, .* steps up to 6, .* {kept}"
+    with pytest.warns(UserWarning, match=match) as seen:
+        _resumable_run(sink, directory)
+    assert len(seen) == 1  # once, at the run's first record
+
+
+def test_wandb_warns_when_a_run_started_again_goes_back_over_its_steps(
+    wandb: Any, tmp_path: Path
+) -> None:
+    # Before, nothing said that W&B dropped the resumed run's records at 5 (it keeps a step
+    # only when it is not lower than its last) and merged those at 6 into the earlier run's.
+    settings = wandb.Settings(console="off", x_disable_stats=True)
+    logger = WandbLogger(project="steplib-test", dir=str(tmp_path / "runs"), settings=settings)
+    with logger:
+        _started_again(logger, tmp_path / "ckpt", r"W&B drops a record at a step lower")
+    rows, _ = _wandb_history(logger.run.settings.sync_file)
+    assert sorted(rows) == list(range(1, 9))  # one row per step: the earlier run's at 5
+
+
+def test_mlflow_warns_when_a_run_started_again_goes_back_over_its_steps(
+    mlflow_uri: str, tmp_path: Path
+) -> None:
+    # Before, MLflow's history silently held steps 5 and 6 twice, the curve going back.
+    from mlflow.tracking import MlflowClient
+
+    with MLflowLogger(tracking_uri=mlflow_uri, experiment="again") as logger:
+        run_id = logger.run_id
+        assert run_id is not None
+        _started_again(logger, tmp_path / "ckpt", r"MLflow keeps every value: steps 5 to 6")
+    history = MlflowClient(tracking_uri=mlflow_uri).get_metric_history(run_id, "loss")
+    assert [m.step for m in history] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+
+
+def test_a_tracker_continued_by_a_later_run_warns_nothing(mlflow_uri: str, tmp_path: Path) -> None:
+    with (
+        MLflowLogger(tracking_uri=mlflow_uri, experiment="on") as logger,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error")
+        _resumable_run(logger, tmp_path / "ckpt", kill_at=None)  # 8 updates, then 8 again:
+        _resumable_run(logger, tmp_path / "ckpt")  # resumed at its end, nothing new
+        logger.start_run()  # a later run: its first record after the last step
+        logger.write({"step": 9, "loss": 1.0})

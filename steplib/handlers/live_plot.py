@@ -11,11 +11,17 @@ each of the run's updates, the token-weighted mean over the windows that step cl
 previous one (NaN, a gap, where it closed none), as ``ProgressBar`` shows them. Drawing needs
 matplotlib (``pip install steplib[plot]``); the text fallback does not.
 
+A run started again with the same plot (a notebook cell run again after a crash, resumed from
+a checkpoint or from scratch) replaces the points from its first update on: each update is
+drawn once. Plots built anew after a restart draw the resumed run's updates only: they hold
+no state to save with a checkpoint (the curve before is in the logs).
+
 Imports ``events``, ``errors``, ``output`` and ``handlers.progress`` (``spread``).
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import sys
@@ -102,6 +108,14 @@ class LivePlot(Handler):
         # windows it closed (loss * targets, targets), and its last output added.
         self._sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._seen: dict[str, Any] = {}
+        self._run_started = False  # until the run's first update says where its points start
+
+    def on_fit_start(self, event: Event) -> None:
+        """A run starts: its first update drops the points it draws again."""
+        # A run that raised between a batch's micro_step_end and its step_end left that
+        # batch's windows here: they belong to no update of the next run.
+        self._sums, self._seen = {}, {}
+        self._run_started = True
 
     def on_micro_step_end(self, event: Event) -> None:
         """In a run of several steps, add each step's window that closed on this batch."""
@@ -112,6 +126,9 @@ class LivePlot(Handler):
         """Keep the update's loss on the device; redraw every ``every`` updates."""
         if event.output is None:
             return
+        if self._run_started:
+            self._run_started = False
+            self._drop_from(event.step)
         self.steps.append(event.step)
         # Each step's windows since the last update (a flush's too), as one step's update: an
         # update skipped as non-finite trained nothing, so it is a gap, as TrainMetrics and
@@ -126,6 +143,16 @@ class LivePlot(Handler):
         self._sums = {}
         if event.step % self.every == 0:
             self.draw()
+
+    def _drop_from(self, step: int) -> None:
+        # A run in the same process that starts at or before the last point (a notebook cell
+        # run again after a crash, resumed from a checkpoint or from scratch) draws those
+        # updates again: kept, the curve would go back and zigzag, and the first run's
+        # points after its checkpoint would stand beside the new run's.
+        kept = bisect.bisect_left(self.steps, step)  # the points increase within a run
+        self._pending = self._pending[: max(kept - len(self.losses), 0)]
+        self.steps, self.losses = self.steps[:kept], self.losses[:kept]
+        self.values = {n: [(s, v) for s, v in seen if s < step] for n, seen in self.values.items()}
 
     def _add(self, name: str, out: Any) -> None:
         if out is self._seen.get(name):

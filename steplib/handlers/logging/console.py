@@ -8,6 +8,7 @@ from typing import IO, Any
 from steplib.distributed import is_main
 from steplib.errors import LogWriteError
 from steplib.handlers.logging.base import Record, Sink, check_keys
+from steplib.handlers.logging.continued import Continuation, first_update, written_again
 from steplib.handlers.terminal import tqdm_class
 
 
@@ -16,10 +17,21 @@ class ConsoleLogger(Sink):
     summary of the last value of every name when closed (a value of an earlier record than
     the last says its step).
 
+    A run started again with the same logger (a ``Log`` attached to it calls
+    :meth:`start_run`: a run resumed in the same process after a crash, a notebook cell run
+    again) writes again what the earlier run printed from the resumed run's first step on:
+    the summary counts those records once, with the values the new run printed (as a file
+    sink continued at a resume drops them:
+    :func:`~steplib.handlers.logging.continued.written_again`).
+
     Args:
         file: the stream (stdout when ``None``).
         keys: the names to print (``None``: all but ``time`` and ``micro_step``).
         rank_zero_only: print on rank 0 only.
+
+    Attributes:
+        written: the records of the summary (without ``micro_step`` and ``time``), emptied
+            when it is printed; each is kept until then (about 0.4 kB).
 
     Example:
         >>> console = ConsoleLogger(keys=["loss"])
@@ -41,9 +53,15 @@ class ConsoleLogger(Sink):
         self.file = file
         self.keys = check_keys("ConsoleLogger", keys)
         self.active = is_main() or not rank_zero_only
-        self.last: Record = {}
-        self.steps: dict[str, Any] = {}  # the step of each name's last value
-        self.records = 0
+        # The records of the summary, as printed: a run started again drops those it prints
+        # again, so no value of a step it replaced stays (a `skipped` the fixed run has not).
+        self.written: list[Record] = []
+        self._continuation = Continuation(continuing=False)
+
+    def start_run(self) -> None:
+        """A run starts (a :class:`~steplib.handlers.Log` calls it): its first record drops,
+        from the summary, the records it prints again."""
+        self._continuation.start_run()
 
     def write(self, record: Record) -> None:
         """Print ``record`` as ``step S  name value  ...``.
@@ -53,20 +71,29 @@ class ConsoleLogger(Sink):
         """
         if not self.active:
             return
-        self.records += 1
-        self.last.update(record)
-        self.steps.update(dict.fromkeys(record, record.get("step")))
+        if isinstance(first_update(record), int):  # as a file sink judges, at a step
+            means_only = self._continuation.judge(record)
+            if means_only is not None:
+                self.written = [
+                    r for r in self.written if not written_again(record, r, means_only=means_only)
+                ]
+        # What the summary and a later drop read (about 0.4 kB a record): not the clock.
+        self.written.append({k: v for k, v in record.items() if k not in _UNSUMMARISED})
         self._print(f"step {record.get('step')}  {self._format(record)}".rstrip())
 
     def close(self) -> None:
         """Print the summary line once (nothing if no record was written)."""
-        if not self.active or not self.records:
+        if not self.active or not self.written:
             return
-        records, self.records = self.records, 0
-        last = self.last
+        written, self.written = self.written, []
+        last: Record = {}
+        steps: dict[str, Any] = {}  # the step of each name's last value
+        for record in written:
+            last.update(record)
+            steps.update(dict.fromkeys(record, record.get("step")))
         self._print(
-            f"summary after {records} records, at step {last.get('step')}: "
-            f"{self._format(last, self.steps)}"
+            f"summary after {len(written)} records, at step {last.get('step')}: "
+            f"{self._format(last, steps)}"
         )
 
     def _format(self, record: Record, steps: Mapping[str, Any] | None = None) -> str:
@@ -75,7 +102,8 @@ class ConsoleLogger(Sink):
             f"{name} {_short(value)}"
             + ("" if steps is None or steps[name] == final else f" (step {steps[name]})")
             for name, value in record.items()
-            if name not in ("step", "micro_step", "time")
+            if name != "step"
+            and name not in _UNSUMMARISED
             and (self.keys is None or name in self.keys)
         ]
         return "  ".join(shown)
@@ -85,6 +113,9 @@ class ConsoleLogger(Sink):
             tqdm_class().write(line, file=self.file)
         except Exception as error:
             raise LogWriteError(f"ConsoleLogger could not print: {error!r}.") from error
+
+
+_UNSUMMARISED = ("micro_step", "time")
 
 
 def _short(value: Any) -> str:

@@ -1,8 +1,10 @@
 """What a log continued at a resume drops: the records the resumed run writes again, judged
-from its first record. The file sinks and TensorBoard's ``purge_step`` follow these rules."""
+from its first record. The file sinks, the console's summary and TensorBoard's ``purge_step``
+follow these rules; a tracker's run, which cannot drop what it logged, warns instead."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,3 +44,59 @@ def written_again(first: Record, written: Mapping[str, Any], *, means_only: bool
         return False
     means = step >= start and written.get("updates") is not None
     return means if means_only else step >= first["step"] or means
+
+
+class Continuation:
+    """When a sink that continues earlier records (a file appended to, a run started again in
+    the same process) drops those its run writes again: at the run's first record, judged by
+    it; and when that one held no interval means (an evaluation's), the earlier means again at
+    the run's first record of means (the stopped run's ``fit_end`` means it covers again).
+
+    Example:
+        >>> continuation = Continuation(continuing=True)
+        >>> continuation.judge({"step": 5, "val_loss": 0.5}), continuation.judge({"step": 6})
+        (False, None)
+        >>> continuation.judge({"step": 8, "updates": 4}), continuation.judge({"step": 9})
+        (True, None)
+    """
+
+    def __init__(self, *, continuing: bool) -> None:
+        self._continuing = continuing  # until the first record: drop the steps it writes again
+        self._means_pending = False  # until the first record of means, when the first held none
+
+    def start_run(self) -> None:
+        """A run starts: its first record judges the earlier ones."""
+        self._continuing = True
+
+    def judge(self, record: Record) -> bool | None:
+        """``None`` when ``record`` drops nothing; else the ``means_only`` of
+        :func:`written_again` for the earlier records it drops."""
+        means = record.get("updates") is not None
+        if self._continuing:  # the run's first record judges every earlier record
+            self._continuing = False
+            self._means_pending = not means
+            return False
+        if self._means_pending and means:
+            self._means_pending = False
+            return True
+        return None
+
+
+def warn_rewound(owner: str, record: Record, last: int | None, kept: str) -> None:
+    """Warn when a sink that cannot drop what it logged (a tracker's run: W&B, MLflow) gets
+    a run's first record at or before the last step it logged: a run started again in the
+    same process (after a crash or a stop, from a checkpoint or from scratch) logs those steps
+    again, and ``kept`` says what the tracker then holds (a template of ``{step}``, the
+    record's, and ``{last}``)."""
+    step = record.get("step")
+    if last is None or not isinstance(step, int) or step > last:
+        return
+    holds = kept.format(step=step, last=last)
+    warnings.warn(
+        f"{owner}: this run's first record is at step {step}, but its tracker run already holds "
+        f"steps up to {last}, logged by an earlier run of this logger (a run started again in "
+        f"this process, resumed from a checkpoint or from scratch). {holds} The tracker cannot "
+        "drop what it holds: for a run of this run's values alone, build a new logger (a new "
+        "tracker run) before running again.",
+        stacklevel=3,
+    )

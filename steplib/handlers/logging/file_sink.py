@@ -16,7 +16,7 @@ import fsspec
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
 from steplib.handlers.logging.base import Record, Sink
-from steplib.handlers.logging.continued import first_update
+from steplib.handlers.logging.continued import Continuation, first_update
 
 _log = logging.getLogger("steplib.logging")
 
@@ -79,8 +79,7 @@ class FileSink(Sink):
         self.url = url
         self.active = is_main() or not rank_zero_only
         self._file = None
-        self._continuing = append  # until the first record: drop the steps it writes again
-        self._means_pending = False  # until the first record of means, when the first held none
+        self._continuation = Continuation(continuing=append)
         if not self.active:
             return
         try:
@@ -111,15 +110,8 @@ class FileSink(Sink):
         step = first_update(record)
         if self._file is None or not isinstance(step, int):
             return
-        means = record.get("updates") is not None
-        if self._continuing:  # the run's first record judges every record of the file
-            means_only, self._continuing = False, False
-            # An evaluation's holds no interval means: then the run's first record of means
-            # judges those a stopped run wrote at fit_end after its save (it covers them again).
-            self._means_pending = not means
-        elif self._means_pending and means:
-            means_only, self._means_pending = True, False
-        else:
+        means_only = self._continuation.judge(record)
+        if means_only is None:
             return
         kept, dropped = self.records_before(self.read_all(record), record, means_only=means_only)
         if not dropped:
@@ -146,7 +138,7 @@ class FileSink(Sink):
         """At the run's first record, drop the records it writes again (:meth:`continue_at`),
         as at this sink's first: a run resumed in the same process writes again what the
         crashed or stopped run wrote after the checkpoint."""
-        self._continuing = True
+        self._continuation.start_run()
 
     def records_before(
         self, data: bytes, first: Record, *, means_only: bool = False

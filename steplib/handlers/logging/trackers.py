@@ -35,6 +35,18 @@ from typing import Any
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
 from steplib.handlers.logging.base import Record, Sink, check_keys, plotted
+from steplib.handlers.logging.continued import warn_rewound
+
+# What each tracker holds after a run that starts again at or before its last step.
+_WANDB_KEPT = (
+    "W&B drops a record at a step lower than the last it holds and merges one at that step "
+    "into the earlier run's: the steps from {step} to before {last} keep the earlier run's "
+    "values, not this run's."
+)
+_MLFLOW_KEPT = (
+    "MLflow keeps every value: steps {step} to {last} hold the earlier run's values and this "
+    "run's, and the curves go back at step {step}."
+)
 
 
 def _check_name(caller: str, label: str, value: Any, example: str) -> None:
@@ -55,7 +67,30 @@ def _import(module: str, caller: str, extra: str) -> Any:
         ) from error
 
 
-class WandbLogger(Sink):
+class _Tracker(Sink):
+    """What the trackers share: a tracker's run keeps what it logged (no step can be dropped
+    or replaced), so a run started again with the same logger (:meth:`start_run`, called by
+    a ``Log`` at ``fit_start``) whose first record goes back over the steps it logged warns,
+    saying what the tracker then holds."""
+
+    _last_step: int | None = None  # the highest step this logger logged
+    _run_started = False
+
+    def start_run(self) -> None:
+        """A run starts: its first record warns if the tracker's run holds its step."""
+        self._run_started = True
+
+    def check_step(self, record: Record, kept: str) -> None:
+        """Before logging ``record``: at a run's first, :func:`warn_rewound` with ``kept``."""
+        if self._run_started:
+            self._run_started = False
+            warn_rewound(type(self).__name__, record, self._last_step, kept)
+        step = record.get("step")
+        if isinstance(step, int):
+            self._last_step = step if self._last_step is None else max(step, self._last_step)
+
+
+class WandbLogger(_Tracker):
     """Log records to a Weights & Biases run (``pip install 'steplib[wandb]'``).
 
     ``mode="offline"`` (the default) writes the run under ``dir`` and never touches the
@@ -160,6 +195,7 @@ class WandbLogger(Sink):
                 f"WandbLogger(project={self.project!r}) is closed; it cannot write {record!r}. "
                 "Create a new logger, or keep the `with WandbLogger(...)` block open."
             )
+        self.check_step(record, _WANDB_KEPT)
         try:
             self.run.log(plotted(record, self.keys), step=int(record.get("step", 0)))
         except Exception as error:
@@ -198,7 +234,7 @@ class WandbLogger(Sink):
         self.close(exit_code=0 if exc_type is None else 1)
 
 
-class MLflowLogger(Sink):
+class MLflowLogger(_Tracker):
     """Log records to an MLflow run (``pip install 'steplib[mlflow]'``).
 
     Uses an ``MlflowClient`` bound to ``tracking_uri``, never MLflow's global active run, so
@@ -294,6 +330,7 @@ class MLflowLogger(Sink):
                 f"MLflowLogger({self.tracking_uri!r}) is closed; it cannot write {record!r}. "
                 "Create a new logger, or keep the `with MLflowLogger(...)` block open."
             )
+        self.check_step(record, _MLFLOW_KEPT)
         step = int(record.get("step", 0))
         # MLflow timestamps are integer milliseconds; the record's time is unix seconds.
         stamp = int(float(record.get("time", 0.0)) * 1000)
