@@ -184,6 +184,14 @@ def test_a_window_without_targets_with_a_torch_optimizer_is_an_error_naming_the_
         (lambda p: SweepAdamW(p, lr=[float("nan"), 1e-3, 1e-3]), r"lr=...\) received nan"),
         (lambda p: SweepSGD(p, lr=0.1, momentum=0.9, nesterov=[False, True]), "one bool"),  # type: ignore[arg-type]
         (lambda p: SweepAdamW(p, decoupled=[True, False]), "one bool"),  # type: ignore[arg-type]
+        (
+            lambda p: SweepSGD(p, lr=0.1, momentum=[0.9, 0.0, 0.9], nesterov=True),
+            r"momentum=0.0, dampening=0.0 for copy 1; torch.optim.SGD refuses Nesterov",
+        ),
+        (
+            lambda p: SweepSGD(p, lr=0.1, momentum=0.9, dampening=[0, 0, 0.1], nesterov=True),
+            r"momentum=0.9, dampening=0.1 for copy 2",
+        ),
     ],
 )
 def test_sweep_optimizers_refuse_what_torch_optim_refuses_and_a_list_for_a_shared_flag(
