@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch.optim import lr_scheduler
+from torch.optim.swa_utils import SWALR
 
 import steplib as sl
 from steplib.handlers import Scheduler
@@ -41,6 +42,7 @@ ABSOLUTE: dict[str, tuple[Make, str]] = {
         lambda o: lr_scheduler.CyclicLR(o, 1e-4, 1e-2, step_size_up=5, cycle_momentum=False),
         "CyclicLR has max_lr=0.01",
     ),
+    "swa": (lambda o: SWALR(o, swa_lr=0.01), "SWALR has swa_lr=0.01"),
     "sequential": (
         lambda o: lr_scheduler.SequentialLR(
             o, [lr_scheduler.LinearLR(o, 0.1, total_iters=5), cosine_to_floor(o)], [5]

@@ -4,7 +4,7 @@ With a per-copy ``lr``, a sweep optimizer's ``group["lr"]`` is a factor of every
 (copy ``i`` trains at ``group["lr"] * lr[i]``). A scheduler that multiplies its base rate
 (``LambdaLR``, ``StepLR``, ``LinearLR``, ``CosineAnnealingLR`` to 0) gives each copy the rate
 its own run would have had. One that sets the rate to, or bounds it by, a value given in
-absolute terms (``eta_min=1e-4``, ``max_lr=0.01``, ``min_lr``, ``AbsoluteLR``) applies that
+absolute terms (``eta_min=1e-4``, ``max_lr=0.01``, ``swa_lr``, ``min_lr``, ``AbsoluteLR``) applies that
 value to the factor, and every copy trains at that value times its own rate: the same lines
 as the copies' own runs, another schedule, in silence. Those are refused here, by what they
 hold, with the fix. Imports ``errors`` and ``schedules`` only (a handler's check uses it).
@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch.optim import lr_scheduler
+from torch.optim.swa_utils import SWALR
 
 from steplib.errors import ConfigError
 from steplib.schedules import AbsoluteLR
@@ -56,27 +57,27 @@ def absolute_setting(scheduler: Any) -> str | None:
     if isinstance(inner, list | tuple):
         found = next((text for s in inner if (text := absolute_setting(s))), None)
         return None if found is None else f"{type(scheduler).__name__}'s {found}"
-    name = type(scheduler).__name__
     if isinstance(scheduler, AbsoluteLR):
         return "AbsoluteLR sets the group's lr to the rate itself"
-    floors = {
-        lr_scheduler.CosineAnnealingLR: "eta_min",
-        lr_scheduler.CosineAnnealingWarmRestarts: "eta_min",
-    }
-    for kind, attribute in floors.items():
-        if isinstance(scheduler, kind) and getattr(scheduler, attribute) != 0:
-            return f"{name} has {attribute}={getattr(scheduler, attribute)}, an absolute floor"
-    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) and any(scheduler.min_lrs):
-        return f"{name} has min_lr={scheduler.min_lrs[0]}, an absolute floor"
-    if isinstance(scheduler, lr_scheduler.OneCycleLR | lr_scheduler.CyclicLR):
-        peaks = _peaks(scheduler)
-        if any(peak != 1.0 for peak in peaks):
-            return f"{name} has max_lr={peaks[0]}, an absolute rate"
+    for kind, name, factor, what in _ABSOLUTE:
+        if isinstance(scheduler, kind):
+            held = getattr(scheduler, name, None)
+            if held is None:  # OneCycleLR and SWALR keep theirs in each group
+                held = [group[name] for group in scheduler.optimizer.param_groups]
+            values = [float(v) for v in (held if isinstance(held, list | tuple) else [held])]
+            if any(value != factor for value in values):
+                argument = name.removesuffix("s")  # CyclicLR's max_lrs: its argument max_lr
+                return f"{kind.__name__} has {argument}={values[0]}, {what}"
     return None
 
 
-def _peaks(scheduler: Any) -> list[float]:
-    """A OneCycleLR's or CyclicLR's ``max_lr`` per group (OneCycleLR keeps it in the group)."""
-    if isinstance(scheduler, lr_scheduler.CyclicLR):
-        return [float(v) for v in scheduler.max_lrs]
-    return [float(group["max_lr"]) for group in scheduler.optimizer.param_groups]
+# (scheduler, where its absolute value is, the value that makes it a factor, what it is):
+# an eta_min of 0 is 0 in any unit; a max_lr of 1.0 makes each copy's rate the maximum.
+_ABSOLUTE: tuple[tuple[type, str, float, str], ...] = (
+    (lr_scheduler.CosineAnnealingLR, "eta_min", 0.0, "an absolute floor"),
+    (lr_scheduler.CosineAnnealingWarmRestarts, "eta_min", 0.0, "an absolute floor"),
+    (lr_scheduler.ReduceLROnPlateau, "min_lrs", 0.0, "an absolute floor"),
+    (lr_scheduler.OneCycleLR, "max_lr", 1.0, "an absolute rate"),
+    (lr_scheduler.CyclicLR, "max_lrs", 1.0, "an absolute rate"),
+    (SWALR, "swa_lr", 1.0, "an absolute rate"),
+)
