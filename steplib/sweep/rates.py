@@ -4,10 +4,11 @@ With a per-copy ``lr``, a sweep optimizer's ``group["lr"]`` is a factor of every
 (copy ``i`` trains at ``group["lr"] * lr[i]``). A scheduler that multiplies its base rate
 (``LambdaLR``, ``StepLR``, ``LinearLR``, ``CosineAnnealingLR`` to 0) gives each copy the rate
 its own run would have had. One that sets the rate to, or bounds it by, a value given in
-absolute terms (``eta_min=1e-4``, ``max_lr=0.01``, ``swa_lr``, ``min_lr``, ``AbsoluteLR``) applies that
-value to the factor, and every copy trains at that value times its own rate: the same lines
-as the copies' own runs, another schedule, in silence. Those are refused here, by what they
-hold, with the fix. Imports ``errors`` and ``schedules`` only (a handler's check uses it).
+absolute terms (``eta_min=1e-4``, ``max_lr=0.01``, ``swa_lr``, ``min_lr``, ``AbsoluteLR``)
+applies that value to the factor, and every copy trains at that value times its own rate:
+the same lines as the copies' own runs, another schedule, in silence. Those are refused
+here, by what they hold, with the fix. Imports ``errors`` and ``schedules`` only (a
+handler's check uses it).
 """
 
 from __future__ import annotations
