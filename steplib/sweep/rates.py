@@ -74,7 +74,7 @@ def absolute_setting(scheduler: Any) -> str | None:
 
 # (scheduler, where its absolute value is, the value that makes it a factor, what it is):
 # an eta_min of 0 is 0 in any unit; a max_lr of 1.0 makes each copy's rate the maximum.
-_ABSOLUTE: tuple[tuple[type, str, float, str], ...] = (
+_ABSOLUTE: tuple[tuple[Any, str, float, str], ...] = (
     (lr_scheduler.CosineAnnealingLR, "eta_min", 0.0, "an absolute floor"),
     (lr_scheduler.CosineAnnealingWarmRestarts, "eta_min", 0.0, "an absolute floor"),
     (lr_scheduler.ReduceLROnPlateau, "min_lrs", 0.0, "an absolute floor"),
