@@ -178,6 +178,21 @@ def test_sweep_of_seeds_with_torch_adamw_over_the_stacked_parameters_is_exact() 
     assert_params_equal(copies, models, 1e-12)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+        lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    ],
+)
+def test_sweep_of_seeds_with_any_element_wise_torch_optimizer_is_exact(make: Any) -> None:
+    batches = f64_batches(30)
+    models, _, _ = plain_runs(lambda m, i: make(m.parameters()), batches)
+    copies, _, _ = sweep_run(lambda c: make(c.parameters()), batches)
+    assert_params_equal(copies, models, 1e-12)
+
+
 def test_sweep_float32_gradients_of_every_update_within_1e_6_relative() -> None:
     batches = make_batches(30, seed=4)
     _, grads, _ = plain_runs(

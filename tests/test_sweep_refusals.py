@@ -259,3 +259,16 @@ def test_an_absolute_schedule_over_per_copy_rates_is_refused_and_allowed_over_on
 
 def GET_LR(n: int) -> float:  # noqa: N802 - named as nanoGPT names its schedule
     return 0.05 / (n + 1)
+
+
+def test_an_optimizer_that_mixes_a_tensors_elements_is_refused_at_the_first_call() -> None:
+    """torch.optim.Adafactor factors the second moment of a stacked bias [N, out] over the
+    copies and scales each tensor's update by its RMS over every copy: 20 float64 updates put
+    each copy 5e-3 to 8e-3 from its own Adafactor run, in silence."""
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    step = build(mean_loss, copies)
+    state = sl.TrainState.create(model=copies, optimizer=torch.optim.Adafactor(copies.parameters()))
+    before = [p.detach().clone() for p in copies.parameters()]
+    with pytest.raises(sl.ConfigError, match=r"cannot use torch\.optim\.Adafactor: it mixes"):
+        step(state, BATCH)
+    assert all(torch.equal(b, p) for b, p in zip(before, copies.parameters(), strict=True))

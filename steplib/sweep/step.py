@@ -81,8 +81,9 @@ class SweepStep:
         Raises:
             ConfigError: ``state`` is not the newest state of its run (:mod:`steplib.lineage`);
                 the state's model is not this sweep's copies, the state holds a
-                float16 ``GradScaler`` or, over per-copy rates, a scheduler that sets an absolute
-                rate (:func:`~steplib.sweep.rates.check_per_copy_schedule`), or
+                float16 ``GradScaler``, an optimizer that mixes a tensor's elements
+                (``torch.optim.Adafactor``) or, over per-copy rates, a scheduler that sets an
+                absolute rate (:func:`~steplib.sweep.rates.check_per_copy_schedule`), or
                 ``loss_fn`` counted different targets for different copies (read once
                 landed: on CUDA a call or two later).
         """
@@ -263,12 +264,26 @@ class SweepStep:
                 "TrainState.create(model=copies, optimizer=SweepAdamW(copies.parameters(), ...))."
             )
         check_per_copy_schedule(state.scheduler, state.optimizer, "sweep step")
+        if isinstance(state.optimizer, MIXING):
+            raise ConfigError(
+                f"a sweep cannot use torch.optim.{type(state.optimizer).__name__}: it mixes the "
+                "elements of each tensor (Adafactor factors a tensor's second moment over its "
+                "last two dimensions, copies included for a stacked bias, and scales each "
+                "tensor's update by its whole RMS), so the copies would train on each other's "
+                "gradients. Use an element-wise optimizer (SweepAdamW, SweepSGD, torch.optim."
+                "AdamW, ...), or train the copies separately."
+            )
         if state.scaler is not None and state.scaler.is_enabled():
             raise ConfigError(
                 "a sweep cannot use a float16 GradScaler: its one loss scale would be shared "
                 "by every copy, so one copy's overflow would skip them all. Train the sweep in "
                 "bfloat16 (amp_wrap(step, dtype=torch.bfloat16), no scaler) or float32."
             )
+
+
+# torch optimizers whose update of a tensor mixes its elements, so a stacked tensor's copies
+# (Muon orthogonalises a matrix: it refuses a stacked one today, and would mix the copies).
+MIXING = (torch.optim.Adafactor, torch.optim.Muon)
 
 
 def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
