@@ -140,6 +140,20 @@ def test_sweep_adam_l2_per_copy_betas_float64_equals_separate_runs() -> None:
     assert_params_equal(copies, models, 1e-12)
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_sweep_adamw_defaults_are_torchs_for_adamw_and_for_adam(decoupled: bool) -> None:
+    """Left out, weight_decay is AdamW's 1e-2 or Adam's 0: decoupled=False decayed by AdamW's
+    1e-2 as an L2 term (copy 0 ended 3.3e-3 from its torch.optim.Adam run here; 6e-3 to
+    0.18 over rates 1e-3 to 3e-2 without a schedule)."""
+    batches = f64_batches(30)
+    make = torch.optim.AdamW if decoupled else torch.optim.Adam
+    models, _, _ = plain_runs(lambda m, i: make(m.parameters(), lr=LRS[i]), batches)
+    copies, _, _ = sweep_run(
+        lambda c: SweepAdamW(c.parameters(), lr=LRS, decoupled=decoupled), batches
+    )
+    assert_params_equal(copies, models, 1e-12)
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sweep_sgd_momentum_float64_equals_separate_runs_within_1e_12(nesterov: bool) -> None:
     batches = f64_batches()

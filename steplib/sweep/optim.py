@@ -189,6 +189,7 @@ class SweepAdamW(PerCopyOptimizer):
     Args:
         params: ``copies.parameters()``.
         lr, beta1, beta2, eps, weight_decay: a float, or a sequence of one value per copy.
+            ``weight_decay`` left out is torch's default for the variant: AdamW's 1e-2, Adam's 0.
         decoupled: AdamW's decay (``p *= 1 - lr * wd``) when True, Adam's L2 term otherwise.
         n: the number of copies (read from the parameters when left out).
 
@@ -237,10 +238,12 @@ class SweepAdamW(PerCopyOptimizer):
         beta1: float | Sequence[float] = 0.9,
         beta2: float | Sequence[float] = 0.999,
         eps: float | Sequence[float] = 1e-8,
-        weight_decay: float | Sequence[float] = 1e-2,
+        weight_decay: float | Sequence[float] | None = None,
         decoupled: bool = True,
         n: int | None = None,
     ) -> None:
+        if weight_decay is None:  # torch.optim's: AdamW decays by default, Adam does not
+            weight_decay = 1e-2 if decoupled is True else 0.0
         super().__init__(
             params,
             n=n,
