@@ -37,6 +37,19 @@ class Reused(nn.Module):
         return self.out(torch.tanh(self.again(torch.tanh(self.block(x)))))
 
 
+class Aliased(nn.Module):
+    """One parameter under two attributes of one module (``self.back = self.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.3)
+        self.back = self.weight
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(torch.tanh(x @ self.weight) @ self.back))
+
+
 class Centred(nn.Module):
     """Buffers set anew in forward (not in place): a running mean of the inputs and a count."""
 
@@ -77,6 +90,7 @@ def next_token(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 CASES: dict[str, tuple[Callable[[], nn.Module], Any, list[torch.Tensor]]] = {
     "a module used under two names": (Reused, squared, INPUTS),
     "buffers set anew in forward": (Centred, squared, INPUTS),
+    "a parameter under two attributes of one module": (Aliased, squared, INPUTS),
     "an embedding with padding_idx, tied": (Embedded, next_token, TOKENS),
 }
 
@@ -90,6 +104,8 @@ def make(kind: Callable[[], nn.Module], seed: int) -> nn.Module:
 def test_each_copy_of_the_model_equals_its_own_run(case: str) -> None:
     """Before: a module under two names left one copy's slice of its weight in the model at
     the sweep's trial call (the first update failed with a vmap ValueError, the Copies spoilt);
+    a parameter under two attributes of one module was stacked under one only (the optimizer
+    refused the other, unstacked, with a message about copies.parameters());
     buffers set anew were put back by functional_call: every copy's count stayed 0 (its run's
     12) and its mean 0 (0.12 to 0.29 away), and so its weights went 0.003 to 0.02 astray."""
     kind, loss_fn, batches = CASES[case]
