@@ -43,7 +43,7 @@ def check_per_copy_schedule(scheduler: Any, optimizer: Any, caller: str) -> None
         "betas or momentum still work), or schedule a factor of each copy's rate: "
         "LambdaLR(optimizer, warmup_cosine(...)) (for AbsoluteLR's get_lr: LambdaLR(optimizer, "
         "lambda n: get_lr(n) / base)), CosineAnnealingLR without eta_min, or "
-        "OneCycleLR(optimizer, max_lr=1.0, ...) with lr=[each copy's max_lr]."
+        "OneCycleLR(optimizer, max_lr=1.0, cycle_momentum=False, ...) with lr=[each copy's max_lr]."
     )
 
 
