@@ -7,8 +7,8 @@ handler with ``state_dict``; see ``steplib.checkpoint.contents``), and checkpoin
 after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
 scheduler from before its step.
 
-Imports ``errors``, ``events``, ``handlers.watched_value`` (``one_number``) and
-``sweep.rates`` (a sweep's per-copy rates).
+Imports ``errors``, ``events`` and ``handlers.watched_value`` (``one_number``); for a sweep's
+per-copy rates, ``sweep.rates`` when it checks them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.handlers.watched_value import one_number
-from steplib.sweep.rates import check_per_copy_schedule
 
 
 class Scheduler(Handler):
@@ -177,7 +176,12 @@ class Scheduler(Handler):
                 "ChainedScheduler([first, second]))."
             )
         self._not_erased(held, attached)
-        check_per_copy_schedule(self.scheduler, self.scheduler.optimizer, "Scheduler")
+        if getattr(self.scheduler.optimizer, "lr_per_copy", False):  # a sweep's per-copy rates
+            # Imported here: steplib.sweep pulls in torchmetrics (imported at first use), and
+            # a sweep optimizer means it is imported already.
+            from steplib.sweep.rates import check_per_copy_schedule
+
+            check_per_copy_schedule(self.scheduler, self.scheduler.optimizer, "Scheduler")
 
     def _not_erased(self, held: list[Any], attached: Any) -> None:
         # A scheduler that sets the rate from its base rates (LambdaLR, OneCycleLR, AbsoluteLR)
