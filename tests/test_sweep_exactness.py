@@ -278,8 +278,8 @@ def test_sweep_accumulate_short_last_window_through_run_equals_each_copys_window
             opt.zero_grad()
         models.append(model)
     copies = Copies.stack([tiny_model(i).double() for i in range(N)])
-    opt = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=WDS)
-    state = sl.TrainState.create(model=copies, optimizer=opt)
+    swept = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=WDS)
+    state = sl.TrainState.create(model=copies, optimizer=swept)
     step = sweep_step(
         sl.accumulate(sl.make_train_step(token_loss), 3), copies=copies, example_batch=micro[0]
     )

@@ -53,6 +53,9 @@ class Aliased(nn.Module):
 class Centred(nn.Module):
     """Buffers set anew in forward (not in place): a running mean of the inputs and a count."""
 
+    mean: torch.Tensor
+    seen: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 1)
@@ -119,8 +122,8 @@ def test_each_copy_of_the_model_equals_its_own_run(case: str) -> None:
             opt.zero_grad()
         runs.append(model)
     copies = Copies.stack([make(kind, i) for i in range(N)])
-    opt = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=0.1)
-    state = sl.TrainState.create(model=copies, optimizer=opt)
+    swept = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=0.1)
+    state = sl.TrainState.create(model=copies, optimizer=swept)
     step = sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=batches[0])
     for batch in batches:
         state, _ = step(state, batch)
