@@ -272,3 +272,15 @@ def test_an_optimizer_that_mixes_a_tensors_elements_is_refused_at_the_first_call
     with pytest.raises(sl.ConfigError, match=r"cannot use torch\.optim\.Adafactor: it mixes"):
         step(state, BATCH)
     assert all(torch.equal(b, p) for b, p in zip(before, copies.parameters(), strict=True))
+
+
+def test_a_plain_step_over_copies_is_refused_naming_sweep_step() -> None:
+    """make_train_step over a Copies state (sweep_step forgotten): loss_fn saw the [N, ...]
+    outputs, mse_loss broadcast them against the targets (a torch UserWarning only), and each
+    copy trained on a quarter of its own gradient (N=4), in silence."""
+    copies = Copies.stack([tiny_model(i) for i in range(4)])
+    state = sl.TrainState.create(model=copies, optimizer=SweepSGD(copies.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in copies.parameters()]
+    with pytest.raises(sl.ConfigError, match=r"holds 4 copies.*sweep_step\(step, copies="):
+        sl.make_train_step(mean_loss)(state, BATCH)
+    assert all(torch.equal(b, p) for b, p in zip(before, copies.parameters(), strict=True))

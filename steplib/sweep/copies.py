@@ -35,6 +35,10 @@ class Copies(nn.Module):
             are a sweep's, not one model's.
     """
 
+    # Read by the plain step, which refuses it: trained there, every copy would learn from one
+    # loss averaged over the copies. A sweep step runs the loss per copy instead.
+    needs_sweep_step = True
+
     def __init__(self, stacked: nn.Module, n: int) -> None:
         super().__init__()
         self.stacked = stacked
