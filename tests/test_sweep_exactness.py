@@ -140,6 +140,20 @@ def test_sweep_adam_l2_per_copy_betas_float64_equals_separate_runs() -> None:
     assert_params_equal(copies, models, 1e-12)
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_sweep_adamw_defaults_are_torchs_for_adamw_and_for_adam(decoupled: bool) -> None:
+    """Left out, weight_decay is AdamW's 1e-2 or Adam's 0: decoupled=False decayed by AdamW's
+    1e-2 as an L2 term (copy 0 ended 3.3e-3 from its torch.optim.Adam run here; 6e-3 to
+    0.18 over rates 1e-3 to 3e-2 without a schedule)."""
+    batches = f64_batches(30)
+    make = torch.optim.AdamW if decoupled else torch.optim.Adam
+    models, _, _ = plain_runs(lambda m, i: make(m.parameters(), lr=LRS[i]), batches)
+    copies, _, _ = sweep_run(
+        lambda c: SweepAdamW(c.parameters(), lr=LRS, decoupled=decoupled), batches
+    )
+    assert_params_equal(copies, models, 1e-12)
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_sweep_sgd_momentum_float64_equals_separate_runs_within_1e_12(nesterov: bool) -> None:
     batches = f64_batches()
@@ -175,6 +189,21 @@ def test_sweep_of_seeds_with_torch_adamw_over_the_stacked_parameters_is_exact() 
     batches = f64_batches(50)
     models, _, _ = plain_runs(lambda m, i: torch.optim.AdamW(m.parameters(), lr=1e-2), batches)
     copies, _, _ = sweep_run(lambda c: torch.optim.AdamW(c.parameters(), lr=1e-2), batches)
+    assert_params_equal(copies, models, 1e-12)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+        lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    ],
+)
+def test_sweep_of_seeds_with_any_element_wise_torch_optimizer_is_exact(make: Any) -> None:
+    batches = f64_batches(30)
+    models, _, _ = plain_runs(lambda m, i: make(m.parameters()), batches)
+    copies, _, _ = sweep_run(lambda c: make(c.parameters()), batches)
     assert_params_equal(copies, models, 1e-12)
 
 
@@ -231,6 +260,31 @@ def test_sweep_accumulate_token_weighted_equals_one_concatenated_batch_per_copy(
         wrap=lambda s: sl.accumulate(s, 4),
     )
     assert [bool(o.did_update.all()) for o in outs] == [i % 4 == 3 for i in range(40)]
+    assert_params_equal(copies, models, 1e-12)
+
+
+def test_sweep_accumulate_short_last_window_through_run_equals_each_copys_windows() -> None:
+    """10 micro-batches of unequal counts in windows of 3: run flushes the last, shorter one
+    (normalised by the targets it held), as each copy's own run of 4 concatenated batches."""
+    micro = [(x.double(), y.double(), m) for x, y, m in make_batches(10, sizes=[3, 7, 5, 9, 2] * 2)]
+    whole = [tuple(torch.cat(p) for p in zip(*micro[i : i + 3], strict=True)) for i in (0, 3, 6, 9)]
+    models = []
+    for i in range(N):
+        model = tiny_model(i).double()
+        opt = torch.optim.AdamW(model.parameters(), lr=LRS[i], weight_decay=WDS[i])
+        for batch in whole:
+            _token_mean(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(model)
+    copies = Copies.stack([tiny_model(i).double() for i in range(N)])
+    swept = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=WDS)
+    state = sl.TrainState.create(model=copies, optimizer=swept)
+    step = sweep_step(
+        sl.accumulate(sl.make_train_step(token_loss), 3), copies=copies, example_batch=micro[0]
+    )
+    state = sl.run(step, state, micro, max_epochs=1)
+    assert int(state.step) == 4
     assert_params_equal(copies, models, 1e-12)
 
 
@@ -475,3 +529,88 @@ def test_a_stopped_copy_keeps_its_batchnorm_statistics_as_its_own_run_stopped_th
         for _ in range(12)
     ]
     assert_batchnorm_copies_equal_their_runs(batches, stop=(5, 1))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam_l2", "sgd_nesterov"])
+def test_stopped_copies_stay_frozen_and_the_others_equal_their_runs(kind: str) -> None:
+    """Copies 1 and 3 stopped before updates 7 and 15 of 30, under per-copy weight decay and
+    a warmup-cosine schedule: each stopped copy's parameters and optimizer state stay bit for
+    bit what they were (decay, momentum and the schedule move nothing), and every copy is
+    within 1e-12 of its own run (the stopped ones: run up to their stop)."""
+    batches, stops = f64_batches(30), {1: 7, 3: 15}
+
+    def plain(model: nn.Module, i: int) -> torch.optim.Optimizer:
+        params = model.parameters()
+        if kind == "sgd_nesterov":
+            return torch.optim.SGD(params, lr=LRS[i] * 10, momentum=0.9, nesterov=True,
+                                   weight_decay=WDS[i])  # fmt: skip
+        make = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        return make(params, lr=LRS[i], weight_decay=WDS[i])
+
+    def swept(copies: Copies) -> torch.optim.Optimizer:
+        params = copies.parameters()
+        if kind == "sgd_nesterov":
+            return SweepSGD(params, lr=[lr * 10 for lr in LRS], momentum=0.9, nesterov=True,
+                            weight_decay=WDS)  # fmt: skip
+        return SweepAdamW(params, lr=LRS, weight_decay=WDS, decoupled=kind == "adamw")
+
+    models = []
+    for i in range(N):
+        model = tiny_model(i).double()
+        opt = plain(model, i)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        for batch in batches[: stops.get(i, len(batches))]:
+            mean_loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        models.append(model)
+    copies = Copies.stack([tiny_model(i).double() for i in range(N)])
+    opt = swept(copies)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=sched)
+    step = sweep_step(sl.make_train_step(mean_loss), copies=copies, example_batch=batches[0])
+    frozen: dict[int, list[torch.Tensor]] = {}
+
+    def held(i: int) -> list[torch.Tensor]:
+        state_of = [value[i] for p in copies.parameters() for value in opt.state[p].values()]
+        return [p.detach()[i].clone() for p in copies.parameters()] + [s.clone() for s in state_of]
+
+    for t, batch in enumerate(batches):
+        for i, at in stops.items():
+            if t == at:
+                stop_copies(opt, [i])
+                frozen[i] = held(i)
+        state, _ = step(state, batch)
+    for i, before in frozen.items():
+        assert all(torch.equal(a, b) for a, b in zip(before, held(i), strict=True)), i
+    assert_params_equal(copies, models, 1e-12)
+
+
+def test_one_copy_diverging_leaves_the_others_bit_for_bit_as_without_it() -> None:
+    """skip_nonfinite with clip and accumulate: copy 2's weights turn inf at micro-batch 5;
+    the others' parameters equal, bit for bit, a sweep where nothing diverged, and copy 2's
+    update count stops where it was."""
+
+    def sweep(diverge: bool) -> tuple[Copies, sl.TrainState]:
+        copies = Copies.stack([tiny_model(i) for i in range(N)])
+        opt = SweepAdamW(copies.parameters(), lr=LRS, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=sched)
+        inner = sl.clip(sl.skip_nonfinite(sl.make_train_step(mean_loss)), max_norm=0.1)
+        batches = make_batches(20, seed=3)
+        step = sweep_step(sl.accumulate(inner, 2), copies=copies, example_batch=batches[0])
+        for t, batch in enumerate(batches):
+            if diverge and t == 5:
+                with torch.no_grad():
+                    first_weight(copies.stacked)[2].fill_(float("inf"))
+            state, _ = step(state, batch)
+        return copies, state
+
+    (broken, state), (healthy, _) = sweep(True), sweep(False)
+    for mine, theirs in zip(broken.parameters(), healthy.parameters(), strict=True):
+        for i in (0, 1, 3):
+            assert torch.equal(mine[i], theirs[i])
+    assert int(state.skipped_updates) == 8  # copy 2: windows 2 to 9
+    steps = state.optimizer.state[first_weight(broken.stacked)]["step"]
+    assert steps.tolist() == [10, 10, 2, 10]

@@ -184,6 +184,14 @@ def test_a_window_without_targets_with_a_torch_optimizer_is_an_error_naming_the_
         (lambda p: SweepAdamW(p, lr=[float("nan"), 1e-3, 1e-3]), r"lr=...\) received nan"),
         (lambda p: SweepSGD(p, lr=0.1, momentum=0.9, nesterov=[False, True]), "one bool"),  # type: ignore[arg-type]
         (lambda p: SweepAdamW(p, decoupled=[True, False]), "one bool"),  # type: ignore[arg-type]
+        (
+            lambda p: SweepSGD(p, lr=0.1, momentum=[0.9, 0.0, 0.9], nesterov=True),
+            r"momentum=0.0, dampening=0.0 for copy 1; torch.optim.SGD refuses Nesterov",
+        ),
+        (
+            lambda p: SweepSGD(p, lr=0.1, momentum=0.9, dampening=[0, 0, 0.1], nesterov=True),
+            r"momentum=0.9, dampening=0.1 for copy 2",
+        ),
     ],
 )
 def test_sweep_optimizers_refuse_what_torch_optim_refuses_and_a_list_for_a_shared_flag(
@@ -251,3 +259,28 @@ def test_an_absolute_schedule_over_per_copy_rates_is_refused_and_allowed_over_on
 
 def GET_LR(n: int) -> float:  # noqa: N802 - named as nanoGPT names its schedule
     return 0.05 / (n + 1)
+
+
+def test_an_optimizer_that_mixes_a_tensors_elements_is_refused_at_the_first_call() -> None:
+    """torch.optim.Adafactor factors the second moment of a stacked bias [N, out] over the
+    copies and scales each tensor's update by its RMS over every copy: 20 float64 updates put
+    each copy 5e-3 to 8e-3 from its own Adafactor run, in silence."""
+    copies = Copies.stack([tiny_model(i) for i in range(3)])
+    step = build(mean_loss, copies)
+    state = sl.TrainState.create(model=copies, optimizer=torch.optim.Adafactor(copies.parameters()))
+    before = [p.detach().clone() for p in copies.parameters()]
+    with pytest.raises(sl.ConfigError, match=r"cannot use torch\.optim\.Adafactor: it mixes"):
+        step(state, BATCH)
+    assert all(torch.equal(b, p) for b, p in zip(before, copies.parameters(), strict=True))
+
+
+def test_a_plain_step_over_copies_is_refused_naming_sweep_step() -> None:
+    """make_train_step over a Copies state (sweep_step forgotten): loss_fn saw the [N, ...]
+    outputs, mse_loss broadcast them against the targets (a torch UserWarning only), and each
+    copy trained on a quarter of its own gradient (N=4), in silence."""
+    copies = Copies.stack([tiny_model(i) for i in range(4)])
+    state = sl.TrainState.create(model=copies, optimizer=SweepSGD(copies.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in copies.parameters()]
+    with pytest.raises(sl.ConfigError, match=r"holds 4 copies.*sweep_step\(step, copies="):
+        sl.make_train_step(mean_loss)(state, BATCH)
+    assert all(torch.equal(b, p) for b, p in zip(before, copies.parameters(), strict=True))

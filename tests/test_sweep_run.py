@@ -275,6 +275,19 @@ def test_stopping_handlers_refuse_values_that_are_not_per_copy() -> None:
         sl.run(step, state, data(4), events=sl.Events(ev, SweepEarlyStopping("val_loss")))
 
 
+@pytest.mark.parametrize("stopper", [SweepEarlyStopping, SuccessiveHalving])
+def test_stopping_handlers_refuse_a_torch_optimizer_before_the_first_update(stopper: Any) -> None:
+    """A sweep of seeds over torch.optim.AdamW (the fastest, the docs say) with a stopper
+    trained until the first evaluation, then raised: now at fit_start, nothing trained."""
+    copies = Copies.stack([tiny_model(i) for i in range(N)])
+    state = sl.TrainState.create(model=copies, optimizer=torch.optim.AdamW(copies.parameters()))
+    step = sweep_step(sl.make_train_step(loss_fn), copies=copies, example_batch=data()[0])
+    before = [p.detach().clone() for p in copies.parameters()]
+    with pytest.raises(sl.ConfigError, match=f"{stopper.__name__} needs a sweep optimizer"):
+        sl.run(step, state, data(4), events=sl.Events(evaluator(copies), stopper("val_loss")))
+    assert all(torch.equal(b, p) for b, p in zip(before, copies.parameters(), strict=True))
+
+
 def test_a_per_copy_metric_for_another_number_of_copies_is_refused_before_any_update() -> None:
     """per_copy_metric(metric, 3) over 4 copies computed the first 3 and dropped the last
     without a word: a best copy chosen from its values could never be the last one."""

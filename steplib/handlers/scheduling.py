@@ -7,7 +7,8 @@ handler with ``state_dict``; see ``steplib.checkpoint.contents``), and checkpoin
 after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
 scheduler from before its step.
 
-Imports ``errors``, ``events`` and ``handlers.watched_value`` (``one_number``).
+Imports ``errors``, ``events`` and ``handlers.watched_value`` (``one_number``); for a sweep's
+per-copy rates, ``sweep.rates`` when it checks them.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class Scheduler(Handler):
             state, or another ``Scheduler``'s, that steps the same optimizer where one of the
             two sets the rate from its base rates (``LambdaLR``, also inside a
             ``SequentialLR`` or ``ChainedScheduler``: it would erase the other's changes), the
-            same scheduler is the state's too (it would be stepped twice), or another
+            same scheduler is the state's too (it would be stepped twice), another
             ``Scheduler`` of the run steps the same optimizer at the same events (a notebook
-            cell run again).
+            cell run again), or, over a sweep's per-copy rates, the scheduler sets an absolute
+            rate (``eta_min``, ``max_lr``, ``min_lr``: ``steplib.sweep.rates``).
 
     Example:
         >>> import torch
@@ -174,6 +176,12 @@ class Scheduler(Handler):
                 "ChainedScheduler([first, second]))."
             )
         self._not_erased(held, attached)
+        if getattr(self.scheduler.optimizer, "lr_per_copy", False):  # a sweep's per-copy rates
+            # Imported here: steplib.sweep pulls in torchmetrics (imported at first use), and
+            # a sweep optimizer means it is imported already.
+            from steplib.sweep.rates import check_per_copy_schedule
+
+            check_per_copy_schedule(self.scheduler, self.scheduler.optimizer, "Scheduler")
 
     def _not_erased(self, held: list[Any], attached: Any) -> None:
         # A scheduler that sets the rate from its base rates (LambdaLR, OneCycleLR, AbsoluteLR)

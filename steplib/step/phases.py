@@ -36,6 +36,14 @@ def forward_backward(step: Step, state: TrainState, batch: Any, *, sync: bool) -
     """Phase 1: forward under the forward contexts, backward of the (scaled) loss sum, both
     inside the micro-batch contexts (``sync`` False: DDP's ``no_sync``, which must hold for the
     forward pass too)."""
+    if getattr(state.model, "needs_sweep_step", False):  # a steplib.sweep.Copies
+        raise ConfigError(
+            "a step of make_train_step (not sweep_step) trains one model, and the state's "
+            f"model holds {state.model.n} copies: loss_fn would see every copy's outputs at "
+            "once and train them all on one loss averaged over the copies (each copy's "
+            "gradient 1/n of its own run's). Run it for each copy: step = sweep_step(step, "
+            "copies=copies, example_batch=batch) (steplib.sweep)."
+        )
     if not step.plan.micro_contexts:  # the common case: no `with` to enter per micro-batch
         return _forward_backward(step, state, batch)
     with contextlib.ExitStack() as stack:

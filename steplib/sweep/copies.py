@@ -35,6 +35,10 @@ class Copies(nn.Module):
             are a sweep's, not one model's.
     """
 
+    # Read by the plain step, which refuses it: trained there, every copy would learn from one
+    # loss averaged over the copies. A sweep step runs the loss per copy instead.
+    needs_sweep_step = True
+
     def __init__(self, stacked: nn.Module, n: int) -> None:
         super().__init__()
         self.stacked = stacked
@@ -71,7 +75,7 @@ class Copies(nn.Module):
         # Tied parameters (one object under two names) stay tied: one stacked tensor each.
         done: dict[int, nn.Parameter] = {}
         for module_name, module in list(stacked.named_modules()):
-            for name, param in list(module.named_parameters(recurse=False)):
+            for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
                 key = f"{module_name}.{name}" if module_name else name
                 if id(param) not in done:
                     values = [m.get_parameter(key).detach() for m in models]
@@ -122,7 +126,7 @@ class Copies(nn.Module):
         model = copy.deepcopy(self.stacked)
         done: dict[int, nn.Parameter] = {}
         for module in model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
+            for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
                 if id(param) not in done:
                     done[id(param)] = nn.Parameter(
                         param.detach()[i].clone(), requires_grad=param.requires_grad
@@ -139,42 +143,55 @@ class Copies(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         """Every copy on the same ``inputs``; outputs stacked on a new first dimension."""
-        params, buffers = self.tensors()
-
-        def one(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Any:
-            return functional_call(self.stacked, (p, b), inputs)
-
-        return vmap(one, randomness="different")(params, buffers)
+        return per_copy(lambda model, given: model(*given), self)(inputs)
 
 
 def per_copy(loss_fn: Callable[[Any, Any], Any], copies: Copies) -> Callable[[Any], Any]:
     """``fn(batch)``: ``loss_fn(model, batch)`` for every copy, on the one shared batch. Inside
     ``loss_fn`` the model is the copy's own (``copies.stacked`` with copy ``i``'s tensors);
     each result is stacked on a new first dimension of ``n``. Random operations (dropout) draw
-    different values per copy (``randomness="different"``)."""
+    different values per copy (``randomness="different"``). A buffer that the model updates
+    in place, or sets anew (``self.avg = 0.9 * self.avg + ...``), is each copy's own after
+    the call, as it is a plain model's."""
     holder = _LossOf(loss_fn, copies.stacked)
 
     def run(batch: Any) -> Any:
-        # Every name of every tensor, a tied one under each of its names: functional_call
+        # Every slot of every tensor, a tied one under each of its names: functional_call
         # then has no ties to find (tie_weights=False), and vmap maps a flat tuple. The batch
         # is closed over, not mapped: vmap leaves it whole without flattening it each call.
-        named: list[tuple[str, torch.Tensor]] = [
-            *copies.stacked.named_parameters(remove_duplicate=False),
-            *copies.stacked.named_buffers(remove_duplicate=False),
-        ]
+        named = slots(copies.stacked)
         names = [f"model.{name}" for name, _ in named]
 
         def one(*tensors: torch.Tensor) -> Any:
             swapped = dict(zip(names, tensors, strict=True))
             return functional_call(holder, swapped, (batch,), tie_weights=False)
 
-        return vmap(one, randomness="different")(*(tensor for _, tensor in named))
+        result, replaced = vmap(one, randomness="different")(*(tensor for _, tensor in named))
+        with torch.no_grad():  # what functional_call put back would lose: copied in, per copy
+            for name, value in replaced.items():
+                copies.stacked.get_buffer(name).copy_(value)
+        return result
 
     return run
 
 
+def slots(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every attribute that holds a parameter or buffer: a tensor tied
+    under two attributes (an encoder's and a decoder's weight) under each, a module used under
+    two names (``self.b = self.a``) once, its attributes being one place. ``functional_call``
+    swaps a place given twice twice, and puts back the first swap's tensor: one copy's slice
+    of the weight was left in the model (it failed at the next call, the model spoilt)."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for prefix, module in model.named_modules():
+        named += module.named_parameters(prefix, recurse=False, remove_duplicate=False)
+        named += module.named_buffers(prefix, recurse=False, remove_duplicate=False)
+    return named
+
+
 class _LossOf(nn.Module):
-    """``loss_fn(model, batch)`` as a module whose ``model`` ``functional_call`` can swap."""
+    """``loss_fn(model, batch)`` as a module whose ``model`` ``functional_call`` can swap; it
+    returns ``(result, buffers set anew)``: a buffer the model assigned during the call
+    (``self.n = self.n + 1``) would be lost when ``functional_call`` puts its tensor back."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any], model: nn.Module) -> None:
         super().__init__()
@@ -182,7 +199,10 @@ class _LossOf(nn.Module):
         self.model = model
 
     def forward(self, batch: Any) -> Any:
-        return self.loss_fn(self.model, batch)
+        before = dict(self.model.named_buffers(remove_duplicate=False))
+        result = self.loss_fn(self.model, batch)
+        after = self.model.named_buffers(remove_duplicate=False)
+        return result, {k: v for k, v in after if k in before and v is not before[k]}
 
 
 def _check_same(first: nn.Module, model: nn.Module, i: int) -> None:

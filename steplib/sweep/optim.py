@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from steplib.errors import ConfigError, describe
+from steplib.sweep.arguments import flag, is_sequence, number, per_copy_values
 from steplib.sweep.flat_state import FlatState
 
 
@@ -69,10 +70,10 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         device = params[0].device
         values: dict[str, list[float]] = {}
         lr = hparams.pop("lr")
-        group_lr = 1.0 if _is_sequence(lr) else _number(type(self).__name__, "lr", lr)
-        values["lr"] = _values(type(self).__name__, "lr", lr if _is_sequence(lr) else 1.0, n)
+        group_lr = 1.0 if is_sequence(lr) else number(type(self).__name__, "lr", lr)
+        values["lr"] = per_copy_values(type(self).__name__, "lr", lr if is_sequence(lr) else 1.0, n)
         for name in self.per_copy:
-            values[name] = _values(type(self).__name__, name, hparams.pop(name), n)
+            values[name] = per_copy_values(type(self).__name__, name, hparams.pop(name), n)
         given = {**values, "lr": [group_lr * v for v in values["lr"]]}  # each copy's rate
         for name, low, high in self.ranges:
             for i, value in enumerate(given[name]):
@@ -188,6 +189,7 @@ class SweepAdamW(PerCopyOptimizer):
     Args:
         params: ``copies.parameters()``.
         lr, beta1, beta2, eps, weight_decay: a float, or a sequence of one value per copy.
+            ``weight_decay`` left out is torch's default for the variant: AdamW's 1e-2, Adam's 0.
         decoupled: AdamW's decay (``p *= 1 - lr * wd``) when True, Adam's L2 term otherwise.
         n: the number of copies (read from the parameters when left out).
 
@@ -236,10 +238,12 @@ class SweepAdamW(PerCopyOptimizer):
         beta1: float | Sequence[float] = 0.9,
         beta2: float | Sequence[float] = 0.999,
         eps: float | Sequence[float] = 1e-8,
-        weight_decay: float | Sequence[float] = 1e-2,
+        weight_decay: float | Sequence[float] | None = None,
         decoupled: bool = True,
         n: int | None = None,
     ) -> None:
+        if weight_decay is None:  # torch.optim's: AdamW decays by default, Adam does not
+            weight_decay = 1e-2 if decoupled is True else 0.0
         super().__init__(
             params,
             n=n,
@@ -248,7 +252,7 @@ class SweepAdamW(PerCopyOptimizer):
             beta2=beta2,
             eps=eps,
             weight_decay=weight_decay,
-            decoupled=_flag(type(self).__name__, "decoupled", decoupled),
+            decoupled=flag(type(self).__name__, "decoupled", decoupled),
         )
 
     def update(
@@ -286,7 +290,8 @@ class SweepSGD(PerCopyOptimizer):
 
     Raises:
         ConfigError: as :class:`SweepAdamW` (``lr``, ``momentum`` or ``weight_decay``
-            below 0; ``nesterov`` not a bool).
+            below 0; ``nesterov`` not a bool, or True with a copy whose momentum is 0 or
+            dampening is not, as ``torch.optim.SGD`` refuses).
 
     Example:
         >>> import torch
@@ -319,8 +324,20 @@ class SweepSGD(PerCopyOptimizer):
             momentum=momentum,
             dampening=dampening,
             weight_decay=weight_decay,
-            nesterov=_flag(type(self).__name__, "nesterov", nesterov),
+            nesterov=flag(type(self).__name__, "nesterov", nesterov),
         )
+        # torch.optim.SGD refuses Nesterov without momentum or with dampening: that copy's own
+        # run would not start (here it would train on, as plain or dampened SGD).
+        copies = self.param_groups[0]["copies"]
+        pairs = zip(copies["momentum"].tolist(), copies["dampening"].tolist(), strict=True)
+        for i, (moment, damp) in enumerate(pairs):
+            if nesterov and (moment <= 0 or damp != 0):
+                raise ConfigError(
+                    f"SweepSGD(nesterov=True) received momentum={moment}, dampening={damp} for "
+                    f"copy {i}; torch.optim.SGD refuses Nesterov without momentum or with "
+                    "dampening, so that copy's own run would not start. Give every copy a "
+                    "momentum > 0 and dampening=0, or sweep those copies with nesterov=False."
+                )
 
     def derived(self, h: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``1 - dampening``."""
@@ -360,38 +377,3 @@ def _packs(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The small parameters together, each large one alone."""
     small = [p for p in params if p.numel() <= PACK_LIMIT]
     return ([small] if small else []) + [[p] for p in params if p.numel() > PACK_LIMIT]
-
-
-def _is_sequence(value: Any) -> bool:
-    return isinstance(value, Sequence | torch.Tensor) and not isinstance(value, str)
-
-
-def _number(owner: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(
-            f"{owner}({name}=...) received {describe(value)}; pass a number, or a list with one "
-            f"number per copy, e.g. {name}=[1e-3, 3e-3]."
-        )
-    return float(value)
-
-
-def _flag(owner: str, name: str, value: Any) -> bool:
-    """A setting shared by every copy: a list (one per copy) would be read as True for all."""
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"{owner}({name}=...) received {describe(value)}; {name} is one bool for every "
-            f"copy, {name}=True or {name}=False. To compare both, run two sweeps."
-        )
-    return value
-
-
-def _values(owner: str, name: str, value: Any, n: int) -> list[float]:
-    if not _is_sequence(value):
-        return [_number(owner, name, value)] * n
-    values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
-    if len(values) != n:
-        raise ConfigError(
-            f"{owner}({name}=...) received {len(values)} values for {n} copies; pass one per "
-            f"copy, or a single number for all of them."
-        )
-    return [_number(owner, name, v) for v in values]

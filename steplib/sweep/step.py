@@ -36,7 +36,6 @@ from torch.optim.lr_scheduler import LambdaLR
 from steplib.errors import ConfigError, describe
 from steplib.lineage import backward_failed, check_newest, update_failed
 from steplib.output import StepOutput, at_least_float32
-from steplib.schedules import AbsoluteLR
 from steplib.state import EMPTY_WINDOW, TrainState, Window
 from steplib.state_checks import scheduler_position
 from steplib.step import Step
@@ -48,6 +47,7 @@ from steplib.step.phases import check_scheduler
 from steplib.sweep.copies import Copies, per_copy
 from steplib.sweep.grads import CopyGradients
 from steplib.sweep.optim import PerCopyOptimizer
+from steplib.sweep.rates import check_per_copy_schedule
 from steplib.sweep.trial import trial
 
 
@@ -81,7 +81,9 @@ class SweepStep:
         Raises:
             ConfigError: ``state`` is not the newest state of its run (:mod:`steplib.lineage`);
                 the state's model is not this sweep's copies, the state holds a
-                float16 ``GradScaler`` or an ``AbsoluteLR`` over per-copy rates, or
+                float16 ``GradScaler``, an optimizer that mixes a tensor's elements
+                (``torch.optim.Adafactor``) or, over per-copy rates, a scheduler that sets an
+                absolute rate (:func:`~steplib.sweep.rates.check_per_copy_schedule`), or
                 ``loss_fn`` counted different targets for different copies (read once
                 landed: on CUDA a call or two later).
         """
@@ -261,14 +263,15 @@ class SweepStep:
                 f"{describe(state.model)}. Create the state with the same copies: "
                 "TrainState.create(model=copies, optimizer=SweepAdamW(copies.parameters(), ...))."
             )
-        per_copy_lr = isinstance(state.optimizer, PerCopyOptimizer) and state.optimizer.lr_per_copy
-        if per_copy_lr and isinstance(state.scheduler, AbsoluteLR):
+        check_per_copy_schedule(state.scheduler, state.optimizer, "sweep step")
+        if isinstance(state.optimizer, MIXING):
             raise ConfigError(
-                "AbsoluteLR sets the group's lr to the rate itself, and this sweep's optimizer "
-                "multiplies it by each copy's lr: every copy would train at lr_fn(n) times its "
-                "own rate. Give the optimizer one lr for all copies (lr=1.0: AbsoluteLR's rate "
-                "is then every copy's), or schedule a factor of each copy's rate: "
-                "LambdaLR(optimizer, lambda n: get_lr(n) / base)."
+                f"a sweep cannot use torch.optim.{type(state.optimizer).__name__}: it mixes the "
+                "elements of each tensor (Adafactor factors a tensor's second moment over its "
+                "last two dimensions, copies included for a stacked bias, and scales each "
+                "tensor's update by its whole RMS), so the copies would train on each other's "
+                "gradients. Use an element-wise optimizer (SweepAdamW, SweepSGD, torch.optim."
+                "AdamW, ...), or train the copies separately."
             )
         if state.scaler is not None and state.scaler.is_enabled():
             raise ConfigError(
@@ -276,6 +279,11 @@ class SweepStep:
                 "by every copy, so one copy's overflow would skip them all. Train the sweep in "
                 "bfloat16 (amp_wrap(step, dtype=torch.bfloat16), no scaler) or float32."
             )
+
+
+# torch optimizers whose update of a tensor mixes its elements, so a stacked tensor's copies
+# (Muon orthogonalises a matrix: it refuses a stacked one today, and would mix the copies).
+MIXING = (torch.optim.Adafactor, torch.optim.Muon)
 
 
 def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:

@@ -164,9 +164,11 @@ class SweepEarlyStopping(Handler):
         self.wait: list[int] = []
 
     def on_fit_start(self, event: Event) -> Stop | None:
-        """Stop at once a run resumed after this stopper had stopped every copy: it would
-        otherwise go on to its next evaluation, with updates that update no copy and more
-        evaluations, checkpoints and schedule steps than the run it continues."""
+        """Refuse an optimizer that cannot stop copies (before the first update, not at the
+        first evaluation); stop at once a run resumed after this stopper had stopped every
+        copy: it would otherwise go on to its next evaluation, with updates that update no
+        copy and more evaluations, checkpoints and schedule steps than the run it continues."""
+        _active(event.state.optimizer, "SweepEarlyStopping")
         if self.wait and all(wait >= self.patience for wait in self.wait):
             return Stop(
                 f"sweep early stopping: resumed after every copy had stopped improving "
@@ -251,6 +253,11 @@ class SuccessiveHalving(Handler):
             )
         self.keep = float(keep)
         self.min_copies = errors.positive_int("SuccessiveHalving", "min_copies", min_copies)
+
+    def on_fit_start(self, event: Event) -> None:
+        """Refuse an optimizer that cannot stop copies (``torch.optim.AdamW``, which a sweep of
+        seeds may use) before the first update, not at the first evaluation."""
+        _active(event.state.optimizer, "SuccessiveHalving")
 
     def on_validation_end(self, event: Event) -> None:
         """Halve after each evaluation."""
