@@ -54,7 +54,7 @@ def per_copy_metric(metric: Metric, n: int) -> Metric:
     if not isinstance(metric, Metric):
         raise ConfigError(
             f"per_copy_metric received {describe(metric)}; pass a torchmetrics Metric, e.g. "
-            "per_copy_metric(MulticlassAccuracy(10), copies.n)."
+            "per_copy_metric(MulticlassAccuracy(10, average='micro'), copies.n)."
         )
     n = errors.positive_int("per_copy_metric", "n", n)
     return _PerCopyMetric(metric, n, output_dim=0, remove_nans=False)
