@@ -38,6 +38,7 @@ from steplib import (
     TrainState,
     make_eval_step,
     make_train_step,
+    resumable_loader,
     run,
 )
 from steplib.checkpoint import (
@@ -68,7 +69,7 @@ class Net(nn.Module):
         return self.fc(self.dropout(x))
 
 
-def build() -> tuple[Net, torch.optim.Optimizer, StepLR, DataLoader, DataLoader]:
+def build(resumable: bool = False) -> tuple[Net, torch.optim.Optimizer, StepLR, Any, DataLoader]:
     data = torch.Generator().manual_seed(0)
     x = torch.randn(30, 3, 6, 6, generator=data)
     y = (x.mean(dim=(2, 3)) @ torch.randn(3, CLASSES, generator=data)).argmax(dim=1)
@@ -76,7 +77,10 @@ def build() -> tuple[Net, torch.optim.Optimizer, StepLR, DataLoader, DataLoader]
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), 0.1, momentum=0.9, weight_decay=1e-4)
     scheduler = StepLR(optimizer, step_size=STEP_SIZE, gamma=0.1)
-    train_loader = DataLoader(TensorDataset(x[:20], y[:20]), batch_size=8, shuffle=True)
+    train_set = TensorDataset(x[:20], y[:20])
+    train_loader: Any = DataLoader(train_set, batch_size=8, shuffle=True)
+    if resumable:  # its order from its own generator; its position in a checkpoint
+        train_loader = resumable_loader(train_set, batch_size=8, seed=9)
     val_loader = DataLoader(TensorDataset(x[20:], y[20:]), batch_size=4)  # 4, 4 and 2
     return model, optimizer, scheduler, train_loader, val_loader
 
@@ -111,9 +115,9 @@ def validate(model: nn.Module, val_loader: DataLoader) -> tuple[float, float]:
     return top1_sum / count, top5_sum / count
 
 
-def original() -> dict[str, Any]:
+def original(resumable: bool = False) -> dict[str, Any]:
     """The example's main_worker loop, uninterrupted."""
-    model, optimizer, scheduler, train_loader, val_loader = build()
+    model, optimizer, scheduler, train_loader, val_loader = build(resumable)
     best_acc1, best_epoch, best_weights = 0.0, 0, None
     lrs, losses, accs, acc5s = [], [], [], []
     for epoch in range(EPOCHS):
@@ -155,8 +159,8 @@ def die() -> None:
     raise KilledError
 
 
-def with_steplib(url: str, kill_at: int | None = None) -> dict[str, Any]:
-    model, optimizer, scheduler, train_loader, val_loader = build()
+def with_steplib(url: str, kill_at: int | None = None, resumable: bool = False) -> dict[str, Any]:
+    model, optimizer, scheduler, train_loader, val_loader = build(resumable)
     metrics = {
         "acc1": MulticlassAccuracy(num_classes=CLASSES, top_k=1, average="micro"),
         "acc5": MulticlassAccuracy(num_classes=CLASSES, top_k=5, average="micro"),
@@ -165,11 +169,16 @@ def with_steplib(url: str, kill_at: int | None = None) -> dict[str, Any]:
     evaluator = Evaluator(
         eval_step, val_loader, metrics=metrics, at_epoch_end=True, monitor="val_acc1", mode="max"
     )
-    ckpt = checkpoint_every(url, at_epoch_end=True, keep_best=1, metric=evaluator)
+    # With a resumable loader, saves inside epochs too (they hold no score: never the best).
+    every = 2 if resumable else None
+    ckpt = checkpoint_every(url, every=every, at_epoch_end=True, keep_best=1, metric=evaluator)
     train = TrainMetrics()
-    events = Events(resume_from(ckpt), train, evaluator, Scheduler(scheduler), ckpt)
+    events = Events(resume_from(ckpt), train, evaluator)
     lrs, losses = list[float](), list[float]()
-    events.on("epoch_start", lambda e: lrs.append(optimizer.param_groups[0]["lr"]))
+    # The rate the epoch trained with (before the Scheduler steps it), printed at its end.
+    events.on("epoch_end", lambda e: lrs.append(optimizer.param_groups[0]["lr"]))
+    events.add(Scheduler(scheduler))
+    events.add(ckpt)
 
     def epoch_loss(e: Event) -> None:  # the example's AverageMeter: weighted by batch size
         values = train.read(e)
@@ -189,7 +198,7 @@ def with_steplib(url: str, kill_at: int | None = None) -> dict[str, Any]:
     try:
         state = run(make_train_step(loss_fn), state, train_loader, events=events, max_epochs=EPOCHS)
     except KilledError:  # what it printed before: its whole epochs
-        return {"lrs": lrs[: len(losses)], "losses": losses}
+        return {"lrs": lrs, "losses": losses}
     last_weights = copy.deepcopy(model.state_dict())
     best_url = best_checkpoint(url, evaluator)
     load_weights(model, best_url)
@@ -242,5 +251,17 @@ def test_imagenet_loop_killed_and_resumed_equals_the_example_uninterrupted(
     want = original()
     killed = with_steplib(str(tmp_path / "ckpt"), kill_at=kill_at)
     got = with_steplib(str(tmp_path / "ckpt"))  # --resume: from the last epoch's checkpoint
+    got["lrs"], got["losses"] = killed["lrs"] + got["lrs"], killed["losses"] + got["losses"]
+    check(got, want)
+
+
+# Saves every 2 updates (3 an epoch). Killed at the best epoch's (3rd) last update, resumed
+# from update 8 inside it; inside epoch 4, from update 10; inside epoch 5, from update 14.
+@pytest.mark.parametrize("kill_at", [9, 11, 15])
+def test_imagenet_loop_killed_inside_an_epoch_resumes_there(tmp_path: Path, kill_at: int) -> None:
+    want = original(resumable=True)
+    assert want["best_epoch"] == 3 and want["accs"].count(want["best"]) > 1
+    killed = with_steplib(str(tmp_path / "ckpt"), kill_at=kill_at, resumable=True)
+    got = with_steplib(str(tmp_path / "ckpt"), resumable=True)
     got["lrs"], got["losses"] = killed["lrs"] + got["lrs"], killed["losses"] + got["losses"]
     check(got, want)
