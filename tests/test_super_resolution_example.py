@@ -23,7 +23,15 @@ from torch.nn import init
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
-from steplib import Evaluator, Events, TrainState, make_eval_step, make_train_step, run
+from steplib import (
+    Evaluator,
+    Events,
+    TrainMetrics,
+    TrainState,
+    make_eval_step,
+    make_train_step,
+    run,
+)
 from steplib.events import Event
 from steplib.handlers import export_model
 from tests.checkpoint_helpers import assert_same
@@ -73,16 +81,19 @@ def build() -> tuple[Net, torch.optim.Optimizer, DataLoader, DataLoader]:
 criterion = nn.MSELoss()
 
 
-def reference(out: Path) -> tuple[Net, list[float], list[float]]:
+def reference(out: Path) -> tuple[Net, list[float], list[float], list[float]]:
     model, optimizer, train_loader, test_loader = build()
-    losses, psnrs = [], []
+    losses, psnrs, averages = [], [], []
     for epoch in range(1, EPOCHS + 1):
+        epoch_loss = 0.0
         for inputs, target in train_loader:
             optimizer.zero_grad()
             loss = criterion(model(inputs), target)
             losses.append(loss.item())
+            epoch_loss += loss.item()
             loss.backward()
             optimizer.step()
+        averages.append(epoch_loss / len(train_loader))  # "Epoch {} Complete: Avg. Loss"
         # The example's test(): its DataLoader draws a base seed from torch's generator when
         # iterated, which moves the next epoch's shuffle; an Evaluator draws under a forked
         # generator (law 10), so the reference evaluates under one too.
@@ -92,7 +103,7 @@ def reference(out: Path) -> tuple[Net, list[float], list[float]]:
                 avg_psnr += 10 * math.log10(1 / criterion(model(inputs), target).item())
             psnrs.append(avg_psnr / len(test_loader))
         torch.save(model, out / f"model_epoch_{epoch}.pth")
-    return model, losses, psnrs
+    return model, losses, psnrs, averages
 
 
 def psnr(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -100,14 +111,16 @@ def psnr(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str
     return {"value": 10 * torch.log10(1 / criterion(model(inputs), target))}
 
 
-def with_steplib(out: Path) -> tuple[Net, list[float], list[float]]:
+def with_steplib(out: Path) -> tuple[Net, list[float], list[float], list[float]]:
     model, optimizer, train_loader, test_loader = build()
     evaluator = Evaluator(
         make_eval_step(psnr), test_loader, metrics={"psnr": MeanMetric()}, at_epoch_end=True
     )
-    events = Events(evaluator)
-    losses: list[float] = []
+    train = TrainMetrics()
+    events = Events(evaluator, train)
+    losses, averages = list[float](), list[float]()
     events.on("step_end", lambda e: losses.append(float(e.output.loss)))
+    events.on("epoch_end", lambda e: averages.append(train.read(e)["loss"]))  # batch means'
 
     def checkpoint(e: Event) -> None:  # after the evaluator's epoch_end: registered later
         export_model(e.state, str(out / f"model_epoch_{e.epoch}.pth"))
@@ -121,18 +134,20 @@ def with_steplib(out: Path) -> tuple[Net, list[float], list[float]]:
         events=events,
         max_epochs=EPOCHS,
     )
-    return model, losses, [float(values["val_psnr"]) for _, values in evaluator.history]
+    psnrs = [float(values["val_psnr"]) for _, values in evaluator.history]
+    return model, losses, psnrs, averages
 
 
 def test_super_resolution_equals_the_example_bit_for_bit(tmp_path: Path) -> None:
     (tmp_path / "ref").mkdir()
     (tmp_path / "lib").mkdir()
-    expected, expected_losses, expected_psnrs = reference(tmp_path / "ref")
-    got, losses, psnrs = with_steplib(tmp_path / "lib")
+    expected, expected_losses, expected_psnrs, expected_averages = reference(tmp_path / "ref")
+    got, losses, psnrs, averages = with_steplib(tmp_path / "lib")
     assert losses == expected_losses
     assert_same(got.state_dict(), expected.state_dict())
     assert len(psnrs) == EPOCHS
-    for value, want in zip(psnrs, expected_psnrs, strict=True):
+    assert len(psnrs) == len(averages) == EPOCHS
+    for value, want in zip(psnrs + averages, expected_psnrs + expected_averages, strict=True):
         assert math.isclose(value, want, rel_tol=1e-6)  # float32 metric, float64 sum
     for epoch in range(1, EPOCHS + 1):  # each epoch's file holds that epoch's model
         pickled = torch.load(tmp_path / "ref" / f"model_epoch_{epoch}.pth", weights_only=False)
