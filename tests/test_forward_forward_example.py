@@ -142,6 +142,7 @@ def with_one_state() -> tuple[list[Layer], list[float], torch.Tensor]:
         layer = state.model.get_submodule(name)
         with torch.no_grad():
             h_pos, h_neg = layer(h_pos), layer(h_neg)
+    assert state.epoch == len(layers) * EPOCHS  # every layer's passes (one batch each)
     return layers, logged, predict(layers, x)
 
 
