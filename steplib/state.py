@@ -297,7 +297,8 @@ class TrainState:
 
     def with_lane(self, state: TrainState) -> TrainState:
         """This state with ``state`` (another optimizer's, as ``self[name]`` gives and its
-        step returns) put in its place.
+        step or a ``run`` on it returns) put in its place, with its epoch and extras: they are
+        the whole state's, which a run on that optimizer's state advanced.
 
         Raises:
             ConfigError: ``state`` is not the state of one of this state's optimizers.
@@ -312,7 +313,10 @@ class TrainState:
         if theirs.name == lane.name:
             return state
         others = types.MappingProxyType({**lane.others, theirs.name: state})
-        return _evolve(self, {"lane": dataclasses.replace(lane, others=others)})
+        # Its epoch and extras as for the state's own lane (returned whole above): a run on
+        # state[name] counted its passes and recorded its evaluations there.
+        lane = dataclasses.replace(lane, others=others)
+        return _evolve(self, {"lane": lane, "epoch": state.epoch, "extras": state.extras})
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TrainState:
         """``copy.deepcopy(state)``: a run of its own (its model, optimizer, scheduler, scaler,
