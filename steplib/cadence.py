@@ -210,6 +210,37 @@ class Registration:
         )
 
 
+def placement(name: str, handler: Any, last: bool, first: bool) -> tuple[bool, bool]:
+    """``(last, first)`` for ``events.on(name, handler, last=, first=)``: also ``True`` where
+    the handler's object says so, as ``Events.add`` reads them.
+
+    Raises:
+        ValueError: both ``last`` and ``first``.
+    """
+    # An object given whole (the docs' events.on("fit_start", resume_from(...))) keeps the
+    # place its class asks for: a resume after the others let them start from the fresh state
+    # (an early stopper that had stopped trained on to its next check).
+    owner = handler.__self__ if isinstance(handler, types.MethodType) else handler
+    last = last or getattr(owner, "last", None) is True
+    first = first or getattr(owner, "first", None) is True
+    if last and first:
+        raise ValueError(
+            f"Events.on({name!r}, {handler!r}) was asked to run it last and first (by its "
+            "arguments or its object's last/first): give one of the two, not both."
+        )
+    return last, first
+
+
+def inserted(registrations: Sequence[Registration], new: Registration) -> list[Registration]:
+    """A new list with ``new`` after its peers: ``first`` ones at the front, ``last`` at the end."""
+    # A new list, not an insert: an emission under way iterates the old one (a handler
+    # registered during it runs from the next event).
+    old = list(registrations)
+    last, first = new.last, new.first
+    at = len(old) if last else sum(1 for r in old if r.first or not (first or r.last))
+    return [*old[:at], new, *old[at:]]
+
+
 def check_not_by_hand(owner: str, every: Any, event: Any, *, obj: str) -> None:
     """``ConfigError`` for a handler built with a cadence of its own (``every``) and called at a
     step event by hand (``events.on("step_end", obj)``): it would act at each call, its

@@ -16,6 +16,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import steplib.cadence as cadence
 from steplib.cadence import Batches, Registration, attached_to, check_every_or_once
 
 EVENT_NAMES = (
@@ -315,16 +316,18 @@ class Events:
                 ``step_end``, ``micro_step`` for ``micro_step_end``, ``epoch`` for epoch events),
                 or every n batches with :class:`Batches` (step events); see :func:`due`.
             once: call it only when the event's counter equals this.
-            last: call it after every handler registered without ``last`` (what a save does:
-                it must hold what the others did at this event, e.g. a scheduler's step).
-            first: call it before every handler registered without ``first`` (a resume).
+            last: call it after every handler registered without ``last`` (a save: it holds
+                what the others did at this event); also where its object says ``last = True``.
+            first: call it before the handlers registered without ``first`` (a resume); also
+                where its object says ``first = True`` (``resume_from``'s).
 
         Returns:
             ``self``, so registrations chain.
 
         Raises:
             ValueError: an unknown event name, a non-callable handler or one registered so
-                already, ``every``/``once`` not a positive int, both, or with no counter.
+                already, ``every``/``once`` not a positive int, both, or with no counter; ``last``
+                and ``first`` both.
         """
         if name not in self._handlers:
             raise ValueError(
@@ -338,12 +341,9 @@ class Events:
                 "Event: events.on(name, lambda event: ...)."
             )
         check_every_or_once(name, every, once, handler, self._handlers[name])
-        # A new list, not an insert: an emission under way iterates the old one (a handler
-        # registered during it runs from the next event). `first`/`last` ones stay at its ends.
-        old = self._handlers[name]
-        at = len(old) if last else sum(1 for r in old if r.first or not (first or r.last))
-        new = Registration(handler, every, once, self._adding, last, first)
-        self._handlers[name] = [*old[:at], new, *old[at:]]
+        place = cadence.placement(name, handler, last, first)
+        new = Registration(handler, every, once, self._adding, *place)
+        self._handlers[name] = cadence.inserted(self._handlers[name], new)
         return self
 
     def attached(self) -> list[Any]:

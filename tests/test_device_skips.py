@@ -136,6 +136,21 @@ def test_too_many_consecutive_skips_raise_on_the_device_path_too() -> None:
         step(state, batches[3])
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["device", "host"])
+def test_too_many_skips_names_the_update_it_stopped_at(fused: bool) -> None:
+    # It said "at step 3" for the 4th update (the counter before it), where amp_wrap's
+    # min_loss_scale and NonFiniteAlarm name the update itself (state.step after it).
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused or None)
+    state = TrainState.create(model=model, optimizer=opt)
+    step = skip_nonfinite(make_train_step(mean_loss), max_consecutive=1)
+    batches = _batches()
+    for batch in batches[:3]:  # POISONED: updates 3 and 4
+        state, _ = step(state, batch)
+    with pytest.raises(TooManySkipsError, match=r"2 consecutive .*, at step 4:"):
+        step(state, batches[3])
+
+
 def test_an_update_decided_on_the_device_leaves_the_given_state_untouched() -> None:
     state = _state()
     step = _fp16_step()

@@ -4,7 +4,8 @@ Before, it ran in attach order: a handler attached before it started from the st
 resume, and from its own state before the resume. Measured: an early stopper attached first,
 resumed after it had stopped its run, let the resumed run train 3 more updates (to its next
 check) instead of stopping at once; the sanity evaluation attached first evaluated the fresh
-model, not the resumed one.
+model, not the resumed one. Given to ``events.on("fit_start", ...)`` (the docs' form), its
+class's ``first`` was ignored, with the same effect (session 23).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _evaluator() -> Evaluator:
 
 
 def _run(
-    directory: str, *, resumed_first: bool, seen: list[int] | None = None
+    directory: str, *, resumed_first: bool, seen: list[int] | None = None, by_on: bool = False
 ) -> tuple[TrainState, EarlyStopping]:
     evaluator = _evaluator()
     stopper = EarlyStopping(evaluator, patience=1)
@@ -70,9 +71,15 @@ def _run(
     events = Events()
     if seen is not None:  # a function of the user's, registered before everything
         events.on("fit_start", lambda event: seen.append(event.step))
+    if by_on:  # the docs' events.on("fit_start", resume_from(...)), after the others
+        events.add(stopper, evaluator, ckpt).on("fit_start", resume)
+        return run(make_train_step(_loss), _state(), _data(), events=events), stopper
     events.add(*handlers, ckpt)
-    data = resumable_loader(torch.zeros(100, 1), batch_size=1)
-    return run(make_train_step(_loss), _state(), data, events=events), stopper
+    return run(make_train_step(_loss), _state(), _data(), events=events), stopper
+
+
+def _data() -> Any:
+    return resumable_loader(torch.zeros(100, 1), batch_size=1)
 
 
 @pytest.mark.parametrize("resumed_first", [True, False], ids=["attached-first", "attached-last"])
@@ -102,3 +109,28 @@ def test_first_handlers_keep_their_order_before_the_others() -> None:
     events.on("fit_start", lambda e: order.append("first-2"), first=True)
     events.emit(Event("fit_start", state=None))
     assert order == ["first-1", "first-2", "a", "b", "last"]
+
+
+def test_resume_given_to_events_on_runs_first_too(memory_dir: str) -> None:
+    # events.on(name, obj) ignored the object's `first`: registered after the others (as the
+    # docs write it), the stopper and a function of the user's saw the fresh state.
+    stopped, _ = _run(memory_dir, resumed_first=True)
+    seen: list[int] = []
+    again, stopper = _run(memory_dir, resumed_first=False, seen=seen, by_on=True)
+    assert seen == [stopped.step]
+    assert again.step == stopped.step and stopper.wait == 1
+
+
+def test_events_on_keeps_a_handler_objects_last_and_refuses_both() -> None:
+    class Save:
+        last = True
+
+        def __call__(self, event: Event) -> None:
+            order.append("save")
+
+    order: list[str] = []
+    events = Events().on("fit_start", Save()).on("fit_start", lambda e: order.append("a"))
+    events.emit(Event("fit_start", state=None))
+    assert order == ["a", "save"]
+    with pytest.raises(ValueError, match="not both"):
+        Events().on("fit_start", Save(), first=True)

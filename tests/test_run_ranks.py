@@ -78,6 +78,24 @@ def test_a_rank_that_died_is_named_with_its_exit_code_at_once() -> None:
     assert time.monotonic() - started < 60
 
 
+def _rank_1_dies_while_rank_0_waits(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    threading.Event().wait()  # as in a collective with the dead rank
+    return rank
+
+
+def test_a_rank_stopped_because_another_died_is_not_said_to_have_timed_out() -> None:
+    # It said "rank 0 did not answer within 120s" first, after 1 s: a hang that did not happen.
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_rank_1_dies_while_rank_0_waits, timeout=120)
+    message = str(info.value)
+    assert message.startswith("run_ranks: rank 1 died without an answer (exit code 3).")
+    assert "within 120s" not in message
+    assert "rank 0 was still running when the ranks were stopped" in message
+    assert "in _rank_1_dies_while_rank_0_waits" in message  # where rank 0 was
+
+
 class _NotATensor:
     """A result ``torch.load(weights_only=True)`` refuses to rebuild."""
 

@@ -120,7 +120,7 @@ class SkipMemory:
 
     def __init__(self) -> None:
         self._schedules: weakref.WeakKeyDictionary[Any, _Schedule] = weakref.WeakKeyDictionary()
-        self._in_flight: weakref.WeakKeyDictionary[Any, list[HostCopy]] = (
+        self._in_flight: weakref.WeakKeyDictionary[Any, list[tuple[HostCopy, int]]] = (
             weakref.WeakKeyDictionary()
         )
         self._zeros: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -213,14 +213,15 @@ class SkipMemory:
 
     def too_many(
         self, state: Any, consecutive: torch.Tensor, limit: int, *, on_host: bool
-    ) -> int | None:
-        """The first count of skips in a row above ``limit`` known on the host, else ``None``.
+    ) -> tuple[int, int] | None:
+        """The first count of skips in a row above ``limit`` known on the host and the update
+        that made it (``state.step`` after it, as the other step errors name it), else ``None``.
 
         A skip decided on the host (``on_host``) after a count the host knows (this memory's
         zero, the one zero of ``TrainState.create``, or a count it computed) is counted there:
         the decision was the update's one read. Otherwise a host copy of ``consecutive`` is
         posted and those that have landed are read, in order (on the CPU at once)."""
-        optimizer, before = state.optimizer, state.consecutive_skips
+        optimizer, before, update = state.optimizer, state.consecutive_skips, state.step + 1
         if on_host:
             known = self._host_counts.get(optimizer)
             if before is self._zeros.get(optimizer) or before is state.skipped_updates:
@@ -231,14 +232,14 @@ class SkipMemory:
                 count = None
             if count is not None:
                 self._host_counts[optimizer] = (consecutive, count)
-                return count if count > limit else None
+                return (count, update) if count > limit else None
         in_flight = self._in_flight.setdefault(optimizer, [])
-        in_flight.append(HostCopy(consecutive))
-        while in_flight and in_flight[0].ready():
-            seen = int(in_flight.pop(0).read())
-            if seen > limit:
+        in_flight.append((HostCopy(consecutive), update))  # on CUDA read updates later
+        while in_flight and in_flight[0][0].ready():
+            copy, made_at = in_flight.pop(0)
+            if (seen := int(copy.read())) > limit:
                 in_flight.clear()
-                return seen
+                return seen, made_at
         return None
 
 

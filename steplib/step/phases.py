@@ -205,7 +205,7 @@ def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState
         if limit is not None:
             seen = plan.skips.too_many(state, consecutive, limit, on_host=not on_device)
             if seen is not None:
-                _too_many_skips(seen, limit, state.step)
+                _too_many_skips(*seen, limit)
     return (
         state.replace(
             step=state.step + 1,
@@ -248,7 +248,7 @@ def _call(plan: Plan, point: str, state: TrainState) -> None:
         hook(state)
 
 
-def _too_many_skips(consecutive: int, limit: int, step: int) -> None:
+def _too_many_skips(consecutive: int, step: int, limit: int) -> None:
     raise TooManySkipsError(
         f"skip_nonfinite: {consecutive} consecutive updates were skipped (max_consecutive="
         f"{limit}), at step {step}: a non-finite loss or gradient (with a float16 GradScaler, "

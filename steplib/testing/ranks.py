@@ -173,8 +173,10 @@ def run_ranks(
             proc.start()
         try:
             results, errors, silent = _collect(out, procs, timeout)
-            for rank in silent:
-                errors.append(_where(rank, procs[rank], stacks[rank], timeout))
+            # The dead first: a rank that died is the cause of the others' wait, not a hang.
+            died = any(not procs[rank].is_alive() for rank in silent)
+            for rank in sorted(silent, key=lambda rank: procs[rank].is_alive()):
+                errors.append(_where(rank, procs[rank], stacks[rank], timeout, died))
                 procs[rank].kill()  # nothing more to wait for
         finally:
             for proc in procs:
@@ -219,8 +221,9 @@ def _collect(
     return results, errors, sorted(pending)
 
 
-def _where(rank: int, proc: Any, stacks: IO[bytes], timeout: float) -> str:
-    """Why a rank did not answer: how it ended, or its threads' Python stacks."""
+def _where(rank: int, proc: Any, stacks: IO[bytes], timeout: float, died: bool) -> str:
+    """Why a rank did not answer: how it ended, or its threads' Python stacks (at the timeout,
+    or when another rank ``died``, which stopped the wait before it)."""
     if not proc.is_alive():
         return f"rank {rank} died without an answer (exit code {proc.exitcode})."
     os.kill(proc.pid, _DUMP_STACKS)  # faulthandler in the rank writes every thread's stack
@@ -235,6 +238,8 @@ def _where(rank: int, proc: Any, stacks: IO[bytes], timeout: float) -> str:
         size = now
     stacks.seek(0)
     text = stacks.read().decode(errors="replace").strip() or "(it wrote no stack in 5 s)"
+    if died:  # stopped by another's death, long before the timeout: no hang to claim
+        return f"rank {rank} was still running when the ranks were stopped, at:\n{text}\n"
     return f"rank {rank} did not answer within {timeout}s; it was still running, at:\n{text}\n"
 
 
