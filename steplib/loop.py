@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from steplib.events import Event, Events, Stop
-from steplib.loop_checks import check_args
+from steplib.loop_checks import check_args, warn_nothing_to_train
 from steplib.loop_data import PULLING, TRAINED, Partial, after_error, keep_position, resumed_at
 from steplib.output import StepOutput
 from steplib.state import TrainState
@@ -58,7 +58,8 @@ def iterate(
     closed early (normalised by what it held); for unsized data an open window is flushed when
     the pass ends. Stops after ``max_steps`` optimizer updates (``state.step``), after
     ``max_epochs`` completed epochs (``state.epoch``), or when a handler returns ``Stop``.
-    With neither limit given, it runs one epoch (as if ``max_epochs=state.epoch + 1``).
+    With neither limit given, it runs one epoch (as if ``max_epochs=state.epoch + 1``). The
+    limits count from the run's start: given a state past them, it trains nothing and warns.
 
     Several steps (``{"D": d_step, "G": g_step}``) run in that order on each batch, over one
     state. The counters are the state's own (its first optimizer's: ``state.step``), so
@@ -179,12 +180,15 @@ def _iterate(
 ) -> Generator[tuple[TrainState, Outputs], None, TrainState]:
     partial = Partial()
     call, flush = _several(step, feed, partial) if isinstance(step, Mapping) else _one(step)
+    given = state
     started = events.emit(Event("fit_start", state, data=data, train_step=step, events=events))
     state, stop = started.state, started.stop
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
         # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
         max_epochs = state.epoch + 1
+    elif stop is None and started.state is given and _done(state, max_steps, max_epochs):
+        warn_nothing_to_train(state, max_steps, max_epochs)  # not a resume's: a cell run again
     # Where the open window started, in micro-batches: what an update's step_end covers
     # (every=Batches(n) counts them). A resumed state may hold an open window.
     opened = [state.micro_step - state.window.size]

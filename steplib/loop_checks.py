@@ -3,6 +3,7 @@ at the first ``next`` of the generator). Imports nothing from steplib."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,3 +62,24 @@ def check_args(
             f"create the state with the counted optimizer first, or run on the state of the one "
             f"updated: state = state.with_lane(run(step, state[{updated[0]!r}], ...))."
         )
+
+
+def warn_nothing_to_train(state: Any, max_steps: int | None, max_epochs: int | None) -> None:
+    """Warn that the run trains nothing: the state it was given has reached a limit already.
+    ``max_epochs`` and ``max_steps`` count from the run's start, not this call's, so a cell run
+    again to train more returned its state untouched in silence. (A resume that loads a
+    finished run, a job requeued after its end, trains nothing as meant: no warning.)"""
+    reached = [
+        f"{name}={limit} (state.{counter} is {now})"
+        for name, limit, counter, now in (
+            ("max_steps", max_steps, "step", state.step),
+            ("max_epochs", max_epochs, "epoch", state.epoch),
+        )
+        if limit is not None and now >= limit
+    ]
+    warnings.warn(
+        f"run/iterate trains nothing: the state has reached {' and '.join(reached)} already "
+        "(the limits count the run's updates and epochs from its start, not this call's). "
+        "To train more, raise the limit: max_epochs=state.epoch + n, max_steps=state.step + n.",
+        stacklevel=4,
+    )

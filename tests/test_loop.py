@@ -216,7 +216,8 @@ def test_max_steps_already_reached_by_a_resumed_state_runs_nothing():
     step = make_train_step(_mse)
     state = run(step, _state(), _batches(3), max_steps=3)
     before = _params(state)
-    again = run(step, state, _batches(3), max_steps=3)
+    with pytest.warns(UserWarning, match=r"trains nothing.*max_steps=3 \(state.step is 3\)"):
+        again = run(step, state, _batches(3), max_steps=3)  # a cell run again: said, not silent
     assert (again.step, again.micro_step) == (3, 3)
     assert all(torch.equal(a, b) for a, b in zip(before, _params(again), strict=True))
 

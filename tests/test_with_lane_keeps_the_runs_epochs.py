@@ -11,6 +11,7 @@ record both wrong, and a next ``run(..., max_epochs=2)`` would train 2 epochs ag
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torchmetrics import MeanMetric
@@ -41,7 +42,8 @@ def test_a_run_on_a_lane_gives_the_state_its_epochs_and_its_evaluations() -> Non
     assert (state.epoch, state["b"].epoch, state["b"].step, state.step) == (2, 2, 6, 0)
     assert dict(state.extras) == dict(lane.extras)
     # The counted limit holds: no epoch runs again.
-    assert run(step, state["b"], [torch.ones(1, 2)] * 3, max_epochs=2).step == 6
+    with pytest.warns(UserWarning, match="trains nothing"):
+        assert run(step, state["b"], [torch.ones(1, 2)] * 3, max_epochs=2).step == 6
 
 
 def test_a_step_on_a_lane_changes_neither_epoch_nor_extras() -> None:

@@ -133,6 +133,13 @@ class _Limits:
     def iterate(self, step: Any, state: Any, data: Any) -> Calls:
         return iterate(step, state, data, max_steps=self.max_steps, max_epochs=self.max_epochs)
 
+    def reached(self, state: Any) -> bool:
+        """Whether a run of ``state`` would train nothing (it warns so)."""
+        steps, epochs = self.max_steps, self.max_epochs
+        return (steps is not None and state.step >= steps) or (
+            epochs is not None and state.epoch >= epochs
+        )
+
     def __str__(self) -> str:
         return f"max_steps={self.max_steps}, max_epochs={self.max_epochs}"
 
@@ -205,6 +212,8 @@ class _Interrupted:
         data = self.make_data()
         seed_all(self.seed + _SCRAMBLE)
         state = load(self.url, fresh, data=data, step=step)
+        if self.limits.reached(state):
+            raise _nothing_to_verify(self.save_at)
         self.feed = _Feed(data)
         self.resumed_at = self.count
         return (yield from self.limits.iterate(step, state, self.feed))
@@ -229,12 +238,16 @@ def _lockstep_by_call(
             same = leg.feed is not None and _same_batch(feed.last, leg.feed.last)
             return _Parted(a, found, same)
     if leg.resumed_at is not None and leg.resumed_at == interrupted.count:
-        raise ConfigError(
-            f"{_CALLER}(save_at={leg.save_at}): that is the run's last update, so nothing runs "
-            "after the resume and nothing is verified. Pass a smaller save_at."
-        )
+        raise _nothing_to_verify(leg.save_at)
     found = _exact(_counters(uninterrupted.final), _counters(interrupted.final))
     return None if found is None else _Parted(None, found, True)
+
+
+def _nothing_to_verify(save_at: int) -> ConfigError:
+    return ConfigError(
+        f"{_CALLER}(save_at={save_at}): that is the run's last update, so nothing runs after "
+        "the resume and nothing is verified. Pass a smaller save_at."
+    )
 
 
 def _exact(a: Values, b: Values) -> Divergence | None:
