@@ -27,29 +27,12 @@ from torch.distributions import Categorical
 from steplib import Events, TrainState, make_train_step, run
 from steplib.events import Event, Stop
 from tests.checkpoint_helpers import assert_same
+from tests.stand_in_env import Env
 
 GAMMA, LR, EPISODES, THRESHOLD = 0.99, 3e-2, 40, 14.0
 EPS = torch.finfo(torch.float32).eps
 Saved = list[tuple[torch.Tensor, torch.Tensor]]  # (log_prob, value) per move
 Episode = tuple[Saved, list[float]]
-
-
-class Env:
-    """A stand-in for gym's CartPole: 4 observations, 2 actions, reward 1 a step, seeded."""
-
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def reset(self) -> torch.Tensor:
-        self.t, self.obs = 0, torch.randn(4, generator=self.generator)
-        return self.obs
-
-    def step(self, action: int) -> tuple[torch.Tensor, float, bool]:
-        self.t += 1
-        noise = 0.05 * torch.randn(4, generator=self.generator)
-        self.obs = self.obs * 0.9 + (0.1 if action else -0.1) + noise
-        done = (self.obs.abs().max() > 1.5 and self.t >= 3) or self.t >= 30
-        return self.obs, 1.0, bool(done)
 
 
 class Policy(nn.Module):

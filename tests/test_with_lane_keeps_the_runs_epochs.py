@@ -11,6 +11,8 @@ record both wrong, and a next ``run(..., max_epochs=2)`` would train 2 epochs ag
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -19,15 +21,17 @@ from torchmetrics import MeanMetric
 from steplib import Evaluator, TrainState, make_eval_step, make_train_step, run
 
 
-def test_a_run_on_a_lane_gives_the_state_its_epochs_and_its_evaluations() -> None:
+def _two_lanes(**more: Any) -> TrainState:
     a, b = nn.Linear(2, 1), nn.Linear(2, 1)
-    state = TrainState.create(
-        model={"a": a, "b": b},
-        optimizer={
-            "a": torch.optim.SGD(a.parameters(), lr=0.1),
-            "b": torch.optim.SGD(b.parameters(), lr=0.1),
-        },
-    )
+    optimizers = {
+        "a": torch.optim.SGD(a.parameters(), lr=0.1),
+        "b": torch.optim.SGD(b.parameters(), lr=0.1),
+    }
+    return TrainState.create(model={"a": a, "b": b}, optimizer=optimizers, **more)
+
+
+def test_a_run_on_a_lane_gives_the_state_its_epochs_and_its_evaluations() -> None:
+    state = _two_lanes()
     evaluator = Evaluator(
         make_eval_step(lambda m, x: {"value": m.get_submodule("b")(x).sum()}),
         [torch.ones(1, 2)],
@@ -47,15 +51,7 @@ def test_a_run_on_a_lane_gives_the_state_its_epochs_and_its_evaluations() -> Non
 
 
 def test_a_step_on_a_lane_changes_neither_epoch_nor_extras() -> None:
-    a, b = nn.Linear(2, 1), nn.Linear(2, 1)
-    state = TrainState.create(
-        model={"a": a, "b": b},
-        optimizer={
-            "a": torch.optim.SGD(a.parameters(), lr=0.1),
-            "b": torch.optim.SGD(b.parameters(), lr=0.1),
-        },
-        extras={"note": 1},
-    )
+    state = _two_lanes(extras={"note": 1})
     state = run(
         make_train_step(lambda m, x: m.get_submodule("a")(x).sum(), optimizer="a"),
         state,
