@@ -207,9 +207,9 @@ class TimeLimit(Handler):
 
     def on_fit_start(self, event: Event) -> None:
         """Start the clock; the updates are counted from the run's first ``step_end``."""
-        # Not from event.step: a resume_from attached after this handler swaps in the resumed
-        # state after this call, and counting from 0 made a resumed run's updates look
-        # thousands of times faster than they are (it stopped only once past its budget).
+        # Not from event.step: a fit_start handler after this one may swap in another state
+        # (a resume runs first, but a function of the user's may load one), and counting from 0
+        # made a resumed run's updates look thousands of times faster than they are.
         self._start, self._start_step = self._clock(), None
 
     def on_step_end(self, event: Event) -> Stop | None:
