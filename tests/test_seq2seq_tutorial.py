@@ -137,7 +137,7 @@ def test_seq2seq_two_optimizers_with_steplib_equal_the_tutorial_loop(kind: str) 
         ]
     )
 
-    def loss_fn(m: nn.Module, pair: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(m: Any, pair: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, length = translate(m["encoder"], m["decoder"], pair)
         return loss, {"avg": loss.detach() / length}
 
