@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import steplib as sl
 from steplib.checkpoint import CheckpointWarning
+from tests.reference import Unsized
 
 DATA = TensorDataset(torch.randn(32, 2))  # 8 batches of 4
 
@@ -34,6 +35,17 @@ def test_a_resume_inside_an_epoch_with_a_plain_data_loader_warns(tmp_path: Path)
     said = r"step-00000003 was saved after 3 batches of epoch 0, .*\(a DataLoader\) has no state"
     with pytest.warns(CheckpointWarning, match=said):
         assert _run(tmp_path, loader, max_steps=4, every=3).step == 4
+
+
+def test_a_resume_over_unsized_data_without_a_position_warns(tmp_path: Path) -> None:
+    # A generator of the data a run makes (a replay memory sampled at random, the DQN port's
+    # agent) without state_dict(): its epoch starts over at a resume, which said nothing, as
+    # where an epoch of unsized data ends is unknown. 169 updates for the tutorial's 113.
+    unsized = Unsized([DATA[i : i + 4] for i in range(0, 32, 4)])
+    _run(tmp_path, unsized, max_steps=3, every=3)
+    said = r"saved after 3 batches, .*\(a Unsized\) has neither a length nor state_dict\(\)"
+    with pytest.warns(CheckpointWarning, match=said):
+        assert _run(tmp_path, unsized, max_steps=4, every=3).step == 4
 
 
 @pytest.mark.parametrize("kind", ["plain, at epoch ends", "resumable, inside an epoch"])

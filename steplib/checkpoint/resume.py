@@ -66,7 +66,17 @@ def _warn_if_inside_an_epoch(url: str, state: Any, data: Any) -> None:
     # trained on comes again. The counters tell where the save was (one batch a micro-step).
     try:
         done = state.micro_step - state.epoch * len(data)
-    except TypeError:  # no length (an iterable dataset): where its epochs end is unknown
+    except TypeError:  # no length (a generator, an iterable dataset): where epochs end is
+        if state.micro_step > 0:  # unknown, so a save after a batch may be inside one
+            warnings.warn(
+                f"resume_from: {url} was saved after {state.micro_step} batches, but the run's "
+                f"data (a {type(data).__name__}) has neither a length nor state_dict(): if the "
+                "save was inside an epoch, this run draws that epoch's batches again (a "
+                "generator starts over). Give the data state_dict() / load_state_dict() "
+                "(its position, and what it holds), or use steplib.data.resumable_loader.",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         return
     if done > 0:
         warnings.warn(
