@@ -283,7 +283,10 @@ class SweepStep:
 
 # torch optimizers whose update of a tensor mixes its elements, so a stacked tensor's copies
 # (Muon orthogonalises a matrix: it refuses a stacked one today, and would mix the copies).
-MIXING = (torch.optim.Adafactor, torch.optim.Muon)
+# Looked up by name: torch 2.4 has neither, 2.5 added Adafactor.
+MIXING = tuple(
+    getattr(torch.optim, name) for name in ("Adafactor", "Muon") if hasattr(torch.optim, name)
+)
 
 
 def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
