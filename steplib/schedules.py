@@ -353,6 +353,19 @@ class AbsoluteLR(torch.optim.lr_scheduler.LRScheduler):
         return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_fn")}
 
 
+def found_in(scheduler: Any, test: Callable[[Any], str | None]) -> str | None:
+    """What ``test`` finds in ``scheduler`` (its words, or ``None``) or, for a ``SequentialLR``
+    or ``ChainedScheduler``, in the first of the schedulers it holds where ``test`` finds
+    something, named ``"SequentialLR's LambdaLR ..."``: they step the same optimizer in turn."""
+    # torch keeps a SequentialLR's and a ChainedScheduler's schedulers in `_schedulers`, with
+    # no public name: read, never written.
+    inner = getattr(scheduler, "_schedulers", None)
+    if not isinstance(inner, list | tuple):
+        return test(scheduler)
+    found = next((text for one in inner if (text := found_in(one, test))), None)
+    return None if found is None else f"{type(scheduler).__name__}'s {found}"
+
+
 __all__ = [
     "AbsoluteLR",
     "Schedule",

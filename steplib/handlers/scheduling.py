@@ -7,8 +7,8 @@ handler with ``state_dict``; see ``steplib.checkpoint.contents``), and checkpoin
 after it at each event (``Events.on(..., last=True)``), so a checkpoint never holds the
 scheduler from before its step.
 
-Imports ``errors``, ``events`` and ``handlers.watched_value`` (``one_number``); for a sweep's
-per-copy rates, ``sweep.rates`` when it checks them.
+Imports ``errors``, ``events``, ``schedules`` (``found_in``) and ``handlers.watched_value``
+(``one_number``); for a sweep's per-copy rates, ``sweep.rates`` when it checks them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.handlers.watched_value import one_number
+from steplib.schedules import found_in
 
 
 class Scheduler(Handler):
@@ -269,15 +270,9 @@ class Scheduler(Handler):
 def _rate_setter(scheduler: Any) -> str | None:
     """The name of what in ``scheduler`` sets the rate from its base rates (see
     :func:`_sets_the_rate`): itself (``"LambdaLR"``), or one of the schedulers a
-    ``SequentialLR`` or ``ChainedScheduler`` holds (``"SequentialLR's LambdaLR"``), which step
-    the same optimizer in their turn; ``None`` when nothing does."""
-    # torch keeps a SequentialLR's and a ChainedScheduler's schedulers in `_schedulers`, with
-    # no public name: read, never written.
-    inner = getattr(scheduler, "_schedulers", None)
-    if isinstance(inner, list | tuple):
-        found = next((name for s in inner if (name := _rate_setter(s))), None)
-        return None if found is None else f"{type(scheduler).__name__}'s {found}"
-    return type(scheduler).__name__ if _sets_the_rate(scheduler) else None
+    ``SequentialLR`` or ``ChainedScheduler`` holds (``"SequentialLR's LambdaLR"``); ``None``
+    when nothing does."""
+    return found_in(scheduler, lambda one: type(one).__name__ if _sets_the_rate(one) else None)
 
 
 def _sets_the_rate(scheduler: Any) -> bool:

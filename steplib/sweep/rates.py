@@ -19,7 +19,7 @@ from torch.optim import lr_scheduler
 from torch.optim.swa_utils import SWALR
 
 from steplib.errors import ConfigError
-from steplib.schedules import AbsoluteLR
+from steplib.schedules import AbsoluteLR, found_in
 
 
 def check_per_copy_schedule(scheduler: Any, optimizer: Any, caller: str) -> None:
@@ -52,12 +52,10 @@ def absolute_setting(scheduler: Any) -> str | None:
     the group's lr to the rate itself"``, ``"CosineAnnealingLR has eta_min=0.0001"``), also
     inside a ``SequentialLR`` or ``ChainedScheduler``; ``None`` when it only scales the rate
     (a value of 1.0 for ``max_lr`` is a factor too: the copies' rates are the maxima)."""
-    # torch keeps a SequentialLR's and a ChainedScheduler's schedulers in `_schedulers`, with
-    # no public name: read, never written.
-    inner = getattr(scheduler, "_schedulers", None)
-    if isinstance(inner, list | tuple):
-        found = next((text for s in inner if (text := absolute_setting(s))), None)
-        return None if found is None else f"{type(scheduler).__name__}'s {found}"
+    return found_in(scheduler, _absolute_here)
+
+
+def _absolute_here(scheduler: Any) -> str | None:
     if isinstance(scheduler, AbsoluteLR):
         return "AbsoluteLR sets the group's lr to the rate itself"
     for kind, name, factor, what in _ABSOLUTE:
