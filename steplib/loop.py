@@ -258,9 +258,8 @@ def _iterate(
                     # step_end if the counted optimizer updated; with several steps first a
                     # micro_step_end marked flushed (see _after_call).
                     state, flush_stop = _after_call(
-                        events, state, flushed, outs, before, index, opened, flushed=True,
-                        closes=True,
-                    )  # fmt: skip
+                        events, state, flushed, outs, before, index, opened, flushed=True
+                    )
                     stop = stop or flush_stop
                     last.append(flushed if outs is None else outs)
                 state = dataclasses.replace(state, epoch=state.epoch + 1)
@@ -351,6 +350,7 @@ def _after_call(
     flushed: bool = False,
     closes: bool = False,
 ) -> tuple[TrainState, Stop | None]:
+    closes = closes or flushed  # a flush is at a pass's end: its epoch_end comes next
     # An event is built only when a handler listens for it (_emit): a loop without step
     # handlers pays nothing per micro-batch.
     stop = None
