@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from steplib.events import Event, Events, Stop
-from steplib.loop_checks import check_args, warn_nothing_to_train
+from steplib.loop_checks import check_args, limits_reached, warn_nothing_to_train
 from steplib.loop_data import PULLING, TRAINED, Partial, after_error, keep_position, resumed_at
 from steplib.output import StepOutput
 from steplib.state import TrainState
@@ -187,7 +187,7 @@ def _iterate(
         # One more epoch than the state (after a resume handler swapped it in) has completed:
         # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
         max_epochs = state.epoch + 1
-    elif stop is None and started.state is given and _done(state, max_steps, max_epochs):
+    elif stop is None and started.state is given and limits_reached(state, max_steps, max_epochs):
         warn_nothing_to_train(state, max_steps, max_epochs)  # not a resume's: a cell run again
     # Where the open window started, in micro-batches: what an update's step_end covers
     # (every=Batches(n) counts them). A resumed state may hold an open window.
@@ -202,7 +202,7 @@ def _iterate(
     # A stateful loader over unsized data may continue a pass after its last batch: its end.
     continued = state.micro_step > 0 and hasattr(data, "load_state_dict") and _length(data) is None
     try:
-        while stop is None and not _done(state, max_steps, max_epochs):
+        while stop is None and not limits_reached(state, max_steps, max_epochs):
             # A pass that continues an epoch from a loaded position (a resume, or a run going
             # on with a stopped one) gets no epoch_start: it ran where that epoch began, and a
             # handler that starts something per epoch (a hidden state set to zeros) would
@@ -237,7 +237,7 @@ def _iterate(
                     last.append(out if outs is None else outs)
                 else:
                     yield state, out if outs is None else outs
-                    if stop is not None or _done(state, max_steps, None):
+                    if stop is not None or limits_reached(state, max_steps, None):
                         keep_position(data, passing, at=index + 1, end=end)
                         pulled = None  # the position is kept
                         break
@@ -392,9 +392,3 @@ def _emit(
     # The event carries `events`, so that Events.emit need not copy it to set it.
     emitted = events.emit(Event.at(name, state, events=events, **payload))
     return emitted.state, emitted.stop
-
-
-def _done(state: TrainState, max_steps: int | None, max_epochs: int | None) -> bool:
-    return (max_steps is not None and state.step >= max_steps) or (
-        max_epochs is not None and state.epoch >= max_epochs
-    )

@@ -64,6 +64,14 @@ def check_args(
         )
 
 
+def limits_reached(state: Any, max_steps: int | None, max_epochs: int | None) -> bool:
+    """Whether ``state`` has made ``max_steps`` updates or completed ``max_epochs`` epochs
+    (a limit of ``None`` is none): where a run stops."""
+    return (max_steps is not None and state.step >= max_steps) or (
+        max_epochs is not None and state.epoch >= max_epochs
+    )
+
+
 def warn_nothing_to_train(state: Any, max_steps: int | None, max_epochs: int | None) -> None:
     """Warn that the run trains nothing: the state it was given has reached a limit already.
     ``max_epochs`` and ``max_steps`` count from the run's start, not this call's, so a cell run

@@ -15,6 +15,7 @@ from steplib.checkpoint import load, save
 from steplib.data import resumable_loader
 from steplib.errors import ConfigError, describe
 from steplib.loop import iterate
+from steplib.loop_checks import limits_reached
 from steplib.seeding import capture_rng
 from steplib.testing.runs import (
     Build,
@@ -133,13 +134,6 @@ class _Limits:
     def iterate(self, step: Any, state: Any, data: Any) -> Calls:
         return iterate(step, state, data, max_steps=self.max_steps, max_epochs=self.max_epochs)
 
-    def reached(self, state: Any) -> bool:
-        """Whether a run of ``state`` would train nothing (it warns so)."""
-        steps, epochs = self.max_steps, self.max_epochs
-        return (steps is not None and state.step >= steps) or (
-            epochs is not None and state.epoch >= epochs
-        )
-
     def __str__(self) -> str:
         return f"max_steps={self.max_steps}, max_epochs={self.max_epochs}"
 
@@ -212,7 +206,7 @@ class _Interrupted:
         data = self.make_data()
         seed_all(self.seed + _SCRAMBLE)
         state = load(self.url, fresh, data=data, step=step)
-        if self.limits.reached(state):
+        if limits_reached(state, self.limits.max_steps, self.limits.max_epochs):  # it would warn
             raise _nothing_to_verify(self.save_at)
         self.feed = _Feed(data)
         self.resumed_at = self.count
