@@ -20,6 +20,7 @@ from torchmetrics import MeanMetric
 
 from steplib import (
     ConfigError,
+    EarlyStopping,
     Evaluator,
     Events,
     TrainMetrics,
@@ -342,3 +343,65 @@ def test_distributed_validation_counts_every_sample_once() -> None:
         assert "repeats 1 of the 5 samples" in str(error)
     else:
         raise AssertionError("a padding DistributedSampler was not refused")
+
+
+# https://github.com/huggingface/transformers/issues/1563 and
+# https://github.com/facebookresearch/lingua/pull/59 (clipped after every micro-batch)
+def test_clipping_with_accumulation_clips_the_windows_gradient_once() -> None:
+    batches = _double(make_batches(6, [2, 5, 3, 4, 1, 6], seed=10))
+    norms: list[torch.Tensor] = []
+    events = Events().on("step_end", lambda e: norms.append(e.output.grad_norm.clone()))
+    step = clip(accumulate(make_train_step(token_loss), 3), max_norm=0.05)
+    state = run(step, _sgd_state(), batches, events=events)
+    ref = tiny_model(0).double()
+    windows = [concat(batches[:3]), concat(batches[3:])]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    records = reference_loop(ref, opt, windows, token_loss, max_norm=0.05)
+    torch.testing.assert_close(norms, [r["grad_norm"] for r in records], rtol=1e-12, atol=0.0)
+    assert all(float(n) > 0.05 for n in norms)  # every window was clipped
+    assert _max_diff(state.model, ref) < 1e-12
+
+
+# https://github.com/espnet/espnet/pull/3283 (a skipped window's gradients leaked into the next)
+def test_a_skipped_window_leaves_no_gradient_in_the_next_one() -> None:
+    batches = _double(make_batches(6, 4, seed=12))
+    x, y, m = batches[1]
+    batches[1] = (x * float("nan"), y, m)  # poisons the first window of 3
+    step = skip_nonfinite(accumulate(make_train_step(mean_loss), 3))
+    applied: list[bool] = []
+    events = Events().on("step_end", lambda e: applied.append(bool(e.output.did_update)))
+    state = run(step, _sgd_state(), batches, events=events)
+    assert applied == [False, True]
+    ref = tiny_model(0).double()  # the second window alone, from the initial weights
+    reference_loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1), [concat(batches[3:])], mean_loss)
+    assert _max_diff(state.model, ref) < 1e-12
+
+
+# https://github.com/deepspeedai/DeepSpeed/issues/8415 (every update skipped, nothing said)
+def test_skipped_updates_are_counted_in_the_logged_metrics_and_left_out_of_the_loss() -> None:
+    batches = _double(make_batches(4, 4, seed=13))
+    x, y, m = batches[2]
+    batches[2] = (x * float("inf"), y, m)
+    train = TrainMetrics()
+    read: list[dict[str, Any]] = []
+    events = train.attach(Events()).on("epoch_end", lambda e: read.append(train.read(e)))
+    losses: list[float] = []
+    events.on("step_end", lambda e: losses.append(float(e.output.loss)))
+    run(skip_nonfinite(make_train_step(mean_loss)), _sgd_state(), batches, events=events)
+    assert read[0]["skipped"] == 1 and read[0]["updates"] == 4
+    kept = [loss for i, loss in enumerate(losses) if i != 2]
+    assert read[0]["loss"] == pytest.approx(sum(kept) / 3, rel=1e-6)
+
+
+# https://github.com/keras-team/keras/issues/4360 and
+# https://github.com/Lightning-AI/pytorch-lightning/issues/9297 (min_delta and ties)
+@pytest.mark.parametrize(("mode", "sign"), [("min", -1.0), ("max", 1.0)])
+def test_early_stopping_min_delta_counts_only_a_gain_beyond_it_in_either_mode(
+    mode: str, sign: float
+) -> None:
+    stopper = EarlyStopping("val", mode=mode, patience=2, min_delta=0.25)
+    # 1.0, then a gain of exactly min_delta (no), one of 0.3 (yes), a tie (no), a loss (stop).
+    values = [1.0, 1.0 + sign * 0.25, 1.0 + sign * 0.3, 1.0 + sign * 0.3, 1.0]
+    stops = [stopper.update(v, step=i) is not None for i, v in enumerate(values)]
+    assert stops == [False, False, False, False, True]
+    assert (stopper.best.value, stopper.best.step) == (1.0 + sign * 0.3, 2)
