@@ -126,11 +126,12 @@ def test_a_per_update_schedule_advances_once_per_update_not_per_micro_batch() ->
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
 
     state = _sgd_state()
-    state = state.replace(scheduler=schedule(state.optimizer))
+    sched = schedule(state.optimizer)
+    state = state.replace(scheduler=sched)
     rates: list[float] = []
     events = Events().on("step_end", lambda e: rates.append(float(e.output.lr)))
     state = run(accumulate(make_train_step(mean_loss), 4), state, batches, events=events)
-    assert rates == [0.1, 0.05, 0.025] and state.scheduler.last_epoch == 3
+    assert rates == [0.1, 0.05, 0.025] and sched.last_epoch == 3
     ref = tiny_model(0).double()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     windows = [concat(batches[i : i + 4]) for i in (0, 4, 8)]
@@ -145,26 +146,26 @@ def test_a_skipped_update_does_not_advance_the_schedule() -> None:
     x, y, m = batches[2]
     batches[2] = (x * float("inf"), y, m)  # a non-finite loss: this update is skipped
 
-    def run_with(step: Any, **create: Any) -> tuple[list[bool], TrainState]:
+    def run_with(step: Any, **create: Any) -> tuple[list[bool], Any]:
         state = _sgd_state(double=False, **create)
         sched = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 0.5**s)
         applied: list[bool] = []
         events = Events().on("step_end", lambda e: applied.append(bool(e.output.did_update)))
-        state = run(step, state.replace(scheduler=sched), batches, events=events)
-        return applied, state
+        run(step, state.replace(scheduler=sched), batches, events=events)
+        return applied, sched
 
-    applied, state = run_with(skip_nonfinite(make_train_step(mean_loss)))
+    applied, sched = run_with(skip_nonfinite(make_train_step(mean_loss)))
     assert applied == [True, True, False, True, True, True]
-    assert state.scheduler.last_epoch == 5
-    assert state.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**5
+    assert sched.last_epoch == 5
+    assert sched.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**5
     # float16 with a scale so large the first updates overflow: the scaler skips them and
     # backs off; the schedule counts only the applied ones.
     batches += make_batches(10, 4, seed=5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22)
     fp16 = skip_nonfinite(amp_wrap(make_train_step(mean_loss), dtype=torch.float16))
-    applied, state = run_with(fp16, scaler=scaler)
+    applied, sched = run_with(fp16, scaler=scaler)
     assert not all(applied) and any(applied)
-    assert state.scheduler.last_epoch == sum(applied)
+    assert sched.last_epoch == sum(applied)
 
 
 # https://github.com/milesial/Pytorch-UNet/issues/468 and
@@ -187,7 +188,11 @@ def test_clipping_under_a_grad_scaler_sees_the_unscaled_gradients() -> None:
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         step = clip(amp_wrap(make_train_step(mean_loss), dtype=torch.float16), max_norm=0.5)
         seen: list[float] = []
-        events = Events().on("step_end", lambda e, s=seen: s.append(float(e.output.grad_norm)))
+
+        def note(event: Any, seen: list[float] = seen) -> None:
+            seen.append(float(event.output.grad_norm))
+
+        events = Events().on("step_end", note)
         state = run(step, _sgd_state(double=False, scaler=scaler), batches, events=events)
         want = [float(r["grad_norm"]) for r in records]
         torch.testing.assert_close(seen, want, rtol=1e-6, atol=1e-7)
@@ -335,7 +340,9 @@ def test_distributed_validation_counts_every_sample_once() -> None:
         want = float(F.cross_entropy(_linear()(_VAL[:][0]), _VAL[:][1]))
     for value in run_ranks(_evaluated_on_two_ranks, world=2, timeout=120):
         assert abs(value - want) < 1e-6
-    padded = DistributedSampler(_VAL, num_replicas=2, rank=0, shuffle=False)  # repeats one
+    padded: DistributedSampler[Any] = DistributedSampler(
+        _VAL, num_replicas=2, rank=0, shuffle=False
+    )  # repeats one
     try:
         evaluate(make_eval_step(_per_sample), _linear(), DataLoader(_VAL, sampler=padded),
                  metrics=MeanMetric())  # fmt: skip

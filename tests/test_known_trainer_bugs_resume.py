@@ -68,13 +68,13 @@ COUNT = make_train_step(lambda m, b: b[0].sum() * 0 - m.weight.sum())
 
 
 def _value(model: nn.Module, batch: Any) -> torch.Tensor:
-    return torch.full((1,), VALUES.get(round(model.weight.item()), 9.0))
+    return torch.full((1,), VALUES.get(round(next(model.parameters()).item()), 9.0))
 
 
 @dataclasses.dataclass
 class Stopped:
     step: int
-    best: tuple[float, int]
+    best: tuple[float | None, int | None]
 
 
 def _early_stopped(root: Path, *, kill_at: int | None = None) -> Stopped:
