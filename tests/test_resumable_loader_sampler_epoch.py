@@ -5,9 +5,9 @@ with that epoch's order: its position holds the sampler's epoch.
 Before, the position held the batches yielded but not the epoch, and ``run`` rightly emits no
 ``epoch_start`` for the rest of an epoch that a loaded position continues, so the handler
 ``events.on("epoch_start", lambda e: sampler.set_epoch(e.epoch))`` did not run either: resumed
-after 1 of 4 batches of epoch 1, a fresh sampler (epoch 0) gave the rest of epoch 0's order.
-3 of epoch 1's batches were replaced by epoch 0's (samples trained twice, others never), with
-no warning.
+after 1 of 4 batches of epoch 1, a fresh sampler (epoch 0) gave the rest of epoch 0's order:
+3 of the rank's 8 samples of epoch 1 were left out and 3 of the other rank's trained in their
+place, with no warning.
 """
 
 from __future__ import annotations
