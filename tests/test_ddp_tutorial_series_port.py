@@ -9,7 +9,8 @@ nothing and any two runs would agree; this port uses ``F.mse_loss``, the regress
 (``torch.rand(1)`` targets) asks for. Its snapshot holds ``MODEL_STATE`` and ``EPOCHS_RUN``;
 steplib's checkpoint holds both without their being named (the model and ``state.epoch``), and
 the sampler's epoch follows ``state.epoch`` through the ``epoch_start`` handler that replaces
-the example's ``self.train_data.sampler.set_epoch(epoch)``.
+the example's ``self.train_data.sampler.set_epoch(epoch)``; a ``ResumableLoader`` over the
+``DistributedSampler`` holds its epoch in its position, for a resume inside an epoch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -26,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import steplib as sl
 from steplib.checkpoint import checkpoint_every, resume_from
-from steplib.data import resumable_loader
+from steplib.data import ResumableLoader, resumable_loader
 from steplib.distributed import apply_ddp
 from steplib.testing import run_ranks
 
@@ -118,7 +120,7 @@ def _example(rank: int, world: int, *, root: str, kill_at: int | None = None) ->
 
 
 def _steplib(
-    rank: int, world: int, *, root: str, kill_at: int | None = None, resumable: bool = False
+    rank: int, world: int, *, root: str, kill_at: int | None = None, resumable: str = ""
 ) -> dict[str, Any]:
     torch.manual_seed(rank)
     model = apply_ddp(torch.nn.Linear(20, 1))
@@ -127,9 +129,15 @@ def _steplib(
     )
     step = sl.ddp_wrap(sl.make_train_step(lambda m, b: F.mse_loss(m(b[0]), b[1])))
     events = sl.Events()
-    if resumable:  # DistributedSampler's order, its epoch and position in the checkpoint
+    if resumable == "shard=True":  # DistributedSampler's order; epoch and position saved
         loader: Any = resumable_loader(MyTrainDataset(SIZE), batch_size=BATCH, seed=0, shard=True)
         ckpt = checkpoint_every(root, every=5, at_end=False)  # inside the epochs too
+    elif resumable:  # the example's DistributedSampler in a loader whose position is saved
+        dataset, gen = MyTrainDataset(SIZE), torch.Generator().manual_seed(0)
+        sampler: Any = DistributedSampler(dataset)
+        loader = ResumableLoader(dataset, batch_size=BATCH, sampler=sampler, generator=gen)
+        ckpt = checkpoint_every(root, every=5, at_end=False)
+        events.on("epoch_start", lambda e: sampler.set_epoch(e.epoch))
     else:
         loader = _loader()
         ckpt = checkpoint_every(root, epochs=1, at_end=False)  # the example's save_every=1
@@ -192,14 +200,17 @@ def test_the_examples_own_restart_trains_the_snapshots_epoch_again(tmp_path: Pat
     assert not all(torch.equal(x, y) for x, y in zip(again["params"], whole["params"], strict=True))
 
 
-def test_resumable_loader_is_the_examples_sampler_and_resumes_inside_an_epoch(
-    tmp_path: Path,
+@pytest.mark.parametrize("resumable", ["shard=True", "DistributedSampler"])
+def test_a_resumable_loader_gives_the_examples_order_and_resumes_inside_an_epoch(
+    tmp_path: Path, resumable: str
 ) -> None:
     # resumable_loader(shard=True) shares the epoch out as DistributedSampler(seed=0) with
-    # set_epoch does (64 samples: none dropped); its epoch and position are in the checkpoint,
-    # so the job killed at update 14 resumes from update 10, inside epoch 1, exactly.
+    # set_epoch does (64 samples: none dropped); a ResumableLoader over the example's
+    # DistributedSampler holds the sampler's epoch. Either way the epoch and the position are
+    # in the checkpoint, so the job killed at update 14 resumes from update 10, inside epoch 1,
+    # exactly (before, the DistributedSampler one continued epoch 0's order there).
     own = run_ranks(functools.partial(_example, root=str(tmp_path / "own")))[0]
-    resumable = functools.partial(_steplib, resumable=True)
-    again = _restarted(resumable, tmp_path / "killed", kill_at=14)
+    resumable_run = functools.partial(_steplib, resumable=resumable)
+    again = _restarted(resumable_run, tmp_path / "killed", kill_at=14)
     assert (again["resumed_at"], again["epochs"]) == (1, [1, 2])  # epoch 1 continued, then 2
     assert all(torch.equal(x, y) for x, y in zip(again["params"], own["params"], strict=True))
