@@ -36,7 +36,9 @@ def _loader(kind: str) -> tuple[ResumableLoader, DistributedSampler[Any]]:
     return ResumableLoader(DATA, batch_sampler=batches, generator=gen), sampler
 
 
-def _run(root: Path, kind: str, *, max_steps: int | None = None) -> list[list[float]]:
+def _run(
+    root: Path, kind: str, *, every: int = 5, max_steps: int | None = None
+) -> list[list[float]]:
     """Train 3 epochs (or to ``max_steps``) from the newest checkpoint in ``root``, with new
     objects, as a restarted process; return the samples of every batch trained."""
     loader, sampler = _loader(kind)
@@ -48,7 +50,7 @@ def _run(root: Path, kind: str, *, max_steps: int | None = None) -> list[list[fl
         seen.append(batch[0].tolist())
         return net(batch[0][:, None]).pow(2).mean()
 
-    ckpt = checkpoint_every(str(root), every=5, at_end=False)
+    ckpt = checkpoint_every(str(root), every=every, at_end=False)
     events = sl.Events(resume_from(ckpt), ckpt)
     events.on("epoch_start", lambda e: sampler.set_epoch(e.epoch))  # the tutorial's call
     sl.run(
@@ -62,6 +64,14 @@ def test_a_resume_inside_an_epoch_continues_the_samplers_epoch(tmp_path: Path, k
     whole = _run(tmp_path / "whole", kind)
     _run(tmp_path / "stopped", kind, max_steps=7)  # saved at update 5: 1 batch into epoch 1
     assert _run(tmp_path / "stopped", kind) == whole[5:]
+
+
+def test_a_resume_at_an_epochs_end_starts_the_next_epochs_order(tmp_path: Path) -> None:
+    # Saved at update 8, the end of epoch 1: the saved epoch is set back, then epoch_start
+    # sets the next one, as in the uninterrupted run.
+    whole = _run(tmp_path / "whole", "sampler", every=4)
+    _run(tmp_path / "stopped", "sampler", every=4, max_steps=10)
+    assert _run(tmp_path / "stopped", "sampler", every=4) == whole[8:]
 
 
 class EpochWithoutAttribute(Sampler[int]):
