@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from steplib.data.order_rng import check_order_rng
+from steplib.data.order_rng import check_order_rng, epoch_samplers
 from steplib.data.own_states import load_own_states, own_states
 from steplib.data.rank_share import check_still_shared
 from steplib.data.shards import SHARDED, ShardedSampler
@@ -69,6 +69,7 @@ class ResumableLoader(StatefulDataLoader):
                 "resumed in the same order. Leave persistent_workers=False."
             )
         generator = check_order_rng(self.generator, self.sampler, self.batch_sampler)
+        self._epoch_samplers = epoch_samplers(self.sampler, self.batch_sampler)
         self._epoch_start_rng: torch.Tensor = generator.get_state()
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_left: int | None = None
@@ -119,7 +120,8 @@ class ResumableLoader(StatefulDataLoader):
         Returns:
             ``{"loader": torchdata's state, "generator": the generator now,
             "epoch_start_generator": the generator before this epoch's iterator drew from it,
-            "layout": the dataset size, batch size and sampler the position counts in}``;
+            "layout": the dataset size, batch size and sampler the position counts in,
+            "sampler_epochs": the epoch of each sampler with ``set_epoch``}``;
             with a :class:`~steplib.data.shards.ShardedSampler`, ``{"sharded": the position
             in the global order}`` (see ``ShardedSampler.position``), which any world size
             can continue from, ``"workers": the state of each worker process}`` (mid-epoch,
@@ -144,6 +146,7 @@ class ResumableLoader(StatefulDataLoader):
             "generator": self.generator.get_state(),
             "epoch_start_generator": self._epoch_start_rng.clone(),
             "layout": self._layout(),
+            "sampler_epochs": [int(one.epoch) for one in self._epoch_samplers],
             **own_states(self),
         }
 
@@ -200,6 +203,12 @@ class ResumableLoader(StatefulDataLoader):
                 "another batch size, use resumable_loader(..., shard=True) in both runs."
             )
         load_own_states(self, state_dict)
+        # The order the position counts in: no epoch_start (so no set_epoch handler) runs
+        # before the rest of an epoch that the position continues. (A position saved before
+        # steplib held the epochs has none.)
+        epochs = state_dict.get("sampler_epochs", ())
+        for one, epoch in zip(self._epoch_samplers, epochs, strict=False):
+            one.set_epoch(int(epoch))
         # Unsized data (an IterableDataset without __len__) tells its epoch's end by ending.
         full = super().__len__() if hasattr(self.dataset, "__len__") else None
         ended = full is not None and yielded is not None and yielded >= full

@@ -1,7 +1,8 @@
 """``check_order_rng``: a :class:`~steplib.data.loader.ResumableLoader`'s position holds its
 own generator alone, so its order must be drawn from that generator: not from torch's global
-one, nor from a sampler's own. ``check_torchdata_order``: the orders a plain torchdata
-``StatefulDataLoader`` does not resume exactly."""
+one, nor from a sampler's own. ``epoch_samplers``: the samplers whose epoch it holds.
+``check_torchdata_order``: the orders a plain torchdata ``StatefulDataLoader`` does not resume
+exactly."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
-from steplib.errors import ConfigError
+from steplib.errors import ConfigError, describe
 
 
 def check_order_rng(generator: Any, sampler: Any, batch_sampler: Any) -> torch.Generator:
@@ -106,6 +107,49 @@ def check_torchdata_order(caller: str, loader: Any) -> None:
                 "sampler's), or with steplib.data.resumable_loader(dataset, batch_size=..., "
                 "seed=0)."
             )
+
+
+def epoch_samplers(sampler: Any, batch_sampler: Any) -> list[Any]:
+    """The samplers of a loader whose order follows ``set_epoch`` (a ``DistributedSampler``),
+    once each: a :class:`~steplib.data.loader.ResumableLoader`'s position holds their epochs.
+
+    Resumed inside an epoch, ``run`` emits no ``epoch_start`` (the uninterrupted run had it
+    before the epoch's first batch), so a handler calling ``set_epoch`` there does not run: the
+    loader itself sets the saved epoch back, which it must be able to read.
+
+    Args:
+        sampler, batch_sampler: the loader's.
+
+    Returns:
+        Those with a ``set_epoch`` method, in the order of ``sampler``, ``batch_sampler``, the
+        latter's sampler.
+
+    Raises:
+        ConfigError: such a sampler without an int ``epoch`` attribute; the message gives the
+            fix.
+
+    Example:
+        >>> from torch.utils.data import DistributedSampler
+        >>> shares = DistributedSampler(range(8), num_replicas=2, rank=0)
+        >>> epoch_samplers(shares, None) == [shares]
+        True
+    """
+    found: list[Any] = []
+    for one in _samplers(sampler, batch_sampler):
+        if not callable(getattr(one, "set_epoch", None)) or any(one is f for f in found):
+            continue
+        epoch = getattr(one, "epoch", None)
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            kind = type(one).__name__
+            raise ConfigError(
+                f"ResumableLoader received a {kind} whose order follows set_epoch() but that "
+                f"has no int 'epoch' attribute ({describe(epoch)}), so a position inside an "
+                "epoch could not hold which epoch's order it counts in: resumed, it would "
+                "continue another epoch's order. Store the epoch in set_epoch (self.epoch = "
+                "epoch), or use steplib.data.resumable_loader(dataset, ..., shard=True)."
+            )
+        found.append(one)
+    return found
 
 
 def _samplers(sampler: Any, batch_sampler: Any) -> list[Any]:
