@@ -162,8 +162,16 @@ class Gradients:
         self._pending = divisor if self._pending is None else self._pending * divisor
 
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The total gradient norm over the whole model (every stage, every shard)."""
-        norm = self.sync.total_norm(self._grads, norm_type, device=self.state.device)
+        """The total gradient norm over the whole model (every stage, every shard), summed in
+        the model's parameter order, as ``clip_grad_norm_(model.parameters())`` sums it."""
+        # A total norm sums the per-tensor norms in the order it is given them. In the
+        # optimizer's (weight_decay_groups': the weights, then the biases) it differed from
+        # clip_grad_norm_(model.parameters())'s in the last bit, and with it the clipped update.
+        # The walk over the modules is the one that call makes.
+        given = {id(p): p for p in self._params}
+        ordered = [p for p in self.state.model.parameters() if given.pop(id(p), None) is not None]
+        grads = [p.grad for p in (*ordered, *given.values())]  # none left: TrainState.create
+        norm = self.sync.total_norm(grads, norm_type, device=self.state.device)
         return norm if self._pending is None else norm / self._pending
 
     def scale_(self, factor: torch.Tensor | float) -> None:
