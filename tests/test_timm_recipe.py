@@ -33,6 +33,7 @@ from torch.utils.data import TensorDataset
 from torchmetrics import MeanMetric
 
 from steplib import (
+    ConfigError,
     Evaluator,
     Events,
     TrainState,
@@ -46,7 +47,7 @@ from steplib import (
 from steplib.checkpoint import checkpoint_every, list_checkpoints, resume_from
 from steplib.data import resumable_loader
 from steplib.events import Stop
-from steplib.handlers import EMA
+from steplib.handlers import EMA, Scheduler
 from steplib.param_groups import weight_decay_groups
 from tests.checkpoint_helpers import assert_same
 
@@ -161,6 +162,12 @@ class CosineLRScheduler:
         for group, value in zip(self.optimizer.param_groups, values, strict=True):
             group["lr"] = value
 
+    def state_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key != "optimizer"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.__dict__.update(state_dict)
+
 
 class ModelEmaV3(nn.Module):
     """timm/utils/model_ema.py: ModelEmaV3 (foreach, exclude_buffers=False)."""
@@ -239,14 +246,15 @@ def _top1(model: nn.Module, val: list[Any]) -> float:
     return 100.0 * correct / total
 
 
-def _schedule(optimizer: torch.optim.Optimizer) -> CosineLRScheduler:
-    """create_scheduler_v2(sched="cosine", sched_on_updates=True): epochs in updates."""
+def _schedule(optimizer: torch.optim.Optimizer, per_update: bool) -> CosineLRScheduler:
+    """create_scheduler_v2(sched="cosine", sched_on_updates=...): with it, epochs in updates."""
+    unit = UPDATES_PER_EPOCH if per_update else 1
     return CosineLRScheduler(
         optimizer,
-        t_initial=EPOCHS * UPDATES_PER_EPOCH,
-        warmup_t=WARMUP_EPOCHS * UPDATES_PER_EPOCH,
+        t_initial=EPOCHS * unit,
+        warmup_t=WARMUP_EPOCHS * unit,
         warmup_lr_init=1e-3,
-        t_in_epochs=False,
+        t_in_epochs=not per_update,
     )
 
 
@@ -263,14 +271,14 @@ def _param_groups_weight_decay(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": WD}]
 
 
-def _timm() -> dict[str, Any]:
+def _timm(per_update: bool = True) -> dict[str, Any]:
     """train.py's main() and train_one_epoch(), reduced to what changes the numbers."""
     dataset, val, model = _setup()
     optimizer = _sgd(_param_groups_weight_decay(model))
     model_ema = ModelEmaV3(model, decay=EMA_DECAY, use_warmup=True)
     mixup_fn = Mixup()
     loader = resumable_loader(dataset, batch_size=BATCH, seed=5)
-    lr_scheduler = _schedule(optimizer)
+    lr_scheduler = _schedule(optimizer, per_update)
     saver = CheckpointSaver(decreasing=False, max_history=HISTORY)  # eval_metric "top1"
     losses: list[float] = []
     for epoch in range(EPOCHS):
@@ -310,7 +318,9 @@ def _timm() -> dict[str, Any]:
     return {"losses": losses, "model": model, "ema": model_ema.module, "kept": saver}
 
 
-def _steplib(url: str | None = None, stop_at: int | None = None) -> dict[str, Any]:
+def _steplib(
+    url: str | None = None, stop_at: int | None = None, per_update: bool = True
+) -> dict[str, Any]:
     dataset, val, model = _setup()
     optimizer = _sgd(weight_decay_groups(model, WD))
     state = TrainState.create(model=model, optimizer=optimizer)
@@ -322,7 +332,7 @@ def _steplib(url: str | None = None, stop_at: int | None = None) -> dict[str, An
 
     step = accumulate(clip(make_train_step(loss_fn), max_norm=CLIP), ACCUM)
     data = resumable_loader(dataset, batch_size=BATCH, seed=5)
-    lr_scheduler = _schedule(optimizer)
+    lr_scheduler = _schedule(optimizer, per_update)
     ema = EMA(model, decay=ema_decay, average_buffers=True)
 
     def mixup_off(event: Any) -> None:
@@ -346,7 +356,9 @@ def _steplib(url: str | None = None, stop_at: int | None = None) -> dict[str, An
     losses: list[float] = []
     events = Events().on("fit_start", mixup_off).on("epoch_start", mixup_off)
     events.add(ema)
+    # where train.py calls them (one acts, by t_in_epochs); e.epoch: the epochs completed
     events.on("step_end", lambda e: lr_scheduler.step_update(num_updates=e.step))
+    events.on("epoch_end", lambda e: lr_scheduler.step(e.epoch))
     ema_eval = evaluator(ema.module, "ema_val_")  # with an EMA, timm ranks by its metric
     events.add(evaluator(model, "val_")).add(ema_eval)
     events.on("micro_step_end", lambda e: losses.append(float(e.output.loss)))
@@ -371,8 +383,9 @@ def _same(a: nn.Module, b: nn.Module) -> None:
     assert_same(a.state_dict(), b.state_dict())
 
 
-def test_timms_train_loop_with_steplib_equals_it_bit_for_bit() -> None:
-    want, got = _timm(), _steplib()
+@pytest.mark.parametrize("per_update", [True, False])
+def test_timms_train_loop_with_steplib_equals_it_bit_for_bit(per_update: bool) -> None:
+    want, got = _timm(per_update), _steplib(per_update=per_update)
     _same(got["model"], want["model"])
     _same(got["ema"], want["ema"])
 
@@ -385,16 +398,32 @@ def _kept(url: str) -> list[int]:
     return [c.epoch - 1 for c in ranked]
 
 
-@pytest.mark.parametrize("stop_at", [4, 6, 10])  # mid-epoch, an epoch's last update, after
-# mixup was switched off (epoch 3: a resumed epoch has no epoch_start)
-def test_timms_train_loop_resumed_equals_it_uninterrupted(tmp_path: Path, stop_at: int) -> None:
-    want = _timm()
+@pytest.mark.parametrize(
+    ("stop_at", "per_update"), [(4, True), (6, True), (10, True), (4, False), (6, False)]
+)  # mid-epoch, an epoch's last update, after mixup was switched off (epoch 3: a resumed epoch
+# has no epoch_start); the learning rate stepped per update or per epoch
+def test_timms_train_loop_resumed_equals_it_uninterrupted(
+    tmp_path: Path, stop_at: int, per_update: bool
+) -> None:
+    want = _timm(per_update)
     url = str(tmp_path / "ckpt")
-    _steplib(url, stop_at=stop_at)
-    got = _steplib(url)
+    _steplib(url, stop_at=stop_at, per_update=per_update)
+    got = _steplib(url, per_update=per_update)
     _same(got["model"], want["model"])
     _same(got["ema"], want["ema"])
     # timm's checkpoint-{epoch} files are the best HISTORY; its last.pth.tar, the newest
     kept = _kept(url)
     assert kept[:HISTORY] == [epoch for epoch, _ in want["kept"].checkpoint_files]
     assert set(kept[HISTORY:]) <= {EPOCHS - 1}
+
+
+def test_a_timm_scheduler_in_the_state_or_a_scheduler_handler_is_refused_when_built() -> None:
+    """Its step(epoch) needs the count, which neither passes: it failed with a TypeError at
+    the first update (the state's), or at the first epoch's end (the handler's)."""
+    model = Net()
+    optimizer = _sgd(model.parameters())
+    timm_scheduler = _schedule(optimizer, per_update=False)
+    with pytest.raises(ConfigError, match=r"step\(\) needs epoch: .*step_update"):
+        TrainState.create(model=model, optimizer=optimizer, scheduler=timm_scheduler)
+    with pytest.raises(ConfigError, match=r"step\(\) needs epoch: .*lambda e: scheduler\.step"):
+        Scheduler(timm_scheduler)
