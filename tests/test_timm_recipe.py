@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate
 from torchmetrics import MeanMetric
 
 from steplib import (
@@ -319,19 +319,26 @@ def _timm(per_update: bool = True) -> dict[str, Any]:
 
 
 def _steplib(
-    url: str | None = None, stop_at: int | None = None, per_update: bool = True
+    url: str | None = None,
+    stop_at: int | None = None,
+    per_update: bool = True,
+    mix_in_loader: bool = False,
 ) -> dict[str, Any]:
     dataset, val, model = _setup()
     optimizer = _sgd(weight_decay_groups(model, WD))
     state = TrainState.create(model=model, optimizer=optimizer)
     mixup_fn = Mixup()
 
+    def mixed(samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        return mixup_fn(*default_collate(samples))  # timm's FastCollateMixup's place
+
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
-        input, target = mixup_fn(*batch)
+        input, target = batch if mix_in_loader else mixup_fn(*batch)
         return soft_target_cross_entropy(m(input), target)
 
     step = accumulate(clip(make_train_step(loss_fn), max_norm=CLIP), ACCUM)
-    data = resumable_loader(dataset, batch_size=BATCH, seed=5)
+    collate = mixed if mix_in_loader else default_collate
+    data = resumable_loader(dataset, batch_size=BATCH, seed=5, collate_fn=collate)
     lr_scheduler = _schedule(optimizer, per_update)
     ema = EMA(model, decay=ema_decay, average_buffers=True)
 
@@ -399,16 +406,26 @@ def _kept(url: str) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("stop_at", "per_update"), [(4, True), (6, True), (10, True), (4, False), (6, False)]
+    ("stop_at", "per_update", "mix_in_loader"),
+    [
+        (4, True, False),
+        (6, True, False),
+        (10, True, False),
+        (4, False, False),
+        (6, False, False),
+        (4, True, True),
+        (10, True, True),
+    ],
 )  # mid-epoch, an epoch's last update, after mixup was switched off (epoch 3: a resumed epoch
-# has no epoch_start); the learning rate stepped per update or per epoch
+# has no epoch_start); the learning rate stepped per update or per epoch; mixup in the loss or
+# in the loader's collate_fn (numpy's global generator, saved by the checkpoint, either way)
 def test_timms_train_loop_resumed_equals_it_uninterrupted(
-    tmp_path: Path, stop_at: int, per_update: bool
+    tmp_path: Path, stop_at: int, per_update: bool, mix_in_loader: bool
 ) -> None:
     want = _timm(per_update)
     url = str(tmp_path / "ckpt")
-    _steplib(url, stop_at=stop_at, per_update=per_update)
-    got = _steplib(url, per_update=per_update)
+    _steplib(url, stop_at=stop_at, per_update=per_update, mix_in_loader=mix_in_loader)
+    got = _steplib(url, per_update=per_update, mix_in_loader=mix_in_loader)
     _same(got["model"], want["model"])
     _same(got["ema"], want["ema"])
     # timm's checkpoint-{epoch} files are the best HISTORY; its last.pth.tar, the newest
