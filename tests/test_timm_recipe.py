@@ -18,6 +18,7 @@ The timm pieces are copied here, reduced to what changes the numbers (timm is no
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from copy import deepcopy
@@ -271,6 +272,7 @@ def _param_groups_weight_decay(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": WD}]
 
 
+@functools.cache  # the tests compare with it, never change it
 def _timm(per_update: bool = True) -> dict[str, Any]:
     """train.py's main() and train_one_epoch(), reduced to what changes the numbers."""
     dataset, val, model = _setup()
