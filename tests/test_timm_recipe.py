@@ -4,7 +4,8 @@ EMA weights bit for bit, also resumed mid-epoch and at an epoch's end:
 
 * gradient accumulation as timm does it (``loss /= accum_steps``, the epoch's shorter last
   window divided by what it holds, an update at every epoch's last batch);
-* ``clip_grad_norm_`` before each update (``--clip-grad``);
+* ``clip_grad_norm_`` before each update (``--clip-grad``), with float16 autocast and
+  ``NativeScaler`` too (unscale, clip, step, update);
 * ``Mixup`` (mixup or cutmix per batch, label smoothing in the mixed targets), drawing from
   numpy's global generator, switched off from ``--mixup-off-epoch``;
 * ``CosineLRScheduler`` with a warmup, stepped per update (``step_update(num_updates)``);
@@ -22,6 +23,7 @@ import functools
 import math
 import operator
 from copy import deepcopy
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from steplib import (
     Events,
     TrainState,
     accumulate,
+    amp_wrap,
     clip,
     make_eval_step,
     make_train_step,
@@ -273,16 +276,18 @@ def _param_groups_weight_decay(model: nn.Module) -> list[dict[str, Any]]:
 
 
 @functools.cache  # the tests compare with it, never change it
-def _timm(per_update: bool = True) -> dict[str, Any]:
-    """train.py's main() and train_one_epoch(), reduced to what changes the numbers."""
+def _timm(per_update: bool = True, amp: bool = False) -> dict[str, Any]:
+    """train.py's main() and train_one_epoch(), reduced to what changes the numbers; with
+    ``amp``, float16 autocast and timm/utils/cuda.py's NativeScaler (on CPU here)."""
     dataset, val, model = _setup()
+    amp_autocast = partial(torch.autocast, "cpu", dtype=torch.float16, enabled=amp)
+    loss_scaler = torch.amp.GradScaler("cpu") if amp else None
     optimizer = _sgd(_param_groups_weight_decay(model))
     model_ema = ModelEmaV3(model, decay=EMA_DECAY, use_warmup=True)
     mixup_fn = Mixup()
     loader = resumable_loader(dataset, batch_size=BATCH, seed=5)
     lr_scheduler = _schedule(optimizer, per_update)
     saver = CheckpointSaver(decreasing=False, max_history=HISTORY)  # eval_metric "top1"
-    losses: list[float] = []
     for epoch in range(EPOCHS):
         if epoch >= MIXUP_OFF_EPOCH:
             mixup_fn.mixup_enabled = False
@@ -299,14 +304,22 @@ def _timm(per_update: bool = True) -> dict[str, Any]:
             if batch_idx >= last_batch_idx_to_accum:
                 accum_steps = last_accum_steps
             input, target = mixup_fn(input, target)
-            loss = soft_target_cross_entropy(model(input), target)
+            with amp_autocast():
+                loss = soft_target_cross_entropy(model(input), target)
             if accum_steps > 1:
                 loss /= accum_steps
-            loss.backward()
-            if need_update:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-                optimizer.step()
-            losses.append(loss.item() * accum_steps)
+            if loss_scaler is not None:  # NativeScaler.__call__
+                loss_scaler.scale(loss).backward()
+                if need_update:
+                    loss_scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                    loss_scaler.step(optimizer)
+                    loss_scaler.update()
+            else:
+                loss.backward()
+                if need_update:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                    optimizer.step()
             if not need_update:
                 continue
             num_updates += 1
@@ -317,7 +330,7 @@ def _timm(per_update: bool = True) -> dict[str, Any]:
         metric = _top1(model_ema.module, val)  # with an EMA, its metrics rank the checkpoints
         saver.save_checkpoint(epoch, metric=metric)
         lr_scheduler.step(epoch + 1, metric)
-    return {"losses": losses, "model": model, "ema": model_ema.module, "kept": saver}
+    return {"model": model, "ema": model_ema.module, "kept": saver}
 
 
 def _steplib(
@@ -325,10 +338,12 @@ def _steplib(
     stop_at: int | None = None,
     per_update: bool = True,
     mix_in_loader: bool = False,
+    amp: bool = False,
 ) -> dict[str, Any]:
     dataset, val, model = _setup()
     optimizer = _sgd(weight_decay_groups(model, WD))
-    state = TrainState.create(model=model, optimizer=optimizer)
+    scaler = torch.amp.GradScaler("cpu") if amp else None
+    state = TrainState.create(model=model, optimizer=optimizer, scaler=scaler)
     mixup_fn = Mixup()
 
     def mixed(samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,6 +354,8 @@ def _steplib(
         return soft_target_cross_entropy(m(input), target)
 
     step = accumulate(clip(make_train_step(loss_fn), max_norm=CLIP), ACCUM)
+    if amp:
+        step = amp_wrap(step, dtype=torch.float16)
     collate = mixed if mix_in_loader else default_collate
     data = resumable_loader(dataset, batch_size=BATCH, seed=5, collate_fn=collate)
     lr_scheduler = _schedule(optimizer, per_update)
@@ -362,7 +379,6 @@ def _steplib(
             mode="max",
         )
 
-    losses: list[float] = []
     events = Events().on("fit_start", mixup_off).on("epoch_start", mixup_off)
     events.add(ema)
     # where train.py calls them (one acts, by t_in_epochs); e.epoch: the epochs completed
@@ -370,7 +386,6 @@ def _steplib(
     events.on("epoch_end", lambda e: lr_scheduler.step(e.epoch))
     ema_eval = evaluator(ema.module, "ema_val_")  # with an EMA, timm ranks by its metric
     events.add(evaluator(model, "val_")).add(ema_eval)
-    events.on("micro_step_end", lambda e: losses.append(float(e.output.loss)))
     if url is not None:
         ckpt = checkpoint_every(
             url,
@@ -385,16 +400,17 @@ def _steplib(
     if stop_at is not None:
         events.on("step_end", lambda e: Stop("preempted") if e.step == stop_at else None)
     run(step, state, data, events=events, max_epochs=EPOCHS)
-    return {"losses": losses, "model": model, "ema": ema.module}
+    return {"model": model, "ema": ema.module}
 
 
 def _same(a: nn.Module, b: nn.Module) -> None:
     assert_same(a.state_dict(), b.state_dict())
 
 
-@pytest.mark.parametrize("per_update", [True, False])
-def test_timms_train_loop_with_steplib_equals_it_bit_for_bit(per_update: bool) -> None:
-    want, got = _timm(per_update), _steplib(per_update=per_update)
+@pytest.mark.parametrize(("per_update", "amp"), [(True, False), (False, False), (True, True)])
+def test_timms_train_loop_with_steplib_equals_it_bit_for_bit(per_update: bool, amp: bool) -> None:
+    """``amp``: float16 with timm's NativeScaler (unscale, clip, step, update) is amp_wrap's."""
+    want, got = _timm(per_update, amp), _steplib(per_update=per_update, amp=amp)
     _same(got["model"], want["model"])
     _same(got["ema"], want["ema"])
 
