@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steplib import errors
-from steplib.errors import ConfigError, describe
+from steplib.errors import ConfigError, describe, required_arguments, stepped_without_arguments
 
 
 def as_module(model: Any) -> nn.Module:
@@ -67,7 +66,7 @@ def check_pieces(
             "not a torch.optim.Optimizer. Pass e.g. "
             "optimizer=torch.optim.AdamW(model.parameters())."
         )
-    if errors.required_arguments(optimizer, "step"):
+    if required_arguments(optimizer, "step"):
         raise ConfigError(
             f"{caller}(optimizer{key}=...) received {type(optimizer).__name__}, whose step() "
             "needs a closure that evaluates the loss again, several times per update (a line "
@@ -122,9 +121,7 @@ def check_pieces(
             "(steplib.handlers.Scheduler)."
         )
     if scheduler is not None:
-        errors.stepped_without_arguments(
-            f"{caller}(scheduler{key}=...)", scheduler, "after each update"
-        )
+        stepped_without_arguments(f"{caller}(scheduler{key}=...)", scheduler, "after each update")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ConfigError(
             f"{caller}(scaler{key}=...) received {describe(scaler)}. Pass a "
