@@ -122,6 +122,43 @@ def mode(owner: str, value: Any) -> str:
     return str(value)
 
 
+def required_arguments(obj: Any, method: str) -> list[str]:
+    """The names of the arguments that ``obj.method(...)`` cannot be called without (read from
+    the class's function: LBFGS's ``step(closure)``, timm's ``Scheduler.step(epoch)``); ``[]``
+    when it needs none or has no signature to read.
+
+    Example:
+        >>> import torch
+        >>> required_arguments(torch.optim.LBFGS([torch.zeros(1, requires_grad=True)]), "step")
+        ['closure']
+        >>> required_arguments(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "step")
+        []
+    """
+    try:  # the class's: torch replaces an optimizer's bound step with a wrapper taking self
+        parameters = list(inspect.signature(getattr(type(obj), method)).parameters.values())[1:]
+    except (AttributeError, TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.default is p.empty and p.kind in positional]
+
+
+def stepped_without_arguments(owner: str, scheduler: Any, when: str) -> None:
+    """Raise ConfigError if ``scheduler.step()`` needs an argument (timm's ``step(epoch)``):
+    ``owner`` calls it with none ``when``, which would fail there (at the first update, or
+    the first epoch's end), not where it is built."""
+    needed = required_arguments(scheduler, "step")
+    if needed:
+        kind = type(scheduler).__name__
+        raise ConfigError(
+            f"{owner} received {kind}, whose step() needs {', '.join(needed)}: {owner} calls "
+            f"scheduler.step() {when}, with no argument. A scheduler told the count itself "
+            "(timm's) is called from a handler, the state created without it: "
+            "events.on('step_end', lambda e: scheduler.step_update(num_updates=e.step)) per "
+            "update, or events.on('epoch_end', lambda e: scheduler.step(e.epoch)) per epoch "
+            "(e.epoch: the epochs completed)."
+        )
+
+
 def model_batch_fn(owner: str, label: str, fn: Any, example: str) -> None:
     """Raise ConfigError unless ``fn`` is callable as ``fn(model, batch)``.
 

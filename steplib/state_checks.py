@@ -4,14 +4,13 @@ pieces (several optimizers), names that match and parameters that belong to one 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from steplib.errors import ConfigError, describe
+from steplib.errors import ConfigError, describe, required_arguments, stepped_without_arguments
 
 
 def as_module(model: Any) -> nn.Module:
@@ -67,7 +66,7 @@ def check_pieces(
             "not a torch.optim.Optimizer. Pass e.g. "
             "optimizer=torch.optim.AdamW(model.parameters())."
         )
-    if _needs_closure(optimizer):
+    if required_arguments(optimizer, "step"):
         raise ConfigError(
             f"{caller}(optimizer{key}=...) received {type(optimizer).__name__}, whose step() "
             "needs a closure that evaluates the loss again, several times per update (a line "
@@ -121,22 +120,13 @@ def check_pieces(
             "each evaluation: events=[evaluator, Scheduler(plateau, metric=evaluator)] "
             "(steplib.handlers.Scheduler)."
         )
+    if scheduler is not None:
+        stepped_without_arguments(f"{caller}(scheduler{key}=...)", scheduler, "after each update")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ConfigError(
             f"{caller}(scaler{key}=...) received {describe(scaler)}. Pass a "
             "torch.amp.GradScaler, e.g. scaler=torch.amp.GradScaler('cuda'), or None."
         )
-
-
-def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
-    # LBFGS.step(self, closure): a required argument; first-order optimizers have closure=None.
-    # The class's method: a scheduler replaces the instance's with a function taking self.
-    try:
-        parameters = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
-    except (TypeError, ValueError):  # no signature to read: let it through
-        return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return any(p.default is p.empty and p.kind in positional for p in parameters)
 
 
 def check_names(optimizers: Mapping[Any, Any], schedulers: Any, scalers: Any) -> tuple[str, ...]:

@@ -1,5 +1,7 @@
-"""EMA: equals a hand-computed average, skips updates that were not applied, copies buffers,
-evaluates, and is saved and restored with a checkpoint."""
+"""EMA: equals a hand-computed average and torch's own EMA (``AveragedModel``) bit for bit,
+skips updates that were not applied, copies or averages buffers, takes its decay from a function
+of the update's number (timm's ``ModelEmaV3``: tests/test_timm_recipe.py), evaluates, and is
+saved and restored with a checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics import MeanMetric
 
 from steplib import (
@@ -103,6 +106,47 @@ def test_warmup_uses_the_smaller_decay_early_on() -> None:
     ema.update()
     # n = 1 after the first update: d = min(0.99, 2 / 11)
     assert ema.module.state_dict()["weight"].item() == pytest.approx(1 - 2 / 11)
+
+
+@pytest.mark.parametrize("buffers", [False, True])
+def test_ema_equals_torchs_averaged_model_ema_bit_for_bit(buffers: bool) -> None:
+    """torch's EMA copies the weights at its first update, then lerps (one rounding): a decay
+    function of the update's number gives the copy, and the average lerps too."""
+    state, batches = _setup(6, batch_norm=True)
+    theirs = AveragedModel(state.model, multi_avg_fn=get_ema_multi_avg_fn(0.8), use_buffers=buffers)
+    ema = EMA(state.model, decay=lambda n: 0.0 if n == 1 else 0.8, average_buffers=buffers)
+    events = ema.attach(Events()).on("step_end", lambda e: theirs.update_parameters(state.model))
+    run(make_train_step(_loss_fn), state, batches, events=events)
+    live = state.model.state_dict()
+    for (name, mine), their in zip(
+        ema.module.state_dict().items(), theirs.module.state_dict().values(), strict=True
+    ):
+        # torch casts an averaged integer buffer (num_batches_tracked) back to an integer
+        assert torch.equal(mine, their if mine.is_floating_point() else live[name]), name
+    assert buffers != torch.equal(ema.module.state_dict()["1.running_var"], live["1.running_var"])
+
+
+def test_a_decay_function_gets_each_updates_number_skipped_ones_counted() -> None:
+    state, batches = _setup(6, nan_at=3)
+    seen: list[int] = []
+
+    def decay(n: int) -> float:
+        seen.append(n)
+        return 0.5
+
+    ema = EMA(state.model, decay=decay)
+    run(skip_nonfinite(make_train_step(_loss_fn)), state, batches, events=ema.attach(Events()))
+    assert seen == [1, 2, 3, 4, 5, 6] and ema.updates == 5
+    with pytest.raises(ConfigError, match=r"step=state\.step"):
+        ema.update()
+    with pytest.raises(ConfigError, match=r"decay function at update 7 received 1\.0"):
+        EMA(state.model, decay=lambda n: 1.0).update(step=7)
+    with pytest.raises(ConfigError, match="warmup=True"):
+        EMA(state.model, decay=lambda n: 0.5, warmup=True)
+    saved = ema.state_dict()
+    EMA(state.model, decay=lambda n: 0.9).load_state_dict(saved)  # a function: not compared
+    with pytest.raises(ConfigError, match="decay='a function'"):
+        EMA(state.model, decay=0.5).load_state_dict(saved)
 
 
 def test_buffers_are_copied_and_the_average_evaluates() -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,10 +41,12 @@ from steplib.events import Event, Handler
 
 
 class EMA(Handler):
-    """``average = average + (1 - d) * (param - average)`` after each applied update.
+    """``average = average.lerp(param, 1 - d)`` after each applied update (torch's
+    ``AveragedModel`` EMA and timm's ``ModelEmaV3`` compute the same, bit for bit).
 
-    Floating-point buffers (batch-norm statistics) are copied from the model, not averaged;
-    other buffers too.
+    Buffers (batch-norm statistics) are copied from the model, or with ``average_buffers=True``
+    the floating-point ones averaged as the parameters are (torch's ``use_buffers=True``,
+    timm's default) and the others copied.
 
     In a run of several steps, the updates followed are those of the optimizer that holds the
     model's parameters (``EMA(generator)``: G's), whatever optimizer the run counts and
@@ -54,14 +56,20 @@ class EMA(Handler):
         model: the trained module (a DDP wrapper: pass the inner module; an FSDP2-sharded one
             is refused); in a state of several optimizers, a module that exactly one of them
             updates.
-        decay: the weight of the old average, in [0, 1).
+        decay: the weight of the old average, in [0, 1); or a function of the update's
+            number ``n`` (``state.step`` after it: 1 for the first, skipped updates counted)
+            that gives it, called on the host (timm's ``ModelEmaV3.get_decay``, whose first
+            update copies the weights: ``decay(1) == 0.0``).
         warmup: use ``d = min(decay, (1 + n) / (10 + n))`` after ``n`` applied updates, so the
             average does not stay near the initial weights for thousands of updates.
+        average_buffers: average the floating-point buffers too, instead of copying them.
         device: where to keep the average (``None``: with the model; ``"cpu"`` saves GPU memory
             at the cost of a copy per update).
 
     Raises:
-        ConfigError: ``model`` not a module, or sharded by FSDP2; ``decay`` not in [0, 1);
+        ConfigError: ``model`` not a module, or sharded by FSDP2; ``decay`` not in [0, 1)
+            (when an update's number gives it: at that update), or a function with
+            ``warmup=True``;
             at ``fit_start``, in a state of several optimizers, none or several of them hold
             the model's parameters.
 
@@ -80,8 +88,9 @@ class EMA(Handler):
         self,
         model: nn.Module,
         *,
-        decay: float = 0.999,
+        decay: float | Callable[[int], float] = 0.999,
         warmup: bool = False,
+        average_buffers: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -89,11 +98,14 @@ class EMA(Handler):
                 f"EMA(model) received {describe(model)}; pass the module being trained, e.g. "
                 "EMA(model, decay=0.999)."
             )
-        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
+        if callable(decay) and warmup:
             raise ConfigError(
-                f"EMA(decay=...) received {describe(decay)}; it must be a number in [0, 1), "
-                "the weight kept by the old average each update, e.g. decay=0.999."
+                "EMA received a function as decay and warmup=True: the function gives the decay "
+                "of every update, warmup included. Pass one: EMA(model, decay=fn) or "
+                "EMA(model, decay=0.999, warmup=True)."
             )
+        if not callable(decay):
+            _check_decay(decay, "EMA(decay=...)")
         fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
         if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
             # FSDP2 refuses the deep copy (its "does not support deepcopy" assertion).
@@ -104,12 +116,13 @@ class EMA(Handler):
                 "process."
             )
         self.model = model
-        self.decay = float(decay)
+        self.decay: float | Callable[[int], float] = decay if callable(decay) else float(decay)
         self.warmup = warmup
+        self.average_buffers = average_buffers
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
         if device is not None:
             self.module.to(device)
-        self._averaged: list[torch.Tensor] = list(self.module.parameters())
+        self._averaged: list[torch.Tensor] = self._averages(self.module)
         self._count = torch.zeros((), device=self._averaged[0].device if self._averaged else None)
         self._last: Any = None
         # The name of the optimizer that updates the model, in a state of several; else None;
@@ -180,7 +193,7 @@ class EMA(Handler):
         if out is None or out is self._last:
             return
         self._last = out
-        self.update(did_update=out.did_update)
+        self.update(did_update=out.did_update, step=event.step)
 
     def _average(self, event: Event, outputs: Mapping[str, Any]) -> None:
         name = self._optimizer
@@ -193,21 +206,28 @@ class EMA(Handler):
             out = outputs.get(step)  # None: that step did not run (or a flush did not update)
             if out is not None and out is not self._last:
                 self._last = out
-                self.update(did_update=out.did_update)
+                self.update(did_update=out.did_update, step=event.state[name].step)
 
     @torch.no_grad()
-    def update(self, *, did_update: torch.Tensor | bool = True) -> None:
+    def update(self, *, did_update: torch.Tensor | bool = True, step: int | None = None) -> None:
         """Move the average towards the model's current weights (device ops only).
 
         Args:
             did_update: whether the optimizer applied an update; a tensor is used as is (no
                 host read), so a skipped update is a multiply by zero.
+            step: the update's number (``state.step`` after it), for a ``decay`` given as a
+                function; the handler passes it.
+
+        Raises:
+            ConfigError: the model's parameters changed since the EMA was built; a decay
+                function without ``step``, or that gave a value outside [0, 1).
         """
-        params = list(self.model.parameters())
-        if len(params) != len(self._averaged):
+        current = self._averages(self.model)
+        averaged = self._averaged
+        if len(current) != len(averaged):
             raise ConfigError(
-                f"EMA: the model has {len(params)} parameters now, the average "
-                f"{len(self._averaged)}; the model changed after EMA(model) was built. Build "
+                f"EMA: the model has {len(current)} averaged tensors now, the average "
+                f"{len(averaged)}; the model changed after EMA(model) was built. Build "
                 "the EMA after the model is final (after wrapping or freezing)."
             )
         applied = torch.as_tensor(did_update).to(self._count.device, torch.float32)
@@ -218,17 +238,35 @@ class EMA(Handler):
                 "copy taken out after the sweep: EMA(copies.copy(i)) in its own run."
             )
         self._count += applied
-        decay: torch.Tensor | float = self.decay
-        if self.warmup:
+        decay: torch.Tensor | float
+        if callable(self.decay):
+            if step is None:
+                raise ConfigError(
+                    "EMA.update() without step=..., for an EMA whose decay is a function of "
+                    "the update's number: pass it, ema.update(did_update=..., step=state.step)."
+                )
+            # A host float, as timm's get_decay gives it: 1 - decay rounds once, as there.
+            decay = _check_decay(self.decay(step), f"EMA's decay function at update {step}")
+        elif self.warmup:
             decay = torch.clamp((1 + self._count) / (10 + self._count), max=self.decay)
+        else:
+            decay = self.decay
         weight = (1 - decay) * applied
-        averaged = self._averaged
-        current = [p.detach().to(a.device) for p, a in zip(params, averaged, strict=True)]
-        step = list(torch._foreach_sub(current, averaged))
-        torch._foreach_mul_(step, weight)
-        torch._foreach_add_(averaged, step)
+        current = [c.detach().to(a.device) for c, a in zip(current, averaged, strict=True)]
+        # lerp, not average + w * (param - average): its fused multiply-add rounds once, as
+        # torch's AveragedModel EMA and timm's ModelEmaV3 do (the two differ in the last bits).
+        torch._foreach_lerp_(averaged, current, [weight] * len(averaged))
         for mine, theirs in zip(self.module.buffers(), self.model.buffers(), strict=True):
-            mine.copy_(theirs)
+            if not (self.average_buffers and mine.is_floating_point()):
+                mine.copy_(theirs)
+
+    def _averages(self, module: nn.Module) -> list[torch.Tensor]:
+        """The tensors of ``module`` that are averaged: its parameters, and its floating-point
+        buffers with ``average_buffers``."""
+        tensors: list[torch.Tensor] = list(module.parameters())
+        if self.average_buffers:
+            tensors += [b for b in module.buffers() if b.is_floating_point()]
+        return tensors
 
     def state_dict(self) -> dict[str, Any]:
         """The averaged weights, the decay and the update count (for a checkpoint's extras)."""
@@ -246,4 +284,16 @@ class EMA(Handler):
         self._count.copy_(state["count"])
 
     def _built(self) -> dict[str, Any]:
-        return {"decay": self.decay, "warmup": self.warmup}
+        # A decay function cannot be compared with the one that saved: any is taken.
+        decay = "a function" if callable(self.decay) else self.decay
+        return {"decay": decay, "warmup": self.warmup, "average_buffers": self.average_buffers}
+
+
+def _check_decay(decay: Any, where: str) -> float:
+    """``decay`` as a float, or ``ConfigError`` where it is not a number in [0, 1)."""
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
+        raise ConfigError(
+            f"{where} received {describe(decay)}; it must be a number in [0, 1), "
+            "the weight kept by the old average each update, e.g. decay=0.999."
+        )
+    return float(decay)

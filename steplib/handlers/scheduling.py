@@ -71,6 +71,8 @@ class Scheduler(Handler):
                 "optimizer, step_size=1, gamma=0.7))."
             )
         takes_value = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if not takes_value:
+            errors.stepped_without_arguments("Scheduler", scheduler, "at each epoch end")
         if takes_value and metric is None:
             raise ConfigError(
                 "Scheduler received a ReduceLROnPlateau without metric=...: it steps on a "
