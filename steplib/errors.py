@@ -227,7 +227,7 @@ def evaluator_attached(owner: str, evaluator: Any, events: Any) -> None:
         )
 
 
-def same_mode(owner: str, name: str, mode: str, handlers: Any, *, fix: str) -> None:
+def same_mode(owner: str, name: str, mode: str, handlers: Any, *, fix: str) -> bool:
     """Refuse ``mode`` for the value ``name`` where another handler of the run that monitors
     it (an ``Evaluator`` built with ``monitor=name, mode=...``) ranks it the other way: one of
     the two would take the worst value for the best, in silence (a ``ReduceLROnPlateau`` in
@@ -241,6 +241,9 @@ def same_mode(owner: str, name: str, mode: str, handlers: Any, *, fix: str) -> N
         handlers: the run's ``Events`` (its attached handlers; ``None``: none), or a list.
         fix: the literal fix, for the message.
 
+    Returns:
+        Whether a handler monitors ``name`` (it will score it: the name is not misspelt).
+
     Raises:
         ConfigError: a handler whose ``monitor`` is ``name`` has the other ``mode``.
 
@@ -248,6 +251,7 @@ def same_mode(owner: str, name: str, mode: str, handlers: Any, *, fix: str) -> N
         >>> from types import SimpleNamespace
         >>> evaluator = SimpleNamespace(monitor="val_acc", mode="max")
         >>> same_mode("export_best", "val_acc", "max", [evaluator], fix="")
+        True
         >>> same_mode("export_best", "val_acc", "min", [evaluator], fix="Pass mode='max'.")
         Traceback (most recent call last):
         ...
@@ -264,6 +268,7 @@ def same_mode(owner: str, name: str, mode: str, handlers: Any, *, fix: str) -> N
                 f"{type(handler).__name__} of this run that monitors it ranks it in mode "
                 f"{its!r}: one of the two would take the worst value for the best. {fix}"
             )
+    return any(getattr(handler, "monitor", None) == name for handler in handlers or ())
 
 
 def reader_attached(owner: str, reader: Any, event: Any, example: str) -> None:

@@ -226,3 +226,25 @@ def test_a_value_watched_by_name_in_the_other_mode_than_its_evaluators_is_refuse
             run(STEP, _state(), data, events=Events(accuracy(), keep))
             kept = list_checkpoints(str(tmp_path / mode))
             assert [(c.step, c.metrics["val_acc"]) for c in kept] == [(6, pytest.approx(0.3))]
+
+
+def test_a_name_an_attached_evaluator_monitors_is_not_refused_before_its_first_evaluation(
+    tmp_path: Path,
+) -> None:
+    # metric= by name, saves every update, evaluations every 3: the saves at 1 and 2 come
+    # before any evaluation. Before, the first raised "found no 'val_mean' among this
+    # checkpoint's metrics" though the attached evaluator monitors that name (timm's recipe).
+    evaluator = _evaluator([2.0, 1.0], every=3)
+    keep = checkpoint_every(
+        str(tmp_path), every=1, keep_last=1, keep_best=1, metric="val_mean", at_end=False
+    )
+    run(STEP, _state(), [torch.ones(3, 2)] * 7, events=[evaluator, keep])
+    kept = {c.step: c.metrics.get("val_mean") for c in list_checkpoints(str(tmp_path))}
+    assert kept == {6: 1.0, 7: None}
+
+
+def test_a_misspelt_name_is_still_refused_at_the_first_save(tmp_path: Path) -> None:
+    evaluator = _evaluator([2.0, 1.0], every=3)
+    keep = checkpoint_every(str(tmp_path), every=1, keep_best=1, metric="val_maen")
+    with pytest.raises(ConfigError, match="found no 'val_maen'"):
+        run(STEP, _state(), [torch.ones(3, 2)] * 7, events=[evaluator, keep])

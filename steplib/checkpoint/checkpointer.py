@@ -103,6 +103,7 @@ class Checkpointer(Handler):
         self._deferred = False  # a save due at an epoch's last update, made at its epoch_end
         self._committed: collections.deque[CheckpointInfo] = collections.deque()  # unreported
         self._group = GlooGroup()  # made on first use, by every rank
+        self._typed = self.check_metric  # and no evaluator of the run monitors that name
 
     @property
     def directory(self) -> str:
@@ -112,14 +113,16 @@ class Checkpointer(Handler):
         """Check the directory is writable (``CheckpointError``) and, where each rank saves its
         own state, this rank's alone (``ConfigError``); remove a killed save's debris; warn of
         newer checkpoints there."""
-        self._saved_at = _position(event.state)
+        self._saved_at, owner = _position(event.state), repr(self)
         self._run = self.given.for_run(event)
-        directory = storage.resolve(self.directory, self.given.storage_options, caller=repr(self))
-        storage.check_writable(directory, caller=repr(self))
-        settle_schedulers(self._run.step, event.state, repr(self))  # a refusal before training
+        directory = storage.resolve(self.directory, self.given.storage_options, caller=owner)
+        storage.check_writable(directory, caller=owner)
+        settle_schedulers(self._run.step, event.state, owner)  # a refusal before training
         if self.keep_best is not None and self.check_metric:  # a typed name, a default mode
             fix = "Pass metric=evaluator (its name and mode), or the evaluator's mode=..."
-            errors.same_mode(repr(self), str(self.metric), self.mode, event.events, fix=fix)
+            self._typed = not errors.same_mode(
+                owner, str(self.metric), self.mode, event.events, fix=fix
+            )
         if world_size() > 1 and not is_sharded(event.state):  # pipeline stages, say
             self._check_apart(directory)
         if prunes_here(event.state):
@@ -144,11 +147,9 @@ class Checkpointer(Handler):
         return None
 
     def ends_epoch(self, event: Event) -> bool:
-        """Whether ``event`` is the update on its epoch's last batch (the loop marks it; the
-        run's stateful loader tells too), whose ``epoch_end`` is still to come. A save now
-        would hold the state before that epoch's ``epoch_end`` handlers ran (a per-epoch
-        scheduler, an evaluation); resumed, they would never run (a loader with a position) or
-        the epoch would be trained again (data without one). Saves due then wait for it."""
+        """Whether ``event`` is the update on its epoch's last batch (marked by the loop, or
+        told by the run's loader). Saves due then wait for ``epoch_end``: before its handlers
+        (a per-epoch scheduler, an evaluation), a resume would skip them or train it again."""
         return event.closes_epoch or (self._run.data is not None and at_epoch_end(self._run.data))
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted:
@@ -203,7 +204,7 @@ class Checkpointer(Handler):
         if update and event.name == "epoch_end" and _position(update.state) == _position(state):
             numbers = {**check_metrics(self.metrics(update), "checkpoint_every"), **numbers}
         # Evaluated at another update: no score, no candidate for best, but it prunes.
-        known = not self.check_metric or self.metric in stale_values(state.extras, state.step)
+        known = not self._typed or self.metric in stale_values(state.extras, state.step)
         ranked = self.keep_best is None or self.metric in numbers or known
         if not ranked:
             recorded = ", ".join(sorted(numbers)) or "none"
@@ -247,8 +248,7 @@ class Checkpointer(Handler):
             self.wait()
             url = given.save(state, metrics=numbers)
             committed(url)
-        self._saved_at = _position(state)
-        self.last_saved = url
+        self._saved_at, self.last_saved = _position(state), url
         return url
 
     def wait(self) -> None:
