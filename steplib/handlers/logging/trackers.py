@@ -203,6 +203,11 @@ class WandbLogger(_Tracker):
                 f"WandbLogger(project={self.project!r}) could not log {record!r}: {error!r}."
             ) from error
 
+    @property
+    def closed(self) -> bool:
+        """The W&B run was finished (``close``, or the end of the ``with`` block)."""
+        return self.active and not self._open
+
     def close(self, *, exit_code: int = 0) -> None:
         """Finish the run; calling it again does nothing.
 
@@ -347,6 +352,11 @@ class MLflowLogger(_Tracker):
                 f"MLflowLogger({self.tracking_uri!r}) could not log {record!r}: {error!r}. "
                 "MLflow metric names allow letters, digits and _ - . / and spaces."
             ) from error
+
+    @property
+    def closed(self) -> bool:
+        """The MLflow run was ended (``close``, or the end of the ``with`` block)."""
+        return self.active and self.run_id is None
 
     def close(self, *, status: str = "FINISHED") -> None:
         """End the run with ``status``; calling it again does nothing.
