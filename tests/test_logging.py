@@ -14,6 +14,7 @@ import orjson
 import pytest
 import torch
 import torch.nn.functional as F
+from torchmetrics import MeanMetric
 
 import steplib.handlers.logging.console
 import steplib.handlers.logging.file_sink
@@ -23,12 +24,14 @@ from steplib import ConfigError, Event, Events, TrainState, accumulate, clip, ma
 from steplib.handlers import (
     ConsoleLogger,
     CSVLogger,
+    Evaluator,
     JsonlLogger,
     Log,
     Logger,
     LogWriteError,
     TensorBoardLogger,
     event_record,
+    make_eval_step,
 )
 from tests.host_reads import on_host_read
 from tests.reference import RecordingSink
@@ -218,6 +221,38 @@ def test_write_after_close_and_unserialisable_values_are_clear_errors() -> None:
         log.write({"step": 2})
     assert url in str(info.value)
     assert _read_lines(url) == []
+
+
+@pytest.mark.parametrize("sink_type", [JsonlLogger, CSVLogger])
+def test_a_sink_closed_by_its_with_block_is_refused_at_fit_start_of_a_later_run(
+    sink_type: type[JsonlLogger] | type[CSVLogger],
+) -> None:
+    # It failed at the second run's first record (LogWriteError "is closed"), after its
+    # first update had been made.
+    url = f"memory://steplib-test-{uuid.uuid4().hex}/metrics"
+    state, step, batches = _setup()
+    with sink_type(url) as sink:
+        state = run(step, state, batches, events=Events(Log(sink, every=1)))
+    calls = []
+    events = Events(Log(sink, every=1)).on("step_end", lambda event: calls.append(event.step))
+    with pytest.raises(ConfigError, match=r"is closed .*Build a new") as info:
+        run(step, state, batches, events=events)
+    assert calls == [] and url in str(info.value)
+
+
+def test_an_evaluator_refuses_a_closed_sink_at_fit_start() -> None:
+    with JsonlLogger(f"memory://steplib-test-{uuid.uuid4().hex}/val.jsonl") as sink:
+        pass
+    evaluator = Evaluator(
+        make_eval_step(lambda model, batch: model(batch[0]).pow(2).mean()),
+        [(torch.ones(2, 4),)],
+        metrics={"mean": MeanMetric()},
+        every=2,
+        sinks=sink,
+    )
+    state, step, batches = _setup()
+    with pytest.raises(ConfigError, match="is closed"):
+        run(step, state, batches, events=[evaluator])
 
 
 @pytest.mark.parametrize("url", ["", None, 3])

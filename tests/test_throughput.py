@@ -252,6 +252,36 @@ def test_ranks_that_each_see_the_whole_batch_name_a_mean_losss_rate_batches_per_
         assert rates == {"steps_per_s": 1.0, "batches_per_s": 2.0}  # as in one process
 
 
+def _pipeline_mean_loss_rates(rank: int, world: int) -> dict[str, float]:
+    from steplib.distributed.pipeline_split import split_model
+    from steplib.step.pipeline import make_pipeline_step, pipeline_stage
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+    step = make_pipeline_step(
+        lambda output, target: F.cross_entropy(output, target),  # a mean: 1 per micro-batch
+        split_model(model, split_points=["2"]),
+        n_microbatches=4,
+    )
+    module = pipeline_stage(step).module
+    state = TrainState.create(model=module, optimizer=torch.optim.SGD(module.parameters()))
+    clock = FakeClock()
+    speed = Throughput(clock=clock)
+    events = speed.attach(Events())
+    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 1.0))
+    run(step, state, [_batch(8)] * 3, events=events)
+    return speed.read(None)
+
+
+def test_a_pipeline_steps_mean_loss_rate_is_named_batches_per_s() -> None:
+    # Its mean loss counts the 4 micro-batches of each batch, not 1: the count did not match
+    # the loop's batches and the rate was named tokens_per_s (4.0 "tokens" a second).
+    from steplib.testing import run_ranks
+
+    for rates in run_ranks(_pipeline_mean_loss_rates):
+        assert rates == {"steps_per_s": 1.0, "batches_per_s": 4.0}
+
+
 def _gan_steps(d_window: int) -> tuple[TrainState, dict[str, Any]]:
     g, d = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
     state = TrainState.create(

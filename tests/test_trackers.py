@@ -272,6 +272,42 @@ def test_mlflow_logs_a_sweeps_per_copy_values_as_one_metric_per_copy(mlflow_uri:
     assert metrics == {"loss/0": 2.0, "loss/1": 0.5, "loss/2": 1.25, "lr": 0.1}
 
 
+def test_mlflow_continues_a_killed_run_by_its_run_id(mlflow_uri: str) -> None:
+    # MLflowLogger had no run_id=: a run resumed after a kill logged to a new MLflow run,
+    # the killed one left RUNNING with half the curve.
+    from mlflow.tracking import MlflowClient
+
+    killed = MLflowLogger(tracking_uri=mlflow_uri, experiment="resume", run_name="r")
+    for step in (1, 2, 3):
+        killed.write({"step": step, "loss": 1.0 / step})
+    run_id = killed.run_id
+    assert run_id is not None
+    killed.client.set_terminated(run_id, status="KILLED")  # the process died
+    with MLflowLogger(tracking_uri=mlflow_uri, experiment="resume", run_id=run_id) as logger:
+        assert logger.run_id == run_id
+        assert logger.client.get_run(run_id).info.status == "RUNNING"
+        for step in (4, 5):
+            logger.write({"step": step, "loss": 1.0 / step})
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    history = client.get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(s, 1.0 / s) for s in range(1, 6)]
+    got = client.get_run(run_id)
+    assert got.info.status == "FINISHED" and got.info.run_name == "r"
+    assert len(client.search_runs([got.info.experiment_id])) == 1
+
+
+def test_mlflow_run_id_of_another_experiment_or_unknown_says_the_fix(mlflow_uri: str) -> None:
+    with MLflowLogger(tracking_uri=mlflow_uri, experiment="a") as logger:
+        run_id = logger.run_id
+    assert run_id is not None
+    with pytest.raises(ConfigError, match="names a run in another experiment"):
+        MLflowLogger(tracking_uri=mlflow_uri, experiment="b", run_id=run_id)
+    with pytest.raises(LogWriteError, match="could not find the run 'f00'"):
+        MLflowLogger(tracking_uri=mlflow_uri, experiment="a", run_id="f00")
+    with pytest.raises(ConfigError, match="run_id"):
+        MLflowLogger(tracking_uri=mlflow_uri, experiment="a", run_id="")
+
+
 def test_mlflow_bad_arguments_say_the_fix() -> None:
     with pytest.raises(ConfigError, match="tracking_uri"):
         MLflowLogger(tracking_uri="", experiment="e")

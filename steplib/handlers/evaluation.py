@@ -199,7 +199,13 @@ class Evaluator(Handler):
         return self.best.mode
 
     def on_fit_start(self, event: Event) -> None:
-        """The sanity evaluation (:meth:`sanity_check`), unless ``sanity_batches=0``."""
+        """Refuse a closed sink (:meth:`~steplib.handlers.Log.check_open`), then the sanity
+        evaluation (:meth:`sanity_check`), unless ``sanity_batches=0``.
+
+        Raises:
+            ConfigError: a sink is closed.
+        """
+        self._log.check_open()
         if self.sanity_batches:
             self.sanity_check(event)
 

@@ -15,7 +15,7 @@ in a Jupyter kernel without ipywidgets, ``tqdm.std``'s text bar, chosen before `
 would warn "IProgress not found" (:func:`steplib.handlers.terminal.tqdm_class`).
 
 Imports ``events``, ``errors``, ``distributed``, ``output``, ``handlers.terminal`` and
-``handlers.throughput`` (handlers never import ``loop`` or ``step``).
+``handlers.step_plan`` (handlers never import ``loop`` or ``step``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from steplib.cadence import Batches, check_every, due
 from steplib.distributed import is_main, world_size
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
+from steplib.handlers.step_plan import full_window
 from steplib.handlers.terminal import tqdm_class
-from steplib.handlers.throughput import full_window
 from steplib.output import closed_window, window_sums
 
 

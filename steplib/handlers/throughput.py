@@ -17,7 +17,7 @@ interval, so it costs no host sync per step::
     speed.attach(events)
     events.on("step_end", Log(jsonl, sources=[train.read, speed.read]), every=50)
 
-Imports ``events``, ``errors``, ``distributed`` and ``output`` only.
+Imports ``events``, ``errors``, ``distributed``, ``output`` and ``handlers.step_plan`` only.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from steplib.distributed import is_parallel_model, world_size
 from steplib.distributed.parallelize import holds_dtensor_parameters
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Events, Handler
+from steplib.handlers.step_plan import full_window, loss_batches
 from steplib.output import Unread, closed_window
 
 
@@ -179,7 +180,8 @@ class Throughput(Handler):
             (``D/tokens_per_s``, ``G/tokens_per_s``).
         unit: what one of those counts, to name the rate ``<unit>_per_s``; ``None``:
             ``tokens``, or ``batches`` when the default count gives one per micro-batch (a
-            plain mean loss, whose ``num_targets`` counts micro-batches, not tokens).
+            plain mean loss, whose ``num_targets`` counts micro-batches, not tokens; a
+            pipeline step's are its ``n_microbatches`` per batch).
         flops_per_step: FLOPs of one update of one process (see :func:`flops_per_batch`), for
             ``flops_per_s``; a shorter window counts its share, as for ``samples_per_step``.
         peak_flops: the peak FLOP/s of one device, for ``mfu`` (needs ``flops_per_step``).
@@ -246,6 +248,7 @@ class Throughput(Handler):
         self._device: torch.device | None = None
         self._data_parallel: bool | None = None  # the ranks share the data out (DDP, FSDP2)
         self._window: int | None = None  # micro-batches of a full window (None: not known)
+        self._loss_batches = 1  # the micro-batches a step call's mean loss counts
         self._start()
 
     def _start(self) -> None:
@@ -272,6 +275,7 @@ class Throughput(Handler):
         self._micro_step = None
         self._data_parallel = None
         self._window = full_window(event)
+        self._loss_batches = loss_batches(event)
         self._start()
 
     def on_micro_step_end(self, event: Event) -> None:
@@ -343,10 +347,11 @@ class Throughput(Handler):
         # Timed after the read: on a GPU the interval then covers work that has finished.
         elapsed = max(self._clock() - self._since, 1e-9)
         steps_per_s = self._steps / elapsed
-        # A mean loss counts one target per micro-batch, summed over the ranks that share the
-        # data out (DDP, FSDP2); ranks that each see the whole batch (tensor parallel) count
-        # each batch once, as one process does.
-        batches = self._micro_steps * (world_size() if self._data_parallel else 1)
+        # A mean loss counts one target per micro-batch (a pipeline step's n_microbatches per
+        # call), summed over the ranks that share the data out (DDP, FSDP2); ranks that each
+        # see the whole batch (tensor, pipeline parallel) count each batch once.
+        ranks = world_size() if self._data_parallel else 1
+        batches = self._micro_steps * self._loss_batches * ranks
         # The per-update constants count what ran: a shorter window is part of an update.
         updates = self._steps if self._window is None else self._micro_steps / self._window
         stats = {"steps_per_s": steps_per_s}
@@ -362,30 +367,6 @@ class Throughput(Handler):
         self._start()
         self.stats = stats
         return stats
-
-
-def full_window(event: Event) -> int | None:
-    """The micro-batches of a full window of the updates a run counts (``state.step``: its
-    first optimizer's), from ``fit_start``'s ``train_step``: its ``accumulate`` k. ``None``
-    when not known (a step of your own, or no ``fit_start``): a per-update constant then
-    counts every update as whole.
-
-    Example:
-        >>> from steplib import Events, TrainState, accumulate, make_train_step
-        >>> model = torch.nn.Linear(2, 1)
-        >>> state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
-        >>> step = accumulate(make_train_step(lambda m, b: m(b).sum()), 4)
-        >>> full_window(Event("fit_start", state, train_step=step))
-        4
-    """
-    step = event.train_step
-    if isinstance(step, Mapping):  # several steps: the one that updates the first optimizer
-        names = getattr(event.state, "names", None) or [None]
-        updating = [s for n, s in step.items() if (getattr(s, "optimizer", None) or n) == names[0]]
-        step = next(iter(updating or step.values()), None)
-    plan = getattr(step, "plan", None) or getattr(getattr(step, "step", None), "plan", None)
-    window = getattr(plan, "window", None)  # a sweep's step holds the step it runs as .step
-    return window if isinstance(window, int) else None
 
 
 def _num_targets(out: Any) -> Any:

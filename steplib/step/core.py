@@ -220,8 +220,13 @@ class Runner:
     * ``process_grads(step, state) -> GradReport``: phase 2 (and the update with it, which the
       report then says);
     * ``optimizer_step(step, optimizer)``: the update inside phase 3;
-    * ``refuse(part) -> str | None``: why this runner cannot run ``part``, else ``None``.
+    * ``refuse(part) -> str | None``: why this runner cannot run ``part``, else ``None``;
+    * ``micro_batches``: the micro-batches one call computes the loss of (1; a pipeline's
+      ``n_microbatches``), which a plain mean loss counts as its targets (``Throughput``
+      names that rate ``batches_per_s``).
     """
+
+    micro_batches = 1
 
     forward_backward = staticmethod(forward_backward)
     process_grads = staticmethod(process_grads)

@@ -1,6 +1,7 @@
 """What a log continued at a resume drops: the records the resumed run writes again, judged
 from its first record. The file sinks, the console's summary and TensorBoard's ``purge_step``
-follow these rules; a tracker's run, which cannot drop what it logged, warns instead."""
+follow these rules; a tracker's run, which cannot drop what it logged, warns instead
+(:class:`TrackerSink`, the base of the W&B and MLflow sinks)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from steplib.handlers.logging.base import Record
+from steplib.handlers.logging.base import Record, Sink
 
 
 def first_update(record: Record) -> Any:
@@ -100,3 +101,26 @@ def warn_rewound(owner: str, record: Record, last: int | None, kept: str) -> Non
         "tracker run) before running again.",
         stacklevel=3,
     )
+
+
+class TrackerSink(Sink):
+    """The base of the trackers' sinks (W&B, MLflow): a tracker's run keeps what it logged
+    (no step can be dropped or replaced), so a run started again with the same logger
+    (:meth:`start_run`, called by a ``Log`` at ``fit_start``) whose first record goes back
+    over the steps it logged warns, saying what the tracker then holds."""
+
+    _last_step: int | None = None  # the highest step this logger logged
+    _run_started = False
+
+    def start_run(self) -> None:
+        """A run starts: its first record warns if the tracker's run holds its step."""
+        self._run_started = True
+
+    def check_step(self, record: Record, kept: str) -> None:
+        """Before logging ``record``: at a run's first, :func:`warn_rewound` with ``kept``."""
+        if self._run_started:
+            self._run_started = False
+            warn_rewound(type(self).__name__, record, self._last_step, kept)
+        step = record.get("step")
+        if isinstance(step, int):
+            self._last_step = step if self._last_step is None else max(step, self._last_step)

@@ -228,6 +228,11 @@ class FileSink(Sink):
                 "may be lost. Check that the location is still writable."
             ) from error
 
+    @property
+    def closed(self) -> bool:
+        """The file was closed (``close``, or the end of the sink's ``with`` block)."""
+        return self.active and self._file is None
+
     def __repr__(self) -> str:
         status = "inactive" if not self.active else "closed" if self._file is None else "open"
         return f"{type(self).__name__}({self.url!r}, {status})"

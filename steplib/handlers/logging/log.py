@@ -108,7 +108,13 @@ class Log(Handler):
             )
 
     def on_fit_start(self, event: Event) -> None:
-        """Tell each sink a run starts (one resumed in this process writes steps again)."""
+        """Refuse a closed sink (:meth:`check_open`), and tell each sink a run starts (one
+        resumed in this process writes steps again).
+
+        Raises:
+            ConfigError: a sink is closed.
+        """
+        self.check_open()
         self._written_at = None
         for sink in self.sinks:
             sink.start_run()
@@ -177,6 +183,25 @@ class Log(Handler):
         # rank, as it does registered alone (a sink without `active` writes on rank 0).
         main = is_main()
         self._write([sink for sink in self.sinks if getattr(sink, "active", main)], record)
+
+    def check_open(self) -> None:
+        """Refuse a closed sink before a run (at ``fit_start``), not at its first record,
+        after the run's first updates: a sink used in a ``with`` block and given to a second
+        run after the block.
+
+        Raises:
+            ConfigError: a sink is closed; the message names it.
+        """
+        for sink in self.sinks:
+            if sink.closed:
+                name = type(sink).__name__
+                raise ConfigError(
+                    f"Log received {sink!r}, which is closed (its `with {name}(...)` block "
+                    "ended, or close() was called): it cannot write this run's records, and "
+                    f"would fail at the first. Build a new {name}(...) for this run (a file "
+                    "sink with append=True continues its file), or keep the `with` block open "
+                    "around every run that logs to it."
+                )
 
     def write(self, record: Record) -> None:
         """Write ``record`` to every sink.

@@ -120,6 +120,11 @@ class TensorBoardLogger(Sink):
                 "the directory is still writable; the records flushed before are kept."
             ) from error
 
+    @property
+    def closed(self) -> bool:
+        """The event file was closed (``close``, or the end of the ``with`` block)."""
+        return self.active and self._writer is None
+
     def close(self) -> None:
         """Flush and close the event file; calling it again does nothing."""
         writer, self._writer = self._writer, None

@@ -19,10 +19,8 @@ Rank 0 only (``rank_zero_only=True``): on other ranks nothing is imported, no ru
 and ``write`` does nothing, so build the logger after the process group is initialised.
 
 Leaving a ``with`` block on an exception marks the run as failed (W&B exit code 1, MLflow
-status ``FAILED``); ``close()`` marks it finished.
-
-The tracker packages are imported when a logger is built, never when steplib is imported.
-"""
+status ``FAILED``); ``close()`` marks it finished. The tracker packages are imported when a
+logger is built, never when steplib is imported."""
 
 from __future__ import annotations
 
@@ -34,8 +32,8 @@ from typing import Any
 
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
-from steplib.handlers.logging.base import Record, Sink, check_keys, plotted
-from steplib.handlers.logging.continued import warn_rewound
+from steplib.handlers.logging.base import Record, check_keys, plotted
+from steplib.handlers.logging.continued import TrackerSink
 
 # What each tracker holds after a run that starts again at or before its last step.
 _WANDB_KEPT = (
@@ -67,30 +65,7 @@ def _import(module: str, caller: str, extra: str) -> Any:
         ) from error
 
 
-class _Tracker(Sink):
-    """What the trackers share: a tracker's run keeps what it logged (no step can be dropped
-    or replaced), so a run started again with the same logger (:meth:`start_run`, called by
-    a ``Log`` at ``fit_start``) whose first record goes back over the steps it logged warns,
-    saying what the tracker then holds."""
-
-    _last_step: int | None = None  # the highest step this logger logged
-    _run_started = False
-
-    def start_run(self) -> None:
-        """A run starts: its first record warns if the tracker's run holds its step."""
-        self._run_started = True
-
-    def check_step(self, record: Record, kept: str) -> None:
-        """Before logging ``record``: at a run's first, :func:`warn_rewound` with ``kept``."""
-        if self._run_started:
-            self._run_started = False
-            warn_rewound(type(self).__name__, record, self._last_step, kept)
-        step = record.get("step")
-        if isinstance(step, int):
-            self._last_step = step if self._last_step is None else max(step, self._last_step)
-
-
-class WandbLogger(_Tracker):
+class WandbLogger(TrackerSink):
     """Log records to a Weights & Biases run (``pip install 'steplib[wandb]'``).
 
     ``mode="offline"`` (the default) writes the run under ``dir`` and never touches the
@@ -203,6 +178,11 @@ class WandbLogger(_Tracker):
                 f"WandbLogger(project={self.project!r}) could not log {record!r}: {error!r}."
             ) from error
 
+    @property
+    def closed(self) -> bool:
+        """The W&B run was finished (``close``, or the end of the ``with`` block)."""
+        return self.active and not self._open
+
     def close(self, *, exit_code: int = 0) -> None:
         """Finish the run; calling it again does nothing.
 
@@ -234,7 +214,7 @@ class WandbLogger(_Tracker):
         self.close(exit_code=0 if exc_type is None else 1)
 
 
-class MLflowLogger(_Tracker):
+class MLflowLogger(TrackerSink):
     """Log records to an MLflow run (``pip install 'steplib[mlflow]'``).
 
     Uses an ``MlflowClient`` bound to ``tracking_uri``, never MLflow's global active run, so
@@ -250,6 +230,9 @@ class MLflowLogger(_Tracker):
         tracking_uri: where MLflow stores the run.
         experiment: the experiment's name.
         run_name: the run's name (MLflow picks one when ``None``).
+        run_id: continue this run (``logger.run_id`` of an earlier logger: a run resumed
+            after a kill), as MLflow's ``start_run(run_id=...)`` does: marked running again,
+            its metrics continued; it must be in ``experiment``. ``None``: a new run.
         params: hyperparameters to record as the run's parameters.
         tags: tags for the run.
         keys: the names to log (``None``: every number but the counters ``epoch``,
@@ -257,8 +240,10 @@ class MLflowLogger(_Tracker):
         rank_zero_only: create the run and log on rank 0 only.
 
     Raises:
-        ConfigError: a bad argument, or mlflow is not installed.
-        LogWriteError: MLflow could not open the store or create the run (names the URI).
+        ConfigError: a bad argument, ``run_id`` of another experiment, or mlflow is not
+            installed.
+        LogWriteError: MLflow could not open the store, or create or find the run (names
+            the URI).
 
     Example:
         >>> import tempfile
@@ -273,6 +258,7 @@ class MLflowLogger(_Tracker):
         tracking_uri: str,
         experiment: str,
         run_name: str | None = None,
+        run_id: str | None = None,
         params: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
         keys: Sequence[str] | None = None,
@@ -280,6 +266,8 @@ class MLflowLogger(_Tracker):
     ) -> None:
         _check_name("MLflowLogger", "tracking_uri", tracking_uri, "sqlite:///runs/mlflow.db")
         _check_name("MLflowLogger", "experiment", experiment, "my-experiment")
+        if run_id is not None:
+            _check_name("MLflowLogger", "run_id", run_id, "0a1b2c...")
         for label, value in (("params", params), ("tags", tags)):
             if value is not None and not isinstance(value, Mapping):
                 raise ConfigError(
@@ -296,25 +284,55 @@ class MLflowLogger(_Tracker):
         entities = _import("mlflow.entities", "MLflowLogger", "mlflow")
         self._metric = entities.Metric
         self._param = entities.Param
+        self._tag = entities.RunTag
         try:
             self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
             found = self.client.get_experiment_by_name(experiment)
-            experiment_id = (
-                found.experiment_id if found else self.client.create_experiment(experiment)
-            )
-            run = self.client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
-            self.run_id = run.info.run_id
+            if run_id is not None:  # MLflow's start_run(run_id=...), through this client
+                self.run_id = self._continued(run_id, experiment, found, run_name, tags or {})
+            else:
+                experiment_id = (
+                    found.experiment_id if found else self.client.create_experiment(experiment)
+                )
+                run = self.client.create_run(
+                    experiment_id, run_name=run_name, tags=dict(tags or {})
+                )
+                self.run_id = run.info.run_id
             if params:
                 self.client.log_batch(
                     self.run_id,
                     params=[self._param(str(k), str(v)) for k, v in params.items()],
                 )
+        except ConfigError:
+            raise
         except Exception as error:
             raise LogWriteError(
-                f"MLflowLogger could not create a run in experiment {experiment!r} at "
+                f"MLflowLogger could not {'create a run' if run_id is None else 'find the run'}"
+                f"{'' if run_id is None else f' {run_id!r}'} in experiment {experiment!r} at "
                 f"{tracking_uri!r}: {error!r}. Check the URI (for a local directory use "
                 "'sqlite:///path/mlflow.db', or 'file:///path' with MLFLOW_ALLOW_FILE_STORE=true)."
             ) from error
+
+    def _continued(
+        self, run_id: str, experiment: str, found: Any, name: str | None, tags: Mapping[str, Any]
+    ) -> str:
+        """Mark the run ``run_id`` of ``experiment`` (``found``) running again, as MLflow's
+        ``start_run(run_id=...)`` does, and add ``tags``."""
+        info = self.client.get_run(run_id).info
+        if found is None or info.experiment_id != found.experiment_id:
+            where = "in another experiment"
+        elif info.lifecycle_stage == "deleted":
+            where = "deleted"
+        else:
+            self.client.update_run(run_id, status="RUNNING", name=name)
+            if tags:
+                self.client.log_batch(run_id, tags=[self._tag(k, str(v)) for k, v in tags.items()])
+            return run_id
+        raise ConfigError(
+            f"MLflowLogger(run_id={run_id!r}, experiment={experiment!r}) names a run {where}: "
+            "a run is continued in the experiment it was logged to. Pass that experiment (or "
+            "restore the deleted run), or run_id=None for a new run."
+        )
 
     def write(self, record: Record) -> None:
         """Log every number of ``record`` at its ``step``, in one ``log_batch`` call.
@@ -347,6 +365,11 @@ class MLflowLogger(_Tracker):
                 f"MLflowLogger({self.tracking_uri!r}) could not log {record!r}: {error!r}. "
                 "MLflow metric names allow letters, digits and _ - . / and spaces."
             ) from error
+
+    @property
+    def closed(self) -> bool:
+        """The MLflow run was ended (``close``, or the end of the ``with`` block)."""
+        return self.active and self.run_id is None
 
     def close(self, *, status: str = "FINISHED") -> None:
         """End the run with ``status``; calling it again does nothing.

@@ -134,6 +134,7 @@ class PipelineRunner(Runner):
         self.stage_index = stage_indices[0]
         self.num_stages = num_stages
         self.n_microbatches = n_microbatches
+        self.micro_batches = n_microbatches  # a mean loss counts each one (Runner's)
         self.inputs_and_target = inputs_and_target
         self.shapes: list[tuple[int, ...]] | None = None
         self.outputs: list[LossOutput] = []
