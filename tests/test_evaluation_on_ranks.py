@@ -153,3 +153,25 @@ def test_early_stopping_on_a_value_that_differs_across_ranks_is_refused_on_every
     for step, refusal in run_ranks(_stopper_on_a_value_of_its_own, world=2, timeout=120):
         assert step == 0  # refused at the first check, on both ranks
         assert "EarlyStopping: my_score is" in refusal and "on rank" in refusal
+
+
+def _one_rank_holds_the_set(rank: int, world: int) -> tuple[float | None, str]:
+    # nanoGPT's way: rank 0 evaluates the whole set, the others none of it.
+    eval_step, metrics = make_eval_step(_per_sample_loss), {"loss": MeanMetric()}
+    share = DataLoader(_VAL, batch_size=2) if rank == 0 else []
+    value = evaluate(eval_step, _model(), share, metrics=metrics)["loss"]
+    try:
+        evaluate(eval_step, _model(), [], metrics=metrics)
+    except ValueError as error:
+        return value, str(error)
+    return value, ""
+
+
+def test_a_rank_with_no_batch_of_the_set_is_a_share_and_an_empty_set_is_refused_on_every_rank() -> (
+    None
+):
+    # Before, the empty rank raised ValueError alone and the other waited in the metric's
+    # synchronisation until gloo reset the connection.
+    for value, refusal in run_ranks(_one_rank_holds_the_set, world=2, timeout=120):
+        assert value == pytest.approx(_reference(), abs=1e-6)
+        assert "data yielded no batches" in refusal

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,6 +31,7 @@ from torch.utils.data import DistributedSampler
 from steplib import errors
 from steplib.data import on_model_device
 from steplib.data.shards import ShardedSampler
+from steplib.distributed.collectives import max_over_ranks
 from steplib.errors import ConfigError, describe
 from steplib.seeding import forked_rng
 from steplib.state import TrainState
@@ -253,16 +255,31 @@ def evaluate(
         for batch in itertools.islice(data, limit_batches):
             _update(collection, eval_step(state, batch))
             batches += 1
+    # Metrics that synchronise meet the other ranks in compute (a collective): the count of
+    # batches is agreed there too, so a rank with none of the set (rank 0 alone evaluating, as
+    # nanoGPT does) is a share like any other, and an empty set is refused on every rank alike.
+    synced = [m for m in _metrics_of(collection) if m.sync_on_compute]
+    if synced:
+        device = None if first is None else first.device
+        batches = int(max_over_ranks(batches, device=device, group=synced[0].process_group))
     if batches == 0:
         raise ValueError(
             "evaluate: data yielded no batches, so there is nothing to compute. Pass a "
             "re-iterable with at least one batch (a DataLoader or a list)."
         )
-    computed = collection.compute()
+    with warnings.catch_warnings():  # torchmetrics' "compute before update", for an empty share
+        warnings.filterwarnings("ignore", "The ``compute`` method", UserWarning)
+        computed = collection.compute()
     collection.reset()
     if isinstance(collection, Metric):
         computed = {type(collection).__name__: computed}
     return _host_values(computed)
+
+
+def _metrics_of(collection: Metric | MetricCollection) -> list[Metric]:
+    from torchmetrics import Metric
+
+    return [collection] if isinstance(collection, Metric) else list(collection.values())
 
 
 def check_whole_set(data: Any, *, owner: str) -> None:
