@@ -33,6 +33,7 @@ from steplib.handlers import (
     event_record,
     make_eval_step,
 )
+from steplib.handlers.logging.base import Sink
 from tests.host_reads import on_host_read
 from tests.reference import RecordingSink
 
@@ -238,6 +239,28 @@ def test_a_sink_closed_by_its_with_block_is_refused_at_fit_start_of_a_later_run(
     with pytest.raises(ConfigError, match=r"is closed .*Build a new") as info:
         run(step, state, batches, events=events)
     assert calls == [] and url in str(info.value)
+
+
+def test_a_users_sink_that_sets_closed_itself_is_refused_too() -> None:
+    # A sink of the user's own that keeps a plain ``closed`` flag: a ``closed`` property on the
+    # base class made its close() raise AttributeError (the property has no setter).
+    class Records(Sink):
+        def __init__(self) -> None:
+            self.closed = False
+            self.records: list[Any] = []
+
+        def write(self, record: Any) -> None:
+            self.records.append(record)
+
+        def close(self) -> None:
+            self.closed = True
+
+    state, step, batches = _setup()
+    with Records() as sink:
+        state = run(step, state, batches, events=Events(Log(sink, every=1)))
+    assert sink.records
+    with pytest.raises(ConfigError, match="is closed"):
+        run(step, state, batches, events=Events(Log(sink, every=1)))
 
 
 def test_an_evaluator_refuses_a_closed_sink_at_fit_start() -> None:

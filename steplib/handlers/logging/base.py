@@ -245,14 +245,6 @@ class Sink(abc.ABC):
         """A run starts (a :class:`Log` calls it): drop what it writes again at its first."""
         return None
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ended what this sink writes to on this rank, so that a
-        write would fail (a file sink, TensorBoard, a tracker's run); a :class:`Log` refuses
-        it at ``fit_start``. ``False`` for a sink that writes again after ``close`` (the
-        console) and on a rank that writes nothing."""
-        return False
-
     def __enter__(self: _L) -> _L:
         return self
 

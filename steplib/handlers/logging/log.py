@@ -193,7 +193,9 @@ class Log(Handler):
             ConfigError: a sink is closed; the message names it.
         """
         for sink in self.sinks:
-            if sink.closed:
+            # A sink tells by a ``closed`` attribute (the built-in file, TensorBoard and
+            # tracker sinks; a user's own may set one): none, or False, is open.
+            if getattr(sink, "closed", False) is True:
                 name = type(sink).__name__
                 raise ConfigError(
                     f"Log received {sink!r}, which is closed (its `with {name}(...)` block "
