@@ -46,7 +46,7 @@ from steplib.step.parts import LOCAL
 from steplib.step.phases import check_scheduler
 from steplib.sweep.copies import Copies, per_copy
 from steplib.sweep.grads import CopyGradients
-from steplib.sweep.optim import PerCopyOptimizer
+from steplib.sweep.per_copy_optimizer import PerCopyOptimizer
 from steplib.sweep.rates import check_per_copy_schedule
 from steplib.sweep.trial import trial
 
