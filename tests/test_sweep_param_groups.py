@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import steplib as sl
+from steplib.checkpoint import latest, load, save
 from steplib.param_groups import weight_decay_groups
 from steplib.sweep import Copies, SweepAdamW, SweepSGD, stop_copies, sweep_step
 from tests.reference import make_batches, mean_loss, tiny_model
@@ -244,3 +246,34 @@ def test_an_absolute_rate_is_judged_for_the_groups_with_per_copy_rates() -> None
     cosine = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10, eta_min=1e-5)  # noqa: E731
     with pytest.raises(sl.ConfigError, match="CosineAnnealingLR has eta_min=1e-05"):
         step(state_with(cosine), batch)
+
+
+def test_a_checkpoint_of_a_sweep_with_groups_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """save / load: each group's per-copy values, the one active mask and the schedule."""
+
+    def build() -> tuple[Copies, sl.TrainState, Any]:
+        copies = Copies.stack([tiny_model(i) for i in range(3)])
+        decay, other = weight_decay_groups(copies, [0.0, 0.1, 0.2])
+        opt = SweepAdamW([decay, {**other, "lr": BIAS_LRS[:3]}], lr=LRS[:3])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=sched)
+        step = sweep_step(sl.make_train_step(mean_loss), copies=copies, example_batch=batches[0])
+        return copies, state, step
+
+    batches = make_batches(10, seed=4)
+    copies, state, step = build()
+    for batch in batches[:4]:
+        state, _ = step(state, batch)
+    stop_copies(state.optimizer, [1])
+    save(state, str(tmp_path))
+    for batch in batches[4:]:
+        state, _ = step(state, batch)
+    again, resumed, step = build()
+    newest = latest(str(tmp_path))
+    assert newest is not None
+    resumed = load(newest, resumed)
+    assert resumed.optimizer.param_groups[0]["active"].tolist() == [True, False, True]
+    for batch in batches[4:]:
+        resumed, _ = step(resumed, batch)
+    for a, b in zip(copies.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -58,9 +58,9 @@ def given_groups(owner: str, params: Any) -> list[dict[str, Any]]:
     listable = isinstance(params, Iterable) and not isinstance(params, torch.Tensor | set)
     given = list(params) if listable else None
     if given and all(isinstance(g, dict) for g in given):
-        groups = [{**g, "params": _tensors(g.get("params"))} for g in given]
+        groups = [{**g, "params": tensor_list(g.get("params"))} for g in given]
     else:
-        groups = [{"params": _tensors(given)}]
+        groups = [{"params": tensor_list(given)}]
     if any(g["params"] is None for g in groups) or not any(g["params"] for g in groups):
         raise ConfigError(
             f"{owner} received params={describe(params)}; pass the sweep's parameters, "
@@ -71,7 +71,7 @@ def given_groups(owner: str, params: Any) -> list[dict[str, Any]]:
     return groups
 
 
-def _tensors(params: Any) -> list[torch.Tensor] | None:
+def tensor_list(params: Any) -> list[torch.Tensor] | None:
     """``params`` as a list of tensors; ``None`` for anything else (a named pair, a number)."""
     if isinstance(params, torch.Tensor):
         return [params]

@@ -25,7 +25,9 @@ class SweepAdamW(PerCopyOptimizer):
     Adam with L2 weight decay (as ``torch.optim.Adam``), with per-copy hyper-parameters.
 
     Args:
-        params: ``copies.parameters()``.
+        params: ``copies.parameters()``, or parameter groups of them (torch.optim's: a value a
+            group gives, a float or one per copy, overrides the one given here), e.g.
+            ``steplib.param_groups.weight_decay_groups(copies, 0.1)``.
         lr, beta1, beta2, eps, weight_decay: a float, or a sequence of one value per copy.
             ``weight_decay`` left out is torch's default for the variant: AdamW's 1e-2, Adam's 0.
         decoupled: AdamW's decay (``p *= 1 - lr * wd``) when True, Adam's L2 term otherwise.
@@ -34,8 +36,9 @@ class SweepAdamW(PerCopyOptimizer):
     Raises:
         ConfigError: a value that is not a number, a sequence of the wrong length, a value
             ``torch.optim.AdamW`` refuses (``lr``, ``eps`` or ``weight_decay`` below 0, a beta
-            outside [0, 1), NaN), ``decoupled`` not a bool, or parameters without the copies'
-            leading dimension.
+            outside [0, 1), NaN), ``decoupled`` not a bool, parameters without the copies'
+            leading dimension, or a group with a torch.optim setting it does not read
+            (``betas``: give ``beta1``, ``beta2``).
 
     Example:
         >>> import torch
@@ -126,7 +129,9 @@ class SweepSGD(PerCopyOptimizer):
     per-copy hyper-parameters.
 
     Args:
-        params: ``copies.parameters()``.
+        params: ``copies.parameters()``, or parameter groups of them (torch.optim's: a value a
+            group gives, a float or one per copy, overrides the one given here), e.g.
+            ``steplib.param_groups.weight_decay_groups(copies, 0.1)``.
         lr, momentum, dampening, weight_decay: a float, or a sequence of one value per copy.
         nesterov: Nesterov momentum (for every copy).
         n: the number of copies (read from the parameters when left out).

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from steplib.errors import ConfigError
-from steplib.sweep.arguments import flag, given_groups, is_sequence, number, per_copy_values
+from steplib.sweep.arguments import (
+    flag,
+    given_groups,
+    is_sequence,
+    number,
+    per_copy_values,
+    tensor_list,
+)
 from steplib.sweep.flat_state import FlatState
 
 
@@ -100,12 +107,14 @@ class PerCopyOptimizer(torch.optim.Optimizer):
         """
         owner, index = type(self).__name__, len(self.param_groups)
         group = {**self.defaults, **param_group}
-        params = group["params"] = list(group["params"])
-        if any(p.ndim == 0 or p.shape[0] != self.n for p in params):
+        params = group["params"] = tensor_list(group.get("params"))  # a tensor: one, as torch's
+        shapes = [tuple(p.shape) for p in params or []]
+        if params is None or any(not shape or shape[0] != self.n for shape in shapes):
+            held = "no list of tensors" if params is None else f"shapes {shapes[:4]}"
             raise ConfigError(
                 f"{owner}: every parameter must have the copies' leading dimension ({self.n}); "
-                f"param group {index} has shapes {[tuple(p.shape) for p in params][:4]}. Pass "
-                "copies.parameters() of a steplib.sweep.Copies (or groups of them)."
+                f"param group {index} has {held}. Pass copies.parameters() of a "
+                "steplib.sweep.Copies (or groups of them)."
             )
         for name, fix in self.unread:
             if name in param_group:
