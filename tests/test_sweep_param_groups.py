@@ -213,6 +213,10 @@ def test_a_group_value_torch_optim_would_refuse_or_ignore_is_refused(
 
 def test_groups_of_tensors_without_the_copies_dimension_are_refused() -> None:
     copies = Copies.stack([tiny_model(i) for i in range(N)])
+    opt = SweepSGD(copies.parameters(), lr=0.1)
+    extra = nn.Parameter(torch.zeros(N, 5))
+    opt.add_param_group({"params": extra, "lr": BIAS_LRS})  # one tensor: one parameter
+    assert opt.param_groups[1]["params"] == [extra] and opt.lr_per_copy == (1,)
     with pytest.raises(sl.ConfigError, match=r"param group 1 has shapes \[\(16, 8\)"):
         SweepSGD([{"params": copies.parameters()}, {"params": tiny_model(0).parameters()}], lr=0.1)
     with pytest.raises(sl.ConfigError, match="or parameter groups of them"):
