@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from steplib.errors import ConfigError, describe
+from steplib.sweep.copies import Copies
 
 __all__ = ["weight_decay_groups"]
 
@@ -37,7 +38,7 @@ EMBEDDINGS: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 
 def weight_decay_groups(
     model: nn.Module,
-    weight_decay: float,
+    weight_decay: float | Sequence[float],
     *,
     decay_embeddings: bool = True,
     no_decay: Sequence[type[nn.Module]] = (),
@@ -50,10 +51,13 @@ def weight_decay_groups(
     or of a module of a type in ``no_decay``. Embeddings decay, as in nanoGPT, unless
     ``decay_embeddings=False``. Only parameters with ``requires_grad`` are listed; a shared
     (tied) parameter is listed once, and does not decay if any module that holds it does not.
+    For a sweep's ``Copies`` the dimensions are counted per copy (a stacked bias ``[N, out]``
+    is a bias), and ``weight_decay`` may be one value per copy (``SweepAdamW`` reads it so).
 
     Args:
         model: the module (DDP and ``torch.compile`` wrappers hold the same parameters).
-        weight_decay: the decay of the first group, a number >= 0.
+        weight_decay: the decay of the first group, a number >= 0 (for ``Copies``, or a list
+            of one per copy).
         decay_embeddings: ``False`` puts ``nn.Embedding`` / ``nn.EmbeddingBag`` weights in the
             group without decay.
         no_decay: more module types whose parameters never decay (your own norm layer with a
@@ -65,7 +69,8 @@ def weight_decay_groups(
         Either list may be empty.
 
     Raises:
-        ConfigError: ``weight_decay`` is not a finite number >= 0, ``no_decay`` is not a tuple
+        ConfigError: ``weight_decay`` is not a finite number >= 0 (or, for ``Copies``, a list
+            of one per copy), ``no_decay`` is not a tuple
             of module types, or ``model`` is not a module or has no trainable parameter.
 
     Example:
@@ -83,13 +88,20 @@ def weight_decay_groups(
     for module in model.modules():
         if isinstance(module, exempt_types):
             exempt.update(id(p) for p in module.parameters(recurse=False))
+    # A sweep's tensors have the copies' leading dimension: a bias is [N, out], 1-D per copy.
+    stacked = 1 if isinstance(model, Copies) else 0
     decay: list[nn.Parameter] = []
     other: list[nn.Parameter] = []
     for p in model.parameters():  # each shared parameter once
         if p.requires_grad:
-            (other if p.dim() < 2 or id(p) in exempt else decay).append(p)
+            (other if p.dim() - stacked < 2 or id(p) in exempt else decay).append(p)
+    rate: float | list[float]  # a list only for Copies (refused above otherwise)
+    if isinstance(weight_decay, int | float):
+        rate = float(weight_decay)
+    else:
+        rate = [float(v) for v in weight_decay]
     return [
-        {"params": decay, "weight_decay": float(weight_decay)},
+        {"params": decay, "weight_decay": rate},
         {"params": other, "weight_decay": 0.0},
     ]
 
@@ -100,16 +112,17 @@ def _check(model: Any, weight_decay: Any, no_decay: Any) -> tuple[type[nn.Module
             f"weight_decay_groups received model={describe(model)}, which is not an "
             "nn.Module. Pass the model: weight_decay_groups(model, 0.1)."
         )
-    if (
-        isinstance(weight_decay, bool)
-        or not isinstance(weight_decay, int | float)
-        or not math.isfinite(weight_decay)
-        or weight_decay < 0
+    # A sweep's may give one per copy (a SweepAdamW reads a list in a group as per copy).
+    per_copy = isinstance(model, Copies) and isinstance(weight_decay, list | tuple)
+    values = list(weight_decay) if per_copy else [weight_decay]
+    if (per_copy and len(values) != model.n) or not all(
+        not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v >= 0
+        for v in values
     ):
         raise ConfigError(
             f"weight_decay_groups received weight_decay={describe(weight_decay)}; it must be a "
-            "finite number >= 0 (the decay of the weights; biases and norms get 0). Pass e.g. "
-            "weight_decay_groups(model, 0.1)."
+            "finite number >= 0 (the decay of the weights; biases and norms get 0), or for a "
+            "sweep's Copies one such number per copy. Pass e.g. weight_decay_groups(model, 0.1)."
         )
     if not isinstance(no_decay, tuple | list) or not all(
         isinstance(t, type) and issubclass(t, nn.Module) for t in no_decay

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from steplib.sweep import Copies, SweepAdamW, SweepSGD
-from steplib.sweep.optim import PACK_LIMIT
+from steplib.sweep.per_copy_optimizer import PACK_LIMIT
 
 N = 3
 LRS = [1e-2, 3e-2, 1e-1]

@@ -119,7 +119,7 @@ class TrainMetrics(Handler):
         # its own elements and kept unless that copy's update was skipped, as its own run's.
         copies = tuple(out.loss.shape)
         closes = closed_window(out).to(device).any()
-        kept = closes & ~skipped
+        kept = closes & out.did_update.to(device)  # not skipped, nor a sweep's stopped copy
         window, totals = self._open.setdefault(name, {}), self._aux.setdefault(name, {})
         values = {k: v for k, v in out.aux.items() if self.aux is None or k in self.aux}
         for key in dict.fromkeys([*window, *values]):

@@ -122,7 +122,10 @@ class NonFiniteAlarm(Handler):
             grad_bad = ~torch.isfinite(out.grad_norm.detach()).to(window[-1].device)
             window[-1] = window[-1] | torch.stack((torch.zeros_like(grad_bad), grad_bad))
         if not self.include_skipped:
-            keep = ~out.skipped.to(window[-1].device)
+            # Applied updates only: at a closed window that is ~skipped for one model, and it
+            # also leaves out a sweep's stopped copy, whose loss (NaN once it diverged) trains
+            # nothing and is neither applied nor skipped.
+            keep = out.did_update.to(window[-1].device)
             window = [flags & keep.to(flags.device) for flags in window]
         # [loss bad, grad norm bad] of any copy (a sweep's [2, N]; one model's is [2] already).
         self._pending.extend(flags.reshape(2, -1).any(dim=1) for flags in window)
@@ -201,7 +204,7 @@ class GradNormMonitor(Handler):
 
     The norm is the one the step measured (``StepOutput.grad_norm``): wrap the step with
     ``clip(step, max_norm=...)`` or ``skip_nonfinite(step)``. Sums stay on the device; one host
-    read per :meth:`read`. Skipped updates are left out.
+    read per :meth:`read`. Skipped updates (and a sweep's stopped copies) are left out.
 
     Example:
         >>> import torch
@@ -209,7 +212,7 @@ class GradNormMonitor(Handler):
         >>> from steplib import Event
         >>> monitor = GradNormMonitor()
         >>> for norm in (1.0, 3.0):
-        ...     out = SimpleNamespace(grad_norm=torch.tensor(norm), skipped=torch.tensor(False))
+        ...     out = SimpleNamespace(grad_norm=torch.tensor(norm), did_update=torch.tensor(True))
         ...     monitor.update(Event("step_end", state=None, output=out))
         >>> monitor.read(Event("step_end", state=None))
         {'grad_norm_mean': 2.0, 'grad_norm_max': 3.0, 'updates': 2}
@@ -253,7 +256,9 @@ class GradNormMonitor(Handler):
             self._updates += 1
 
     def _add(self, name: str, out: Any) -> None:
-        keep = ~out.skipped.to(out.grad_norm.device)
+        # Applied updates only (a closed window: ~skipped for one model; a sweep's stopped copy
+        # is neither applied nor skipped, and its norm is of no update).
+        keep = out.did_update.to(out.grad_norm.device)
         norm = torch.where(keep, out.grad_norm.detach().float(), 0.0)
         count = keep.float()
         if name in self._norms:

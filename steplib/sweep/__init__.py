@@ -13,7 +13,8 @@ handlers; every ``StepOutput`` field becomes a ``[N]`` tensor.
 
 from steplib.sweep.copies import Copies
 from steplib.sweep.grads import CopyGradients
-from steplib.sweep.optim import PerCopyOptimizer, SweepAdamW, SweepSGD
+from steplib.sweep.optim import SweepAdamW, SweepSGD
+from steplib.sweep.per_copy_optimizer import PerCopyOptimizer
 from steplib.sweep.step import SweepStep, sweep_step
 from steplib.sweep.stopping import (
     SuccessiveHalving,

@@ -1,10 +1,11 @@
-"""Reading a sweep optimizer's arguments: a hyper-parameter is one number for every copy or a
-sequence of one per copy, and a setting shared by every copy (``nesterov``, ``decoupled``) is
-one bool. Each refusal names the argument and the fix."""
+"""Reading a sweep optimizer's arguments: its parameters (tensors, or parameter groups), a
+hyper-parameter as one number for every copy or a sequence of one per copy, and a setting shared
+by every copy (``nesterov``, ``decoupled``) as one bool. Each refusal names the argument and the
+fix."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -48,3 +49,33 @@ def per_copy_values(owner: str, name: str, value: Any, n: int) -> list[float]:
             f"copy, or a single number for all of them."
         )
     return [number(owner, name, v) for v in values]
+
+
+def given_groups(owner: str, params: Any) -> list[dict[str, Any]]:
+    """``params`` as torch.optim reads it, a list of groups (``{"params": [tensors], ...}``):
+    tensors make one group; each group's ``params`` read into a list once (a generator, such as
+    ``model.parameters()``, can be read only once)."""
+    listable = isinstance(params, Iterable) and not isinstance(params, torch.Tensor | set)
+    given = list(params) if listable else None
+    if given and all(isinstance(g, dict) for g in given):
+        groups = [{**g, "params": tensor_list(g.get("params"))} for g in given]
+    else:
+        groups = [{"params": tensor_list(given)}]
+    if any(g["params"] is None for g in groups) or not any(g["params"] for g in groups):
+        raise ConfigError(
+            f"{owner} received params={describe(params)}; pass the sweep's parameters, "
+            "copies.parameters(), or parameter groups of them: [{'params': [...], "
+            "'weight_decay': 0.1}, {'params': [...], 'weight_decay': 0.0}] "
+            "(steplib.param_groups.weight_decay_groups(copies, 0.1) makes those two)."
+        )
+    return groups
+
+
+def tensor_list(params: Any) -> list[torch.Tensor] | None:
+    """``params`` as a list of tensors; ``None`` for anything else (a named pair, a number)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if not isinstance(params, Iterable) or isinstance(params, str | dict | set):
+        return None  # a set: its order, so the state's, would change between runs
+    listed = list(params)
+    return listed if all(isinstance(p, torch.Tensor) for p in listed) else None

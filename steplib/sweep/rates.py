@@ -13,6 +13,7 @@ handler's check uses it).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from torch.optim import lr_scheduler
@@ -30,32 +31,37 @@ def check_per_copy_schedule(scheduler: Any, optimizer: Any, caller: str) -> None
         ConfigError: what in the scheduler is absolute, why each copy would train at another
             rate than its own run's, and the fix.
     """
-    if scheduler is None or not getattr(optimizer, "lr_per_copy", False):
+    groups = getattr(optimizer, "lr_per_copy", ())
+    if scheduler is None or not groups:
         return
-    found = absolute_setting(scheduler)
+    found = absolute_setting(scheduler, groups)
     if found is None:
         return
     raise ConfigError(
-        f"{caller}: the scheduler's {found}, and this sweep's optimizer has a per-copy lr, so "
-        "its group['lr'] is a factor of each copy's rate (copy i trains at group['lr'] * "
-        "lr[i]): every copy would train at that value times its own rate, not at the rate its "
-        "own run would have. Give the optimizer one lr for all copies (per-copy weight decay, "
-        "betas or momentum still work), or schedule a factor of each copy's rate: "
-        "LambdaLR(optimizer, warmup_cosine(...)) (for AbsoluteLR's get_lr: LambdaLR(optimizer, "
-        "lambda n: get_lr(n) / base)), CosineAnnealingLR without eta_min, or "
-        "OneCycleLR(optimizer, max_lr=1.0, cycle_momentum=False, ...) with lr=[each copy's max_lr]."
+        f"{caller}: the scheduler's {found}, and this sweep's optimizer has a per-copy lr (param "
+        f"group {', '.join(map(str, groups))}), so that group's lr is a factor of each copy's "
+        "rate (copy i trains at group['lr'] * lr[i]): every copy would train at that value "
+        "times its own rate, not at the rate its own run would have. Give the optimizer one lr "
+        "for all copies (per-copy weight decay, betas or momentum still work), or schedule a "
+        "factor of each copy's rate: LambdaLR(optimizer, warmup_cosine(...)) (for "
+        "AbsoluteLR's get_lr: LambdaLR(optimizer, lambda n: get_lr(n) / base)), "
+        "CosineAnnealingLR without eta_min, or OneCycleLR(optimizer, max_lr=1.0, "
+        "cycle_momentum=False, ...) with lr=[each copy's max_lr]."
     )
 
 
-def absolute_setting(scheduler: Any) -> str | None:
-    """What in ``scheduler`` sets or bounds the rate by an absolute value (``"AbsoluteLR sets
-    the group's lr to the rate itself"``, ``"CosineAnnealingLR has eta_min=0.0001"``), also
-    inside a ``SequentialLR`` or ``ChainedScheduler``; ``None`` when it only scales the rate
-    (a value of 1.0 for ``max_lr`` is a factor too: the copies' rates are the maxima)."""
-    return found_in(scheduler, _absolute_here)
+def absolute_setting(scheduler: Any, groups: Collection[int]) -> str | None:
+    """What in ``scheduler`` sets or bounds the rate of a param group in ``groups`` (those
+    with per-copy rates) by an absolute value (``"AbsoluteLR sets the group's lr to the rate
+    itself"``, ``"CosineAnnealingLR has eta_min=0.0001"``), also inside a ``SequentialLR`` or
+    ``ChainedScheduler``; ``None`` when it only scales their rate (a value of 1.0 for
+    ``max_lr`` is a factor too: the copies' rates are the maxima). A value held per group
+    (``max_lr``, ``min_lr``, ``swa_lr``) counts for those groups only: another group's rate
+    is one rate, which an absolute value sets as it would in a plain run."""
+    return found_in(scheduler, lambda one: _absolute_here(one, groups))
 
 
-def _absolute_here(scheduler: Any) -> str | None:
+def _absolute_here(scheduler: Any, groups: Collection[int]) -> str | None:
     if isinstance(scheduler, AbsoluteLR):
         return "AbsoluteLR sets the group's lr to the rate itself"
     for kind, name, factor, what in _ABSOLUTE:
@@ -63,10 +69,14 @@ def _absolute_here(scheduler: Any) -> str | None:
             held = getattr(scheduler, name, None)
             if held is None:  # OneCycleLR and SWALR keep theirs in each group
                 held = [group[name] for group in scheduler.optimizer.param_groups]
-            values = [float(v) for v in (held if isinstance(held, list | tuple) else [held])]
-            if any(value != factor for value in values):
+            if isinstance(held, list | tuple):  # one per group: those with per-copy rates
+                values = [float(v) for i, v in enumerate(held) if i in groups]
+            else:  # one for every group (eta_min)
+                values = [float(held)]
+            wrong = [value for value in values if value != factor]
+            if wrong:
                 argument = name.removesuffix("s")  # CyclicLR's max_lrs: its argument max_lr
-                return f"{kind.__name__} has {argument}={values[0]}, {what}"
+                return f"{kind.__name__} has {argument}={wrong[0]}, {what}"
     return None
 
 

@@ -46,7 +46,7 @@ from steplib.step.parts import LOCAL
 from steplib.step.phases import check_scheduler
 from steplib.sweep.copies import Copies, per_copy
 from steplib.sweep.grads import CopyGradients
-from steplib.sweep.optim import PerCopyOptimizer
+from steplib.sweep.per_copy_optimizer import PerCopyOptimizer
 from steplib.sweep.rates import check_per_copy_schedule
 from steplib.sweep.trial import trial
 
@@ -180,8 +180,8 @@ class SweepStep:
             kept = targets > 0 if grads.nonfinite is None else ~grads.nonfinite & (targets > 0)
             kept = kept.expand(self.n)
             update = lambda: optimizer.step(mask=kept)  # noqa: E731
-            applied = optimizer.param_groups[0]["active"] & kept
-            skipped = ~kept
+            active = optimizer.param_groups[0]["active"]  # a stopped copy: neither (no update)
+            applied, skipped = active & kept, active & ~kept
         elif grads.nonfinite is not None:  # torch's optimizers would update a NaN copy: refuse
             raise ConfigError(
                 f"a transform of this sweep's step ({self.step.describe()}) skips the update of "

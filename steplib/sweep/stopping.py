@@ -23,7 +23,7 @@ from torchmetrics.wrappers import MultioutputWrapper
 from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler, Stop
-from steplib.sweep.optim import PerCopyOptimizer
+from steplib.sweep.per_copy_optimizer import PerCopyOptimizer
 
 
 def per_copy_metric(metric: Metric, n: int) -> Metric:
