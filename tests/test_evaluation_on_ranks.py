@@ -158,7 +158,7 @@ def test_early_stopping_on_a_value_that_differs_across_ranks_is_refused_on_every
 def _one_rank_holds_the_set(rank: int, world: int) -> tuple[float | None, str]:
     # nanoGPT's way: rank 0 evaluates the whole set, the others none of it.
     eval_step, metrics = make_eval_step(_per_sample_loss), {"loss": MeanMetric()}
-    share = DataLoader(_VAL, batch_size=2) if rank == 0 else []
+    share: Any = DataLoader(_VAL, batch_size=2) if rank == 0 else []
     value = evaluate(eval_step, _model(), share, metrics=metrics)["loss"]
     try:
         evaluate(eval_step, _model(), [], metrics=metrics)
