@@ -16,7 +16,7 @@ import orjson
 import pytest
 import torch
 
-from steplib import Events, make_train_step, run
+from steplib import Events, TrainState, make_train_step, run
 from steplib.checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -228,3 +228,29 @@ def test_the_writer_runs_in_its_own_thread_and_training_keeps_its_priority(
         saver.save(make_state(), str(tmp_path))
     assert seen and {name.split("-")[1] for name, _ in seen} == {"save"}  # the writer thread
     assert priority() == training
+
+
+def _multistep_state() -> tuple[TrainState, torch.optim.lr_scheduler.MultiStepLR]:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[2, 3], gamma=0.1)
+    return TrainState.create(model=model, optimizer=optimizer, scheduler=scheduler), scheduler
+
+
+def test_an_async_save_keeps_a_counter_as_it_is(tmp_path: Path) -> None:
+    # MultiStepLR keeps its milestones in a collections.Counter (a milestone given twice decays
+    # twice). The snapshot copied a dict by update(), which a Counter adds: every milestone
+    # was counted twice, and the resumed rate fell 100-fold at each (1, 1, 0.01, 1e-4, not
+    # 1, 1, 0.1, 0.01).
+    state, _ = _multistep_state()
+    with AsyncSaver() as saver:
+        url = saver.save(state, str(tmp_path))
+    resumed, scheduler = _multistep_state()
+    load(url, resumed)
+    rates = []
+    for _ in range(4):
+        rates.append(scheduler.get_last_lr()[0])
+        resumed.optimizer.step()
+        scheduler.step()
+    assert scheduler.milestones == {2: 1, 3: 1}
+    assert rates == pytest.approx([1.0, 1.0, 0.1, 0.01])

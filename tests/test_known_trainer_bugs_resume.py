@@ -121,6 +121,11 @@ def test_a_run_that_early_stopping_ended_does_not_train_again_when_resumed(tmp_p
 # name -> (the scheduler, the rate of each epoch's 3 updates)
 SCHEDULES: dict[str, tuple[Any, list[float]]] = {
     "StepLR": (lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.1), [1, 0.1, 0.01, 1e-3]),
+    # Its milestones are a collections.Counter: every save refused it ("not plain").
+    "MultiStepLR": (
+        lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, [2, 3], 0.1),
+        [1, 1, 0.1, 0.01],
+    ),
 }
 
 

@@ -67,7 +67,8 @@ def snapshot(
             return to_buffer(obj, obj, path)
         if isinstance(obj, dict):
             copied = shallow_copy(obj)  # keeps what a state dict carries beside its items
-            copied.update({k: copy(v, (*path, k)) for k, v in obj.items()})
+            for key, value in obj.items():  # assigned: a Counter's update() adds the counts
+                copied[key] = copy(value, (*path, key))
             return copied
         if isinstance(obj, list | tuple):
             return type(obj)(copy(v, (*path, i)) for i, v in enumerate(obj))

@@ -304,8 +304,9 @@ def check_plain(tree: Any, where: str) -> None:
     """Refuse what ``torch.load(weights_only=True)`` would refuse, before writing anything."""
     if isinstance(tree, _LEAVES):
         return
-    # Exact types: a subclass (a namedtuple) is pickled by class name: weights_only refuses it.
-    if type(tree) in (dict, collections.OrderedDict):
+    # Exact types: a subclass (a namedtuple) is pickled by class name: weights_only refuses it;
+    # Counter (MultiStepLR's milestones) is on weights_only's allowlist.
+    if type(tree) in (dict, collections.OrderedDict, collections.Counter):
         for key, value in tree.items():
             if type(key) not in (str, int):
                 raise ConfigError(_not_plain(f"{where} key {key!r}", key))
