@@ -65,9 +65,8 @@ class PerCopyOptimizer(torch.optim.Optimizer):
     """
 
     per_copy: tuple[str, ...] = ()  # the hyper-parameters that may differ per copy
-    flags: tuple[
-        str, ...
-    ] = ()  # settings that are one bool for every copy (a group may set its own)
+    # Settings that are one bool for every copy (a group may set its own).
+    flags: tuple[str, ...] = ()
     state_keys: tuple[str, ...] = ()  # the per-parameter buffers, zeros at the first update
     # What torch.optim accepts, (name, lowest, above the highest): a value outside would make
     # that copy's own run refused, so the sweep refuses it too (NaN is outside every range).
