@@ -147,8 +147,7 @@ class _Summary:
         while len(self.tail) > max(kept, 0):
             oldest = self.tail.popleft()
             self.folded += 1
-            self.last.update(oldest)
-            self.steps.update(dict.fromkeys(oldest, oldest.get("step")))
+            _take(self.last, self.steps, oldest)
             if isinstance(step := oldest.get("step"), int):
                 self.latest = step if self.latest is None else max(self.latest, step)
                 if oldest.get("updates") is not None:
@@ -172,9 +171,15 @@ class _Summary:
         """Each name's last value, and the step of the record it came from."""
         last, steps = dict(self.last), dict(self.steps)
         for record in self.tail:
-            last.update(record)
-            steps.update(dict.fromkeys(record, record.get("step")))
+            _take(last, steps, record)
         return last, steps
+
+
+def _take(last: Record, steps: dict[str, Any], record: Record) -> None:
+    """Each name of ``record`` into ``last`` with its value and into ``steps`` with the
+    record's step: the summary's one rule, for the fold and for the records kept whole."""
+    last.update(record)
+    steps.update(dict.fromkeys(record, record.get("step")))
 
 
 def _short(value: Any) -> str:
