@@ -12,7 +12,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from steplib import errors
@@ -20,6 +19,7 @@ from steplib.cadence import Batches, check_every, due
 from steplib.checkpoint import storage
 from steplib.checkpoint.background import AsyncSaver
 from steplib.checkpoint.contents import (
+    as_number,
     check_metric_states,
     check_metrics,
     is_sharded,
@@ -50,22 +50,16 @@ Metrics = Callable[[Event], Mapping[str, Any]]
 
 
 def default_metrics(event: Event) -> dict[str, float]:
-    """What a checkpoint records without ``metrics``: ``{name: float}`` of the update's
-    ``loss`` (with several steps each one's, ``D/loss``, as the logs name them: of the steps
-    whose window closed at this update) and each number in ``state.extras`` evaluated at this
-    update."""
+    """What a checkpoint records without ``metrics``: the update's ``loss`` (of several steps,
+    each one's whose window closed here, ``D/loss``, as the logs name them) and each number in
+    ``state.extras`` evaluated at this update."""
     outputs = update_outputs(event)
     losses = {f"{n}/loss" if n else "loss": getattr(o, "loss", None) for n, o in outputs.items()}
     extras = getattr(event.state, "extras", {})
     stale = stale_values(extras, event.step)
     fresh = {k: v for k, v in extras.items() if k not in stale}
-    numbers = {}
-    for name, value in {**losses, **fresh}.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:  # a sweep's loss is not
-            value = value.item()  # a host sync, at save time only
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            numbers[name] = float(value)
-    return numbers
+    numbers = {name: as_number(value) for name, value in {**losses, **fresh}.items()}
+    return {name: number for name, number in numbers.items() if number is not None}
 
 
 def stale_values(extras: Mapping[str, Any], step: int) -> set[str]:
@@ -147,9 +141,8 @@ class Checkpointer(Handler):
         return None
 
     def ends_epoch(self, event: Event) -> bool:
-        """Whether ``event`` is the update on its epoch's last batch (marked by the loop, or
-        told by the run's loader). Saves due then wait for ``epoch_end``: before its handlers
-        (a per-epoch scheduler, an evaluation), a resume would skip them or train it again."""
+        """Whether ``event`` is the update on its epoch's last batch. Saves due then wait for
+        ``epoch_end``: before its handlers ran (a scheduler, an evaluation), a resume skips them."""
         return event.closes_epoch or (self._run.data is not None and at_epoch_end(self._run.data))
 
     def report(self, event: Event, *, earlier: Emitted | None = None) -> Emitted:
@@ -207,25 +200,23 @@ class Checkpointer(Handler):
         known = not self._typed or self.metric in stale_values(state.extras, state.step)
         ranked = self.keep_best is None or self.metric in numbers or known
         if not ranked:
-            recorded = ", ".join(sorted(numbers)) or "none"
-            found = (
-                f"checkpoint_every(keep_best={self.keep_best}, metric={self.metric!r}) found no "
-                f"{self.metric!r} among this checkpoint's metrics; they are: {recorded}."
-            )
-            fix = (
-                "Name one (an evaluator's carry its prefix: 'val_accuracy'), or pass "
-                "metric=evaluator, or metrics= a function that returns it."
-            )
+            head = f"checkpoint_every(keep_best={self.keep_best}, metric={self.metric!r})"
             value = state.extras.get(str(self.metric))
             if isinstance(value, list | tuple):  # not "no such name": it is there, N of it
                 found = (
-                    f"checkpoint_every(keep_best={self.keep_best}, metric={self.metric!r}): "
-                    f"{self.metric!r} is a list of {len(value)} (a sweep's, one per copy), and "
-                    "one checkpoint holds every copy: no one value ranks it."
+                    f"{head}: {self.metric!r} is a list of {len(value)} (a sweep's, one per copy): "
+                    "no one value ranks a checkpoint of every copy."
                 )
                 fix = (
-                    "Keep checkpoints by keep_last alone, and choose copies by their values "
+                    "Keep checkpoints by keep_last alone; choose copies by their values "
                     "(SweepEarlyStopping, SuccessiveHalving, evaluator.history)."
+                )
+            else:
+                recorded = ", ".join(sorted(numbers)) or "none"
+                found = f"{head} found no {self.metric!r} in the metrics; they are: {recorded}."
+                fix = (
+                    "Name one (an evaluator's carry its prefix: 'val_accuracy'), pass "
+                    "metric=evaluator, or metrics= a function that returns it."
                 )
             if strict:  # a scheduled save: refused before anything is written or pruned
                 raise ConfigError(f"{found} Nothing was saved or pruned. {fix}")
@@ -266,11 +257,9 @@ class Checkpointer(Handler):
             ranks = f"{', '.join(shared[:-1])} and {shared[-1]}"
             raise ConfigError(
                 f"checkpoint_every: ranks {ranks} save their own states into {self.directory!r} "
-                "(the state is not sharded: each rank writes a whole checkpoint), where the last "
-                "to commit would win and a resume load its model, RNG and data position into "
-                "every rank. Give each rank a directory of its own (a pipeline stage: "
-                "f'runs/ckpt/stage-{stage.stage_index}'), or shard the state (apply_ddp, "
-                "apply_fsdp) to save one checkpoint together."
+                "(not sharded): the last commit would win, and a resume load its model, RNG and "
+                "data position into every rank. Give each rank its own directory (a pipeline stage"
+                ": f'runs/ckpt/stage-{stage.stage_index}'), or shard it (apply_ddp, apply_fsdp)."
             )
 
     def _prune(self, keep: bool = True) -> None:
@@ -301,10 +290,9 @@ def _warn_newer(owner: str, directory: Location, state: TrainState) -> None:
     if newer and checkpoint_name(state) not in names:  # the state was not loaded from here
         warnings.warn(
             f"{owner}: the directory holds checkpoints newer than this run's state (at update "
-            f"{state.step}): {listed(newer)}, of another run or a rewound one. Until this run "
-            "passes them, keep_last keeps them over this run's, and resume_from loads them. To "
-            "continue that run, attach resume_from(ckpt); to start over, use an empty "
-            "directory; to rewind on purpose, remove them.",
+            f"{state.step}): {listed(newer)}, of another run or a rewound one: keep_last keeps "
+            "them over this run's, and resume_from loads them. To continue that run, attach "
+            "resume_from(ckpt); to start over, use an empty directory; to rewind, remove them.",
             CheckpointWarning,
             stacklevel=3,
         )
@@ -361,6 +349,7 @@ def checkpoint_every(
             (before anything is written or pruned), a ``metric`` its metrics do not hold.
 
     Example:
+        >>> import torch
         >>> from steplib import make_train_step, run
         >>> from steplib.checkpoint import list_checkpoints
         >>> model = torch.nn.Linear(2, 1)

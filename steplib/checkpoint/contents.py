@@ -54,9 +54,9 @@ def is_sharded(state: Any) -> bool:
     if holds_dtensor_parameters(model):
         if not grouped:
             raise ConfigError(
-                f"the state's model ({type(model).__name__}) holds DTensor parameters but no "
+                f"the state's model ({type(model).__name__}) holds DTensor parameters and no "
                 "process group is initialised to save or load them. Save and load on every "
-                "rank before dist.destroy_process_group(), or load into a plain model."
+                "rank before dist.destroy_process_group(), or into a plain model."
             )
         return True
     return False
@@ -127,11 +127,9 @@ def check_metric_states(caller: str, extras: Mapping[str, Any]) -> None:
                 raise ConfigError(
                     f"{caller}(extras=...): extras[{name!r}] holds the torchmetrics "
                     f"{type(module).__name__}, whose states {left_out} are not persistent "
-                    "(torchmetrics' default), so its state_dict() leaves them out: the "
-                    "checkpoint would hold nothing of what it accumulated, and a resume would "
-                    "start it from zero. Make them persistent before saving: call "
-                    f".persistent(True) on what you pass as extras[{name!r}] (a "
-                    "MetricCollection passes it on to its metrics)."
+                    "(torchmetrics' default): its state_dict() leaves them out, so a resume "
+                    f"would start it from zero. Call .persistent(True) on extras[{name!r}] "
+                    "before saving (a MetricCollection passes it on to its metrics)."
                 )
 
 
@@ -148,12 +146,10 @@ def settle_schedulers(step: Any, state: TrainState, caller: str) -> None:
         if fused and type(lane.scheduler) is LambdaLR and lane.device.type == "cuda":
             raise ConfigError(
                 f"{caller} has no step (save's step=, or the Step run calls), and this state's "
-                f"LambdaLR over a fused "
-                f"{type(lane.optimizer).__name__} on CUDA may have its position on the device, "
-                "in the step (its skips are decided there): the scheduler object can be an "
-                "update or two behind, and a checkpoint of it would resume the schedule late. "
-                "Pass the step you train with: save(..., step=step), or run(step, ...) with a "
-                "Step (make_train_step and its wrappers) for checkpoint_every."
+                f"LambdaLR over a fused {type(lane.optimizer).__name__} on CUDA may be an update "
+                "or two behind its position on the device (where the step decides its skips): "
+                "the checkpoint would resume the schedule late. Pass the step you train with: "
+                "save(..., step=step), or run(step, ...) with a Step for checkpoint_every."
             )
 
 
@@ -247,10 +243,9 @@ def check_base_untrained(state: TrainState) -> None:
     if lost := [name for name, p in named if not p.requires_grad and id(p) in trained]:
         raise ConfigError(
             f"save(trainable_only=True): {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} "
-            "are frozen now but were trained (the optimizer holds state for them): as part of "
-            "the frozen base they would be in no checkpoint, and a resume into the pretrained "
-            "model would be refused (another base). Pass trainable_only=False for a run that "
-            "freezes what it trained."
+            "are frozen now but were trained (the optimizer holds state for them): left out as "
+            "the frozen base, they would be in no checkpoint. Pass trainable_only=False for a "
+            "run that freezes what it trained."
         )
 
 
@@ -265,8 +260,7 @@ def trainable_part(
     if len(frozen) == len(list(model.parameters())):
         raise ConfigError(
             f"trainable_only=True: no parameter of the model ({type(model).__name__}) requires "
-            "a gradient: the checkpoint would hold no weights. Pass trainable_only=False, or "
-            "unfreeze what is trained first."
+            "a gradient: no weights to save. Pass trainable_only=False, or unfreeze first."
         )
     base, digest = sorted(weights.keys() & frozen), xxhash.xxh3_64()
     for name in base:
@@ -286,18 +280,21 @@ def check_metrics(metrics: Mapping[str, Any] | None, caller: str) -> dict[str, f
             f"{caller}(metrics=...) received {describe(metrics)}; pass a dict of name -> "
             "number, e.g. metrics={'val_loss': 0.42}."
         )
-    numbers = {}
-    for name, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()  # a host sync, once per save
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (isinstance(name, str) and number):
+    numbers = {name: as_number(value) for name, value in metrics.items()}
+    for name, number in numbers.items():
+        if not isinstance(name, str) or number is None:
             raise ConfigError(
-                f"{caller}(metrics=...): {name!r} is {describe(value)}; metrics are numbers "
-                "(or one-element tensors) by string name, e.g. {'val_loss': 0.42}."
+                f"{caller}(metrics=...): {name!r} is {describe(metrics[name])}; metrics are "
+                "numbers (or one-element tensors) by string name, e.g. {'val_loss': 0.42}."
             )
-        numbers[name] = float(value)
-    return numbers
+    return {name: number for name, number in numbers.items() if number is not None}
+
+
+def as_number(value: Any) -> float | None:
+    """``value`` as a float (a one-element tensor: a host sync, at save time only), else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def check_plain(tree: Any, where: str) -> None:
