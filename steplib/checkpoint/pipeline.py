@@ -108,21 +108,16 @@ class Checkpoints:
         return Plan(self, directory, files, tensors, manifest)
 
     def for_run(self, event: Event) -> Checkpoints:
-        """These with the ``fit_start`` event's loader (unless ``data`` is given; if stateful)
-        and its step(s), if Steps (a checkpoint records their composition and settles them).
-
-        Raises:
-            ConfigError: ``data`` was given and the run draws from another stateful loader.
-        """
+        """These with the run's stateful loader (unless ``data`` is given: ``ConfigError`` if
+        the run draws from another) and its step(s), if Steps (recorded and settled)."""
         if self.data is not None and is_stateful(event.data) and event.data is not self.data:
             # A loader built again (a notebook cell run again) beside a handler built before:
             # the position saved and loaded would be the old loader's, the run's would restart.
             raise ConfigError(
                 f"checkpoint_every / resume_from received data= a {type(self.data).__name__}, "
-                f"but the run draws its batches from another {type(event.data).__name__}: the "
-                "position saved and restored would be that other loader's, and this run's "
-                "would start its epoch over. Pass the loader the run draws from (data=loader "
-                "with run(step, state, loader)), or leave data= out to use the run's."
+                f"but the run draws its batches from another {type(event.data).__name__}, whose "
+                "position would not be saved: a resume would start its epoch over. Pass the "
+                "loader the run draws from, or leave data= out to use the run's."
             )
         data = event.data if self.data is None and is_stateful(event.data) else self.data
         step = event.train_step
@@ -150,9 +145,8 @@ class Checkpoints:
 
     def load_newest(self, state: TrainState, *, group: Any = None) -> tuple[str, TrainState] | None:
         """``(url, state)`` from the newest valid checkpoint (the corrupt skipped, warned about),
-        or ``None``; ``CorruptCheckpointError`` when every one is corrupt. With ``group``, ranks
-        that each save their own (pipeline stages) load the newest every rank holds, and every
-        rank returns alike or raises the same error."""
+        or ``None``; with ``group``, ranks that each save their own (pipeline stages) load the
+        newest every rank holds, and return alike or raise the same error."""
         location = storage.resolve(self.directory, self.storage_options, caller="resume_from")
         loaded: list[tuple[str, TrainState]] = []
 
@@ -179,9 +173,9 @@ class Checkpoints:
                     f"rank {rank}: {name or 'none'}" for rank, name in enumerate(names)
                 )
                 raise CheckpointError(
-                    f"resume_from({location.url!r}): the ranks hold no checkpoint in common (the "
-                    f"newest of {held}), so they would resume apart. Restore the missing ones "
-                    "from a copy, or move every rank's away to start fresh."
+                    f"resume_from({location.url!r}): the ranks hold no checkpoint in common ("
+                    f"newest of {held}): they would resume apart. Restore the missing ones from "
+                    "a copy, or move every rank's away to start fresh."
                 )
             upto = min(filter(None, map(sort_key, names)))
 
@@ -232,9 +226,8 @@ def _agreed(
 
 
 class GlooGroup:
-    """A gloo group of its owner's own, made once per default group (a collective). Both are
-    held weakly: torch holds them until ``destroy_process_group``; held here, they outlived it,
-    and their gloo threads could abort the job's exit (docs/distributed.md)."""
+    """A gloo group of its owner's own, made once per default group (a collective). Both held
+    weakly: held here, they outlived ``destroy_process_group`` and could abort the job's exit."""
 
     def __init__(self) -> None:
         self._group: Callable[[], Any] = lambda: None
@@ -291,8 +284,8 @@ def write(plan: Plan, *, group: Any = None) -> str:
         detail = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
         raise CheckpointError(
             f"save could not write the checkpoint {plan.url} ({detail}); nothing was committed. "
-            "Pass a directory every rank can write (check the path, its permissions, free "
-            "space and credentials; one shared filesystem or object store for all nodes)."
+            "Pass a directory every rank can write (its path, permissions, free space and "
+            "credentials; one shared filesystem or object store for all nodes)."
         ) from err
 
 
