@@ -82,23 +82,16 @@ class _MetadataUnpickler(pickle.Unpickler):
     }  # fmt: skip
 
     def find_class(self, module: str, name: str) -> Any:
-        if not self._allowed(module, name):
+        found = getattr(dcp_metadata, name, None)  # the records and enums defined there
+        record = isinstance(found, type) and found.__module__ == module == dcp_metadata.__name__
+        kinds = (torch.dtype, torch.layout, torch.memory_format)
+        kind = module == "torch" and isinstance(getattr(torch, name, None), kinds)
+        if not (record or kind or (module, name) in self._ALLOWED):
             raise pickle.UnpicklingError(
                 f"DCP's .metadata names {module}.{name}, which is none of DCP's records; steplib "
                 "runs no code from a checkpoint. Use a checkpoint written by steplib's save."
             )
         return super().find_class(module, name)
-
-    def _allowed(self, module: str, name: str) -> bool:
-        if (module, name) in self._ALLOWED:
-            return True
-        if module == "torch.distributed.checkpoint.metadata":
-            found = getattr(dcp_metadata, name, None)  # the records and enums defined there
-            return isinstance(found, type) and found.__module__ == module
-        if module == "torch":
-            kinds = (torch.dtype, torch.layout, torch.memory_format)
-            return isinstance(getattr(torch, name, None), kinds)
-        return False
 
 
 def leaves(tree: Mapping[str, Any], path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
