@@ -64,30 +64,25 @@ class Resume(Handler):
 def _warn_if_inside_an_epoch(url: str, state: Any, data: Any) -> None:
     # run() iterates the data from its start: after a save inside an epoch, a batch already
     # trained on comes again. The counters tell where the save was (one batch a micro-step).
+    kind, loader = type(data).__name__, "steplib.data.resumable_loader(dataset, batch_size=...)"
     try:
         done = state.micro_step - state.epoch * len(data)
-    except TypeError:  # no length (a generator, an iterable dataset): where epochs end is
-        if state.micro_step > 0:  # unknown, so a save after a batch may be inside one
-            warnings.warn(
-                f"resume_from: {url} was saved after {state.micro_step} batches, but the run's "
-                f"data (a {type(data).__name__}) has neither a length nor state_dict(): if the "
-                "save was inside an epoch, this run draws that epoch's batches again (a "
-                "generator starts over). Give the data state_dict() / load_state_dict() "
-                "(its position, and what it holds), or use steplib.data.resumable_loader.",
-                CheckpointWarning,
-                stacklevel=2,
-            )
-        return
-    if done > 0:
-        warnings.warn(
-            f"resume_from: {url} was saved after {done} batches of epoch {state.epoch}, but the "
-            f"run's data (a {type(data).__name__}) has no state_dict() to restore that position: "
-            "this run trains on those batches again. Draw batches from "
-            "steplib.data.resumable_loader(dataset, batch_size=...), or resume from a checkpoint "
-            "taken at an epoch end (checkpoint_every(epochs=1)).",
-            CheckpointWarning,
-            stacklevel=2,
+        said = (
+            f"{url} was saved after {done} batches of epoch {state.epoch}, but the run's data (a "
+            f"{kind}) has no state_dict() to restore that position: this run trains on those "
+            f"batches again. Draw batches from {loader}, or resume from a checkpoint taken at an "
+            "epoch end (checkpoint_every(epochs=1))"
         )
+    except TypeError:  # no length (a generator, an iterable dataset): where epochs end is
+        done = state.micro_step  # unknown, so a save after a batch may be inside one
+        said = (
+            f"{url} was saved after {done} batches, but the run's data (a {kind}) has neither a "
+            "length nor state_dict(): if the save was inside an epoch, this run draws that "
+            "epoch's batches again (a generator starts over). Give the data state_dict() / "
+            f"load_state_dict() (its position, and what it holds), or use {loader}"
+        )
+    if done > 0:
+        warnings.warn(f"resume_from: {said}.", CheckpointWarning, stacklevel=2)
 
 
 def resume_from(
