@@ -91,11 +91,10 @@ def apply(
         weights, here = trainable_part(state.model, weights, frozen)
         if here != base:
             raise ConfigError(
-                f"load: checkpoint {checkpoint} holds the trainable parameters alone "
-                f"(trainable_only=True), trained over a frozen base of {base['entries']} "
-                f"parameters (digest {base['digest']}); this model's frozen parameters are another "
-                "base. Build the model as the run that saved it did (the same pretrained weights, "
-                "revision and dtype, the same adapters), then load or resume."
+                f"load: checkpoint {checkpoint} holds the trainable parameters alone, trained over "
+                f"a frozen base of {base['entries']} parameters (digest {base['digest']}); this "
+                "model's are another base. Build the model as the saving run did (the same "
+                "pretrained weights, revision, dtype and adapters), then load or resume."
             )
     model_type = type(state.model).__name__
     check_model(shapes(trees[MODEL]), shapes(weights), model_type=model_type, checkpoint=checkpoint)
@@ -183,8 +182,7 @@ def check_fits(
         said = [f"the optimizers {n}" if n else "one unnamed optimizer" for n in names]
         raise ConfigError(
             f"load: checkpoint {checkpoint} holds {said[0]}, this state {said[1]}. Create the "
-            "state as the run that saved it did: TrainState.create(optimizer=...) with the same "
-            "names in the same order."
+            "state as the saving run did: TrainState.create(optimizer=...), same names, same order."
         )
     for name, tree in lane_trees(train_state, state).items():
         lane = state if name is None else state[name]
@@ -204,10 +202,9 @@ def check_fits(
             whose = "" if name is None else f" (optimizer {name!r})"
             raise ConfigError(
                 f"load: checkpoint {checkpoint} was trained with another set-up{whose}: "
-                f"{'; '.join(differ)}. Create the state as the run that saved it did: the same "
-                "optimizer class and parameter groups, scheduler and scaler (or None; "
-                "GradScaler(enabled=False) counts as None, and torch disables "
-                "GradScaler('cuda') without CUDA: GradScaler('cpu') loads its state there)."
+                f"{'; '.join(differ)}. Create the state as the saving run did: the same optimizer "
+                "class and groups, scheduler and scaler (GradScaler(enabled=False) counts as None"
+                "; torch disables GradScaler('cuda') without CUDA: GradScaler('cpu') loads there)."
             )
     # The attached handlers' states have their own check; a load not given them leaves them out.
     objects, handlers = train_state["objects"], extras.get(HANDLERS)
