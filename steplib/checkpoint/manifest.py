@@ -80,10 +80,8 @@ def fingerprint(step: Any, *, caller: str = "save") -> list[dict[str, Any]] | No
 
 
 def _same_in_every_process(value: Any) -> str:
-    """A setting JSON cannot hold, as text that a resume in another process computes alike:
-    ``str(value)``, unless that holds a memory address (a function's or an object's default
-    repr, ``<function f at 0x...>``), which no other process shares: then the qualified name
-    of the function, or of the object's class."""
+    """A setting JSON cannot hold as text another process computes alike: ``str(value)``, or,
+    where that holds a memory address (``<function f at 0x...>``), the function's or type's name."""
     text = str(value)
     if " at 0x" not in text:
         return text
@@ -271,8 +269,8 @@ def read_manifest(location: Location) -> Manifest:
             "newest with load(latest(url), state), or use resume_from(url)."
         )
     raise CheckpointError(
-        f"load received {location.url!r}, where there is no checkpoint (no {MANIFEST}): it "
-        "does not exist, or its save never finished. Pick one with latest(directory)."
+        f"load received {location.url!r}, where there is no checkpoint (no {MANIFEST}): never "
+        "saved, or not finished. Pick one with latest(directory)."
     )
 
 

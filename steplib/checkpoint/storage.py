@@ -82,8 +82,7 @@ def resolve(url: Any, storage_options: StorageOptions, *, caller: str) -> Locati
 
 
 def read_bytes(location: Location) -> bytes:
-    data: bytes = location.fs.cat_file(location.path)
-    return data
+    return bytes(location.fs.cat_file(location.path))  # bytes already: no copy, typed
 
 
 def list_names(directory: Location) -> list[str]:
@@ -96,8 +95,7 @@ def list_names(directory: Location) -> list[str]:
 
 
 def check_writable(directory: Location, *, caller: str) -> None:
-    """Create ``directory``, write and remove a probe file: fail when a run starts, not at its
-    first checkpoint."""
+    """Create ``directory``, write and remove a probe file: fail at the start, not at a save."""
     probe = directory.child(f".steplib-write-test-{uuid.uuid4().hex[:8]}")
     try:
         directory.fs.makedirs(directory.path, exist_ok=True)
@@ -106,8 +104,8 @@ def check_writable(directory: Location, *, caller: str) -> None:
     except Exception as err:  # any filesystem's own error type: all mean "cannot save here"
         raise CheckpointError(
             f"{caller} cannot write checkpoints into {directory.url!r} ({type(err).__name__}: "
-            f"{err}); nothing was trained yet. Pass a directory this process can write (check "
-            "its permissions, free space and, for an object store, storage_options)."
+            f"{err}); nothing was trained yet. Pass a directory this process can write (its "
+            "permissions, free space; an object store's storage_options)."
         ) from err
 
 
