@@ -26,9 +26,8 @@ Path = tuple[Any, ...]  # where a tensor sits in a tree: the key of its reused b
 def snapshot(
     tree: Any, buffers: dict[Path, torch.Tensor], *, deferred: set[int]
 ) -> tuple[Any, list[Any]]:
-    """A deep copy of ``tree`` with every tensor in a CPU buffer (reused by path; tensors whose
-    storage is in ``deferred`` copied by a :class:`BackgroundCopy`), and what the writer must
-    ``synchronize()``. A tensor seen twice is copied once; a DTensor stays a DTensor."""
+    """A deep copy of ``tree``, each tensor in a CPU buffer reused by path (once if seen twice;
+    ``deferred`` storages by a :class:`BackgroundCopy`), and what the writer must synchronize."""
     dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     copies: dict[int, torch.Tensor] = {}
     used: dict[Path, torch.Tensor] = {}

@@ -117,8 +117,7 @@ def load_weights(
         # strict=False would load nothing: another model, or a prefix only the user can map.
         raise ConfigError(
             f"load_weights: {url} has no weight whose name this {type(module).__name__} has "
-            f"({found}). Pass this model's weights, or rename them yourself and call "
-            "load_state_dict."
+            f"({found}). Pass this model's weights, or rename them yourself: load_state_dict."
         )
     fixes = []
     if strict and (missing or unexpected):
