@@ -125,8 +125,8 @@ class Checkpoints:
         steps = all(callable(getattr(one, "settle", None)) for one in ones)
         return dataclasses.replace(self, data=data, step=step if steps else None)
 
-    def save(self, state: TrainState, *, metrics: Any = None, caller: str = "save") -> str:
-        return write(self.plan(state, metrics=metrics, caller=caller))
+    def save(self, state: TrainState, *, metrics: Any = None) -> str:
+        return write(self.plan(state, metrics=metrics, caller="save"))
 
     def load(self, url: str, state: TrainState) -> TrainState:
         extras = check_arguments("load", state, data=self.data, extras=self.extras, step=self.step)
