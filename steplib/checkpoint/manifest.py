@@ -30,7 +30,7 @@ from steplib.errors import (
 
 T = TypeVar("T")
 FORMAT = "steplib-checkpoint"
-# Format 4: steplib 0.2. Older ones (1 and 2: steplib 0.1; 3: 0.2's development) are refused.
+# Format 5: steplib 0.2. Older ones (1 and 2: steplib 0.1; 3, 4: 0.2's development) are refused.
 VERSION = 5
 MANIFEST = "manifest.json"
 SINGLE, SHARDED = "single", "sharded"  # layouts: torch files, DCP
