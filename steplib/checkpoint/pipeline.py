@@ -173,7 +173,7 @@ class Checkpoints:
                     f"rank {rank}: {name or 'none'}" for rank, name in enumerate(names)
                 )
                 raise CheckpointError(
-                    f"resume_from({location.url!r}): the ranks hold no checkpoint in common ("
+                    f"resume_from({location.url!r}): the ranks hold no checkpoint in common (the "
                     f"newest of {held}): they would resume apart. Restore the missing ones from "
                     "a copy, or move every rank's away to start fresh."
                 )
