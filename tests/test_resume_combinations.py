@@ -471,3 +471,20 @@ def test_a_kill_after_any_update_resumes_to_the_uninterrupted_run(
         if found := _differences(expected, got):
             failures[kill] = found
     assert not failures, failures
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="steplib/checkpoint/ is out of bounds this session: the fix (Checkpointer.save "
+    "merging its last update's metrics at fit_end too, as at epoch_end) is in the report",
+)
+def test_a_save_at_fit_end_records_its_updates_loss_as_any_other_save(tmp_path: Path) -> None:
+    # A run that ends off its cadence (max_steps, an early stop, a Stop) saves at fit_end; that
+    # checkpoint recorded no loss ({} here), so keep_best=, metric="loss" could not rank it.
+    model = _model()
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    ckpt = _checkpoints(tmp_path, every=3)
+    data = resumable_loader(_data(24, seed=1), batch_size=4, shuffle=True, seed=3)
+    run(make_train_step(_loss), state, data, events=[ckpt], max_steps=4)
+    recorded = {c.step: sorted(c.metrics) for c in list_checkpoints(str(tmp_path / "ckpt"))}
+    assert recorded == {3: ["loss"], 4: ["loss"]}
