@@ -136,10 +136,10 @@ def evaluate_keep_best_stop(root: Path) -> Built:
     """Evaluator every 2 + checkpoint_every(keep_best=, metric=evaluator) + EarlyStopping."""
     model = _model()
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
-    evaluator = _evaluator(every=2)
+    jsonl, table = _logs(root)
+    evaluator = _evaluator(every=2, sinks=[jsonl, table])  # one file for both: a common setup
     stopper = EarlyStopping(evaluator, patience=2)
     ckpt = _checkpoints(root, every=1, keep_best=2, keep_last=1, metric=evaluator)
-    jsonl, table = _logs(root)
     events = Events(resume_from(ckpt), evaluator, stopper, Log([jsonl, table], every=1), ckpt)
     data = resumable_loader(_data(24, seed=1), batch_size=4, shuffle=True, seed=3)
     handlers = {"evaluator": evaluator, "stopper": stopper}
@@ -154,12 +154,12 @@ def schedulers_plateau_ema(root: Path) -> Built:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = TrainState.create(model=model, optimizer=opt)
     ema = EMA(model, decay=0.8)
-    evaluator = _evaluator(every=3, model=ema.module)
+    jsonl, _ = _logs(root)
+    evaluator = _evaluator(every=3, model=ema.module, sinks=jsonl)
     per_epoch = Scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
     on_plateau = Scheduler(plateau, metric=evaluator)
     train = TrainMetrics()
-    jsonl, _ = _logs(root)
     ckpt = _checkpoints(root, every=2, keep_last=2)
     events = Events(resume_from(ckpt), ema, evaluator, per_epoch, on_plateau, train)
     events.add(Log(jsonl, sources=[train.read], every=2), ckpt)
@@ -186,15 +186,18 @@ def accumulate_clip_nonfinite_logs(root: Path) -> Built:
 
 
 def background_preemption_export(root: Path, *, kill_at: int | None = None) -> Built:
-    """Background checkpoints + preemption (the signal at ``kill_at``) + export_best."""
+    """Background checkpoints + preemption (the signal at ``kill_at``, on an epoch's last
+    update too: saved after its epoch_end handlers) + export_best + a per-epoch scheduler."""
     model = _model()
-    state = TrainState.create(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.02))
-    evaluator = _evaluator(every=2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    state = TrainState.create(model=model, optimizer=opt)
+    evaluator = _evaluator(every=4, at_epoch_end=True)
     exporter = export_best(str(root / "best.pt"), monitor="val_loss")
+    per_epoch = Scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     ckpt = _checkpoints(root, every=3, keep_last=2, background=True)
     preempted = preemption(ckpt)
-    events = Events(resume_from(ckpt), evaluator)
-    events.on("step_end", exporter, every=2)
+    events = Events(resume_from(ckpt), evaluator, per_epoch)
+    events.on("validation_end", exporter)
     events.add(ckpt, preempted)
     if kill_at is not None:  # as a scheduler would: the signal, a save, a clean stop
 
@@ -203,7 +206,7 @@ def background_preemption_export(root: Path, *, kill_at: int | None = None) -> B
 
         events.on("step_end", signal_now, once=kill_at)
     data = resumable_loader(_data(24, seed=1), batch_size=4, shuffle=True, seed=3)
-    handlers = {"evaluator": evaluator, "exporter": exporter}
+    handlers = {"evaluator": evaluator, "exporter": exporter, "per_epoch": per_epoch}
     limits = {"max_steps": 15}
     return Built(
         make_train_step(_loss), state, data, events, handlers, limits, [], [root / "best.pt"], True
@@ -277,11 +280,11 @@ def batches_cadence_accumulated(root: Path) -> Built:
     state = TrainState.create(model=model, optimizer=opt)
     step = accumulate(make_train_step(_loss), 2)
     ema = EMA(model, decay=0.8)
-    evaluator = _evaluator(every=Batches(3))
+    jsonl, table = _logs(root)
+    evaluator = _evaluator(every=Batches(3), sinks=[jsonl, table])
     stopper = EarlyStopping(evaluator, patience=3)
     per_epoch = Scheduler(torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8))
     train = TrainMetrics()
-    jsonl, table = _logs(root)
     ckpt = _checkpoints(root, every=Batches(4), keep_last=2, keep_best=1, metric=evaluator)
     events = Events(resume_from(ckpt), ema, evaluator, stopper, per_epoch, train)
     events.add(Log([jsonl, table], sources=[train.read], every=Batches(5)), ckpt)
