@@ -54,7 +54,14 @@ from steplib import (
 from steplib.cadence import Batches
 from steplib.checkpoint import list_checkpoints, preemption
 from steplib.data import resumable_loader
-from steplib.handlers import Log, Scheduler, export_best
+from steplib.handlers import (
+    GradNormMonitor,
+    Log,
+    LRMonitor,
+    NonFiniteAlarm,
+    Scheduler,
+    export_best,
+)
 
 
 class KilledError(Exception):
@@ -170,18 +177,21 @@ def schedulers_plateau_ema(root: Path) -> Built:
 
 
 def accumulate_clip_nonfinite_logs(root: Path) -> Built:
-    """accumulate(3) + clip + skip_nonfinite (a NaN sample) + TrainMetrics + JSONL and CSV."""
+    """accumulate(3) + clip + skip_nonfinite (a NaN sample) + TrainMetrics, GradNormMonitor and
+    LRMonitor into JSONL and CSV + NonFiniteAlarm + an EMA with warmup (skips leave it)."""
     model = _model()
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     step = accumulate(skip_nonfinite(clip(make_train_step(_loss), max_norm=0.5)), 3)
-    train = TrainMetrics()
+    train, norms, ema = TrainMetrics(), GradNormMonitor(), EMA(model, decay=0.9, warmup=True)
+    alarm = NonFiniteAlarm(every=4)  # skipped updates are no alarm: it only holds its flags
     jsonl, table = _logs(root)
     ckpt = _checkpoints(root, every=1, keep_last=3)
-    events = Events(resume_from(ckpt), train, Log([jsonl, table], sources=[train.read], every=2))
-    events.add(ckpt)
+    sources = [train.read, norms.read, LRMonitor().read]
+    events = Events(resume_from(ckpt), train, norms, ema, alarm)
+    events.add(Log([jsonl, table], sources=sources, every=2), ckpt)
     # 7 batches an epoch: windows of 3, 3 and 1; the NaN sample skips one window an epoch.
     data = resumable_loader(_data(28, seed=1, nan_at=5), batch_size=4, shuffle=True, seed=3)
-    handlers = {"train": train}
+    handlers = {"train": train, "norms": norms, "ema": ema, "alarm": alarm}
     return Built(step, state, data, events, handlers, {"max_epochs": 4}, [jsonl, table])
 
 
