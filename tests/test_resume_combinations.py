@@ -88,6 +88,7 @@ class Built:
 class Outcome:
     step: int
     epoch: int
+    micro_step: int
     params: dict[str, torch.Tensor]
     optimizers: Any
     handlers: dict[str, Any]
@@ -417,6 +418,7 @@ def _go(
     return Outcome(
         state.step,
         state.epoch,
+        state.micro_step,
         {k: v.detach().clone() for k, v in state.model.state_dict().items()},
         _tensors(
             {k: o.state_dict() for k, o in optimizers.items()}
@@ -432,8 +434,9 @@ def _go(
 
 def _differences(want: Outcome, got: Outcome) -> list[str]:
     found = []
-    if (got.step, got.epoch) != (want.step, want.epoch):
-        found.append(f"stopped at {(got.step, got.epoch)}, not {(want.step, want.epoch)}")
+    at, wanted = (got.step, got.epoch, got.micro_step), (want.step, want.epoch, want.micro_step)
+    if at != wanted:
+        found.append(f"stopped at (step, epoch, micro_step) {at}, not {wanted}")
     for name, tensor in want.params.items():
         if not torch.equal(tensor, got.params[name]):
             found.append(f"parameter {name}")
@@ -471,6 +474,8 @@ def test_a_kill_after_any_update_resumes_to_the_uninterrupted_run(
     # After every update (a preemption's signal there), and after every epoch's end handlers.
     kills = [("preempt" if preempts else "step_end", k) for k in range(1, want.step)]
     kills += [] if preempts else [("epoch_end", e) for e in range(1, want.epoch)]
+    # Inside accumulation windows (every 5th batch), the exception after a micro-batch.
+    kills += [] if preempts else [("micro_step_end", m) for m in range(2, want.micro_step, 5)]
     # And a clean stop (a Stop at update k, every 4th): fit_end runs, and saves at k.
     kills += [] if preempts else [("stop", k) for k in range(1, want.step, 4)]
     for kill in kills:
