@@ -22,7 +22,13 @@ from steplib import Events, TrainState, clip, make_eval_step, make_train_step, r
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
 from steplib.handlers import Evaluator, GradNormMonitor, ProgressBar, Throughput, TrainMetrics
-from steplib.handlers.logging import CSVLogger, JsonlLogger, Log, TensorBoardLogger
+from steplib.handlers.logging import (
+    CSVLogger,
+    JsonlLogger,
+    Log,
+    TensorBoardLogger,
+    event_record,
+)
 
 
 class _KilledError(Exception):
@@ -360,3 +366,51 @@ def test_an_evaluation_at_the_resumed_update_keeps_its_tensorboard_point(
     # A stopped run's fit_end point of the means of update 5 (written after the save) stays
     # beside the resumed run's of 5 and 6; the purge hides the crashed run's points from 6 on.
     assert resumed["loss"] == ([2, 4, 5, 6, 8, 10] if end == "stopped" else [2, 4, 6, 8, 10])
+
+
+def _means_run(
+    root: Path, *, kill_at: int | None = None, every: int = 3, means: bool = True
+) -> None:
+    """Six updates, a checkpoint each, TrainMetrics' means (or, not ``means``, each update's
+    own values) logged every ``every`` updates."""
+    state, step, data = _training()
+    train = TrainMetrics()
+    ckpt = checkpoint_every(str(root / "ckpt"), every=1, durable=False)
+    sources = [train.read] if means else [event_record]
+    with JsonlLogger(str(root / "m.jsonl")) as jsonl:
+        events = Events(resume_from(ckpt), train, Log(jsonl, sources=sources, every=every))
+        events.add(ckpt)
+
+        def kill(event: Any) -> None:
+            raise _KilledError
+
+        if kill_at is not None:
+            events.on("step_end", kill, once=kill_at, last=True)  # after the save
+        run(step, state, data, events=events, max_steps=6)
+
+
+def test_a_run_resumed_inside_its_first_interval_does_not_say_it_starts_over(
+    tmp_path: Path,
+) -> None:
+    # Resumed from update 2, its first record (3) holds the means of updates 1 to 3 (the
+    # restored TrainMetrics' and its own), as a fresh run's does: the JSONL and CSV sinks
+    # warned "this run starts at its beginning" and that it replaced an earlier run's records.
+    with pytest.raises(_KilledError):
+        _means_run(tmp_path, kill_at=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _means_run(tmp_path)
+    lines = [orjson.loads(line) for line in (tmp_path / "m.jsonl").read_bytes().splitlines()]
+    assert [(line["step"], line["updates"]) for line in lines] == [(3, 3), (6, 3)]
+
+
+def test_a_fresh_run_into_an_earlier_runs_log_warns_whatever_its_first_step(
+    tmp_path: Path,
+) -> None:
+    # A fresh run whose first record is at update 2 replaced the earlier run's records from
+    # step 2 on in silence (and kept its record of update 1): only a first record at update 1
+    # was taken for a run from the start.
+    _means_run(tmp_path, every=2, means=False)
+    shutil.rmtree(tmp_path / "ckpt")  # another run, into the same log
+    with pytest.warns(UserWarning, match=r"replaces the 3 record\(s\) an earlier run wrote"):
+        _means_run(tmp_path, every=2, means=False)

@@ -241,8 +241,13 @@ class Sink(abc.ABC):
     def close(self) -> None:
         """Flush and release the destination; calling it twice is harmless."""
 
-    def start_run(self) -> None:
-        """A run starts (a :class:`Log` calls it): drop what it writes again at its first."""
+    def start_run(self, *, step: int = 0) -> None:
+        """A run starts (a :class:`Log` calls it): drop what it writes again at its first.
+
+        Args:
+            step: the update the run starts after: 0, or the step of the checkpoint it resumed
+                from (a file continued from its first record then replaces no earlier run's).
+        """
         return None
 
     def __enter__(self: _L) -> _L:

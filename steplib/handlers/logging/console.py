@@ -63,7 +63,7 @@ class ConsoleLogger(Sink):
         self._summary = _Summary()
         self._continuation = Continuation(continuing=False)
 
-    def start_run(self) -> None:
+    def start_run(self, *, step: int = 0) -> None:
         """A run starts (a :class:`~steplib.handlers.Log` calls it): its first record drops,
         from the summary, the records it prints again."""
         self._continuation.start_run()

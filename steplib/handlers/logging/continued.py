@@ -112,7 +112,7 @@ class TrackerSink(Sink):
     _last_step: int | None = None  # the highest step this logger logged
     _run_started = False
 
-    def start_run(self) -> None:
+    def start_run(self, *, step: int = 0) -> None:
         """A run starts: its first record warns if the tracker's run holds its step."""
         self._run_started = True
 

@@ -80,6 +80,7 @@ class FileSink(Sink):
         self.active = is_main() or not rank_zero_only
         self._file = None
         self._continuation = Continuation(continuing=append)
+        self._starts_after: int | None = None  # told by a Log at fit_start; else unknown
         if not self.active:
             return
         try:
@@ -116,7 +117,11 @@ class FileSink(Sink):
         kept, dropped = self.records_before(self.read_all(record), record, means_only=means_only)
         if not dropped:
             return
-        if step <= 1 and not means_only:  # a run from the start: the file is an earlier run's
+        # A run from the start: the file is an earlier run's. Its first record alone cannot
+        # tell: an interval's means from update 1 are also a run's resumed from update 1 (a
+        # checkpoint inside the first interval), so the run's start is asked where known.
+        start = first_update(record) - 1 if self._starts_after is None else self._starts_after
+        if start <= 0 and not means_only:
             warnings.warn(
                 f"{type(self).__name__}({self.url!r}) replaces the {dropped} record(s) an "
                 f"earlier run wrote there from step {step} on (append=True, and this run starts "
@@ -134,11 +139,13 @@ class FileSink(Sink):
             step,
         )
 
-    def start_run(self) -> None:
+    def start_run(self, *, step: int = 0) -> None:
         """At the run's first record, drop the records it writes again (:meth:`continue_at`),
         as at this sink's first: a run resumed in the same process writes again what the
-        crashed or stopped run wrote after the checkpoint."""
+        crashed or stopped run wrote after the checkpoint. ``step``: the update the run starts
+        after (a resume's checkpoint step), which says whether it starts at its beginning."""
         self._continuation.start_run()
+        self._starts_after = step
 
     def records_before(
         self, data: bytes, first: Record, *, means_only: bool = False

@@ -117,7 +117,7 @@ class Log(Handler):
         self.check_open()
         self._written_at = None
         for sink in self.sinks:
-            sink.start_run()
+            sink.start_run(step=event.step)  # after resume_from (first): a resume's step
 
     def on_step_end(self, event: Event) -> None:
         """Write every ``every`` updates (or batches)."""

@@ -79,7 +79,7 @@ class TensorBoardLogger(Sink):
                 "directory can be created and written."
             ) from error
 
-    def start_run(self) -> None:
+    def start_run(self, *, step: int = 0) -> None:
         """At the run's first record, reopen the writer with that record's ``purge_step``, as
         at this logger's first: a run resumed in the same process writes those steps again."""
         self._purged = False
