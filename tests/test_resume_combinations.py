@@ -497,11 +497,6 @@ def test_a_kill_after_any_update_resumes_to_the_uninterrupted_run(
     assert not failures, failures
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="steplib/checkpoint/ is out of bounds this session: the fix (Checkpointer.save "
-    "merging its last update's metrics at fit_end too, as at epoch_end) is in the report",
-)
 def test_a_save_at_fit_end_records_its_updates_loss_as_any_other_save(tmp_path: Path) -> None:
     # A run that ends off its cadence (max_steps, an early stop, a Stop) saves at fit_end; that
     # checkpoint recorded no loss ({} here), so keep_best=, metric="loss" could not rank it.

@@ -193,8 +193,8 @@ class Checkpointer(Handler):
                 self.wait()
             return self.last_saved
         numbers = check_metrics(self.metrics(event), "checkpoint_every")
-        update = self._update  # at an epoch_end: its last update's loss too, as saved there
-        if update and event.name == "epoch_end" and _position(update.state) == _position(state):
+        update = self._update  # at an epoch_end or fit_end: its last update's loss too
+        if update and update is not event and _position(update.state) == _position(state):
             numbers = {**check_metrics(self.metrics(update), "checkpoint_every"), **numbers}
         # Evaluated at another update: no score, no candidate for best, but it prunes.
         known = not self._typed or self.metric in stale_values(state.extras, state.step)
