@@ -1,0 +1,180 @@
+"""torch's Stochastic Weight Averaging recipe (``torch.optim.swa_utils``: the loop of
+``AveragedModel``'s docstring) written as its plain loop and with steplib gives the same
+parameters, the same averaged model and the same batch-norm statistics after ``update_bn``,
+bit for bit, also killed and resumed before ``swa_start``, at it, after it and after the last
+epoch (before ``update_bn``):
+
+* a ``CosineAnnealingLR`` stepped after each epoch up to ``swa_start``, then ``SWALR``
+  (annealed to ``swa_lr`` over ``anneal_epochs``) after each later epoch;
+* ``AveragedModel.update_parameters(model)`` after each epoch past ``swa_start``;
+* ``update_bn(loader, swa_model)`` at the end, over the shuffled loader once more (a pass
+  whose dropout masks come from torch's global generator).
+
+In steplib the schedulers and the average live in one handler of the user's own (``SWA``
+below): its ``state_dict`` / ``load_state_dict`` make checkpoints save and restore it without
+being named; ``update_bn`` runs after ``run`` returns, as in the plain loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR
+from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
+from torch.utils.data import TensorDataset
+
+from steplib import Events, TrainState, make_train_step, run, seed_everything
+from steplib.checkpoint import checkpoint_every, resume_from
+from steplib.data import resumable_loader
+from steplib.events import Event, Handler, Stop
+from tests.checkpoint_helpers import assert_same
+
+EPOCHS, SWA_START, BATCH, SAMPLES = 8, 4, 8, 40  # 5 updates per epoch
+LR, SWA_LR, ANNEAL_EPOCHS = 0.1, 0.05, 2
+
+
+class Net(nn.Module):
+    """An MLP with batch norm, and dropout before the second batch norm (so that
+    ``update_bn``'s statistics depend on the generator's state too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(6, 16),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(16, 16),
+            nn.BatchNorm1d(16),
+            nn.ReLU(),
+            nn.Linear(16, 3),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _setup() -> tuple[TensorDataset, Net, torch.optim.Optimizer]:
+    seed_everything(0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(SAMPLES, 6, generator=gen), torch.randint(3, (SAMPLES,), generator=gen)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-4)
+    return TensorDataset(x, y), model, optimizer
+
+
+def _schedulers(optimizer: torch.optim.Optimizer) -> tuple[CosineAnnealingLR, SWALR]:
+    """Both built before training, as in the docstring's loop."""
+    scheduler = CosineAnnealingLR(optimizer, T_max=EPOCHS)
+    swa_scheduler = SWALR(optimizer, swa_lr=SWA_LR, anneal_epochs=ANNEAL_EPOCHS)
+    return scheduler, swa_scheduler
+
+
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+@functools.cache  # the tests compare with it, never change it
+def _plain() -> dict[str, Any]:
+    """``AveragedModel``'s docstring loop (the loader: steplib's shuffled one, for the order)."""
+    dataset, model, optimizer = _setup()
+    loader = resumable_loader(dataset, batch_size=BATCH, seed=3)
+    swa_model = AveragedModel(model)
+    scheduler, swa_scheduler = _schedulers(optimizer)
+    for i in range(EPOCHS):
+        for input, target in loader:
+            optimizer.zero_grad()
+            loss_fn(model, (input, target)).backward()
+            optimizer.step()
+        if i > SWA_START:
+            swa_model.update_parameters(model)
+            swa_scheduler.step()
+        else:
+            scheduler.step()
+    update_bn(loader, swa_model)
+    return {"model": model, "swa_model": swa_model, "lr": optimizer.param_groups[0]["lr"]}
+
+
+class SWA(Handler):
+    """The docstring's epoch end as a handler: average and ``SWALR`` after each epoch past
+    ``swa_start``, the first scheduler before. Saved with each checkpoint (``state_dict``)."""
+
+    def __init__(
+        self, model: nn.Module, *, scheduler: Any, swa_scheduler: SWALR, swa_start: int
+    ) -> None:
+        self.model, self.swa_model = model, AveragedModel(model)
+        self.scheduler, self.swa_scheduler, self.swa_start = scheduler, swa_scheduler, swa_start
+
+    def on_epoch_end(self, event: Event) -> None:
+        if event.epoch - 1 > self.swa_start:  # event.epoch counts the epochs completed
+            self.swa_model.update_parameters(self.model)
+            self.swa_scheduler.step()
+        else:
+            self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "swa_model": self.swa_model.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "swa_scheduler": self.swa_scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.swa_model.load_state_dict(state["swa_model"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.swa_scheduler.load_state_dict(state["swa_scheduler"])
+
+
+def _steplib(url: str | None = None, stop_at: int | None = None) -> dict[str, Any]:
+    dataset, model, optimizer = _setup()
+    data = resumable_loader(dataset, batch_size=BATCH, seed=3)
+    scheduler, swa_scheduler = _schedulers(optimizer)
+    swa = SWA(model, scheduler=scheduler, swa_scheduler=swa_scheduler, swa_start=SWA_START)
+    events = Events(swa)
+    if url is not None:
+        ckpt = checkpoint_every(url, every=1, at_epoch_end=True)
+        events.add(resume_from(ckpt)).add(ckpt)
+    if stop_at is not None:
+        events.on("step_end", lambda e: Stop("preempted") if e.step == stop_at else None)
+    trained: list[int] = []
+    events.on("step_end", lambda e: trained.append(e.step))
+    state = TrainState.create(model=model, optimizer=optimizer)
+    state = run(make_train_step(loss_fn), state, data, events=events, max_epochs=EPOCHS)
+    if state.epoch == EPOCHS:  # a preempted run stops before the end: no update_bn yet
+        update_bn(data, swa.swa_model)
+    lr = optimizer.param_groups[0]["lr"]
+    return {"model": model, "swa_model": swa.swa_model, "lr": lr, "trained": trained}
+
+
+def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert_same(got["model"].state_dict(), want["model"].state_dict())
+    # the average, its n_averaged and the batch-norm statistics update_bn computed
+    assert_same(got["swa_model"].state_dict(), want["swa_model"].state_dict())
+    assert got["lr"] == want["lr"]
+
+
+def test_torchs_swa_loop_with_steplib_equals_it_bit_for_bit() -> None:
+    want = _plain()
+    assert int(want["swa_model"].n_averaged) == EPOCHS - SWA_START - 1
+    _same(_steplib(), want)
+
+
+@pytest.mark.parametrize(
+    "stop_at",
+    [12, 25, 28, 30, 35, 40],
+)  # mid-epoch before swa_start; the last update of epoch swa_start (its epoch end steps the
+# cosine for the last time); inside the first averaged epoch; its last update (the first
+# average and SWALR step); inside the annealing; the last update (before update_bn)
+def test_torchs_swa_loop_resumed_equals_it_uninterrupted(tmp_path: Path, stop_at: int) -> None:
+    url = str(tmp_path / "ckpt")
+    assert _steplib(url, stop_at=stop_at)["trained"][-1] == stop_at
+    resumed = _steplib(url)
+    assert resumed["trained"][:1] == ([stop_at + 1] if stop_at < EPOCHS * 5 else [])
+    _same(resumed, _plain())
