@@ -28,8 +28,17 @@ from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 from torch.utils.data import TensorDataset
+from torchmetrics import MeanMetric
 
-from steplib import Events, TrainState, make_train_step, run, seed_everything
+from steplib import (
+    Evaluator,
+    Events,
+    TrainState,
+    make_eval_step,
+    make_train_step,
+    run,
+    seed_everything,
+)
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
 from steplib.events import Event, Handler, Stop
@@ -132,12 +141,35 @@ class SWA(Handler):
         self.swa_scheduler.load_state_dict(state["swa_scheduler"])
 
 
-def _steplib(url: str | None = None, stop_at: int | None = None) -> dict[str, Any]:
+def _evaluators(model: nn.Module, swa_model: nn.Module) -> list[Evaluator]:
+    """The model every 3 updates, the average at each epoch's end (its batch-norm statistics
+    are the model's, copied by update_parameters, until update_bn)."""
+    gen = torch.Generator().manual_seed(1)
+    val = [(torch.randn(8, 6, generator=gen), torch.randint(3, (8,), generator=gen))]
+    step = make_eval_step(lambda m, b: {"value": loss_fn(m, b)})
+    return [
+        Evaluator(step, val, metrics={"loss": MeanMetric()}, every=3, model=model),
+        Evaluator(
+            step,
+            val,
+            metrics={"loss": MeanMetric()},
+            at_epoch_end=True,
+            model=swa_model,
+            prefix="swa_val_",
+        ),
+    ]
+
+
+def _steplib(
+    url: str | None = None, stop_at: int | None = None, evaluate: bool = False
+) -> dict[str, Any]:
     dataset, model, optimizer = _setup()
     data = resumable_loader(dataset, batch_size=BATCH, seed=3)
     scheduler, swa_scheduler = _schedulers(optimizer)
     swa = SWA(model, scheduler=scheduler, swa_scheduler=swa_scheduler, swa_start=SWA_START)
     events = Events(swa)
+    if evaluate:  # after swa: the average evaluated is that of the epoch just ended
+        events.add(*_evaluators(model, swa.swa_model))
     if url is not None:
         ckpt = checkpoint_every(url, every=1, at_epoch_end=True)
         events.add(resume_from(ckpt)).add(ckpt)
@@ -160,21 +192,35 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["lr"] == want["lr"]
 
 
-def test_torchs_swa_loop_with_steplib_equals_it_bit_for_bit() -> None:
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_torchs_swa_loop_with_steplib_equals_it_bit_for_bit(evaluate: bool) -> None:
+    """``evaluate``: the model and its average evaluated during training change nothing."""
     want = _plain()
     assert int(want["swa_model"].n_averaged) == EPOCHS - SWA_START - 1
-    _same(_steplib(), want)
+    _same(_steplib(evaluate=evaluate), want)
 
 
 @pytest.mark.parametrize(
-    "stop_at",
-    [12, 25, 28, 30, 35, 40],
+    ("stop_at", "evaluate"),
+    [
+        (12, False),
+        (25, False),
+        (28, False),
+        (28, True),
+        (30, False),
+        (35, False),
+        (40, False),
+        (40, True),
+    ],
 )  # mid-epoch before swa_start; the last update of epoch swa_start (its epoch end steps the
 # cosine for the last time); inside the first averaged epoch; its last update (the first
-# average and SWALR step); inside the annealing; the last update (before update_bn)
-def test_torchs_swa_loop_resumed_equals_it_uninterrupted(tmp_path: Path, stop_at: int) -> None:
+# average and SWALR step); inside the annealing; the last update (before update_bn); with the
+# model and its average evaluated too (the evaluators' state saved and restored)
+def test_torchs_swa_loop_resumed_equals_it_uninterrupted(
+    tmp_path: Path, stop_at: int, evaluate: bool
+) -> None:
     url = str(tmp_path / "ckpt")
-    assert _steplib(url, stop_at=stop_at)["trained"][-1] == stop_at
-    resumed = _steplib(url)
+    assert _steplib(url, stop_at=stop_at, evaluate=evaluate)["trained"][-1] == stop_at
+    resumed = _steplib(url, evaluate=evaluate)
     assert resumed["trained"][:1] == ([stop_at + 1] if stop_at < EPOCHS * 5 else [])
     _same(resumed, _plain())
