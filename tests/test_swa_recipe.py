@@ -12,7 +12,8 @@ epoch (before ``update_bn``):
 
 In steplib the schedulers and the average live in one handler of the user's own (``SWA``
 below): its ``state_dict`` / ``load_state_dict`` make checkpoints save and restore it without
-being named; ``update_bn`` runs after ``run`` returns, as in the plain loop.
+being named; ``update_bn`` runs after ``run`` returns, as in the plain loop. The recipe and
+what differs in Lightning's callback: docs/migration/README.md, "Stochastic Weight Averaging".
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.lr_scheduler import CosineAnnealingLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, SequentialLR
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 from torch.utils.data import TensorDataset
 from torchmetrics import MeanMetric
@@ -224,3 +225,28 @@ def test_torchs_swa_loop_resumed_equals_it_uninterrupted(
     resumed = _steplib(url, evaluate=evaluate)
     assert resumed["trained"][:1] == ([stop_at + 1] if stop_at < EPOCHS * 5 else [])
     _same(resumed, _plain())
+
+
+def test_a_sequential_lr_of_the_two_schedulers_anneals_one_epoch_late() -> None:
+    """What the recipe's page says: at its milestone SequentialLR gives SWALR a step that does
+    not count, so the rates of the two epochs after the switch lag the loop's by one epoch."""
+
+    def rates(sequential: bool) -> list[float]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
+        scheduler, swa_scheduler = _schedulers(optimizer)
+        both = SequentialLR(optimizer, [scheduler, swa_scheduler], milestones=[SWA_START + 2])
+        lrs = []
+        for i in range(EPOCHS):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()  # no gradient: nothing changes (torch warns of a step before it)
+            if sequential:
+                both.step()
+            else:
+                (swa_scheduler if i > SWA_START else scheduler).step()
+        return lrs
+
+    loop, sequential = rates(False), rates(True)
+    assert sequential[: SWA_START + 2] == loop[: SWA_START + 2]
+    assert sequential[SWA_START + 2 : SWA_START + 4] == loop[SWA_START + 1 : SWA_START + 3]
+    assert [round(lr, 4) for lr in sequential[SWA_START + 2 :]] == [0.0309, 0.0404]
+    assert [round(lr, 4) for lr in loop[SWA_START + 2 :]] == [0.0404, 0.05]
