@@ -45,7 +45,7 @@ from steplib.data import resumable_loader
 from steplib.events import Event, Handler, Stop
 from tests.checkpoint_helpers import assert_same
 
-EPOCHS, SWA_START, BATCH, SAMPLES = 8, 4, 8, 40  # 5 updates per epoch
+EPOCHS, SWA_START, BATCH, SAMPLES, UPDATES = 8, 4, 8, 40, 5  # UPDATES per epoch
 LR, SWA_LR, ANNEAL_EPOCHS = 0.1, 0.05, 2
 
 
@@ -79,9 +79,13 @@ def _setup() -> tuple[TensorDataset, Net, torch.optim.Optimizer]:
     return TensorDataset(x, y), model, optimizer
 
 
-def _schedulers(optimizer: torch.optim.Optimizer) -> tuple[CosineAnnealingLR, SWALR]:
-    """Both built before training, as in the docstring's loop."""
-    scheduler = CosineAnnealingLR(optimizer, T_max=EPOCHS)
+def _schedulers(
+    optimizer: torch.optim.Optimizer, per_update: bool = False
+) -> tuple[CosineAnnealingLR, SWALR]:
+    """Both built before training, as in the docstring's loop; with ``per_update`` the first
+    one counts updates up to ``swa_start``'s end (Lightning's ``interval="step"``)."""
+    steps = (SWA_START + 1) * UPDATES if per_update else EPOCHS
+    scheduler = CosineAnnealingLR(optimizer, T_max=steps)
     swa_scheduler = SWALR(optimizer, swa_lr=SWA_LR, anneal_epochs=ANNEAL_EPOCHS)
     return scheduler, swa_scheduler
 
@@ -92,21 +96,25 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 @functools.cache  # the tests compare with it, never change it
-def _plain() -> dict[str, Any]:
-    """``AveragedModel``'s docstring loop (the loader: steplib's shuffled one, for the order)."""
+def _plain(per_update: bool = False) -> dict[str, Any]:
+    """``AveragedModel``'s docstring loop (the loader: steplib's shuffled one, for the order);
+    with ``per_update``, the first scheduler stepped after each update up to ``swa_start``'s
+    end instead of after each epoch."""
     dataset, model, optimizer = _setup()
     loader = resumable_loader(dataset, batch_size=BATCH, seed=3)
     swa_model = AveragedModel(model)
-    scheduler, swa_scheduler = _schedulers(optimizer)
+    scheduler, swa_scheduler = _schedulers(optimizer, per_update)
     for i in range(EPOCHS):
         for input, target in loader:
             optimizer.zero_grad()
             loss_fn(model, (input, target)).backward()
             optimizer.step()
+            if per_update and i <= SWA_START:
+                scheduler.step()
         if i > SWA_START:
             swa_model.update_parameters(model)
             swa_scheduler.step()
-        else:
+        elif not per_update:
             scheduler.step()
     update_bn(loader, swa_model)
     return {"model": model, "swa_model": swa_model, "lr": optimizer.param_groups[0]["lr"]}
@@ -117,16 +125,27 @@ class SWA(Handler):
     ``swa_start``, the first scheduler before. Saved with each checkpoint (``state_dict``)."""
 
     def __init__(
-        self, model: nn.Module, *, scheduler: Any, swa_scheduler: SWALR, swa_start: int
+        self,
+        model: nn.Module,
+        *,
+        scheduler: Any,
+        swa_scheduler: SWALR,
+        swa_start: int,
+        per_update: bool = False,
     ) -> None:
         self.model, self.swa_model = model, AveragedModel(model)
         self.scheduler, self.swa_scheduler, self.swa_start = scheduler, swa_scheduler, swa_start
+        self.per_update = per_update
+
+    def on_step_end(self, event: Event) -> None:
+        if self.per_update and event.epoch <= self.swa_start:  # inside epoch event.epoch
+            self.scheduler.step()
 
     def on_epoch_end(self, event: Event) -> None:
         if event.epoch - 1 > self.swa_start:  # event.epoch counts the epochs completed
             self.swa_model.update_parameters(self.model)
             self.swa_scheduler.step()
-        else:
+        elif not self.per_update:
             self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,12 +181,21 @@ def _evaluators(model: nn.Module, swa_model: nn.Module) -> list[Evaluator]:
 
 
 def _steplib(
-    url: str | None = None, stop_at: int | None = None, evaluate: bool = False
+    url: str | None = None,
+    stop_at: int | None = None,
+    evaluate: bool = False,
+    per_update: bool = False,
 ) -> dict[str, Any]:
     dataset, model, optimizer = _setup()
     data = resumable_loader(dataset, batch_size=BATCH, seed=3)
-    scheduler, swa_scheduler = _schedulers(optimizer)
-    swa = SWA(model, scheduler=scheduler, swa_scheduler=swa_scheduler, swa_start=SWA_START)
+    scheduler, swa_scheduler = _schedulers(optimizer, per_update)
+    swa = SWA(
+        model,
+        scheduler=scheduler,
+        swa_scheduler=swa_scheduler,
+        swa_start=SWA_START,
+        per_update=per_update,
+    )
     events = Events(swa)
     if evaluate:  # after swa: the average evaluated is that of the epoch just ended
         events.add(*_evaluators(model, swa.swa_model))
@@ -193,38 +221,45 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["lr"] == want["lr"]
 
 
-@pytest.mark.parametrize("evaluate", [False, True])
-def test_torchs_swa_loop_with_steplib_equals_it_bit_for_bit(evaluate: bool) -> None:
-    """``evaluate``: the model and its average evaluated during training change nothing."""
-    want = _plain()
+@pytest.mark.parametrize(("evaluate", "per_update"), [(False, False), (True, False), (False, True)])
+def test_torchs_swa_loop_with_steplib_equals_it_bit_for_bit(
+    evaluate: bool, per_update: bool
+) -> None:
+    """``evaluate``: the model and its average evaluated during training change nothing;
+    ``per_update``: the first scheduler stepped after each update, by the same handler."""
+    want = _plain(per_update)
     assert int(want["swa_model"].n_averaged) == EPOCHS - SWA_START - 1
-    _same(_steplib(evaluate=evaluate), want)
+    _same(_steplib(evaluate=evaluate, per_update=per_update), want)
 
 
 @pytest.mark.parametrize(
-    ("stop_at", "evaluate"),
+    ("stop_at", "evaluate", "per_update"),
     [
-        (12, False),
-        (25, False),
-        (28, False),
-        (28, True),
-        (30, False),
-        (35, False),
-        (40, False),
-        (40, True),
+        (12, False, False),
+        (25, False, False),
+        (28, False, False),
+        (28, True, False),
+        (30, False, False),
+        (35, False, False),
+        (40, False, False),
+        (40, True, False),
+        (12, False, True),
+        (25, False, True),
     ],
 )  # mid-epoch before swa_start; the last update of epoch swa_start (its epoch end steps the
 # cosine for the last time); inside the first averaged epoch; its last update (the first
 # average and SWALR step); inside the annealing; the last update (before update_bn); with the
-# model and its average evaluated too (the evaluators' state saved and restored)
+# model and its average evaluated too (the evaluators' state saved and restored); with the
+# first scheduler stepped per update (mid-epoch: the handler's state between two epoch ends)
 def test_torchs_swa_loop_resumed_equals_it_uninterrupted(
-    tmp_path: Path, stop_at: int, evaluate: bool
+    tmp_path: Path, stop_at: int, evaluate: bool, per_update: bool
 ) -> None:
     url = str(tmp_path / "ckpt")
-    assert _steplib(url, stop_at=stop_at, evaluate=evaluate)["trained"][-1] == stop_at
-    resumed = _steplib(url, evaluate=evaluate)
-    assert resumed["trained"][:1] == ([stop_at + 1] if stop_at < EPOCHS * 5 else [])
-    _same(resumed, _plain())
+    run_to = _steplib(url, stop_at=stop_at, evaluate=evaluate, per_update=per_update)
+    assert run_to["trained"][-1] == stop_at
+    resumed = _steplib(url, evaluate=evaluate, per_update=per_update)
+    assert resumed["trained"][:1] == ([stop_at + 1] if stop_at < EPOCHS * UPDATES else [])
+    _same(resumed, _plain(per_update))
 
 
 def test_a_sequential_lr_of_the_two_schedulers_anneals_one_epoch_late() -> None:
