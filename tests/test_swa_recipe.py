@@ -285,3 +285,56 @@ def test_a_sequential_lr_of_the_two_schedulers_anneals_one_epoch_late() -> None:
     assert sequential[SWA_START + 2 : SWA_START + 4] == loop[SWA_START + 1 : SWA_START + 3]
     assert [round(lr, 4) for lr in sequential[SWA_START + 2 :]] == [0.0309, 0.0404]
     assert [round(lr, 4) for lr in loop[SWA_START + 2 :]] == [0.0404, 0.05]
+
+
+class FitEndSWA(SWA):
+    """``update_bn`` at ``fit_end`` (Lightning's place), unless ``last_only`` and the run
+    ended before its last epoch."""
+
+    def __init__(self, *args: Any, data: Any, last_only: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.data, self.last_only = data, last_only
+
+    def on_fit_end(self, event: Event) -> None:
+        if not self.last_only or event.epoch == EPOCHS:
+            update_bn(self.data, self.swa_model)
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_update_bn_at_a_preempted_runs_fit_end_changes_what_its_last_save_holds(
+    tmp_path: Path, last_only: bool
+) -> None:
+    """What the recipe's page says: checkpoint_every's save at the end comes after the other
+    fit_end handlers, so a pass over the loader there (its position, its dropout draws) is in
+    the preempted run's last save, and the resumed run trains on other batches."""
+
+    def fit(stop_at: int | None = None) -> dict[str, Any]:
+        dataset, model, optimizer = _setup()
+        data = resumable_loader(dataset, batch_size=BATCH, seed=3)
+        scheduler, swa_scheduler = _schedulers(optimizer)
+        swa = FitEndSWA(
+            model,
+            scheduler=scheduler,
+            swa_scheduler=swa_scheduler,
+            swa_start=SWA_START,
+            data=data,
+            last_only=last_only,
+        )
+        ckpt = checkpoint_every(str(tmp_path), every=3)  # 28: saved at fit_end (at_end=True)
+        events = Events(resume_from(ckpt), swa, ckpt)
+        if stop_at is not None:
+            events.on("step_end", lambda e: Stop("preempted") if e.step == stop_at else None)
+        state = TrainState.create(model=model, optimizer=optimizer)
+        run(make_train_step(loss_fn), state, data, events=events, max_epochs=EPOCHS)
+        return {"model": model, "swa_model": swa.swa_model, "lr": optimizer.param_groups[0]["lr"]}
+
+    fit(stop_at=28)
+    got, want = fit(), _plain()
+    if last_only:
+        _same(got, want)
+    else:
+        mine, theirs = got["swa_model"].named_parameters(), want["swa_model"].parameters()
+        apart = max(
+            float((a - b).abs().max().detach()) for (_, a), b in zip(mine, theirs, strict=True)
+        )
+        assert apart > 0.01  # 0.055 (its batch-norm statistics 1.29)
