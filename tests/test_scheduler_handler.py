@@ -358,3 +358,30 @@ def test_a_composite_schedule_holding_one_that_sets_the_rate_is_refused_beside_a
     ):
         run(STEP, state, [torch.ones(3, 2)] * 3, events=[evaluator, plateau], max_epochs=2)
     assert [group["lr"] for group in opt.param_groups] == rates  # the probe put them back
+
+
+def test_swalr_beside_a_per_update_schedule_is_refused_at_the_start_as_at_a_resume(
+    tmp_path: Path,
+) -> None:
+    # SWALR scales the current rate while it anneals and sets swa_lr once annealed. The probe
+    # asked it at its current step: the run was let through at its start, and its resume after
+    # the annealing was refused (ConfigError at fit_start, epochs of training later). The run
+    # let through lost the per-update ExponentialLR's decay at each epoch end once annealed:
+    # updates 4 to 9 ran at 0.05, 0.045, 0.0405, 0.05, 0.045, 0.0405 (each epoch started over
+    # at swa_lr, where the decay goes on to 0.0365, 0.0328, 0.0295), in silence.
+    def fit(epochs: int) -> list[float]:
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        decay = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        swa = Scheduler(torch.optim.swa_utils.SWALR(opt, swa_lr=0.05, anneal_epochs=1))
+        state = TrainState.create(model=model, optimizer=opt, scheduler=decay)
+        ckpt = checkpoint_every(str(tmp_path), at_epoch_end=True)
+        lrs: list[float] = []
+        events = Events(resume_from(ckpt), swa, ckpt)
+        events.on("step_end", lambda e: lrs.append(e.output.lr.item()))
+        run(STEP, state, [torch.ones(3, 2)] * 3, events=events, max_epochs=epochs)
+        return lrs
+
+    with pytest.raises(ConfigError, match=r"the SWALR sets it .*ExponentialLR"):
+        fit(3)
+    assert not list(tmp_path.iterdir())  # refused before the first update

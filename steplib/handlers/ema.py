@@ -42,7 +42,8 @@ from steplib.events import Event, Handler
 
 class EMA(Handler):
     """``average = average.lerp(param, 1 - d)`` after each applied update (torch's
-    ``AveragedModel`` EMA and timm's ``ModelEmaV3`` compute the same, bit for bit).
+    ``AveragedModel`` EMA and timm's ``ModelEmaV3`` compute the same, bit for bit; both copy the
+    weights at their first update: ``decay=lambda n: 0.0 if n == 1 else d``).
 
     Buffers (batch-norm statistics) are copied from the model, or with ``average_buffers=True``
     the floating-point ones averaged as the parameters are (torch's ``use_buffers=True``,

@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.optim.swa_utils import SWALR
 
 from steplib import errors
 from steplib.errors import ConfigError, describe
@@ -42,8 +43,9 @@ class Scheduler(Handler):
             ``mode`` than the evaluator's (given by name: at ``fit_start``, the attached
             evaluator that monitors it); at ``fit_start``, a per-update scheduler of the
             state, or another ``Scheduler``'s, that steps the same optimizer where one of the
-            two sets the rate from its base rates (``LambdaLR``, also inside a
-            ``SequentialLR`` or ``ChainedScheduler``: it would erase the other's changes), the
+            two sets the rate from its base rates or to a rate of its own (``LambdaLR``,
+            ``SWALR``, also inside a ``SequentialLR`` or ``ChainedScheduler``: it would erase
+            the other's changes), the
             same scheduler is the state's too (it would be stepped twice), another
             ``Scheduler`` of the run steps the same optimizer at the same events (a notebook
             cell run again), or, over a sweep's per-copy rates, the scheduler sets an absolute
@@ -205,8 +207,8 @@ class Scheduler(Handler):
                 raise ConfigError(
                     f"Scheduler({type(self.scheduler).__name__}) and {where} "
                     f"{type(other).__name__} change the same optimizer's rate, and the "
-                    f"{setter} sets it from its base rate at each step: what the "
-                    "other did is erased (a plateau's reduction lasts until its next step). "
+                    f"{setter} at each step: what the other did is erased (a plateau's "
+                    "reduction lasts until its next step). "
                     "Give the optimizer one schedule: fold both into one scheduler, or pair a "
                     "plateau or per-epoch Scheduler with a per-update scheduler that scales the "
                     "current rate (LinearLR for a warmup, ExponentialLR, StepLR)."
@@ -270,19 +272,26 @@ class Scheduler(Handler):
 
 
 def _rate_setter(scheduler: Any) -> str | None:
-    """The name of what in ``scheduler`` sets the rate from its base rates (see
-    :func:`_sets_the_rate`): itself (``"LambdaLR"``), or one of the schedulers a
-    ``SequentialLR`` or ``ChainedScheduler`` holds (``"SequentialLR's LambdaLR"``); ``None``
-    when nothing does."""
-    return found_in(scheduler, lambda one: type(one).__name__ if _sets_the_rate(one) else None)
+    """What in ``scheduler`` sets the rate, in words (see :func:`_sets_the_rate`): itself
+    (``"LambdaLR sets it from its base rate"``), or one of the schedulers a ``SequentialLR`` or
+    ``ChainedScheduler`` holds (``"SequentialLR's LambdaLR ..."``); ``None`` when nothing does."""
+    return found_in(scheduler, _sets_the_rate)
 
 
-def _sets_the_rate(scheduler: Any) -> bool:
-    """Whether ``scheduler`` computes the rate from its base rates, whatever the optimizer's
-    current one (``LambdaLR``, ``OneCycleLR``, ``AbsoluteLR``), rather than from it (``StepLR``,
-    ``ExponentialLR``, ``LinearLR``): asked for its rate at two current rates (each group's,
-    or 1 where it is 0, and its half), it gives the same. The rates are put back; a scheduler
-    that cannot say (no ``get_lr``) counts as not."""
+def _sets_the_rate(scheduler: Any) -> str | None:
+    """How ``scheduler`` sets the rate whatever the optimizer's current one, in words, or
+    ``None`` when it computes it from the current one (``StepLR``, ``ExponentialLR``,
+    ``LinearLR``). One that computes it from its base rates (``LambdaLR``, ``OneCycleLR``,
+    ``AbsoluteLR``), asked for its rate at two current rates (each group's, or 1 where it is 0,
+    and its half), gives the same; the rates are put back, and a scheduler that cannot say (no
+    ``get_lr``) counts as not. ``SWALR`` sets ``swa_lr`` once annealed.
+    """
+    if isinstance(scheduler, SWALR):
+        # The one scheduler whose kind changes as it goes: it scales the current rate while it
+        # anneals and sets swa_lr once annealed. Probed at its current step, a run was let
+        # through at its start and refused when resumed after the annealing (which the start
+        # should have said: from then on it erases the other scheduler's changes).
+        return "SWALR sets it to swa_lr once annealed"
     groups = scheduler.optimizer.param_groups
     rates = [group["lr"] for group in groups]
     # Nonzero: a warmup LambdaLR from 0 (lambda s: s / n) is at 0 when the run starts, and a
@@ -298,8 +307,8 @@ def _sets_the_rate(scheduler: Any) -> bool:
                 group["lr"] = probe * 0.5
             after = [float(rate) for rate in scheduler.get_lr()]
     except (NotImplementedError, AttributeError, TypeError, ValueError):
-        return False
+        return None
     finally:
         for group, rate in zip(groups, rates, strict=True):
             group["lr"] = rate
-    return before == after
+    return f"{type(scheduler).__name__} sets it from its base rate" if before == after else None
