@@ -330,14 +330,13 @@ def warn_rng_not_restored(*, saved_world_size: int, world_size: int, checkpoint:
         f"load: checkpoint {checkpoint} was written by {saved_world_size} ranks and is loaded "
         f"on {world_size}: it holds each saving rank's random generators (torch's CPU and "
         "CUDA, numpy's, Python's), which cannot map one to one onto another number of ranks, "
-        f"so none of its {saved_world_size} states is restored and each of the {world_size} "
-        "ranks goes on from its generators as this process left them. Dropout masks, random "
-        "augmentations in the main process and every other random draw differ from the "
-        "saved run's; the model, optimizer, counters and a shard=True data position are "
-        "restored exactly. For draws that follow the update and the rank alone (a resume on "
-        f"{world_size} ranks then draws what an uninterrupted {world_size}-rank run draws), "
-        "seed each update from its number: see 'Resuming on another number of ranks' in "
-        "docs/seeding.md.",
+        f"so none of its {saved_world_size} states is restored and every rank here goes on "
+        "from its generators as its process left them. Dropout masks, random augmentations "
+        "in the main process and every other random draw differ from the saved run's; the "
+        "model, optimizer, counters and a shard=True data position are restored exactly. For "
+        "draws that follow the update and the rank alone (a resume then draws what an "
+        "uninterrupted run on this number of ranks draws), seed each update from its number: "
+        "see 'Resuming on another number of ranks' in docs/seeding.md.",
         CheckpointWarning,
         stacklevel=3,
     )
