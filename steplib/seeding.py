@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from steplib.distributed.process_group import global_rank
-from steplib.errors import ConfigError, describe
+from steplib.errors import CheckpointWarning, ConfigError, describe
 
 try:  # numpy is optional: seeded only when installed.
     import numpy as np
@@ -308,6 +308,38 @@ def restore_rng(state: RngState) -> None:
         )
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
+
+
+def warn_rng_not_restored(*, saved_world_size: int, world_size: int, checkpoint: str) -> None:
+    """Warn, on rank 0 (once for the run's ranks), that a checkpoint written by
+    ``saved_world_size`` ranks and loaded on ``world_size`` restores no rank's generators: it
+    holds one :func:`capture_rng` per saving rank, and those cannot map one to one onto
+    another number of ranks, so every rank goes on from its own generators.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn_rng_not_restored(saved_world_size=4, world_size=2, checkpoint="ckpt/7")
+        >>> print(seen[0].message)  # doctest: +ELLIPSIS
+        load: checkpoint ckpt/7 was written by 4 ranks and is loaded on 2: ...
+    """
+    if global_rank() != 0:
+        return
+    warnings.warn(
+        f"load: checkpoint {checkpoint} was written by {saved_world_size} ranks and is loaded "
+        f"on {world_size}: it holds each saving rank's random generators (torch's CPU and "
+        "CUDA, numpy's, Python's), which cannot map one to one onto another number of ranks, "
+        f"so none of its {saved_world_size} states is restored and every rank here goes on "
+        "from its generators as its process left them. Dropout masks, random augmentations "
+        "in the main process and every other random draw differ from the saved run's; the "
+        "model, optimizer, counters and a shard=True data position are restored exactly. For "
+        "draws that follow the update and the rank alone (a resume then draws what an "
+        "uninterrupted run on this number of ranks draws), seed each update from its number: "
+        "see 'Resuming on another number of ranks' in docs/seeding.md.",
+        CheckpointWarning,
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ Before the fix, the load refused the data position on another world size, and wi
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -38,6 +39,7 @@ from steplib import make_train_step as train_step
 from steplib.checkpoint import latest, load, resume_from, save
 from steplib.data import resumable_loader
 from steplib.distributed import apply_ddp
+from steplib.errors import CheckpointWarning
 from steplib.testing import run_ranks
 
 GLOBAL_MICRO_BATCH = 8
@@ -144,7 +146,12 @@ def _two_ranks(rank: int, world: int, *, root: str) -> dict[str, Any]:
         events = Events().on("fit_start", resume_from(f"{root}/at{at}", data=loader))
         loaded: list[torch.Tensor] = []
         events.on("fit_start", functools.partial(_record_params, loaded))  # after the resume
-        state, losses = _train(state, step, loader, events, max_steps=UPDATES)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            state, losses = _train(state, step, loader, events, max_steps=UPDATES)
+        results[f"warned_at{at}"] = [
+            str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)
+        ]
         results[f"resumed_at{at}"] = _contents(state, losses, seen)
         results[f"resumed_at{at}"]["loaded"] = loaded
 
@@ -218,3 +225,20 @@ def test_what_cannot_continue_exactly_is_refused_with_the_fix(runs: dict[str, An
         assert "batch_size=4 on 2 ranks" in misaligned
         for label in ("per_rank", "not_sharded_here", "misaligned"):
             assert result[f"{label}_step_after"] == 0  # nothing was loaded
+
+
+@pytest.mark.xfail(strict=True, reason="needs the checkpoint/ patch in the report")
+@pytest.mark.parametrize("at", SAVES)
+def test_a_resume_on_another_world_size_warns_once_that_no_rank_gets_its_rng(
+    runs: dict[str, Any], at: int
+) -> None:
+    # Before, the 4 ranks' RNG states stayed in the checkpoint and both ranks went on from
+    # their own generators (torch.manual_seed(999) here) without a word: a model with dropout
+    # draws other masks than the saved run and than an uninterrupted 2-rank run.
+    rank0, rank1 = (result[f"warned_at{at}"] for result in runs["two"])
+    assert rank1 == []  # once for the run: rank 0 says it
+    assert len(rank0) == 1
+    message = rank0[0]
+    assert f"{at} was written by 4 ranks and is loaded on 2" in message
+    assert "none of its 4 states is restored and every rank here goes on" in message
+    assert "Dropout masks" in message and "docs/seeding.md" in message

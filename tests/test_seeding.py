@@ -3,6 +3,7 @@ included), other seeds differ, the rank offset, deterministic mode, and bad inpu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -154,3 +155,57 @@ def test_rank_offset_past_the_limit_and_other_bad_input(monkeypatch: pytest.Monk
         loader_generator(-3)
     with pytest.raises(ConfigError, match="outside a DataLoader worker"):
         seeded_worker_init_fn(0)
+
+
+def _dropout_run(directory: str, *, kill_at: int | None, reseed: bool, scramble: bool) -> list:
+    """6 updates of a model with dropout, saved every 3 and resumed from ``directory``; each
+    update's loss. ``scramble``: after the resume, the process's generators are not the saved
+    run's (as on another number of ranks, where no rank gets its saved RNG). ``reseed``: the
+    recipe of docs/seeding.md, each update seeded from its number and the rank."""
+    from steplib import Events, TrainState, make_train_step, run
+    from steplib.checkpoint import checkpoint_every, resume_from
+    from steplib.data import resumable_loader
+    from steplib.distributed import rank, world_size
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = resumable_loader(
+        torch.randn(12, 4, generator=torch.Generator().manual_seed(1)), batch_size=2
+    )
+    ckpt = checkpoint_every(directory, every=3)
+    losses: list[float] = []
+
+    def reseed_each_update(event: object) -> None:  # the recipe, as the docs give it
+        step = event.state.step  # type: ignore[attr-defined]
+        seed_everything((0 + step * world_size() + rank()) % 2**32)
+
+    events = Events(resume_from(ckpt), ckpt)
+    if scramble:
+        events.on("fit_start", lambda e: torch.manual_seed(999))
+    if reseed:
+        events.on("fit_start", reseed_each_update).on("step_end", reseed_each_update)
+
+    def record(event: object) -> None:
+        losses.append(event.output.loss.item())  # type: ignore[attr-defined]
+        if event.step == kill_at:  # type: ignore[attr-defined]
+            raise KeyboardInterrupt
+
+    events.on("step_end", record)
+    step = make_train_step(lambda m, b: m(b).pow(2).mean())
+    with contextlib.suppress(KeyboardInterrupt):  # killed after update ``kill_at``
+        run(step, state, data, events=events, max_steps=6)
+    return losses
+
+
+@pytest.mark.parametrize("reseed", [False, True])
+def test_seeding_each_update_makes_a_resume_without_its_rng_draw_as_the_whole_run(
+    tmp_path: object, reseed: bool
+) -> None:
+    # docs/seeding.md's recipe for a resume on another number of ranks, whose RNG states are
+    # not restored: without it, the resumed run's dropout masks differ from the whole run's.
+    whole = _dropout_run(f"{tmp_path}/whole", kill_at=None, reseed=reseed, scramble=False)
+    killed = _dropout_run(f"{tmp_path}/r", kill_at=4, reseed=reseed, scramble=False)
+    resumed = _dropout_run(f"{tmp_path}/r", kill_at=None, reseed=reseed, scramble=True)
+    assert killed == whole[:4] and len(resumed) == 3  # resumed from the save at update 3
+    assert (resumed == whole[3:]) is reseed

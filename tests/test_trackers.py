@@ -394,15 +394,16 @@ def test_wandb_warns_when_a_run_started_again_goes_back_over_its_steps(
 def test_mlflow_warns_when_a_run_started_again_goes_back_over_its_steps(
     mlflow_uri: str, tmp_path: Path
 ) -> None:
-    # Before, MLflow's history silently held steps 5 and 6 twice, the curve going back.
+    # Before, MLflow's history silently held steps 5 and 6 twice, the curve going back; then
+    # it warned and still held both. Now the resumed run's 5 and 6 are left out, as W&B does.
     from mlflow.tracking import MlflowClient
 
     with MLflowLogger(tracking_uri=mlflow_uri, experiment="again") as logger:
         run_id = logger.run_id
         assert run_id is not None
-        _started_again(logger, tmp_path / "ckpt", r"MLflow keeps every value: steps 5 to 6")
+        _started_again(logger, tmp_path / "ckpt", r"steps 5 to 6 keep the earlier run's")
     history = MlflowClient(tracking_uri=mlflow_uri).get_metric_history(run_id, "loss")
-    assert [m.step for m in history] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert [m.step for m in history] == list(range(1, 9))
 
 
 def test_a_tracker_continued_by_a_later_run_warns_nothing(mlflow_uri: str, tmp_path: Path) -> None:
@@ -415,3 +416,37 @@ def test_a_tracker_continued_by_a_later_run_warns_nothing(mlflow_uri: str, tmp_p
         _resumable_run(logger, tmp_path / "ckpt")  # resumed at its end, nothing new
         logger.start_run()  # a later run: its first record after the last step
         logger.write({"step": 9, "loss": 1.0})
+
+
+def test_mlflow_continuing_a_killed_run_leaves_out_the_steps_it_holds(
+    mlflow_uri: str, tmp_path: Path
+) -> None:
+    # Before, MLflowLogger(run_id=) of a run resumed from the save at 4 logged steps 5 and 6
+    # again beside the killed run's (10 points for 8 steps, the curve going back at 5), and
+    # nothing said so: the new logger knew nothing of what its tracker run held.
+    from mlflow.tracking import MlflowClient
+
+    killed = MLflowLogger(tracking_uri=mlflow_uri, experiment="continued")
+    run_id = killed.run_id
+    assert run_id is not None
+    with pytest.raises(_KilledError):
+        _resumable_run(killed, tmp_path / "ckpt", kill_at=6)
+    killed.client.set_terminated(run_id, status="KILLED")  # the process died
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    before = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")]
+    match = r"first record is at step 5, .* steps up to 6, .* steps 5 to 6 keep the earlier"
+    with (
+        MLflowLogger(tracking_uri=mlflow_uri, experiment="continued", run_id=run_id) as logger,
+        pytest.warns(UserWarning, match=match) as seen,
+    ):
+        _resumable_run(logger, tmp_path / "ckpt")
+    assert len(seen) == 1  # once, at the run's first record
+    history = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")]
+    assert [s for s, _ in history] == list(range(1, 9))  # one value per step
+    assert history[:6] == before  # the killed run's, as it logged them
+    # An uninterrupted run's values: the killed run's at 5 and 6 equal the resumed run's.
+    with MLflowLogger(tracking_uri=mlflow_uri, experiment="whole") as whole:
+        whole_id = whole.run_id
+        assert whole_id is not None
+        _resumable_run(whole, tmp_path / "whole")
+    assert [(m.step, m.value) for m in client.get_metric_history(whole_id, "loss")] == history

@@ -6,7 +6,8 @@ follow these rules; a tracker's run, which cannot drop what it logged, warns ins
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from steplib.handlers.logging.base import Record, Sink
@@ -85,36 +86,53 @@ class Continuation:
 
 def warn_rewound(owner: str, record: Record, last: int | None, kept: str) -> None:
     """Warn when a sink that cannot drop what it logged (a tracker's run: W&B, MLflow) gets
-    a run's first record at or before the last step it logged: a run started again in the
-    same process (after a crash or a stop, from a checkpoint or from scratch) logs those steps
-    again, and ``kept`` says what the tracker then holds (a template of ``{step}``, the
-    record's, and ``{last}``)."""
+    a run's first record at or before the last step its run holds: a run started again in the
+    same process (after a crash or a stop, from a checkpoint or from scratch), or a resumed
+    run continuing the killed one's tracker run (``run_id=``), logs those steps again, and
+    ``kept`` says what the tracker then holds (a template of ``{step}``, the record's, and
+    ``{last}``)."""
     step = record.get("step")
     if last is None or not isinstance(step, int) or step > last:
         return
     holds = kept.format(step=step, last=last)
     warnings.warn(
         f"{owner}: this run's first record is at step {step}, but its tracker run already holds "
-        f"steps up to {last}, logged by an earlier run of this logger (a run started again in "
-        f"this process, resumed from a checkpoint or from scratch). {holds} The tracker cannot "
-        "drop what it holds: for a run of this run's values alone, build a new logger (a new "
-        "tracker run) before running again.",
+        f"steps up to {last}, logged by an earlier run (of this logger: a run started again in "
+        f"this process; or the run it continues: a run resumed after a kill). {holds} The "
+        "tracker cannot drop what it holds: for a run of this run's values alone, build a new "
+        "logger (a new tracker run) before running again.",
         stacklevel=3,
     )
 
 
 class TrackerSink(Sink):
     """The base of the trackers' sinks (W&B, MLflow): a tracker's run keeps what it logged
-    (no step can be dropped or replaced), so a run started again with the same logger
-    (:meth:`start_run`, called by a ``Log`` at ``fit_start``) whose first record goes back
-    over the steps it logged warns, saying what the tracker then holds."""
+    (no step can be dropped or replaced), so a run whose first record goes back over the steps
+    the tracker's run holds warns, saying what the tracker then holds: a run started again
+    with the same logger (:meth:`start_run`, called by a ``Log`` at ``fit_start``), or the
+    first run of a logger that continues a killed run's tracker run (:meth:`continue_run`).
 
-    _last_step: int | None = None  # the highest step this logger logged
+    It also keeps, per metric, the last step the tracker's run held when the run started
+    (:meth:`new_names`): MLflow, which keeps every value it is given, logs only the others."""
+
+    _last_step: int | None = None  # the highest step this logger logged, or its run held
     _run_started = False
+    # Per metric, the last step the tracker's run holds, and that when the run started: an
+    # instance's own dicts once set (these read-only defaults are shared by the class).
+    _logged: Mapping[str, int] = MappingProxyType({})
+    _held: Mapping[str, int] = MappingProxyType({})
 
     def start_run(self, *, step: int = 0) -> None:
         """A run starts: its first record warns if the tracker's run holds its step."""
         self._run_started = True
+        self._held = dict(self._logged)
+
+    def continue_run(self, held: Mapping[str, int]) -> None:
+        """This logger continues a tracker run that holds each metric of ``held`` up to its
+        step (a killed run's): its first run starts as a run started again would."""
+        self._logged = dict(held)
+        self._last_step = max(held.values(), default=None)
+        self.start_run()
 
     def check_step(self, record: Record, kept: str) -> None:
         """Before logging ``record``: at a run's first, :func:`warn_rewound` with ``kept``."""
@@ -124,3 +142,22 @@ class TrackerSink(Sink):
         step = record.get("step")
         if isinstance(step, int):
             self._last_step = step if self._last_step is None else max(step, self._last_step)
+
+    def new_names(self, step: int, names: Iterable[str]) -> list[str]:
+        """Of the metrics ``names`` logged at ``step``, those the tracker's run did not hold at
+        ``step`` or later when this run started. A run resumed from a checkpoint logs again
+        the steps its killed run logged after it: the tracker's run keeps one value per step,
+        the killed run's (under an exact resume, law 9, the same as this run's).
+
+        Example:
+            >>> class Held(TrackerSink):
+            ...     def write(self, record): ...
+            ...     def close(self): ...
+            >>> sink = Held()
+            >>> sink.continue_run({"loss": 6, "val_loss": 4})
+            >>> sink.new_names(5, ["loss", "val_loss"]), sink.new_names(8, ["loss", "val_loss"])
+            (['val_loss'], ['loss', 'val_loss'])
+        """
+        new = [name for name in names if name not in self._held or step > self._held[name]]
+        self._logged = {**self._logged, **{n: max(step, self._logged.get(n, step)) for n in new}}
+        return new

@@ -16,11 +16,8 @@ Every number of a record is logged at the record's ``step``; ``step``, ``micro_s
 non-numbers (strings, booleans, nested lists) are skipped, as in the TensorBoard sink.
 
 Rank 0 only (``rank_zero_only=True``): on other ranks nothing is imported, no run is created
-and ``write`` does nothing, so build the logger after the process group is initialised.
-
-Leaving a ``with`` block on an exception marks the run as failed (W&B exit code 1, MLflow
-status ``FAILED``); ``close()`` marks it finished. The tracker packages are imported when a
-logger is built, never when steplib is imported."""
+and ``write`` does nothing. Leaving a ``with`` block on an exception marks the run as failed
+(W&B exit code 1, MLflow status ``FAILED``). The packages are imported when a logger is built."""
 
 from __future__ import annotations
 
@@ -42,8 +39,8 @@ _WANDB_KEPT = (
     "values, not this run's."
 )
 _MLFLOW_KEPT = (
-    "MLflow keeps every value: steps {step} to {last} hold the earlier run's values and this "
-    "run's, and the curves go back at step {step}."
+    "MLflow would keep both, so this run's values at the steps it holds are left out: steps "
+    "{step} to {last} keep the earlier run's (the same under an exact resume, law 9)."
 )
 
 
@@ -232,7 +229,9 @@ class MLflowLogger(TrackerSink):
         run_name: the run's name (MLflow picks one when ``None``).
         run_id: continue this run (``logger.run_id`` of an earlier logger: a run resumed
             after a kill), as MLflow's ``start_run(run_id=...)`` does: marked running again,
-            its metrics continued; it must be in ``experiment``. ``None``: a new run.
+            its metrics continued; it must be in ``experiment``. ``None``: a new run. The
+            steps it holds of a metric are left out of this run's (one value per step; a
+            ``UserWarning`` names them).
         params: hyperparameters to record as the run's parameters.
         tags: tags for the run.
         keys: the names to log (``None``: every number but the counters ``epoch``,
@@ -318,15 +317,18 @@ class MLflowLogger(TrackerSink):
     ) -> str:
         """Mark the run ``run_id`` of ``experiment`` (``found``) running again, as MLflow's
         ``start_run(run_id=...)`` does, and add ``tags``."""
-        info = self.client.get_run(run_id).info
-        if found is None or info.experiment_id != found.experiment_id:
+        run = self.client.get_run(run_id)
+        if found is None or run.info.experiment_id != found.experiment_id:
             where = "in another experiment"
-        elif info.lifecycle_stage == "deleted":
+        elif run.info.lifecycle_stage == "deleted":
             where = "deleted"
         else:
             self.client.update_run(run_id, status="RUNNING", name=name)
             if tags:
                 self.client.log_batch(run_id, tags=[self._tag(k, str(v)) for k, v in tags.items()])
+            history = self.client.get_metric_history  # the steps it holds: left out in write
+            held = {k: max(m.step for m in history(run_id, k)) for k in run.data.metrics}
+            self.continue_run(held)
             return run_id
         raise ConfigError(
             f"MLflowLogger(run_id={run_id!r}, experiment={experiment!r}) names a run {where}: "
@@ -352,10 +354,9 @@ class MLflowLogger(TrackerSink):
         step = int(record.get("step", 0))
         # MLflow timestamps are integer milliseconds; the record's time is unix seconds.
         stamp = int(float(record.get("time", 0.0)) * 1000)
-        metrics = [
-            self._metric(name, float(value), stamp, step)
-            for name, value in plotted(record, self.keys).items()
-        ]
+        values = plotted(record, self.keys)
+        names = self.new_names(step, values)  # what its run held before this run is left out
+        metrics = [self._metric(n, float(values[n]), stamp, step) for n in names]
         if not metrics:
             return
         try:
