@@ -227,7 +227,6 @@ def test_what_cannot_continue_exactly_is_refused_with_the_fix(runs: dict[str, An
             assert result[f"{label}_step_after"] == 0  # nothing was loaded
 
 
-@pytest.mark.xfail(strict=True, reason="needs the checkpoint/ patch in the report")
 @pytest.mark.parametrize("at", SAVES)
 def test_a_resume_on_another_world_size_warns_once_that_no_rank_gets_its_rng(
     runs: dict[str, Any], at: int

@@ -26,6 +26,7 @@ from steplib.checkpoint.storage import FileRecord, Location
 from steplib.data.shards import check_new_world
 from steplib.distributed.parallelize import is_parallel_model
 from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from steplib.seeding import warn_rng_not_restored
 from steplib.state import TrainState
 
 try:  # re-exported by torch.distributed.checkpoint up to torch 2.12, private module since
@@ -264,6 +265,8 @@ def load(
             now = lane.optimizer.state_dict()["param_groups"]  # the parameters' indices
             named = [dict(g, params=n["params"]) for g, n in zip(groups, now, strict=True)]
             lane.optimizer.load_state_dict({"state": {}, "param_groups": named})
+    if not same_world:  # each saving rank's generators: none maps onto a rank here
+        warn_rng_not_restored(saved_world_size=saved, world_size=world, checkpoint=url)
     return restore.restore_train_state(train_state, state, data=data, extras=extras, rng=same_world)
 
 
