@@ -83,10 +83,11 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
 
-    def read(self) -> float:
-        """The value (an int for an integer tensor); call only when :meth:`ready` (it is then a
-        read of host memory)."""
-        return self._host.item()
+    def read(self) -> Any:
+        """The value as Python numbers (an int for an integer tensor, nested lists for a
+        tensor of several elements); call only when :meth:`ready` (it is then a read of host
+        memory)."""
+        return self._host.tolist()
 
 
 @dataclasses.dataclass
@@ -129,6 +130,9 @@ class SkipMemory:
             weakref.WeakKeyDictionary()
         )
         self._counts: weakref.WeakKeyDictionary[Any, list[tuple[HostCopy, int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._posted: weakref.WeakKeyDictionary[Any, dict[str, list[tuple[HostCopy, int]]]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -210,6 +214,21 @@ class SkipMemory:
                     "host read), or wrap the step with skip_nonfinite(step) (the decision is "
                     "then read on the host once per update), or drop empty batches from the data."
                 )
+
+    def landed(
+        self, optimizer: Any, what: str, tensor: torch.Tensor, update: int
+    ) -> list[tuple[Any, int]]:
+        """Post a host copy of ``tensor``, made by ``update``, and return the values of the
+        copies that have landed, oldest first, each with its update (on the CPU this one, at
+        once; on CUDA an update or two later, never waited for). ``what`` names the values:
+        one line of copies in flight per optimizer and name."""
+        in_flight = self._posted.setdefault(optimizer, {}).setdefault(what, [])
+        in_flight.append((HostCopy(tensor), update))
+        values = []
+        while in_flight and in_flight[0][0].ready():
+            copy, made_at = in_flight.pop(0)
+            values.append((copy.read(), made_at))
+        return values
 
     def too_many(
         self, state: Any, consecutive: torch.Tensor, limit: int, *, on_host: bool

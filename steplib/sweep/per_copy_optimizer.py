@@ -20,7 +20,8 @@ several, every group is read by :meth:`PerCopyOptimizer.add_param_group`.
 
 ``param_groups[0]["active"]`` (a ``[N]`` bool tensor, saved with the optimizer) says which
 copies still train, in every group: a stopped copy's parameters and optimizer state are never
-changed again.
+changed again. The sweep step keeps each copy's skipped updates in a row beside it, in
+``param_groups[0]["consecutive_skips"]`` (``steplib.sweep.stopped``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ What differs from the step it wraps, and why:
   held no targets) is a mask in the optimizer's update, decided on the device: there is no host
   read in a sweep's step;
 * ``state.skipped_updates`` counts skipped copy-updates in total (a 0-dim tensor); each
-  copy's updates are its optimizer ``step`` count;
+  copy's updates are its optimizer ``step`` count, its skips in a row the optimizer's
+  ``param_groups[0]["consecutive_skips"]``: a copy past ``max_consecutive`` is stopped
+  (:mod:`steplib.sweep.stopped`), not the run;
 * the scheduler advances once per sweep update for every copy: one schedule for all, so a copy
   whose update alone was skipped (non-finite) does not hold it back, though its own run would.
   A window that held no targets updates no copy and, with a ``LambdaLR`` and a sweep
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,6 +50,7 @@ from steplib.sweep.copies import Copies, per_copy
 from steplib.sweep.grads import CopyGradients
 from steplib.sweep.per_copy_optimizer import PerCopyOptimizer
 from steplib.sweep.rates import check_per_copy_schedule
+from steplib.sweep.stopped import count_and_stop, stopped_buffers_kept
 from steplib.sweep.trial import trial
 
 
@@ -95,7 +98,7 @@ class SweepStep:
         with contextlib.ExitStack() as stack:
             for enter in plan.micro_contexts:
                 stack.enter_context(enter(state, closes))
-            stack.enter_context(_stopped_buffers_kept(state.optimizer, self.copies))
+            stack.enter_context(stopped_buffers_kept(state.optimizer, self.copies))
             with contextlib.ExitStack() as inner:
                 for enter_forward in plan.forward_contexts:
                     inner.enter_context(enter_forward(state))
@@ -201,7 +204,9 @@ class SweepStep:
             for p in group["params"]:
                 p.grad = None
         _call(plan.hooks, "after_zero_grad", state)
-        if not isinstance(optimizer, PerCopyOptimizer):
+        if isinstance(optimizer, PerCopyOptimizer):  # a copy that keeps skipping is stopped
+            count_and_stop(optimizer, applied, skipped, plan=plan, update=state.step + 1)
+        else:
             # It cannot skip a window that held no targets: checked once the count's host copy
             # lands, as the step does for such an optimizer (an error that names the fix).
             plan.skips.check_not_empty(optimizer, targets, state.step)
@@ -371,23 +376,6 @@ def _triple(result: Any) -> tuple[torch.Tensor, Any, Mapping[str, torch.Tensor]]
         loss, second = result
         return (loss, 1, second) if isinstance(second, Mapping) else (loss, second, {})
     return result[0], result[1], result[2]
-
-
-@contextlib.contextmanager
-def _stopped_buffers_kept(optimizer: Any, copies: Copies) -> Iterator[None]:
-    """Put a stopped copy's buffers back after forward and backward (backward may read them as
-    forward left them): a stopped copy is done, and its running statistics (BatchNorm's) must
-    not go on moving with the other copies' batches, as its own run, stopped there, would not.
-    On the device, a clone and a ``where`` per buffer: no host read of the mask."""
-    buffers = list(copies.stacked.buffers()) if isinstance(optimizer, PerCopyOptimizer) else []
-    saved = [b.clone() for b in buffers]
-    yield
-    if buffers:
-        active = optimizer.param_groups[0]["active"]
-        with torch.no_grad():
-            for buffer, old in zip(buffers, saved, strict=True):
-                here = active.view((-1,) + (1,) * (buffer.ndim - 1))
-                torch.where(here, buffer, old, out=buffer)
 
 
 def _around(outer: Any, state: TrainState, inner: Any) -> Any:
