@@ -614,3 +614,38 @@ def test_one_copy_diverging_leaves_the_others_bit_for_bit_as_without_it() -> Non
     assert int(state.skipped_updates) == 8  # copy 2: windows 2 to 9
     steps = state.optimizer.state[first_weight(broken.stacked)]["step"]
     assert steps.tolist() == [10, 10, 2, 10]
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_an_update_that_skipped_every_copy_holds_a_lambdalr_as_each_copys_own_run(
+    counted: bool,
+) -> None:
+    # A NaN batch makes every copy's update non-finite: no copy is updated, and each copy's own
+    # steplib run (skip_nonfinite) holds its LambdaLR there. The sweep moved it on: the next
+    # applied update ran at the schedule's third position instead of its second.
+    batches = f64_batches(3)
+    x, y, m = batches[1]
+    batches[1] = (torch.full_like(x, float("nan")), y, m)
+    copies = Copies.stack([tiny_model(i).double() for i in range(N)])
+    opt = SweepAdamW(copies.parameters(), lr=LRS)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + t))
+    state = sl.TrainState.create(model=copies, optimizer=opt, scheduler=decay)
+    loss = token_loss if counted else mean_loss
+    inner = sl.skip_nonfinite(sl.make_train_step(loss))
+    step = sweep_step(inner, copies=copies, example_batch=batches[0])
+    outs = []
+    for batch in batches:
+        state, out = step(state, batch)
+        outs.append(out)
+    assert outs[1].skipped.all() and not outs[1].did_update.any()
+    expected = torch.tensor([lr / 2 for lr in LRS], dtype=torch.float64)
+    torch.testing.assert_close(outs[2].lr, expected, rtol=1e-15, atol=0)
+
+    own = tiny_model(0).double()  # copy 0's own run holds the schedule the same way
+    own_opt = torch.optim.AdamW(own.parameters(), lr=LRS[0])
+    own_decay = torch.optim.lr_scheduler.LambdaLR(own_opt, lambda t: 1 / (1 + t))
+    own_state = sl.TrainState.create(model=own, optimizer=own_opt, scheduler=own_decay)
+    own_step = sl.skip_nonfinite(sl.make_train_step(loss))
+    for batch in batches:
+        own_state, own_out = own_step(own_state, batch)
+    assert float(own_out.lr) == float(expected[0])

@@ -20,9 +20,9 @@ What differs from the step it wraps, and why:
   (:mod:`steplib.sweep.stopped`), not the run;
 * the scheduler advances once per sweep update for every copy: one schedule for all, so a copy
   whose update alone was skipped (non-finite) does not hold it back, though its own run would.
-  A window that held no targets updates no copy and, with a ``LambdaLR`` and a sweep
-  optimizer, does not move the schedule either (for a loss that returns a count, its position
-  moves on the device, as the step's does); another scheduler advances.
+  An update that updated no copy (a window that held no targets, or every copy non-finite)
+  does not move a ``LambdaLR`` over a sweep optimizer (its position moves on the device, as
+  the step's does); another scheduler advances.
 """
 
 from __future__ import annotations
@@ -211,11 +211,11 @@ class SweepStep:
             # lands, as the step does for such an optimizer (an error that names the fix).
             plan.skips.check_not_empty(optimizer, targets, state.step)
         scheduler = state.scheduler
-        if self.counted and isinstance(optimizer, PerCopyOptimizer) and type(scheduler) is LambdaLR:
-            # A window that held no targets updated no copy, and no copy's own run would move
-            # its schedule: the position moves on the device, by the window's count > 0, as the
-            # step's does for a loss that returns a count (one that does not is never empty).
-            plan.skips.advance(optimizer, scheduler, targets > 0)
+        if isinstance(optimizer, PerCopyOptimizer) and type(scheduler) is LambdaLR:
+            # An update that updated no copy (a window without targets, or every copy's update
+            # non-finite) would move no copy's own run's schedule: the position moves on the
+            # device, by whether any copy was updated, as the step's does by its update.
+            plan.skips.advance(optimizer, scheduler, applied.any())
         elif scheduler is not None:
             scheduler.step()
         state = state.replace(
