@@ -116,22 +116,17 @@ class _Schedule:
 class SkipMemory:
     """What a step whose skip decisions stay on the device remembers between updates, per
     optimizer: the scheduler's position on the device (:class:`_Schedule`) and the host copies
-    of ``consecutive_skips`` in flight. Mutable on purpose, and the step's (``step.plan.skips``),
-    never the state's."""
+    in flight (:meth:`landed`: skips in a row, window counts, a sweep's stopped copies).
+    Mutable on purpose, and the step's (``step.plan.skips``), never the state's."""
 
     def __init__(self) -> None:
         self._schedules: weakref.WeakKeyDictionary[Any, _Schedule] = weakref.WeakKeyDictionary()
-        self._in_flight: weakref.WeakKeyDictionary[Any, list[tuple[HostCopy, int]]] = (
-            weakref.WeakKeyDictionary()
-        )
         self._zeros: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
         # the last count of skips in a row computed on the host, with the tensor that holds it
         self._host_counts: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, int]] = (
             weakref.WeakKeyDictionary()
         )
-        self._counts: weakref.WeakKeyDictionary[Any, list[tuple[HostCopy, int]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # host copies in flight, per optimizer and kind of value (see landed)
         self._posted: weakref.WeakKeyDictionary[Any, dict[str, list[tuple[HostCopy, int]]]] = (
             weakref.WeakKeyDictionary()
         )
@@ -199,12 +194,9 @@ class SkipMemory:
         Raises:
             EmptyWindowError: a landed count is 0 (the update it names was applied).
         """
-        in_flight = self._counts.setdefault(optimizer, [])
-        in_flight.append((HostCopy(targets), step + 1))
-        while in_flight and in_flight[0][0].ready():
-            copy, update = in_flight.pop(0)
-            if copy.read() <= 0:
-                in_flight.clear()
+        for count, update in self.landed(optimizer, "targets", targets, step + 1):
+            if count <= 0:
+                self._posted[optimizer]["targets"].clear()
                 raise EmptyWindowError(
                     f"update {update} was made from a window that held no targets (its "
                     "num_targets summed to 0, e.g. all padding): its gradients were zero, yet "
@@ -252,12 +244,9 @@ class SkipMemory:
             if count is not None:
                 self._host_counts[optimizer] = (consecutive, count)
                 return (count, update) if count > limit else None
-        in_flight = self._in_flight.setdefault(optimizer, [])
-        in_flight.append((HostCopy(consecutive), update))  # on CUDA read updates later
-        while in_flight and in_flight[0][0].ready():
-            copy, made_at = in_flight.pop(0)
-            if (seen := int(copy.read())) > limit:
-                in_flight.clear()
+        for seen, made_at in self.landed(optimizer, "consecutive", consecutive, update):
+            if seen > limit:
+                self._posted[optimizer]["consecutive"].clear()
                 return seen, made_at
         return None
 
