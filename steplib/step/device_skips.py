@@ -196,7 +196,7 @@ class SkipMemory:
         """
         for count, update in self.landed(optimizer, "targets", targets, step + 1):
             if count <= 0:
-                self._posted[optimizer]["targets"].clear()
+                self.forget(optimizer, "targets")
                 raise EmptyWindowError(
                     f"update {update} was made from a window that held no targets (its "
                     "num_targets summed to 0, e.g. all padding): its gradients were zero, yet "
@@ -222,6 +222,11 @@ class SkipMemory:
             values.append((copy.read(), made_at))
         return values
 
+    def forget(self, optimizer: Any, what: str) -> None:
+        """Drop the host copies of ``what`` in flight: one of them raised, and the others are
+        of the updates that led to it (read, they would raise again at the next call)."""
+        self._posted.get(optimizer, {}).pop(what, None)
+
     def too_many(
         self, state: Any, consecutive: torch.Tensor, limit: int, *, on_host: bool
     ) -> tuple[int, int] | None:
@@ -246,7 +251,7 @@ class SkipMemory:
                 return (count, update) if count > limit else None
         for seen, made_at in self.landed(optimizer, "consecutive", consecutive, update):
             if seen > limit:
-                self._posted[optimizer]["consecutive"].clear()
+                self.forget(optimizer, "consecutive")
                 return seen, made_at
         return None
 

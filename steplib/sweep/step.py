@@ -42,7 +42,7 @@ from steplib.state import EMPTY_WINDOW, TrainState, Window
 from steplib.state_checks import scheduler_position
 from steplib.step import Step
 from steplib.step.core import EAGER
-from steplib.step.device_skips import HostCopy
+from steplib.step.device_skips import SkipMemory
 from steplib.step.loss_output import parse_loss_output
 from steplib.step.parts import LOCAL
 from steplib.step.phases import check_scheduler
@@ -68,8 +68,6 @@ class SweepStep:
     copies: Copies
     losses: Any = dataclasses.field(repr=False, compare=False)
     counted: bool = dataclasses.field(default=False, repr=False, compare=False)
-    # Host copies of "the copies counted different targets", read once landed (no wait).
-    landing: list[HostCopy] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -112,7 +110,7 @@ class SweepStep:
             _call(plan.hooks, "after_backward", state)
         loss_sum = at_least_float32(loss_sum.detach())
         if self.counted:
-            self._check_counts(count)
+            _check_counts(count, plan.skips, state.optimizer, state.micro_step + 1)
         count = count[0]  # one shared batch: every copy counted the same targets
         state = state.replace(
             micro_step=state.micro_step + 1,
@@ -237,23 +235,6 @@ class SweepStep:
             aux=aux,
         )
 
-    def _check_counts(self, count: torch.Tensor) -> None:
-        """Refuse a count that differs between copies (one that depends on the model's outputs):
-        copy 0's would normalise every copy's gradients. Read once it has landed, as
-        ``check_not_empty`` reads a window's count: on the CPU at once, on CUDA a call or two
-        later, never waited for."""
-        self.landing.append(HostCopy((count != count[0]).any()))
-        while self.landing and self.landing[0].ready():
-            if self.landing.pop(0).read():
-                self.landing.clear()
-                raise ConfigError(
-                    "loss_fn returned a different num_targets for different copies of this "
-                    "sweep: it counts something that depends on the model's outputs, and a "
-                    "sweep shares one batch and one count, so copy 0's would normalise every "
-                    "copy's gradients. Count the targets from the batch alone (e.g. "
-                    "(labels != -100).sum()), or train such copies separately."
-                )
-
     def _lr(self, state: TrainState) -> torch.Tensor:
         group = state.optimizer.param_groups[0]
         if isinstance(state.optimizer, PerCopyOptimizer):
@@ -366,6 +347,24 @@ def sweep_step(step: Step, *, copies: Copies, example_batch: Any) -> SweepStep:
     losses = per_copy(parsed, copies)
     trial(losses, copies, example_batch)
     return SweepStep(step=step, copies=copies, losses=losses, counted=counted)
+
+
+def _check_counts(count: torch.Tensor, skips: SkipMemory, optimizer: Any, micro_step: int) -> None:
+    """Refuse a count that differs between copies (one that depends on the model's outputs):
+    copy 0's would normalise every copy's gradients. Read once it has landed, as
+    ``check_not_empty`` reads a window's count: on the CPU at once, on CUDA a call or two
+    later, never waited for."""
+    differs = (count != count[0]).any()
+    for landed, _ in skips.landed(optimizer, "counts differ", differs, micro_step):
+        if landed:
+            skips.forget(optimizer, "counts differ")
+            raise ConfigError(
+                "loss_fn returned a different num_targets for different copies of this "
+                "sweep: it counts something that depends on the model's outputs, and a "
+                "sweep shares one batch and one count, so copy 0's would normalise every "
+                "copy's gradients. Count the targets from the batch alone (e.g. "
+                "(labels != -100).sum()), or train such copies separately."
+            )
 
 
 def _triple(result: Any) -> tuple[torch.Tensor, Any, Mapping[str, torch.Tensor]]:
