@@ -39,7 +39,7 @@ from steplib.distributed import apply_ddp
 from steplib.events import Event
 from steplib.handlers import Scheduler
 from steplib.step import ddp_wrap
-from steplib.testing import run_ranks
+from steplib.testing import assert_no_host_sync, run_ranks
 from tests.checkpoint_helpers import assert_same
 
 DIM, QUEUE, MOMENTUM_K, TEMPERATURE = 8, 40, 0.99, 0.2  # --moco-dim, -k, -m, -t (scaled down)
@@ -131,6 +131,19 @@ class MoCo(nn.Module):
         return logits, labels
 
 
+class DeviceQueueMoCo(MoCo):
+    """The enqueue without builder.py's host read of the pointer (on a GPU, a wait for every
+    queued kernel each step): the same copies, indexed on the device."""
+
+    @torch.no_grad()
+    def _dequeue_and_enqueue(self, keys: torch.Tensor) -> None:
+        keys = concat_all_gather(keys)
+        n = keys.shape[0]
+        assert self.k % n == 0  # no wrap inside a batch
+        self.queue.index_copy_(1, self.queue_ptr + torch.arange(n), keys.T)
+        self.queue_ptr.copy_((self.queue_ptr + n) % self.k)
+
+
 class TwoCrops(Dataset[tuple[list[torch.Tensor], int]]):
     """``ImageFolder`` with ``TwoCropsTransform``: two random views of each sample, drawn from
     the global generator when the sample is loaded (as torchvision's transforms draw)."""
@@ -164,11 +177,11 @@ def adjust_learning_rate(optimizer: torch.optim.Optimizer, epoch: int, cos: bool
         group["lr"] = lr
 
 
-def _setup(world: int = 1) -> tuple[MoCo, torch.optim.Optimizer, Any]:
+def _setup(world: int = 1, moco: type[MoCo] = MoCo) -> tuple[MoCo, torch.optim.Optimizer, Any]:
     """The model, the optimizer and the loader; on ``world`` ranks each loads its share of
     the epoch (DistributedSampler's), ``--batch-size`` divided among them."""
     seed_everything(0)
-    model = MoCo()
+    model = moco()
     optimizer = torch.optim.SGD(
         model.parameters(), LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY
     )
@@ -321,3 +334,20 @@ def _plain_on_ranks(rank: int, world: int, *, cos: bool) -> dict[str, Any]:
 
 def _steplib_on_ranks(rank: int, world: int, **kwargs: Any) -> dict[str, Any]:
     return _steplib(world=world, **kwargs)
+
+
+def test_the_pointers_host_read_is_found_and_the_device_enqueue_is_the_same() -> None:
+    """builder.py reads the queue's pointer on the host inside the step (``int(queue_ptr)``):
+    ``assert_no_host_sync`` names that line; the enqueue indexed on the device reads nothing
+    and trains the same bits."""
+    model, optimizer, loader = _setup()
+    state = TrainState.create(model=model, optimizer=optimizer)
+    with pytest.raises(AssertionError, match=r"__int__.*int\(self\.queue_ptr\)"):
+        assert_no_host_sync(make_train_step(loss_fn), state, list(loader))
+    model, optimizer, loader = _setup(moco=DeviceQueueMoCo)
+    state = TrainState.create(model=model, optimizer=optimizer)
+    step = make_train_step(loss_fn)
+    for epoch in range(EPOCHS):
+        adjust_learning_rate(optimizer, epoch, cos=True)
+        state = assert_no_host_sync(step, state, loader)
+    assert_same(model.state_dict(), _plain(True)["model"])
