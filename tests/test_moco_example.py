@@ -13,7 +13,7 @@ positive key and the queue divided by ``T``. With steplib the module is the mode
 its pointer are buffers and the key encoder is frozen parameters of the model, so a checkpoint
 holds them without their being named. The schedule is ``Scheduler(LambdaLR(...))`` or
 ``Scheduler(MultiStepLR(...))`` stepped per epoch, the example's ``adjust_learning_rate``.
-The recipe: docs/migration/README.md, "Momentum contrast (MoCo)".
+The recipe: docs/migration/README.md, "A momentum encoder and a queue of keys (MoCo)".
 """
 
 from __future__ import annotations
