@@ -73,10 +73,14 @@ class Encoder(nn.Module):
 class MoCo(nn.Module):
     """builder.py's ``MoCo(base_encoder, dim, K, m, T, mlp=True)``."""
 
+    queue: torch.Tensor  # buffers
+    queue_ptr: torch.Tensor
+
     def __init__(self, dim: int = DIM, k: int = QUEUE, m: float = MOMENTUM_K) -> None:
         super().__init__()
         self.k, self.m, self.t = k, m, TEMPERATURE
-        self.encoder_q, self.encoder_k = Encoder(dim), Encoder(dim)
+        self.encoder_q: nn.Module = Encoder(dim)
+        self.encoder_k: nn.Module = Encoder(dim)
         for encoder in (self.encoder_q, self.encoder_k):  # --mlp (MoCo v2)
             encoder.fc = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), encoder.fc)
         for q, k_ in zip(self.encoder_q.parameters(), self.encoder_k.parameters(), strict=True):
@@ -326,6 +330,7 @@ def test_moco_under_ddp_with_steplib_equals_its_ddp_loop() -> None:
 
 
 @pytest.mark.xfail(
+    raises=AssertionError,
     strict=True,
     reason="DCP writes a replicated tensor from any rank: the batch-norm statistics saved "
     "under DDP are rank 1's, DDP broadcasts rank 0's (the fix, in steplib/checkpoint/dcp.py: "
