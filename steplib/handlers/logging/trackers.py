@@ -142,7 +142,8 @@ class WandbLogger(TrackerSink):
             ) from error
         # A run continued by id= (online) starts at the step after the last it holds (W&B's
         # starting_step) and drops a lower one: the first record warns if it is one.
-        held = getattr(self.run, "starting_step", 0) - 1 if self.run.resumed else -1
+        resumed = getattr(self.run, "resumed", False)  # W&B's, set for a run continued by id=
+        held = getattr(self.run, "starting_step", 0) - 1 if resumed else -1
         self._continued = held >= 0
         if self._continued:
             self.continue_run({"_step": held})  # W&B keeps one step counter for all
