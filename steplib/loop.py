@@ -18,6 +18,7 @@ from steplib.loop_checks import check_args, limits_reached, warn_nothing_to_trai
 from steplib.loop_data import PULLING, TRAINED, Partial, after_error, keep_position, resumed_at
 from steplib.output import StepOutput
 from steplib.state import TrainState
+from steplib.state_checks import check_updates_left
 
 
 class StepLike(Protocol):
@@ -93,7 +94,8 @@ def iterate(
 
     Raises:
         ValueError: bad arguments (raised by the call itself, before the first ``next``), or
-            ``data`` yields no batches in an epoch.
+            ``data`` yields no batches in an epoch; ``ConfigError`` (after ``fit_start``): the
+            state's ``OneCycleLR`` ends before ``max_steps``.
 
     Example:
         Three micro-batches, two per update: the last, shorter window is closed on the last
@@ -183,6 +185,8 @@ def _iterate(
     given = state
     started = events.emit(Event("fit_start", state, data=data, train_step=step, events=events))
     state, stop = started.state, started.stop
+    if max_steps is not None:  # after fit_start: a resume handler may have loaded a scheduler
+        check_updates_left(state, max_steps - state.step, needs=f"max_steps={max_steps}")
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
         # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
@@ -314,7 +318,8 @@ def run(
         The model and optimizer objects are the ones in ``state``, updated in place.
 
     Raises:
-        ValueError: bad arguments, or ``data`` yields no batches in an epoch.
+        ValueError: bad arguments, or ``data`` yields no batches in an epoch; ``ConfigError``:
+            the state's ``OneCycleLR`` ends before ``max_steps``.
 
     Example:
         >>> import torch

@@ -276,6 +276,43 @@ def scheduler_position(scheduler: Any) -> int | None:
     return position if isinstance(position, int) else None
 
 
+def ending_cycle(scheduler: Any) -> Any:
+    """The ``OneCycleLR`` that ends ``scheduler``'s steps soonest, or ``None``: torch raises
+    ``ValueError("Tried to step ... times")`` at a step past its ``total_steps``, and a
+    ``ChainedScheduler`` steps each of the schedulers it holds. (A ``SequentialLR`` restarts
+    its schedulers at its milestones: not looked into.)"""
+    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+        return scheduler
+    if not isinstance(scheduler, torch.optim.lr_scheduler.ChainedScheduler):
+        return None
+    # torch keeps a ChainedScheduler's schedulers in `_schedulers`: read, never written.
+    cycles = [c for one in scheduler._schedulers if (c := ending_cycle(one)) is not None]
+    return min(cycles, key=lambda c: c.total_steps - c.last_epoch, default=None)
+
+
+def check_updates_left(state: Any, updates: int, *, needs: str) -> None:
+    """Raise ``ConfigError`` if ``state.scheduler`` cannot be stepped ``updates`` more times
+    (:func:`ending_cycle`): torch refuses the step past a ``OneCycleLR``'s end only after the
+    optimizer applied that update, so the model holds an update its counters do not. ``needs``
+    says what asks for the updates (``"this update"``, ``"max_steps=10"``)."""
+    cycle = ending_cycle(state.scheduler)
+    if cycle is None or updates <= cycle.total_steps - cycle.last_epoch:
+        return
+    at, total = cycle.last_epoch, cycle.total_steps
+    left = max(total - at, 0)
+    raise ConfigError(
+        f"update {state.step + 1}: the state's scheduler ({type(state.scheduler).__name__}) "
+        f"can be stepped {left} more time(s) before the end of its cycle (OneCycleLR's "
+        f"total_steps, {total}; it is at {at}), and {needs} would step it {updates} time(s): "
+        "torch refuses a step past the end (ValueError 'Tried to step ... times') after the "
+        "optimizer has applied that update. Build the OneCycleLR with total_steps= the run's "
+        f"updates (here at least {at + updates}), or stop the run at max_steps="
+        f"{state.step + left}. A checkpoint restores the total_steps it was saved with, so a "
+        "resumed run ends where its cycle ends; to train on after it, give the state a new "
+        "scheduler: state.replace(scheduler=...)."
+    )
+
+
 def check_scheduler_at(state: Any, at: int | None) -> None:
     """Raise ``ConfigError`` if ``state.scheduler`` is not at ``at``, the position the state's
     last update left on it (``state.scheduler_at``, or what a step that keeps the position on

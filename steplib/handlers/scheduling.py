@@ -17,6 +17,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import OneCycleLR
 from torch.optim.swa_utils import SWALR
 
 from steplib import errors
@@ -292,6 +293,10 @@ def _sets_the_rate(scheduler: Any) -> str | None:
         # through at its start and refused when resumed after the annealing (which the start
         # should have said: from then on it erases the other scheduler's changes).
         return "SWALR sets it to swa_lr once annealed"
+    if isinstance(scheduler, OneCycleLR):
+        # Its get_lr raises past total_steps (a OneCycleLR stepped past its cycle): probed
+        # there, it counted as not setting the rate, and the check was escaped.
+        return "OneCycleLR sets it from max_lr"
     groups = scheduler.optimizer.param_groups
     rates = [group["lr"] for group in groups]
     # Nonzero: a warmup LambdaLR from 0 (lambda s: s / n) is at 0 when the run starts, and a

@@ -20,7 +20,12 @@ import torch
 from steplib.errors import ConfigError, TooManySkipsError
 from steplib.lineage import backward_failed
 from steplib.state import EMPTY_WINDOW, TrainState
-from steplib.state_checks import check_scheduler_at, scheduler_position, trained
+from steplib.state_checks import (
+    check_scheduler_at,
+    check_updates_left,
+    scheduler_position,
+    trained,
+)
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
 from steplib.step.parts import Gradients, GradReport, Update
@@ -266,7 +271,8 @@ def check_scheduler(plan: Plan, state: TrainState) -> None:
     micro-batch that closes a window, since a runner may update inside it.
 
     Raises:
-        ConfigError: see ``steplib.state_checks.check_scheduler_at``.
+        ConfigError: see ``steplib.state_checks.check_scheduler_at``; a scheduler at the end
+            of its cycle (``check_updates_left``).
     """
     scheduler = state.scheduler
     if scheduler is not None:
@@ -274,6 +280,9 @@ def check_scheduler(plan: Plan, state: TrainState) -> None:
         # the step last set there.
         written = plan.skips.written(scheduler)
         check_scheduler_at(state, state.scheduler_at if written is None else written)
+        # Before the update, not after: torch refuses a OneCycleLR's step past its end only
+        # once the optimizer has changed the parameters.
+        check_updates_left(state, 1, needs="this update")
 
 
 def lr_now(state: TrainState) -> torch.Tensor | float:

@@ -84,6 +84,26 @@ class Continuation:
         return None
 
 
+# What each tracker holds after a run that starts again at or before its last step.
+WANDB_KEPT = (
+    "W&B drops a record at a step lower than the last it holds and merges one at that step "
+    "into the earlier run's: the steps from {step} to before {last} keep the earlier run's "
+    "values, not this run's."
+)
+WANDB_ID_KEPT = (
+    "W&B continues the run (id=) at the step after the last it holds and drops a record at a "
+    "lower step: this run's records at steps {step} to {last} are dropped, a value the earlier "
+    "run did not log there too, and those steps keep the earlier run's values (the same under "
+    "an exact resume, law 9). To log them in it, rewind the W&B run to the checkpoint's "
+    "update instead: WandbLogger(..., resume_from='<id>?_step=<that update>') in place of "
+    "id= and resume= (W&B's rewind)."
+)
+MLFLOW_KEPT = (
+    "MLflow would keep both, so this run's values at the steps it holds are left out: steps "
+    "{step} to {last} keep the earlier run's (the same under an exact resume, law 9)."
+)
+
+
 def warn_rewound(owner: str, record: Record, last: int | None, kept: str) -> None:
     """Warn when a sink that cannot drop what it logged (a tracker's run: W&B, MLflow) gets
     a run's first record at or before the last step its run holds: a run started again in the

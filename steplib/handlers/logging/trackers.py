@@ -30,18 +30,7 @@ from typing import Any
 from steplib.distributed import is_main
 from steplib.errors import ConfigError, LogWriteError, describe
 from steplib.handlers.logging.base import Record, check_keys, plotted
-from steplib.handlers.logging.continued import TrackerSink
-
-# What each tracker holds after a run that starts again at or before its last step.
-_WANDB_KEPT = (
-    "W&B drops a record at a step lower than the last it holds and merges one at that step "
-    "into the earlier run's: the steps from {step} to before {last} keep the earlier run's "
-    "values, not this run's."
-)
-_MLFLOW_KEPT = (
-    "MLflow would keep both, so this run's values at the steps it holds are left out: steps "
-    "{step} to {last} keep the earlier run's (the same under an exact resume, law 9)."
-)
+from steplib.handlers.logging.continued import MLFLOW_KEPT, WANDB_ID_KEPT, WANDB_KEPT, TrackerSink
 
 
 def _check_name(caller: str, label: str, value: Any, example: str) -> None:
@@ -84,7 +73,8 @@ class WandbLogger(TrackerSink):
             ``num_targets``, ``updates``, ...), as for every sink and ``ProgressBar``.
         rank_zero_only: create the run and log on rank 0 only.
         **init_kwargs: more keyword arguments for ``wandb.init`` (``tags``, ``group``,
-            ``settings``, ...).
+            ``settings``, ...). ``id=``, ``resume="allow"``: continue that run; W&B drops a
+            step it holds, and the first record at one warns.
 
     Raises:
         ConfigError: a bad argument, or wandb is not installed.
@@ -127,7 +117,7 @@ class WandbLogger(TrackerSink):
         self.active = is_main() or not rank_zero_only
         # The wandb Run (.id, .dir, .settings.sync_file, ...), kept after close for reading.
         self.run: Any = None
-        self._open = False
+        self._open = self._continued = False
         if not self.active:
             return
         wandb = _import("wandb", "WandbLogger", "wandb")
@@ -150,6 +140,13 @@ class WandbLogger(TrackerSink):
                 f"{error!r}. Check that the directory is writable; for mode='online' run "
                 "`wandb login` first, or use mode='offline'."
             ) from error
+        # A run continued by id= (online) starts at the step after the last it holds (W&B's
+        # starting_step) and drops a lower one: the first record warns if it is one.
+        resumed = getattr(self.run, "resumed", False)  # W&B's, set for a run continued by id=
+        held = getattr(self.run, "starting_step", 0) - 1 if resumed else -1
+        self._continued = held >= 0
+        if self._continued:
+            self.continue_run({"_step": held})  # W&B keeps one step counter for all
 
     def write(self, record: Record) -> None:
         """Log every number of ``record`` at its ``step``.
@@ -167,7 +164,8 @@ class WandbLogger(TrackerSink):
                 f"WandbLogger(project={self.project!r}) is closed; it cannot write {record!r}. "
                 "Create a new logger, or keep the `with WandbLogger(...)` block open."
             )
-        self.check_step(record, _WANDB_KEPT)
+        self.check_step(record, WANDB_ID_KEPT if self._continued else WANDB_KEPT)
+        self._continued = False  # W&B's last step is now one this logger wrote (merged at)
         try:
             self.run.log(plotted(record, self.keys), step=int(record.get("step", 0)))
         except Exception as error:
@@ -350,7 +348,7 @@ class MLflowLogger(TrackerSink):
                 f"MLflowLogger({self.tracking_uri!r}) is closed; it cannot write {record!r}. "
                 "Create a new logger, or keep the `with MLflowLogger(...)` block open."
             )
-        self.check_step(record, _MLFLOW_KEPT)
+        self.check_step(record, MLFLOW_KEPT)
         step = int(record.get("step", 0))
         # MLflow timestamps are integer milliseconds; the record's time is unix seconds.
         stamp = int(float(record.get("time", 0.0)) * 1000)
