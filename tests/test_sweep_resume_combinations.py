@@ -86,6 +86,12 @@ def _sweep(step: Any, copies: Copies, data: Any) -> Any:
     return sweep_step(step, copies=copies, example_batch=next(iter(data)))
 
 
+def _loss_and_mae(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The combinations' loss with an aux value (per copy in TrainMetrics' means)."""
+    error = model(batch[0]) - batch[1]
+    return error.pow(2).mean(), {"mae": error.abs().mean()}
+
+
 def _evaluator(copies: Copies, **kwargs: Any) -> Evaluator:
     # The combinations' validation set (targets a third of the training ones), per copy.
     val = _data(8, seed=7)
@@ -169,13 +175,13 @@ def halving_then_early_stopping(root: Path) -> Built:
 def diverging_copy_accumulate_clip(root: Path) -> Built:
     """One diverging copy (lr=1e30) stopped by skip_nonfinite(max_consecutive=2) under
     accumulate(3) and clip, a NaN sample that skips one window of every copy an epoch, a
-    warmup-cosine LambdaLR (held on the device where no copy updates) + TrainMetrics,
+    warmup-cosine LambdaLR (held on the device where no copy updates) + TrainMetrics (an aux),
     GradNormMonitor and LRMonitor into JSONL and CSV + NonFiniteAlarm."""
     copies = _copies(3)
     opt = SweepAdamW(copies.parameters(), lr=[0.01, 1e30, 0.03], weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup=2, total=12))
     state = TrainState.create(model=copies, optimizer=opt, scheduler=sched)
-    wrapped = skip_nonfinite(clip(make_train_step(_loss), max_norm=0.5), max_consecutive=2)
+    wrapped = skip_nonfinite(clip(make_train_step(_loss_and_mae), max_norm=0.5), max_consecutive=2)
     train, norms, alarm = TrainMetrics(), GradNormMonitor(), NonFiniteAlarm(every=4)
     jsonl, table = _logs(root)
     ckpt = _checkpoints(root, every=1, keep_last=3)
