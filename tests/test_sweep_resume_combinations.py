@@ -17,10 +17,11 @@ the update the run stopped at, and the warnings the runs gave (a diverged copy's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,11 +260,14 @@ SCENARIOS: dict[str, Callable[..., Built]] = {
 # --- the driver: test_resume_combinations.py's, with the warnings the runs give recorded ---
 
 
-def _warned(run: Callable[[], Any]) -> tuple[Any, list[str]]:
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """The messages of the warnings given inside (each one, however often)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = run()
-    return result, [str(w.message) for w in caught]
+        messages: list[str] = []
+        yield messages
+    messages.extend(str(w.message) for w in caught)
 
 
 def _kills(want: Outcome, evaluated: list[int], *, every: int) -> list[tuple[str, int]]:
@@ -284,7 +288,8 @@ def test_a_sweep_killed_anywhere_resumes_to_the_uninterrupted_sweep(
     name: str, tmp_path: Path
 ) -> None:
     build = SCENARIOS[name]
-    want, warned = _warned(lambda: _go(build, tmp_path / "whole"))
+    with _warnings() as warned:
+        want = _go(build, tmp_path / "whole")
     assert want is not None
     history = want.handlers.get("evaluator", {}).get("history", [])
     kills = _kills(want, [at for at, _ in history], every=1 if want.step <= 12 else 2)
@@ -292,11 +297,9 @@ def test_a_sweep_killed_anywhere_resumes_to_the_uninterrupted_sweep(
         kills += [("preempt", k) for k in range(1, want.step, 4)]
     failures: dict[tuple[str, int], list[str]] = {}
     for kill in kills:
-        found, again = _warned(
-            lambda kill=kill: _resumed_differences(
-                build, tmp_path, want, kill, preempts=kill[0] == "preempt"
-            )
-        )
+        preempts = kill[0] == "preempt"
+        with _warnings() as again:
+            found = _resumed_differences(build, tmp_path, want, kill, preempts=preempts)
         if again != warned:  # a copy's stop, warned of once: by the killed run or the resumed
             found = [*found, f"warnings {again} != {warned}"]
         if found:
