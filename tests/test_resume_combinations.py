@@ -95,6 +95,9 @@ class Outcome:
     logs: dict[str, list[Any]]
     checkpoints: list[tuple[str, int, dict[str, float]]]
     exported: dict[str, Any]
+    # The state's other counters (skipped updates, in total and in a row) and its scheduler's
+    # state (a LambdaLR over a sweep optimizer holds where no copy updated).
+    counters: Any
 
 
 def _data(n: int, *, seed: int, nan_at: int | None = None) -> TensorDataset:
@@ -429,6 +432,13 @@ def _go(
         {p.name: _log_lines(p) for p in sorted(root.glob("log.*"))},
         [(c.name, c.step, _tensors(dict(c.metrics))) for c in list_checkpoints(str(root / "ckpt"))],
         {p.name: _tensors(torch.load(p, weights_only=True)) for p in built.exported},
+        _tensors(
+            {
+                "skipped_updates": state.skipped_updates,
+                "consecutive_skips": state.consecutive_skips,
+                "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
+            }
+        ),
     )
 
 
@@ -452,6 +462,8 @@ def _differences(want: Outcome, got: Outcome) -> list[str]:
         found.append(f"checkpoints {got.checkpoints} != {want.checkpoints}")
     if got.exported != want.exported:
         found.append("exported model")
+    if got.counters != want.counters:
+        found.append(f"counters and scheduler {got.counters} != {want.counters}")
     return found
 
 
@@ -460,6 +472,32 @@ def _with_preemption_save(want: Outcome, got: Outcome, k: int) -> Outcome:
     added = [c for c in got.checkpoints if c[1] == k]
     kept = sorted(want.checkpoints + added, key=lambda c: c[1])[-len(want.checkpoints) :]
     return dataclasses.replace(want, checkpoints=kept)
+
+
+def _resumed_differences(
+    build: Callable[..., Built],
+    tmp_path: Path,
+    want: Outcome,
+    kill: tuple[str, int],
+    *,
+    preempts: bool = False,
+) -> list[str]:
+    """Kill ``build``'s run as ``kill`` says (see :func:`_go`), run it again in the same
+    directory (a restarted process resumes), and return how it ended otherwise than ``want``."""
+    k = kill[1]
+    root = tmp_path / f"killed-{kill[0]}-{k}"
+    assert _go(build, root, kill=kill) is None
+    with warnings.catch_warnings():
+        if not list_checkpoints(str(root / "ckpt")):  # killed before the first save:
+            # the run starts over, and says so of the killed run's records it replaces.
+            warnings.filterwarnings("ignore", r".*replaces the \d+ record", UserWarning)
+        got = _go(build, root)
+    assert got is not None
+    expected = _with_preemption_save(want, got, k) if preempts else want
+    if kill[0] == "stop":  # its fit_end logged the interval so far and saved at k: by
+        # design a record and a checkpoint more (docs/handlers.md); the rest is the same.
+        expected = dataclasses.replace(want, logs=got.logs, checkpoints=got.checkpoints)
+    return _differences(expected, got)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -479,20 +517,7 @@ def test_a_kill_after_any_update_resumes_to_the_uninterrupted_run(
     # And a clean stop (a Stop at update k, every 4th): fit_end runs, and saves at k.
     kills += [] if preempts else [("stop", k) for k in range(1, want.step, 4)]
     for kill in kills:
-        k = kill[1]
-        root = tmp_path / f"killed-{kill[0]}-{k}"
-        assert _go(build, root, kill=kill) is None
-        with warnings.catch_warnings():
-            if not list_checkpoints(str(root / "ckpt")):  # killed before the first save:
-                # the run starts over, and says so of the killed run's records it replaces.
-                warnings.filterwarnings("ignore", r".*replaces the \d+ record", UserWarning)
-            got = _go(build, root)
-        assert got is not None
-        expected = _with_preemption_save(want, got, k) if preempts else want
-        if kill[0] == "stop":  # its fit_end logged the interval so far and saved at k: by
-            # design a record and a checkpoint more (docs/handlers.md); the rest is the same.
-            expected = dataclasses.replace(want, logs=got.logs, checkpoints=got.checkpoints)
-        if found := _differences(expected, got):
+        if found := _resumed_differences(build, tmp_path, want, kill, preempts=preempts):
             failures[kill] = found
     assert not failures, failures
 

@@ -23,8 +23,10 @@ from torch import nn
 import steplib as sl
 from steplib.checkpoint import load, save
 from steplib.errors import TooManySkipsError
+from steplib.step import device_skips
 from steplib.sweep import Copies, SweepAdamW, active_copies, stop_copies, sweep_step
 from tests.reference import make_batches, tiny_model
+from tests.test_device_skips import _LandsAnUpdateLate
 
 N, T, LIMIT = 4, 16, 3
 LRS = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -168,6 +170,33 @@ def test_a_sweep_whose_every_copy_diverged_raises_too_many_skips() -> None:
         "weight_decay=0), copy 1 (lr=0.003, weight_decay=0.01), copy 2 (lr=0.01, "
         "weight_decay=0.1), copy 3 (lr=0.03, weight_decay=0.3) skipped more than "
         f"max_consecutive={LIMIT} updates in a row, at step {2 + LIMIT + 1}. Training has "
+        "diverged"
+    )
+
+
+def test_a_sweep_resumed_from_a_save_made_after_its_last_copy_diverged_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on CUDA, where the stop lands an update or two after it was made: a save between
+    holds no active copy. Resumed from it, the sweep updated no copy to the end of its run
+    and raised nothing (only a copy stopped by the update itself raised)."""
+    monkeypatch.setattr(device_skips, "HostCopy", _LandsAnUpdateLate)
+    _LandsAnUpdateLate.made.clear()
+    everyone = {i: list(range(2, T)) for i in range(N)}
+    data, stop = batches(), 2 + LIMIT + 1
+    _, state, step = build(everyone)
+    state, _, _ = train(state, step, data[:stop])  # the stop at update 6 has not landed
+    assert active_copies(state.optimizer) == []
+    url = save(state, str(tmp_path / "ckpt"), step=step)
+    _, state, step = build(everyone)  # a new process: everything rebuilt
+    state = load(url, state, step=step)
+    with pytest.raises(TooManySkipsError) as raised:
+        train(state, step, data[stop:])
+    assert str(raised.value).startswith(
+        "skip_nonfinite: every copy of this sweep is stopped: copy 0 (lr=0.001, "
+        "weight_decay=0), copy 1 (lr=0.003, weight_decay=0.01), copy 2 (lr=0.01, "
+        "weight_decay=0.1), copy 3 (lr=0.03, weight_decay=0.3) skipped more than "
+        f"max_consecutive={LIMIT} updates in a row, before step {stop + 1}. Training has "
         "diverged"
     )
 

@@ -48,7 +48,7 @@ def count_and_stop(
     that have landed on the host.
 
     Raises:
-        TooManySkipsError: a landed stop left no copy active.
+        TooManySkipsError: a landed update left no copy active, some stopped for skips.
     """
     group = optimizer.param_groups[0]
     before = group.get(COUNT)
@@ -60,16 +60,23 @@ def count_and_stop(
     limit = plan.max_consecutive_skips
     if limit is None:
         return
-    over = group["active"] & (counts > limit)
+    diverged = counts > limit  # a stopped copy's count stays: stopped for skips, now or before
+    over = group["active"] & diverged
     active = group["active"] = group["active"] & ~over  # the next update leaves these alone
-    landed = plan.skips.landed(optimizer, "stopped", torch.stack([over, active]), update)
-    for (stopped, left), made_at in landed:
+    posted = torch.stack([over, active, diverged])
+    landed = plan.skips.landed(optimizer, "stopped", posted, update)
+    for (stopped, left, gone), made_at in landed:
         which = [i for i, s in enumerate(stopped) if s]
-        if which and not any(left):
+        # Not only when this update stopped the last copy: on CUDA that stop lands an update
+        # or two late, so a save between holds no active copy, and a run resumed from it
+        # would otherwise update no copy to its end without a word.
+        if not any(left) and any(gone):
+            named = which or [i for i, g in enumerate(gone) if g]
+            when = f"at step {made_at}" if which else f"before step {made_at}"
             raise TooManySkipsError(
-                f"skip_nonfinite: every copy of this sweep is stopped: {_copies(optimizer, which)} "
-                f"skipped more than max_consecutive={limit} updates in a row, at step {made_at}"
-                f"{'' if len(which) == len(stopped) else ', the others were stopped before'}. "
+                f"skip_nonfinite: every copy of this sweep is stopped: {_copies(optimizer, named)} "
+                f"skipped more than max_consecutive={limit} updates in a row, {when}"
+                f"{'' if len(named) == len(stopped) else ', the others were stopped before'}. "
                 "Training has diverged: lower the learning rates, add clip(step, "
                 "max_norm=1.0), check the data for NaN/inf and empty batches, or resume a "
                 "checkpoint saved before the stop with a higher max_consecutive."

@@ -165,15 +165,14 @@ class SweepEarlyStopping(Handler):
 
     def on_fit_start(self, event: Event) -> Stop | None:
         """Refuse an optimizer that cannot stop copies (before the first update, not at the
-        first evaluation); stop at once a run resumed after this stopper had stopped every
-        copy: it would otherwise go on to its next evaluation, with updates that update no
-        copy and more evaluations, checkpoints and schedule steps than the run it continues."""
-        _active(event.state.optimizer, "SweepEarlyStopping")
-        if self.wait and all(wait >= self.patience for wait in self.wait):
-            return Stop(
-                f"sweep early stopping: resumed after every copy had stopped improving "
-                f"{self.monitor}"
-            )
+        first evaluation); stop at once a run that starts with every copy stopped (resumed
+        after the evaluation that stopped the last one): it would otherwise go on to its next
+        evaluation, with updates that update no copy and more evaluations, checkpoints and
+        schedule steps than the run it continues. The mask decides, as after an evaluation,
+        not this stopper's patience: a copy stopped by ``SuccessiveHalving`` (or by
+        ``skip_nonfinite``, or by hand) may not have run out of it."""
+        if not _active(event.state.optimizer, "SweepEarlyStopping").any():
+            return Stop(f"sweep early stopping: every copy had stopped ({self.monitor})")
         return None
 
     def on_validation_end(self, event: Event) -> Stop | None:
