@@ -155,17 +155,22 @@ def warn_rng_not_restored(
     if global_rank() != (1 if kept == 0 else 0):  # the first rank that restores none
         return
     kind = "torch's CPU and CUDA, numpy's, Python's"
-    said = (
-        f"was written by {saved_world_size} ranks and is loaded on {world_size}: it holds each "
-        f"saving rank's random generators ({kind}), which cannot map one to one onto another "
-        f"number of ranks, so none of its {saved_world_size} states is restored and every rank"
-        if owner is None
-        else f"holds the random generators ({kind}) of rank {owner} of {saved_world_size} "
-        f"alone, and is loaded on {world_size} ranks: restored on each, they would make every "
-        "rank draw what that one drew (the same dropout masks), so "
-        + ("none" if kept is None else f"rank {kept}'s own alone")
-        + " is restored and every other rank"
-    )
+    if owner is None:
+        said = (
+            f"was written by {saved_world_size} ranks and is loaded on {world_size}: it holds "
+            f"each saving rank's random generators ({kind}), which cannot map one to one onto "
+            f"another number of ranks, so none of its {saved_world_size} states is restored and "
+            "every rank"
+        )
+    else:
+        kept_by = "none is restored and every rank"
+        if kept is not None:
+            kept_by = f"rank {kept}'s own alone is restored and every other rank"
+        said = (
+            f"holds the random generators ({kind}) of rank {owner} of {saved_world_size} alone, "
+            f"and is loaded on {world_size} ranks: restored on each, they would make every rank "
+            f"draw what that one drew (the same dropout masks), so {kept_by}"
+        )
     warnings.warn(
         f"load: checkpoint {checkpoint} {said} here goes on from its generators as its process "
         "left them. Dropout masks, random augmentations in the main process and every other "
