@@ -90,6 +90,13 @@ def restore_rng(state: RngState) -> None:
     Raises:
         ValueError: ``state`` holds a different number of CUDA devices than this process sees
             (restoring part of them would not be an exact resume).
+
+    Example:
+        >>> state = capture_rng()
+        >>> a = random.random()
+        >>> restore_rng(state)
+        >>> random.random() == a
+        True
     """
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
@@ -122,6 +129,13 @@ def rng_is_own(state: RngState | None, *, checkpoint: str) -> bool:
     that one draw as its own did: a single-process checkpoint loaded on every rank of a DDP run
     would give every rank the same dropout masks. Else :func:`warn_rng_not_restored`.
 
+    Args:
+        state: a checkpoint's ``capture_rng()`` (``None``: none saved).
+        checkpoint: the checkpoint's URL, for the warning.
+
+    Returns:
+        Whether to restore ``state`` here.
+
     Example:
         >>> rng_is_own(capture_rng(), checkpoint="ckpt/7")  # one process, its own
         True
@@ -142,6 +156,13 @@ def warn_rng_not_restored(
     (each its generators), or by rank ``owner`` of as many alone (a single-process one), and
     loaded on ``world_size`` restores no rank's generators but the owner's own: they cannot
     map one to one onto these ranks, so every other rank goes on from its own generators.
+
+    Args:
+        saved_world_size: the number of ranks of the saving run.
+        world_size: the number of ranks loading it.
+        checkpoint: the checkpoint's URL, for the message.
+        owner: the rank whose generators a single-process checkpoint holds (``None``: a
+            sharded checkpoint, one state per saving rank).
 
     Example:
         >>> import warnings
