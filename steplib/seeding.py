@@ -11,10 +11,11 @@
 Seeding makes a run repeatable on the same machine, software and process count; bit-equality
 across GPU models, library versions or world sizes is not something seeding can give.
 
-Imports ``errors`` and ``distributed.launch_env`` only.
+Imports ``errors``, ``distributed.process_group`` and ``rng_state`` only.
 
-Capturing and restoring them (``capture_rng`` / ``restore_rng``) is here too: a checkpoint holds
-the state of every generator, so that a resume continues where the run was.
+Capturing and restoring them (``capture_rng`` / ``restore_rng``, defined in ``steplib.rng_state``)
+are here too: a checkpoint holds the state of every generator, so that a resume continues where
+the run was.
 """
 
 from __future__ import annotations
@@ -24,17 +25,35 @@ import os
 import random
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 
 from steplib.distributed.process_group import global_rank
-from steplib.errors import CheckpointWarning, ConfigError, describe
+from steplib.errors import ConfigError, describe
+from steplib.rng_state import (
+    RngState,
+    capture_rng,
+    restore_rng,
+    rng_is_own,
+    warn_rng_not_restored,
+)
 
 try:  # numpy is optional: seeded only when installed.
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with the dev extra
     np = None  # type: ignore[assignment]
+
+__all__ = [
+    "RngState",
+    "capture_rng",
+    "forked_rng",
+    "loader_generator",
+    "restore_rng",
+    "rng_is_own",
+    "seed_everything",
+    "seeded_worker_init_fn",
+    "warn_rng_not_restored",
+]
 
 _MAX_SEED = 2**32 - 1  # numpy's legacy global generator takes seeds in [0, 2**32)
 # cuBLAS is deterministic only with a fixed workspace; this is the setting torch's docs give.
@@ -212,134 +231,6 @@ def _mix(seed: int, rank: int) -> list[int]:
         z ^= z >> 31
         words += [z >> 32, z & 0xFFFFFFFF]
     return words
-
-
-# --- capturing and restoring every generator (checkpoints hold this) -----------------------
-# Capture and restore every random number generator a training step may draw from.
-#
-# Dropout, random data transforms and samplers draw from process-global generators: torch's CPU
-# generator, one generator per CUDA device, numpy's legacy global ``RandomState`` and Python's
-# ``random``. A resume is exact only if all of them continue where they were, so a checkpoint
-# holds their states.
-#
-# The captured value is plain data (tensors, ints, strings, lists and dicts), so that it loads
-# with ``torch.load(..., weights_only=True)``: numpy's key array becomes an int64 tensor and
-# Python's state tuple becomes lists.
-
-RngState = dict[str, Any]
-
-
-def capture_rng(*, cuda: bool = True) -> RngState:
-    """The current state of every global generator, as plain data.
-
-    Args:
-        cuda: also capture the CUDA generators. ``False`` in a forked ``DataLoader`` worker,
-            where starting CUDA fails (``"cuda"`` is then ``None``).
-
-    Returns:
-        ``{"torch": ByteTensor, "cuda": [ByteTensor per device] or None, "numpy": dict or None,
-        "python": list}``. ``cuda`` is ``None`` when CUDA is not available; ``numpy`` when numpy
-        is not installed.
-
-    Example:
-        >>> import torch
-        >>> state = capture_rng()
-        >>> a = torch.rand(2)
-        >>> restore_rng(state)
-        >>> torch.equal(torch.rand(2), a)
-        True
-    """
-    cuda_states = None
-    if cuda and torch.cuda.is_available():
-        # One state per device: a process may drive several GPUs (model parallel).
-        cuda_states = [s.clone() for s in torch.cuda.get_rng_state_all()]
-    numpy_state = None
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        numpy_state = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
-    version, internal, gauss_next = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": cuda_states,
-        "numpy": numpy_state,
-        "python": [version, list(internal), gauss_next],
-    }
-
-
-def restore_rng(state: RngState) -> None:
-    """Set every global generator to a state returned by :func:`capture_rng`.
-
-    A generator missing from ``state`` (numpy was not installed when it was captured) or from
-    this process (no CUDA here) is left as it is.
-
-    Args:
-        state: a value returned by :func:`capture_rng` (possibly after a save and load).
-
-    Raises:
-        ValueError: ``state`` holds a different number of CUDA devices than this process sees
-            (restoring part of them would not be an exact resume).
-    """
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
-            raise ValueError(
-                f"restore_rng received CUDA generator states for {len(cuda)} device(s), but this "
-                f"process sees {torch.cuda.device_count()}. Resume with the same number of "
-                "visible devices (CUDA_VISIBLE_DEVICES) as the run that saved it."
-            )
-        torch.cuda.set_rng_state_all(cuda)
-    numpy_state = state.get("numpy")
-    if numpy_state is not None and np is not None:
-        np.random.set_state(
-            (
-                numpy_state["kind"],
-                numpy_state["keys"].numpy().astype(np.uint32),
-                numpy_state["pos"],
-                numpy_state["has_gauss"],
-                numpy_state["cached_gaussian"],
-            )
-        )
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-
-
-def warn_rng_not_restored(*, saved_world_size: int, world_size: int, checkpoint: str) -> None:
-    """Warn, on rank 0 (once for the run's ranks), that a checkpoint written by
-    ``saved_world_size`` ranks and loaded on ``world_size`` restores no rank's generators: it
-    holds one :func:`capture_rng` per saving rank, and those cannot map one to one onto
-    another number of ranks, so every rank goes on from its own generators.
-
-    Example:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as seen:
-        ...     warnings.simplefilter("always")
-        ...     warn_rng_not_restored(saved_world_size=4, world_size=2, checkpoint="ckpt/7")
-        >>> print(seen[0].message)  # doctest: +ELLIPSIS
-        load: checkpoint ckpt/7 was written by 4 ranks and is loaded on 2: ...
-    """
-    if global_rank() != 0:
-        return
-    warnings.warn(
-        f"load: checkpoint {checkpoint} was written by {saved_world_size} ranks and is loaded "
-        f"on {world_size}: it holds each saving rank's random generators (torch's CPU and "
-        "CUDA, numpy's, Python's), which cannot map one to one onto another number of ranks, "
-        f"so none of its {saved_world_size} states is restored and every rank here goes on "
-        "from its generators as its process left them. Dropout masks, random augmentations "
-        "in the main process and every other random draw differ from the saved run's; the "
-        "model, optimizer, counters and a shard=True data position are restored exactly. For "
-        "draws that follow the update and the rank alone (a resume then draws what an "
-        "uninterrupted run on this number of ranks draws), seed each update from its number: "
-        "see 'Resuming on another number of ranks' in docs/seeding.md.",
-        CheckpointWarning,
-        stacklevel=3,
-    )
 
 
 @contextlib.contextmanager

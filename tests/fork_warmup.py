@@ -27,3 +27,7 @@ if os.environ.get("STEPLIB_FORK_WARMUP") == "1":
     _buffer = io.BytesIO()
     torch.save(_state.optimizer.state_dict(), _buffer)
     torch.load(io.BytesIO(_buffer.getvalue()), weights_only=True)
+    # What the background-save kill test's children build (torchmetrics, the handlers, the
+    # evaluator) is imported once here too: seconds a child otherwise.
+    import tests.test_checkpoint_fault_injection
+    import tests.test_resume_combinations  # noqa: F401

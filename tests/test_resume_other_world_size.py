@@ -219,6 +219,8 @@ def test_what_cannot_continue_exactly_is_refused_with_the_fix(runs: dict[str, An
         assert "written by 4 ranks and is loaded on 2" in result["per_rank_error"]
         assert "Resume on 4 ranks" in result["per_rank_error"]
         assert "shard=True" in result["per_rank_error"]
+        # Not only "shard=True": a loader without it may be tensor or pipeline parallel's.
+        assert "tensor or pipeline parallelism" in result["per_rank_error"]
         assert "is not. Pass data=resumable_loader(" in result["not_sharded_here_error"]
         misaligned = result["misaligned_error"]
         assert "32 samples of epoch 0" in misaligned

@@ -121,7 +121,7 @@ class Checkpointer(Handler):
             self._check_apart(directory)
         if prunes_here(event.state):
             if self._saver is None or not self._saver.pending:
-                self._prune(keep=False)
+                self._prune(keep=self._continues(directory, event.state))
             _warn_newer(repr(self), directory, event.state)
 
     def on_step_end(self, event: Event) -> Emitted:
@@ -196,9 +196,7 @@ class Checkpointer(Handler):
         update = self._update  # at an epoch_end or fit_end: its last update's loss too
         if update and update is not event and _position(update.state) == _position(state):
             numbers = {**check_metrics(self.metrics(update), "checkpoint_every"), **numbers}
-        # Evaluated at another update: no score, no candidate for best, but it prunes.
-        known = not self._typed or self.metric in stale_values(state.extras, state.step)
-        ranked = self.keep_best is None or self.metric in numbers or known
+        ranked = self._ranks(state, numbers)
         if not ranked:
             head = f"checkpoint_every(keep_best={self.keep_best}, metric={self.metric!r})"
             value = state.extras.get(str(self.metric))
@@ -241,6 +239,19 @@ class Checkpointer(Handler):
             committed(url)
         self._saved_at, self.last_saved = _position(state), url
         return url
+
+    def _ranks(self, state: TrainState, numbers: Mapping[str, Any]) -> bool:
+        # Evaluated at another update: no score, no candidate for best, but it prunes.
+        known = not self._typed or self.metric in stale_values(state.extras, state.step)
+        return self.keep_best is None or self.metric in numbers or known
+
+    def _continues(self, directory: Location, state: TrainState) -> bool:
+        # Resumed from the newest checkpoint here, whose save a kill may have ended between its
+        # commit and its prune: that prune is made now (if it ranks), else the older ones stay.
+        newest = scan(directory)[0][-1:]
+        return any(
+            c.name == checkpoint_name(state) and self._ranks(state, c.metrics) for c in newest
+        )
 
     def wait(self) -> None:
         """Wait for the background save, if any (``CheckpointError`` if it failed)."""

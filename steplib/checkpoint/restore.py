@@ -24,7 +24,7 @@ from steplib.data.epoch_end import restore_position
 from steplib.distributed.parallelize import plain_name
 from steplib.errors import ConfigError
 from steplib.lineage import lineage_after_load
-from steplib.seeding import restore_rng
+from steplib.seeding import restore_rng, rng_is_own
 from steplib.state import TrainState, Window
 
 # Observation-only wrappers change no number: resuming with anomaly detection on, or other
@@ -103,7 +103,8 @@ def apply(
     optimizers = trees[OPTIMIZER]["optimizers"].values() if state.names else [trees[OPTIMIZER]]
     for lane, saved in zip(lanes(state), optimizers, strict=True):
         lane.optimizer.load_state_dict(saved)
-    return restore_train_state(train_state, state, data=data, extras=extras, rng=True)
+    rng = rng_is_own(train_state["rng"], checkpoint=checkpoint)  # each rank its own generators
+    return restore_train_state(train_state, state, data=data, extras=extras, rng=rng)
 
 
 def restore_train_state(

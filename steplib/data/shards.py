@@ -306,10 +306,13 @@ def check_new_world(
             "data=resumable_loader(dataset, ..., shard=True) built as the saving run did."
         )
     raise ConfigError(
-        f"{where}; its data position is per rank (the loader had no shard=True), and another "
-        "world size shares the data out differently, so no rank knows where to continue. "
-        f"Resume on {saved_world_size} ranks. For runs that may change their number of "
-        "ranks, build the loader with resumable_loader(dataset, ..., shard=True) over the "
-        "whole dataset, the same seed on every rank. (data=None loads the model and "
-        "optimizer and starts the data over at its first batch while state.step goes on.)"
+        f"{where}; its data position is per rank (the loader had no shard=True, so each rank "
+        "iterated its whole dataset: its own share where the data is split by rank, the same "
+        "batches as every rank under tensor or pipeline parallelism, which a position does not "
+        f"tell apart), one per saving rank, and none maps onto a rank of {world_size}: no rank "
+        f"knows where to continue. Resume on {saved_world_size} ranks. For data-parallel runs "
+        "that may change their number of ranks, build the loader with resumable_loader("
+        "dataset, ..., shard=True) over the whole dataset, the same seed on every rank. "
+        "(data=None loads the model and optimizer and starts the data over at its first batch "
+        "while state.step goes on.)"
     )
