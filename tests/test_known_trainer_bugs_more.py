@@ -492,3 +492,76 @@ def test_tokens_per_second_counts_the_targets_the_loss_counts_not_the_padding() 
         [targets[0] / 1.0, targets[1] / 2.0]
     )
     assert all(t < p for t, p in zip(targets, padded, strict=True))
+
+
+def _by_epoch_history(root: Path, *, kill_at: int | None = None) -> list[tuple[int, float]]:
+    # A value of the update count plus the batch: a partial evaluation would give another mean.
+    def value(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return next(model.parameters()).detach().reshape(1) + batch
+
+    evaluator = Evaluator(
+        make_eval_step(value),
+        [torch.full((1,), float(i)) for i in range(3)],  # 3 batches: a mean of 1 over them
+        metrics={"loss": MeanMetric()},
+        at_epoch_end=True,
+    )
+    ckpt = checkpoint_every(str(root), every=1)
+    events = _killed_at(Events(resume_from(ckpt), evaluator, ckpt), kill_at)
+    _run_or_killed(COUNT, _counter(), _count_data(4), events, max_epochs=3)
+    return [(step, values["val_loss"]) for step, values in evaluator.history]
+
+
+# https://github.com/Nerogar/OneTrainer/pull/1470 and
+# https://github.com/Lightning-AI/pytorch-lightning/issues/19549 (after a resume inside an
+# epoch, that epoch's validation was skipped, or ran on one batch)
+def test_the_epoch_end_evaluation_of_an_epoch_resumed_inside_runs_whole(tmp_path: Path) -> None:
+    whole = _by_epoch_history(tmp_path / "whole")
+    assert whole == [(4, 5.0), (8, 9.0), (12, 13.0)]
+    killed = _by_epoch_history(tmp_path / "killed", kill_at=6)  # inside the 2nd epoch
+    assert killed == whole[:1]
+    assert _by_epoch_history(tmp_path / "killed") == whole
+
+
+class ValidationCrashError(Exception):
+    """The process dies inside a validation."""
+
+
+def _crashed_validation(root: Path, *, crash_at: int | None = None) -> Any:
+    def value(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        count = round(next(model.parameters()).item())
+        if count == crash_at:
+            raise ValidationCrashError
+        return torch.full((1,), float(10 - count))
+
+    evaluator = Evaluator(
+        make_eval_step(value),
+        [torch.zeros(1)],
+        metrics={"loss": MeanMetric()},
+        every=2,
+        monitor="val_loss",
+        sanity_batches=0,
+    )
+    # The checkpoint handler first: its save at an update is due before the evaluation of it.
+    ckpt = checkpoint_every(str(root), every=2, keep_best=1, metric=evaluator)
+    events = Events(resume_from(ckpt), ckpt, evaluator)
+    try:
+        run(COUNT, _counter(), _count_data(8), events=events, max_steps=8)
+    except ValidationCrashError:
+        pass
+    return evaluator
+
+
+# https://github.com/open-mmlab/mmengine/issues/1394 (saved before the validation, which then
+# crashed: the resumed run went on without ever validating that checkpoint)
+def test_a_validation_that_crashed_after_its_updates_save_runs_again_on_resume(
+    tmp_path: Path,
+) -> None:
+    whole = _crashed_validation(tmp_path / "whole")
+    steps = [2, 4, 6, 8]
+    assert [(s, v["val_loss"]) for s, v in whole.history] == [(s, 10.0 - s) for s in steps]
+    crashed = _crashed_validation(tmp_path / "crashed", crash_at=4)
+    assert [s for s, _ in crashed.history] == [2]
+    resumed = _crashed_validation(tmp_path / "crashed")
+    assert resumed.history == whole.history  # update 4 evaluated, once
+    saved = {c.step: c.metrics.get("val_loss") for c in list_checkpoints(str(tmp_path / "crashed"))}
+    assert saved == {8: 2.0}  # the best and the newest
