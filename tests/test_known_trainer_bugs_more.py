@@ -7,6 +7,7 @@ other trainers got wrong").
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import re
@@ -39,6 +40,7 @@ from steplib import (
 from steplib.checkpoint import list_checkpoints, load_weights
 from steplib.data import resumable_loader
 from steplib.handlers import Log, LRMonitor, ProgressBar, Throughput, evaluate
+from steplib.testing import run_ranks
 from tests.reference import (
     RecordingSink,
     concat,
@@ -544,10 +546,8 @@ def _crashed_validation(root: Path, *, crash_at: int | None = None) -> Any:
     # The checkpoint handler first: its save at an update is due before the evaluation of it.
     ckpt = checkpoint_every(str(root), every=2, keep_best=1, metric=evaluator)
     events = Events(resume_from(ckpt), ckpt, evaluator)
-    try:
+    with contextlib.suppress(ValidationCrashError):
         run(COUNT, _counter(), _count_data(8), events=events, max_steps=8)
-    except ValidationCrashError:
-        pass
     return evaluator
 
 
@@ -565,3 +565,50 @@ def test_a_validation_that_crashed_after_its_updates_save_runs_again_on_resume(
     assert resumed.history == whole.history  # update 4 evaluated, once
     saved = {c.step: c.metrics.get("val_loss") for c in list_checkpoints(str(tmp_path / "crashed"))}
     assert saved == {8: 2.0}  # the best and the newest
+
+
+def _epochs_seen(root: Path, *, max_epochs: int = 2, kill_at: int | None = None) -> Any:
+    ckpt = checkpoint_every(str(root), every=3)
+    seen: list[tuple[int, int, int | None]] = []
+    events = _killed_at(Events(resume_from(ckpt), ckpt), kill_at)
+    events.on("step_end", lambda e: seen.append((e.step, e.epoch, e.batch_index)))
+    _run_or_killed(COUNT, _counter(), _count_data(4), events, max_epochs=max_epochs)
+    return seen
+
+
+# https://github.com/kohya-ss/sd-scripts/issues/1999 and https://github.com/NovaSky-AI/SkyRL/pull/589
+# (a resumed run counted its epochs from 0 again: max_epochs trained that many more)
+def test_a_resumed_run_counts_its_epochs_on_so_max_epochs_is_the_runs_total(
+    tmp_path: Path,
+) -> None:
+    whole = _epochs_seen(tmp_path / "whole")
+    assert whole == [(s, (s - 1) // 4, (s - 1) % 4) for s in range(1, 9)]  # 2 epochs of 4
+    assert _epochs_seen(tmp_path / "whole") == []  # run again: its 2 epochs are done
+    assert _epochs_seen(tmp_path / "whole", max_epochs=3) == [(s, 2, s - 9) for s in range(9, 13)]
+    _epochs_seen(tmp_path / "killed", kill_at=5)  # saved at 3: the resume goes on from there
+    assert _epochs_seen(tmp_path / "killed") == whole[3:]
+
+
+class _Drawn(torch.utils.data.Dataset[torch.Tensor]):
+    """An augmentation drawn in ``__getitem__`` from torch's generator (of the worker)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(1)
+
+
+def _drawn_on_a_rank(rank: int, world: int) -> list[float]:
+    torch.manual_seed(0)  # the same seed on every rank, as most scripts do
+    loader = resumable_loader(_Drawn(), batch_size=2, num_workers=1, seed=0, shard=True)
+    return torch.cat(list(loader)).flatten().tolist()
+
+
+# https://github.com/huggingface/transformers/issues/37932 and
+# https://github.com/nnaisense/bayesian-flow-networks/issues/3 (the loader workers of every
+# rank were seeded alike: the same random augmentations on every GPU)
+def test_loader_workers_draw_other_augmentations_on_each_rank() -> None:
+    first, second = run_ranks(_drawn_on_a_rank, world=2, timeout=120)
+    assert len(first) == len(second) == 4  # each rank its half of the 8 samples
+    assert not set(first) & set(second)
