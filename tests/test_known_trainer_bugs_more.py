@@ -543,7 +543,7 @@ def _crashed_validation(root: Path, *, crash_at: int | None = None) -> Any:
         monitor="val_loss",
         sanity_batches=0,
     )
-    # The checkpoint handler first: its save at an update is due before the evaluation of it.
+    # Registered before the evaluator: the save must still come after the evaluation.
     ckpt = checkpoint_every(str(root), every=2, keep_best=1, metric=evaluator)
     events = Events(resume_from(ckpt), ckpt, evaluator)
     with contextlib.suppress(ValidationCrashError):
@@ -612,3 +612,29 @@ def test_loader_workers_draw_other_augmentations_on_each_rank() -> None:
     first, second = run_ranks(_drawn_on_a_rank, world=2, timeout=120)
     assert len(first) == len(second) == 4  # each rank its half of the 8 samples
     assert not set(first) & set(second)
+
+
+def _logged_tail(updates: int) -> tuple[list[dict[str, Any]], list[Any]]:
+    micro = _double(make_batches(updates, [3, 5, 2, 6, 4, 1, 5, 3][:updates], seed=28))
+    clock = _Clock()
+    train, speed, sink = TrainMetrics(), Throughput(clock=clock), RecordingSink()
+    events = Events(train, speed, Log(sink, sources=[train.read, speed.read], every=3))
+    events.on("step_end", lambda e: setattr(clock, "now", clock.now + 1.0), first=True)
+    run(make_train_step(token_loss), _sgd_state(lr=0.0), micro, events=events)
+    return sink.records, micro
+
+
+# https://github.com/facebookresearch/neuroai/pull/140 and
+# https://github.com/metatensor/metatrain/issues/206 (the updates after the last logging
+# interval, or a whole run shorter than one, were never logged); and
+# https://github.com/unslothai/unsloth-zoo/pull/873 (a forced last log divided its tokens by
+# another window's time)
+def test_the_updates_after_the_last_interval_are_logged_as_their_own_interval() -> None:
+    records, micro = _logged_tail(7)
+    assert [(r["step"], r["updates"]) for r in records] == [(3, 3), (6, 3), (7, 1)]
+    model = tiny_model(0).double().requires_grad_(False)  # lr 0: the same weights throughout
+    loss_sum, count = token_loss(model, micro[6])
+    assert records[-1]["loss"] == pytest.approx(float(loss_sum / count), rel=1e-6)
+    assert records[-1]["tokens_per_s"] == pytest.approx(float(count) / 1.0)  # 1 update, 1 s
+    short, _ = _logged_tail(2)
+    assert [(r["step"], r["updates"]) for r in short] == [(2, 2)]
