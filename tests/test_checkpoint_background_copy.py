@@ -103,6 +103,28 @@ def test_only_parameters_and_optimizer_state_are_left_to_the_background(
     saver.close()
 
 
+def test_a_frozen_parameter_the_optimizer_holds_is_copied_before_save_returns(
+    tmp_path: Path, gate: Gate
+) -> None:
+    """A momentum encoder (MoCo's key encoder): frozen, held by the optimizer, changed by the
+    next forward through ``.data``, which bumps no ``_version``; left to the background copy, the
+    checkpoint silently held the value after that forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3), nn.Flatten(0))
+    model[1].requires_grad_(False)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    state = train(state, n=2)
+    saved_value = model[1].weight.detach().clone()
+    saver = AsyncSaver()
+    url = saver.save(state, str(tmp_path))
+    assert gate.started.wait(WAIT)
+    model[1].weight.data.mul_(0.5)  # as a momentum update in the next forward does
+    gate.open()
+    saver.close()
+    loaded = torch.load(f"{url}/model.pt", weights_only=True)
+    assert torch.equal(loaded["1.weight"], saved_value)
+
+
 def test_the_next_update_waits_for_the_copy_and_forward_backward_do_not(
     tmp_path: Path, gate: Gate
 ) -> None:

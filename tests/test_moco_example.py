@@ -329,13 +329,6 @@ def test_moco_under_ddp_with_steplib_equals_its_ddp_loop() -> None:
     _same_on_ranks(_ranks(functools.partial(_steplib_on_ranks, cos=True)), want)
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="DCP writes a replicated tensor from any rank: the batch-norm statistics saved "
-    "under DDP are rank 1's, DDP broadcasts rank 0's (the fix, in steplib/checkpoint/dcp.py: "
-    "DefaultSavePlanner(dedup_save_to_lowest_rank=True), is in the session's report)",
-)
 def test_moco_under_ddp_killed_and_resumed_equals_it_uninterrupted(tmp_path: Path) -> None:
     """Killed at update 13 and resumed from update 10 in new processes."""
     url = str(tmp_path / "ckpt")

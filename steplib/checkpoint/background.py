@@ -91,7 +91,9 @@ def update_only_storages(state: TrainState) -> set[int]:
     dtensor: Any = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     tensors: list[torch.Tensor] = []
     for optimizer in (lane.optimizer for lane in lanes(state)):
-        tensors += [p for group in optimizer.param_groups for p in group["params"]]
+        # A frozen parameter is not changed by the update, but may be by a forward or a
+        # handler (a momentum encoder: MoCo's key encoder), through .data: no _version tells.
+        tensors += [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     storages = set()
     for tensor in tensors:

@@ -209,7 +209,11 @@ def write(plan: Plan, staging: Location, *, group: Any) -> dict[str, FileRecord]
     written: dict[str, FileRecord] = {}
     writer.fs = _ChecksumFileSystem(writer.fs, written)
     with dcp_errors("write", plan.url):
-        torch_dcp.save(plan.tensors, storage_writer=writer, process_group=group)
+        # Replicated tensors from rank 0: DDP's buffers (BatchNorm's statistics) differ by rank
+        # and rank 0's are those DDP broadcasts at the next forward; DCP's default writes the
+        # copy of whichever rank has written least.
+        planner = torch_dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        torch_dcp.save(plan.tensors, storage_writer=writer, process_group=group, planner=planner)
     return {f"{DCP_DIR}/{name}": record for name, record in written.items()}
 
 
