@@ -110,15 +110,15 @@ def test_a_frozen_parameter_the_optimizer_holds_is_copied_before_save_returns(
     next forward through ``.data``, which bumps no ``_version``; left to the background copy, the
     checkpoint silently held the value after that forward."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3), nn.Flatten(0))
-    model[1].requires_grad_(False)
+    encoder = nn.Linear(16, 3)  # frozen, changed by the forward
+    model = nn.Sequential(nn.Linear(8, 16), encoder.requires_grad_(False), nn.Flatten(0))
     state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     state = train(state, n=2)
-    saved_value = model[1].weight.detach().clone()
+    saved_value = encoder.weight.detach().clone()
     saver = AsyncSaver()
     url = saver.save(state, str(tmp_path))
     assert gate.started.wait(WAIT)
-    model[1].weight.data.mul_(0.5)  # as a momentum update in the next forward does
+    encoder.weight.data.mul_(0.5)  # as a momentum update in the next forward does
     gate.open()
     saver.close()
     loaded = torch.load(f"{url}/model.pt", weights_only=True)

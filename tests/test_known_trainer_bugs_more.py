@@ -156,6 +156,7 @@ def test_the_log_step_axis_counts_updates_under_accumulation() -> None:
 
 def _model(seed: int) -> nn.Module:
     model = tiny_model(seed)
+    assert isinstance(model, nn.Sequential)
     model[-1] = nn.Identity()  # outputs [batch, 3], as these sets' targets
     return model
 
@@ -320,7 +321,12 @@ def _ema_run(root: Path) -> dict[str, Any]:
     events = Events(ema, evaluator, ckpt)
     events.on("step_end", _capture(weights, model), last=True)
     events.on("step_end", _capture(averages, ema.module), last=True)
-    step = make_train_step(lambda m, b: (modes.append(m.training), F.mse_loss(m(b[0]), b[1]))[1])
+
+    def loss_fn(m: nn.Module, b: Any) -> torch.Tensor:
+        modes.append(m.training)
+        return F.mse_loss(m(b[0]), b[1])
+
+    step = make_train_step(loss_fn)
     run(step, state, train, events=events)
     return {"weights": weights, "averages": averages, "modes": modes, "evaluator": evaluator,
             "ema": ema, "train": train}  # fmt: skip
@@ -406,7 +412,8 @@ def test_keeping_the_best_and_the_last_keeps_both_and_a_resume_takes_the_last(
     _retained_run(tmp_path, steps=5)
     assert [c.step for c in list_checkpoints(str(tmp_path))] == [2, 5]  # the best, the newest
     state, seen = _retained_run(tmp_path, steps=6)
-    assert seen == [6] and float(state.model.weight.detach()) == 6.0  # went on from 5, not from 2
+    weight = state.model.get_parameter("weight")
+    assert seen == [6] and float(weight.detach()) == 6.0  # went on from 5, not from 2
     assert [c.step for c in list_checkpoints(str(tmp_path))] == [2, 6]
 
 
