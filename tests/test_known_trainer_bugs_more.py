@@ -50,14 +50,7 @@ from tests.reference import (
     tiny_model,
     token_loss,
 )
-
-
-class KilledError(Exception):
-    """The process dies here."""
-
-
-def _kill(event: Any) -> None:
-    raise KilledError
+from tests.test_known_trainer_bugs_resume import _kill, _run_or_killed
 
 
 def _killed_at(events: Events, step: int | None) -> Events:
@@ -65,13 +58,6 @@ def _killed_at(events: Events, step: int | None) -> Events:
     if step is not None:
         events.on("step_end", _kill, once=step, last=True)
     return events
-
-
-def _run_or_killed(step: Any, state: TrainState, data: Any, events: Events, **limits: Any) -> Any:
-    try:
-        return run(step, state, data, events=events, **limits)
-    except KilledError:
-        return None
 
 
 def _sgd_state(seed: int = 0, *, lr: float = 0.1) -> TrainState:
