@@ -50,7 +50,7 @@ from tests.reference import (
     tiny_model,
     token_loss,
 )
-from tests.test_known_trainer_bugs_resume import _kill, _run_or_killed
+from tests.test_known_trainer_bugs_resume import COUNT, _counter, _kill, _run_or_killed
 
 
 def _killed_at(events: Events, step: int | None) -> Events:
@@ -236,18 +236,6 @@ def test_a_validation_set_is_scored_whole_with_a_short_last_batch() -> None:
     assert abs(sum(means) / 3 - got) > 1e-4
     with pytest.raises(ConfigError, match="drop_last=True"):
         evaluate(eval_step, model, DataLoader(ds, batch_size=4, drop_last=True), metrics=loss)
-
-
-# A one-weight model whose weight counts the updates (SGD, lr 1, gradient -1), and a
-# validation value read by that count: which update scored what is known.
-def _counter() -> TrainState:
-    model = nn.Linear(1, 1, bias=False)
-    with torch.no_grad():
-        model.weight.zero_()
-    return TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
-
-
-COUNT = make_train_step(lambda m, b: b[0].sum() * 0 - m.weight.sum())
 
 
 def _valued(values: dict[int, float]) -> Any:

@@ -27,6 +27,7 @@ from torch.utils.data import TensorDataset
 
 from steplib.data import resumable_loader
 from steplib.testing import run_ranks
+from tests.test_swa_recipe import Net
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "migration" / "README.md"
 
@@ -50,16 +51,7 @@ def all_reduce_bn_statistics(model: nn.Module) -> None:  # the docs' recipe, as 
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(6, 16),
-        nn.BatchNorm1d(16),
-        nn.ReLU(),
-        nn.Dropout(0.2),
-        nn.Linear(16, 16),
-        nn.BatchNorm1d(16),
-        nn.ReLU(),
-        nn.Linear(16, 3),
-    )
+    return Net().layers  # the SWA recipe's network
 
 
 def _data() -> torch.Tensor:

@@ -345,9 +345,12 @@ class _KilledError(Exception):
     pass
 
 
-def _resumable_run(sink: Logger, directory: Path, *, kill_at: int | None = None) -> None:
+def _resumable_run(
+    sink: Logger, directory: Path, *, kill_at: int | None = None, on_step_end: Any = None
+) -> None:
     """8 updates, saved every 4 into ``directory`` and resumed from it, each logged to
-    ``sink`` through an attached ``Log``; killed after update ``kill_at``."""
+    ``sink`` through an attached ``Log`` (and ``on_step_end`` attached, if given); killed after
+    update ``kill_at``."""
     from steplib.checkpoint import checkpoint_every, resume_from
     from steplib.data import resumable_loader
 
@@ -364,6 +367,8 @@ def _resumable_run(sink: Logger, directory: Path, *, kill_at: int | None = None)
             raise _KilledError
 
     events = Events(resume_from(ckpt), ckpt, Log(sink, every=1)).on("step_end", kill, last=True)
+    if on_step_end is not None:
+        events.on("step_end", on_step_end)
     run(make_train_step(lambda m, b: m(b).pow(2).mean()), state, data, events=events, max_steps=8)
 
 

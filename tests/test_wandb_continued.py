@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from steplib import Events, TrainState, make_train_step, run
-from steplib.checkpoint import checkpoint_every, resume_from
-from steplib.data import resumable_loader
-from steplib.handlers import Log, WandbLogger
+from steplib.handlers import WandbLogger
+from tests.test_trackers import _KilledError, _resumable_run
 
 
 class _Run:
@@ -60,32 +57,16 @@ def server(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[int, dict[str, flo
     return runs
 
 
-class _KilledError(Exception):
-    pass
-
-
 def _run(logger: WandbLogger, directory: Path, *, kill_at: int | None = None) -> None:
-    """8 updates, saved every 4 and resumed from ``directory``, each update's loss and, at
-    updates 3 and 6, a value of its own (``probe``) logged; killed after update ``kill_at``."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
-    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    data = resumable_loader(
-        torch.randn(8, 2, generator=torch.Generator().manual_seed(1)), batch_size=1
-    )
-    ckpt = checkpoint_every(str(directory), every=4)
-
-    def kill(event: Any) -> None:
-        if event.step == kill_at:
-            raise _KilledError
+    """test_trackers' run of 8 updates, saved every 4 and resumed from ``directory``, each
+    update's loss and, at updates 3 and 6, a value of its own (``probe``) logged; killed after
+    update ``kill_at``."""
 
     def probe(event: Any) -> None:
         if event.step in (3, 6) and event.step != kill_at:
             logger.write({"step": event.step, "probe": float(event.step)})
 
-    events = Events(resume_from(ckpt), ckpt, Log(logger, every=1))
-    events.on("step_end", kill, last=True).on("step_end", probe)
-    run(make_train_step(lambda m, b: m(b).pow(2).mean()), state, data, events=events, max_steps=8)
+    _resumable_run(logger, directory, kill_at=kill_at, on_step_end=probe)
 
 
 def test_a_wandb_run_continued_by_id_from_an_older_checkpoint_warns_what_it_drops(
