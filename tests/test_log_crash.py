@@ -94,3 +94,27 @@ def test_a_crash_in_a_handler_before_the_log_is_written_at_its_update(tmp_path: 
                 list(torch.randn(8, 4, 2)), events=events, max_steps=8)  # fmt: skip
     lines = [orjson.loads(line) for line in Path(url).read_bytes().splitlines()]
     assert [(line["step"], line["updates"]) for line in lines] == [(5, 5), (7, 2)]
+
+
+def test_a_crash_after_an_epochs_end_writes_its_last_update_as_the_run_would_have(
+    tmp_path: Path,
+) -> None:
+    # The update at 8 (epoch 0's last) was not due; a crash at that epoch's end wrote it at the
+    # error's counters: epoch 1, which it was not in, and without the step's own values (the
+    # error's event carries no output): not the record a stop there would have written.
+    def crash(event) -> None:
+        raise _CrashError("the run's own error")
+
+    url = str(tmp_path / "m.jsonl")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_train_step(lambda m, batch: m(batch).pow(2).mean())
+    with Log(JsonlLogger(url, append=False), every=5) as log:
+        events = Events(log)
+        events.on("epoch_end", crash)
+        with pytest.raises(_CrashError):
+            run(step, state, list(torch.randn(8, 4, 2)), events=events, max_epochs=2)
+    last = orjson.loads(Path(url).read_bytes().splitlines()[-1])
+    assert (last["step"], last["epoch"], last["micro_step"]) == (8, 0, 8)
+    assert isinstance(last.get("loss"), float) and last["lr"] == 0.1

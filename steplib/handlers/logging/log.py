@@ -134,20 +134,22 @@ class Log(Handler):
             self._record(unwritten)
 
     def on_exception(self, event: Event) -> None:
-        """Write the updates since the last record (a loss diverging before the crash), as at
-        ``fit_end``, at the error's counters (the last update the run made). On
-        one process only: a source may all-reduce, and the other ranks need not be here. A
-        failure to read or write is logged (``steplib.logging``, ERROR), never raised: the
-        run's error stays the one raised (after a device error, a tensor read raises again)."""
+        """Write the updates since the last record (a loss diverging before the crash): the
+        last update the run made, as ``fit_end`` writes it. On one process only: a source may
+        all-reduce, and the other ranks need not be here. A failure to read or write is logged
+        (``steplib.logging``, ERROR), never raised: the run's error stays the one raised (after
+        a device error, a tensor read raises again)."""
         unwritten, self._unwritten = self._unwritten, None
-        # At the error's own counters: a handler before this one that raised at a step_end
-        # (an alarm) left the record of that update unwritten, its sources holding it.
         last = self._written_at
         nothing_new = unwritten is None and (last is None or event.step == last)
         if nothing_new or world_size() > 1:
             return
+        # The unwritten update when the error came after its handlers (at its epoch's end: not
+        # the error's next epoch, nor without the step's outputs); else the error's counters: a
+        # handler before this one that raised at a step_end (an alarm) left that update unseen.
+        at = unwritten if unwritten is not None and unwritten.step == event.step else event
         try:
-            self._record(event)
+            self._record(at)
         except Exception as error:
             _log.error(
                 "Log could not write the record of update %s while the run was failing: %r",
