@@ -150,7 +150,7 @@ class DINOLoss(nn.Module):
         self.student_temp, self.center_momentum = student_temp, center_momentum
         self.ncrops = 2 + LOCAL_CROPS
         self.register_buffer("center", torch.zeros(1, OUT_DIM))
-        self.teacher_temp_schedule = np.concatenate(
+        self.teacher_temp_schedule: Any = np.concatenate(
             (
                 np.linspace(WARMUP_TEACHER_TEMP, TEACHER_TEMP, WARMUP_TEACHER_TEMP_EPOCHS),
                 np.ones(EPOCHS - WARMUP_TEACHER_TEMP_EPOCHS) * TEACHER_TEMP,
@@ -186,6 +186,17 @@ class DINOLoss(nn.Module):
             world = dist.get_world_size()
         batch_center = batch_center / (len(teacher_output) * world)
         self.center = self.center * self.center_momentum + batch_center * (1 - self.center_momentum)
+
+
+class DeviceTempDINOLoss(DINOLoss):
+    """The teacher temperatures as a float64 tensor (a buffer would follow the model to the
+    GPU; a plain attribute here: the schedule is no state): indexed by the step's epoch tensor,
+    no host read, and a division by a 0-dim float64 tensor rounds as the one by the numpy
+    scalar does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher_temp_schedule = torch.from_numpy(self.teacher_temp_schedule)
 
 
 class MultiCrops(Dataset[tuple[list[torch.Tensor], int]]):
@@ -289,7 +300,7 @@ def update_teacher(student: nn.Module, teacher: nn.Module, it: int) -> None:
         param_k.data.mul_(m).add_((1 - m) * param_q.detach().data)
 
 
-def _setup() -> tuple[nn.ModuleDict, torch.optim.Optimizer, Any]:
+def _setup(loss: type[DINOLoss] = DINOLoss) -> tuple[nn.ModuleDict, torch.optim.Optimizer, Any]:
     """main_dino.py's networks, loss and optimizer; the loader: steplib's shuffled one."""
     seed_everything(0)
     student = MultiCropWrapper(Backbone(), DINOHead())
@@ -297,7 +308,7 @@ def _setup() -> tuple[nn.ModuleDict, torch.optim.Optimizer, Any]:
     teacher.load_state_dict(student.state_dict())
     for p in teacher.parameters():
         p.requires_grad = False
-    model = nn.ModuleDict({"student": student, "teacher": teacher, "loss": DINOLoss()})
+    model = nn.ModuleDict({"student": student, "teacher": teacher, "loss": loss()})
     optimizer = torch.optim.AdamW(get_params_groups(student))
     loader = resumable_loader(MultiCrops(), batch_size=BATCH, seed=3, drop_last=True)
     return model, optimizer, loader
@@ -397,8 +408,9 @@ def _steplib(
     save_first: bool = False,
     number: Any = float,
     fp16: bool = False,
+    loss: type[DINOLoss] = DINOLoss,
 ) -> dict[str, Any]:
-    model, optimizer, loader = _setup()
+    model, optimizer, loader = _setup(loss)
     events = Events()
     ckpt = checkpoint_every(url, every=EVERY) if url is not None else None
     if ckpt is not None:
@@ -479,3 +491,10 @@ def test_dino_loop_killed_and_resumed_equals_it_uninterrupted(
     resumed = _steplib(url, save_first=save_first, fp16=fp16)
     assert resumed["resumed"] == kill_at // EVERY * EVERY
     _same(resumed, _plain(fp16))
+
+
+def test_the_teacher_temperatures_as_a_tensor_train_the_same_bits() -> None:
+    """``self.teacher_temp_schedule[epoch]`` indexes a numpy array with the step's epoch
+    tensor: a host read (``__index__``), on a GPU a wait each step. The same temperatures in a
+    tensor are indexed on the device and train the same bits."""
+    _same(_steplib(loss=DeviceTempDINOLoss), _plain())
