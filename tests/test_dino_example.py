@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from steplib import (
+    EMA,
     Events,
     TrainState,
     amp_wrap,
@@ -498,3 +499,31 @@ def test_the_teacher_temperatures_as_a_tensor_train_the_same_bits() -> None:
     tensor: a host read (``__index__``), on a GPU a wait each step. The same temperatures in a
     tensor are indexed on the device and train the same bits."""
     _same(_steplib(loss=DeviceTempDINOLoss), _plain())
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_steplibs_ema_as_the_teacher_is_not_dinos(fp16: bool) -> None:
+    """What the recipe's page says: ``EMA(student, decay=lambda n: momentum_schedule[n - 1])``
+    averages with ``lerp`` (rounded once; DINO's ``mul_(m).add_((1 - m) * q)`` twice) and only
+    after an applied update; DINO averages after every iteration, one whose float16 gradients
+    overflowed too."""
+    want = _plain(fp16)
+    model, optimizer, loader = _setup()
+    ema = EMA(model["student"], decay=lambda n: float(MOMENTUM_SCHEDULE[n - 1]))
+    model["teacher"] = ema.module
+    events = Events(ema)
+    losses: list[torch.Tensor] = []
+    events.on("step_end", lambda e: losses.append(e.output.loss))
+    scaler = torch.amp.GradScaler("cpu") if fp16 else None
+    state = TrainState.create(model=model, optimizer=optimizer, scaler=scaler)
+    run(dino_step(fp16=fp16), state, loader, events=events, max_epochs=EPOCHS)
+    got = model.state_dict()
+
+    def apart(prefix: str) -> float:
+        return max(float((got[k] - v).abs().max()) for k, v in want["model"].items() if prefix in k)
+
+    loss_apart = max(float((a - b).abs()) for a, b in zip(losses, want["losses"], strict=True))
+    if not fp16:  # the rounding alone: 2e-6 in the losses, 1e-6 in the student
+        assert 0 < loss_apart < 1e-5 and 0 < apart("student") < 1e-5
+    else:  # 4 overflowed updates not averaged: 0.19 in the losses, 0.02 in the student
+        assert loss_apart > 0.1 and apart("student") > 0.01 and apart("teacher") > 0.001
