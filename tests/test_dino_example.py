@@ -3,7 +3,8 @@ between its multi-crop outputs and a centred, sharpened teacher's; the teacher a
 student taken after each update on a cosine momentum schedule) written as its plain loop and with
 steplib gives the same student, teacher, centre and optimizer state and the same losses, bit for
 bit, also killed and resumed in new objects inside the first epoch (while the last layer's
-gradients are cancelled), at an epoch's end and inside the last epoch.
+gradients are cancelled), at an epoch's end and inside the last epoch, and on 2 gloo ranks (the
+student in DDP, the centre all-reduced) killed and resumed in new processes.
 
 What the port keeps of ``train_one_epoch`` and ``utils.py`` (written here, not copied): the rate
 and weight decay set by hand into the parameter groups at every iteration from precomputed
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from steplib import (
@@ -53,8 +55,10 @@ from steplib import (
 )
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
+from steplib.distributed import apply_ddp
 from steplib.events import Event
-from steplib.step import CLIP, Gradients, Part, Step, add_part
+from steplib.step import CLIP, Gradients, Part, Step, add_part, ddp_wrap
+from steplib.testing import run_ranks
 from tests.checkpoint_helpers import assert_same
 
 CHANNELS, GLOBAL, LOCAL = 3, 6, 3  # an "image": CHANNELS x length; local crops are shorter
@@ -301,33 +305,53 @@ def update_teacher(student: nn.Module, teacher: nn.Module, it: int) -> None:
         param_k.data.mul_(m).add_((1 - m) * param_q.detach().data)
 
 
-def _setup(loss: type[DINOLoss] = DINOLoss) -> tuple[nn.ModuleDict, torch.optim.Optimizer, Any]:
-    """main_dino.py's networks, loss and optimizer; the loader: steplib's shuffled one."""
+def _setup(
+    loss: type[DINOLoss] = DINOLoss, world: int = 1, ddp: Any = DistributedDataParallel
+) -> tuple[nn.ModuleDict, torch.optim.Optimizer, Any]:
+    """main_dino.py's networks, loss and optimizer; the loader: steplib's shuffled one, on
+    ``world`` ranks each its share (DistributedSampler's) and the student in ``ddp(...)``."""
     seed_everything(0)
-    student = MultiCropWrapper(Backbone(), DINOHead())
+    student: nn.Module = MultiCropWrapper(Backbone(), DINOHead())
     teacher = MultiCropWrapper(Backbone(), DINOHead())
-    teacher.load_state_dict(student.state_dict())
+    if world > 1:
+        student = ddp(student)
+    teacher.load_state_dict(inner(student).state_dict())
     for p in teacher.parameters():
         p.requires_grad = False
     model = nn.ModuleDict({"student": student, "teacher": teacher, "loss": loss()})
     optimizer = torch.optim.AdamW(get_params_groups(student))
-    loader = resumable_loader(MultiCrops(), batch_size=BATCH, seed=3, drop_last=True)
+    loader = resumable_loader(
+        MultiCrops(), batch_size=BATCH // world, seed=3, drop_last=True, shard=world > 1
+    )
     return model, optimizer, loader
 
 
+def inner(module: nn.Module) -> nn.Module:
+    """main_dino.py's ``student.module`` under DDP."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 def _result(model: nn.Module, optimizer: Any, losses: list[Any]) -> dict[str, Any]:
+    """Copies; the rates and decays as floats (``run_ranks`` sends results back with
+    ``torch.save``, read with ``weights_only=True``: no numpy; compared by ``==`` anyway)."""
+    saved = optimizer.state_dict()
+    groups = [
+        {k: float(v) if isinstance(v, np.floating) else v for k, v in g.items()}
+        for g in saved["param_groups"]
+    ]
     return {
         "model": {k: v.clone() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),  # the moments, and each group's last rate and decay
+        # the moments, and each group's last rate and decay
+        "optimizer": {**saved, "param_groups": groups},
         "losses": [loss.detach().clone() for loss in losses],
     }
 
 
 @functools.cache  # the tests compare with it, never change it
-def _plain(fp16: bool = False) -> dict[str, Any]:
-    """main_dino.py's ``train_one_epoch`` over the epochs (one process), with ``--use_fp16``
-    or without."""
-    model, optimizer, loader = _setup()
+def _plain(fp16: bool = False, world: int = 1) -> dict[str, Any]:
+    """main_dino.py's ``train_one_epoch`` over the epochs, with ``--use_fp16`` or without, in
+    one process or on ``world`` ranks (the student in ``DistributedDataParallel``)."""
+    model, optimizer, loader = _setup(world=world)
     student, teacher, dino_loss = model["student"], model["teacher"], model["loss"]
     fp16_scaler = torch.amp.GradScaler("cpu") if fp16 else None
     losses, scales = [], []
@@ -354,7 +378,7 @@ def _plain(fp16: bool = False) -> dict[str, Any]:
                 cancel_gradients_last_layer(epoch, student, FREEZE_LAST_LAYER)
                 fp16_scaler.step(optimizer)
                 fp16_scaler.update()
-            update_teacher(student, teacher, it)
+            update_teacher(inner(student), teacher, it)
             losses.append(loss)
     return {**_result(model, optimizer, losses), "scales": scales}
 
@@ -396,7 +420,7 @@ def dino_step(number: Any = float, fp16: bool = False) -> Step:
 def teacher_average(event: Event) -> None:
     """After each update (``event.step`` updates so far, so DINO's ``it`` is one less)."""
     model = event.state.model
-    update_teacher(model["student"], model["teacher"], event.step - 1)
+    update_teacher(inner(model["student"]), model["teacher"], event.step - 1)
 
 
 class KilledError(Exception):
@@ -410,8 +434,9 @@ def _steplib(
     number: Any = float,
     fp16: bool = False,
     loss: type[DINOLoss] = DINOLoss,
+    world: int = 1,
 ) -> dict[str, Any]:
-    model, optimizer, loader = _setup(loss)
+    model, optimizer, loader = _setup(loss, world, ddp=apply_ddp)
     events = Events()
     ckpt = checkpoint_every(url, every=EVERY) if url is not None else None
     if ckpt is not None:
@@ -434,7 +459,8 @@ def _steplib(
     scaler = torch.amp.GradScaler("cpu") if fp16 else None
     state = TrainState.create(model=model, optimizer=optimizer, scaler=scaler)
     with contextlib.suppress(KilledError):
-        run(dino_step(number, fp16), state, loader, events=events, max_epochs=EPOCHS)
+        step = dino_step(number, fp16)
+        run(ddp_wrap(step) if world > 1 else step, state, loader, events=events, max_epochs=EPOCHS)
     return {**_result(model, optimizer, losses), "resumed": resumed[0]}
 
 
@@ -527,3 +553,33 @@ def test_steplibs_ema_as_the_teacher_is_not_dinos(fp16: bool) -> None:
         assert 0 < loss_apart < 1e-5 and 0 < apart("student") < 1e-5
     else:  # 4 overflowed updates not averaged: 0.19 in the losses, 0.02 in the student
         assert loss_apart > 0.1 and apart("student") > 0.01 and apart("teacher") > 0.001
+
+
+def _same_on_ranks(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """Each rank's student, teacher, centre and optimizer state are the loop's; the loss
+    reported is the mean over the ranks (each rank's loss is its own in the loop)."""
+    mean = [(a + b) / 2 for a, b in zip(want[0]["losses"], want[1]["losses"], strict=True)]
+    for mine, theirs in zip(got, want, strict=True):
+        _same(mine, {**theirs, "losses": mean})
+
+
+def _plain_on_ranks(rank: int, world: int) -> dict[str, Any]:
+    return _plain(world=world)
+
+
+def _steplib_on_ranks(rank: int, world: int, **kwargs: Any) -> dict[str, Any]:
+    return _steplib(world=world, **kwargs)
+
+
+def test_dino_under_ddp_killed_and_resumed_equals_its_ddp_loop(tmp_path: Path) -> None:
+    """2 gloo ranks: the student in DDP (``apply_ddp`` + ``ddp_wrap``), the centre from the
+    teacher's outputs of both (``DINOLoss``'s all-reduce); killed at update 14 and resumed from
+    the save at 12 in new processes, and run through uninterrupted."""
+    url = str(tmp_path / "ckpt")
+    want = run_ranks(_plain_on_ranks, world=2)
+    assert not torch.equal(want[0]["losses"][0], want[1]["losses"][0])  # each rank its own
+    _same_on_ranks(run_ranks(_steplib_on_ranks, world=2), want)
+    run_ranks(functools.partial(_steplib_on_ranks, url=url, kill_at=14), world=2)
+    got = run_ranks(functools.partial(_steplib_on_ranks, url=url), world=2)
+    assert [rank["resumed"] for rank in got] == [12, 12]
+    _same_on_ranks(got, want)
