@@ -354,7 +354,7 @@ def _plain(fp16: bool = False, world: int = 1) -> dict[str, Any]:
     model, optimizer, loader = _setup(world=world)
     student, teacher, dino_loss = model["student"], model["teacher"], model["loss"]
     fp16_scaler = torch.amp.GradScaler("cpu") if fp16 else None
-    losses, scales = [], []
+    losses, scales, lrs = [], [], []
     for epoch in range(EPOCHS):
         for it, (images, _) in enumerate(loader):
             it = len(loader) * epoch + it  # global training iteration
@@ -380,7 +380,8 @@ def _plain(fp16: bool = False, world: int = 1) -> dict[str, Any]:
                 fp16_scaler.update()
             update_teacher(inner(student), teacher, it)
             losses.append(loss)
-    return {**_result(model, optimizer, losses), "scales": scales}
+            lrs.append(float(optimizer.param_groups[0]["lr"]))
+    return {**_result(model, optimizer, losses), "scales": scales, "lrs": lrs}
 
 
 def loss_fn(model: Any, batch: Any, step: torch.Tensor) -> torch.Tensor:
@@ -456,12 +457,14 @@ def _steplib(
     events.on("step_end", kill)
     losses: list[torch.Tensor] = []
     events.on("step_end", lambda e: losses.append(e.output.loss))
+    lrs: list[float] = []
+    events.on("step_end", lambda e: lrs.append(float(e.output.lr)))  # the rate the hook set
     scaler = torch.amp.GradScaler("cpu") if fp16 else None
     state = TrainState.create(model=model, optimizer=optimizer, scaler=scaler)
     with contextlib.suppress(KilledError):
         step = dino_step(number, fp16)
         run(ddp_wrap(step) if world > 1 else step, state, loader, events=events, max_epochs=EPOCHS)
-    return {**_result(model, optimizer, losses), "resumed": resumed[0]}
+    return {**_result(model, optimizer, losses), "resumed": resumed[0], "lrs": lrs}
 
 
 def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -469,6 +472,8 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert_same(got["model"], want["model"])  # student, teacher, centre
     assert_same(got["optimizer"], want["optimizer"])
     assert_same(got["losses"], want["losses"][first:])
+    if "lrs" in got:
+        assert got["lrs"] == want["lrs"][first:]
 
 
 @pytest.mark.parametrize("fp16", [False, True])
