@@ -45,6 +45,7 @@ from torch.utils.data import Dataset
 
 from steplib import (
     EMA,
+    ConfigError,
     Events,
     TrainState,
     amp_wrap,
@@ -290,7 +291,7 @@ def set_lr_and_wd(optimizer: torch.optim.Optimizer, it: int, number: Any = float
     """train_one_epoch's first lines; ``number=np.float64`` sets them as written there (the
     arrays' own scalars), ``float`` as Python floats: the same doubles, the same updates bit
     for bit, and a checkpoint ``torch.load(weights_only=True)`` can read (it refuses a
-    ``numpy.float64``, which steplib's save lets through today: docs/migration/README.md)."""
+    ``numpy.float64``: steplib's save refuses it too, with the fix)."""
     for i, param_group in enumerate(optimizer.param_groups):
         param_group["lr"] = number(LR_SCHEDULE[it])
         if i == 0:  # only the first group is regularized
@@ -588,3 +589,17 @@ def test_dino_under_ddp_killed_and_resumed_equals_its_ddp_loop(tmp_path: Path) -
     got = run_ranks(functools.partial(_steplib_on_ranks, url=url), world=2)
     assert [rank["resumed"] for rank in got] == [12, 12]
     _same_on_ranks(got, want)
+
+
+def test_a_numpy_rate_set_by_hand_is_refused_at_the_save_not_found_corrupt_at_the_resume(
+    tmp_path: Path,
+) -> None:
+    """train_one_epoch sets ``param_group["lr"] = lr_schedule[it]``, a ``numpy.float64``,
+    which ``torch.load(weights_only=True)`` refuses. It subclasses ``float``, so the save's
+    check let it through: the run wrote 5 checkpoints (20 updates), none could be read, and the
+    resume called each one corrupt ("written by another program or torch version") and gave
+    up. Refused at the first save instead, with the fix."""
+    url = str(tmp_path / "ckpt")
+    message = r"\['lr'\] is np.float64\(0.006\) \(type float64\).*float\(x\)"
+    with pytest.raises(ConfigError, match=message):
+        _steplib(url, number=np.float64)
