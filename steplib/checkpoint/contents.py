@@ -31,7 +31,9 @@ from steplib.seeding import capture_rng
 from steplib.state import TrainState
 
 MODEL, OPTIMIZER, TRAIN_STATE = "model.pt", "optimizer.pt", "train_state.pt"
-_LEAVES = (type(None), bool, int, float, str, torch.Tensor)  # isinstance: Parameter too
+# Exact types: numpy.float64 subclasses float, and weights_only refuses it (a rate set by hand
+# from a numpy schedule: every checkpoint written, none readable).
+_LEAVES = (type(None), bool, int, float, str)
 DCP_DIR = "dcp"
 HANDLERS = "handlers"  # the attached handlers' states among a checkpoint's objects
 # The distribution may change between the saving and the resuming run (that is resharding).
@@ -299,7 +301,7 @@ def as_number(value: Any) -> float | None:
 
 def check_plain(tree: Any, where: str) -> None:
     """Refuse what ``torch.load(weights_only=True)`` would refuse, before writing anything."""
-    if isinstance(tree, _LEAVES):
+    if type(tree) in _LEAVES or isinstance(tree, torch.Tensor):  # isinstance: Parameter too
         return
     # Exact types: a subclass (a namedtuple) is pickled by class name: weights_only refuses it;
     # Counter (MultiStepLR's milestones) is on weights_only's allowlist.
@@ -320,7 +322,8 @@ def _not_plain(where: str, value: Any) -> str:
     return (
         f"save: {where} is {describe(value)}. A checkpoint holds only numbers, strings, "
         "tensors, lists and dicts, so loading it runs no pickled code (weights_only=True). "
-        "Store a plain value, or the object through save(..., extras={'name': obj})."
+        "Store a plain value (a numpy number: float(x) or int(x)), or the object through "
+        "save(..., extras={'name': obj})."
     )
 
 
