@@ -25,6 +25,7 @@ from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.handlers.watched_value import one_number
 from steplib.schedules import found_in
+from steplib.state_checks import warn_if_rate_rises
 
 
 class Scheduler(Handler):
@@ -223,6 +224,8 @@ class Scheduler(Handler):
                 it recorded).
         """
         if self.metric is None:
+            stepped = f"stepped at every {event.name} by this Scheduler: T_max counts those"
+            warn_if_rate_rises(self.scheduler, stepped=stepped)
             self.scheduler.step()
             return
         values = event.metrics or {}

@@ -25,6 +25,7 @@ from steplib.state_checks import (
     check_updates_left,
     scheduler_position,
     trained,
+    warn_if_rate_rises,
 )
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
@@ -283,6 +284,11 @@ def check_scheduler(plan: Plan, state: TrainState) -> None:
         # Before the update, not after: torch refuses a OneCycleLR's step past its end only
         # once the optimizer has changed the parameters.
         check_updates_left(state, 1, needs="this update")
+        stepped = (
+            "the state's scheduler, stepped at every update: T_max counts updates (max_steps, "
+            "or epochs x updates an epoch; to count epochs, step it with the Scheduler handler)"
+        )
+        warn_if_rate_rises(scheduler, stepped=stepped)
 
 
 def lr_now(state: TrainState) -> torch.Tensor | float:
