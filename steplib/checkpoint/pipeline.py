@@ -134,8 +134,10 @@ class Checkpoints:
         location = storage.resolve(url, self.storage_options, caller="load")
         manifest = read_manifest(location)
         sharded = manifest.layout == SHARDED
-        ignore = DISTRIBUTION_WRAPPERS if sharded else ()
-        check_fingerprint(manifest.fingerprint, self.step, checkpoint=location.url, ignore=ignore)
+        # Either back-end resumes on another number of ranks, distributed otherwise.
+        check_fingerprint(
+            manifest.fingerprint, self.step, checkpoint=location.url, ignore=DISTRIBUTION_WRAPPERS
+        )
         if sharded:  # written by DCP; loads into any world size
             from steplib.checkpoint import dcp
 

@@ -21,6 +21,8 @@ from steplib.checkpoint.contents import (
 )
 from steplib.checkpoint.manifest import fingerprint
 from steplib.data.epoch_end import restore_position
+from steplib.data.shards import check_new_world
+from steplib.distributed import world_size
 from steplib.distributed.parallelize import plain_name
 from steplib.errors import ConfigError
 from steplib.lineage import lineage_after_load
@@ -82,6 +84,10 @@ def apply(
     saved counters (``ConfigError``, nothing changed, when the checkpoint does not fit)."""
     train_state = trees[TRAIN_STATE]
     weights = state.model.state_dict()
+    # Saved by one process by its names: found here under DDP's `module.` too (resumed on ranks).
+    names = {plain_name(state.model, name): name for name in weights}
+    saved_weights = {names.get(name, name): value for name, value in trees[MODEL].items()}
+    check_world(train_state, state, data=data, checkpoint=checkpoint)
     base = train_state["base"]  # a checkpoint of the trainable parameters alone
     if base is not None:
         # The checkpoint's frozen parameters (a resumed model is built before an unfreeze)
@@ -97,14 +103,35 @@ def apply(
                 "pretrained weights, revision, dtype and adapters), then load or resume."
             )
     model_type = type(state.model).__name__
-    check_model(shapes(trees[MODEL]), shapes(weights), model_type=model_type, checkpoint=checkpoint)
+    check_model(
+        shapes(saved_weights), shapes(weights), model_type=model_type, checkpoint=checkpoint
+    )
     check_fits(train_state, state, data=data, extras=extras, checkpoint=checkpoint)
-    state.model.load_state_dict(trees[MODEL], strict=base is None)  # the base: checked above
+    state.model.load_state_dict(saved_weights, strict=base is None)  # the base: checked above
     optimizers = trees[OPTIMIZER]["optimizers"].values() if state.names else [trees[OPTIMIZER]]
     for lane, saved in zip(lanes(state), optimizers, strict=True):
         lane.optimizer.load_state_dict(saved)
     rng = rng_is_own(train_state["rng"], checkpoint=checkpoint)  # each rank its own generators
     return restore_train_state(train_state, state, data=data, extras=extras, rng=rng)
+
+
+def check_world(train_state: Any, state: TrainState, *, data: Any, checkpoint: str) -> None:
+    """``ConfigError`` unless a checkpoint saved by one process (of as many ranks as its RNG
+    record says) fits this world: no open window, a data position it can continue."""
+    saved = ((train_state["rng"] or {}).get("process") or [0, 1])[1]
+    if saved == world_size():
+        return
+    if any(t["counters"]["window_size"] for t in lane_trees(train_state, state).values()):
+        raise ConfigError(
+            f"load: checkpoint {checkpoint} was taken inside an accumulation window of a run of "
+            f"{saved} process(es), whose gradients fit only that run (here {world_size()} "
+            "ranks). Resume it so, or use one taken between windows."
+        )
+    if data is not None:
+        now, position = world_size(), train_state["data"]
+        check_new_world(
+            data, position, saved_world_size=saved, world_size=now, checkpoint=checkpoint
+        )
 
 
 def restore_train_state(
