@@ -155,3 +155,23 @@ def test_a_parameter_trained_then_frozen_is_refused_at_the_save(tmp_path: Path) 
     with pytest.raises(ConfigError, match=r"up\.weight are frozen now but were trained"):
         save(state, str(tmp_path), trainable_only=True)
     assert load(resumable, every_parameter_in_the_optimizer()).step == 2
+
+
+def test_a_base_changed_during_the_run_is_refused_with_its_likely_cause(tmp_path: Path) -> None:
+    # A momentum encoder (MoCo's key encoder: frozen, averaged in place after each update) is
+    # left out as base; the resume found another base and said only "pretrained weights,
+    # revision, dtype and adapters", not the cause the run itself made, nor its fix.
+    def momentum(event: sl.Event) -> None:
+        with torch.no_grad():
+            for p in event.state.model.base.parameters():
+                p.mul_(0.99).add_(0.01)
+
+    def go(max_steps: int) -> sl.TrainState:
+        ckpt = sl.checkpoint_every(str(tmp_path), every=2, trainable_only=True)
+        events = sl.Events(sl.resume_from(ckpt), ckpt).on("step_end", momentum)
+        return sl.run(sl.make_train_step(_loss), _state(), _data(), events=events,
+                      max_steps=max_steps)  # fmt: skip
+
+    go(4)
+    with pytest.raises(ConfigError, match=r"changed during the run.*trainable_only=False"):
+        go(6)

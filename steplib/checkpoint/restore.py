@@ -100,7 +100,9 @@ def apply(
                 f"load: checkpoint {checkpoint} holds the trainable parameters alone, trained over "
                 f"a frozen base of {base['entries']} parameters (digest {base['digest']}); this "
                 "model's are another base. Build the model as the saving run did (the same "
-                "pretrained weights, revision, dtype and adapters), then load or resume."
+                "pretrained weights, revision, dtype and adapters), then load or resume; if its "
+                "frozen parameters changed during the run (a momentum encoder, a teacher "
+                "averaged in place), no checkpoint holds them: save with trainable_only=False."
             )
     model_type = type(state.model).__name__
     check_model(
