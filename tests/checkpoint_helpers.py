@@ -101,3 +101,28 @@ def assert_every_rank_saved_update_3_and_stopped(results: list[Any], root: Any) 
     assert results[0]["saved"] == f"{root}/preempt/step-00000003"
     assert results[0]["exit_code"] == 128 + signal.SIGUSR1
     assert [c.step for c in list_checkpoints(f"{root}/preempt")] == [3]
+
+
+class KilledError(Exception):
+    """The job dying after an update, between two saves."""
+
+
+def record_and_kill(
+    events: Any, kill_at: int | None
+) -> tuple[list[int], list[torch.Tensor], list[float]]:
+    """Register on ``events`` what a port's run records (the step it started at, after
+    ``resume_from``; each update's loss and rate) and a :class:`KilledError` after update
+    ``kill_at``; return the three lists, filled as the run goes."""
+    resumed: list[int] = []
+    events.on("fit_start", lambda e: resumed.append(e.step))  # after resume_from's
+
+    def kill(event: Any) -> None:
+        if event.step == kill_at:
+            raise KilledError
+
+    events.on("step_end", kill)
+    losses: list[torch.Tensor] = []
+    lrs: list[float] = []
+    events.on("step_end", lambda e: losses.append(e.output.loss))
+    events.on("step_end", lambda e: lrs.append(float(e.output.lr)))
+    return resumed, losses, lrs

@@ -60,7 +60,7 @@ from steplib.distributed import apply_ddp
 from steplib.events import Event
 from steplib.step import CLIP, Gradients, Part, Step, add_part, ddp_wrap
 from steplib.testing import run_ranks
-from tests.checkpoint_helpers import assert_same
+from tests.checkpoint_helpers import KilledError, assert_same, record_and_kill
 
 CHANNELS, GLOBAL, LOCAL = 3, 6, 3  # an "image": CHANNELS x length; local crops are shorter
 EMBED, HIDDEN, BOTTLENECK, OUT_DIM = 8, 16, 8, 12  # DINOHead(in_dim, out_dim, hidden, bottleneck)
@@ -425,10 +425,6 @@ def teacher_average(event: Event) -> None:
     update_teacher(inner(model["student"]), model["teacher"], event.step - 1)
 
 
-class KilledError(Exception):
-    """The job dying after an update, between two saves."""
-
-
 def _steplib(
     url: str | None = None,
     kill_at: int | None = None,
@@ -448,18 +444,7 @@ def _steplib(
     events.on("step_end", teacher_average)
     if ckpt is not None and not save_first:
         events.add(ckpt)
-    resumed: list[int] = []
-    events.on("fit_start", lambda e: resumed.append(e.step))  # after resume_from's
-
-    def kill(event: Event) -> None:
-        if event.step == kill_at:
-            raise KilledError
-
-    events.on("step_end", kill)
-    losses: list[torch.Tensor] = []
-    events.on("step_end", lambda e: losses.append(e.output.loss))
-    lrs: list[float] = []
-    events.on("step_end", lambda e: lrs.append(float(e.output.lr)))  # the rate the hook set
+    resumed, losses, lrs = record_and_kill(events, kill_at)  # lrs: the rates the step used
     scaler = torch.amp.GradScaler("cpu") if fp16 else None
     state = TrainState.create(model=model, optimizer=optimizer, scaler=scaler)
     with contextlib.suppress(KilledError):

@@ -36,11 +36,10 @@ from steplib import Events, TrainState, make_train_step, run, seed_everything
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
 from steplib.distributed import apply_ddp
-from steplib.events import Event
 from steplib.handlers import EMA, Scheduler
 from steplib.step import ddp_wrap
 from steplib.testing import assert_no_host_sync, run_ranks
-from tests.checkpoint_helpers import assert_same
+from tests.checkpoint_helpers import KilledError, assert_same, record_and_kill
 
 DIM, QUEUE, MOMENTUM_K, TEMPERATURE = 8, 40, 0.99, 0.2  # --moco-dim, -k, -m, -t (scaled down)
 LR, MOMENTUM, WEIGHT_DECAY, SCHEDULE = 0.03, 0.9, 1e-4, [2, 3]  # --lr, --momentum, --wd
@@ -244,10 +243,6 @@ def _plain(cos: bool, world: int = 1) -> dict[str, Any]:
     return _result(model, optimizer, losses, lrs)
 
 
-class KilledError(Exception):
-    """The job dying after an update, between two saves."""
-
-
 def _steplib(
     cos: bool, url: str | None = None, kill_at: int | None = None, world: int = 1
 ) -> dict[str, Any]:
@@ -258,18 +253,7 @@ def _steplib(
     if url is not None:
         ckpt = checkpoint_every(url, every=5)
         events.add(resume_from(ckpt)).add(ckpt)
-    resumed: list[int] = []
-    events.on("fit_start", lambda e: resumed.append(e.step))  # after resume_from's
-
-    def kill(event: Event) -> None:
-        if event.step == kill_at:
-            raise KilledError
-
-    events.on("step_end", kill)
-    losses: list[torch.Tensor] = []
-    lrs: list[float] = []
-    events.on("step_end", lambda e: losses.append(e.output.loss))
-    events.on("step_end", lambda e: lrs.append(float(e.output.lr)))
+    resumed, losses, lrs = record_and_kill(events, kill_at)
     state = TrainState.create(model=net, optimizer=optimizer)
     step = make_train_step(loss_fn)
     with contextlib.suppress(KilledError):
