@@ -107,3 +107,19 @@ def test_a_one_cycle_past_its_end_still_sets_the_rate_beside_a_plateau() -> None
     plateau = Scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer), metric="v")
     with pytest.raises(ConfigError, match=r"the OneCycleLR sets it from max_lr"):
         run(STEP, state.replace(scheduler=cycle), BATCHES, events=Events(plateau), max_steps=1)
+
+
+def test_a_per_epoch_cycle_past_its_end_is_refused_before_the_epoch_trains() -> None:
+    # Before: the third epoch's 4 updates trained, then the Scheduler's step at its end raised
+    # torch's ValueError ('Tried to step 3 times'): 12 updates in the model, the run dead.
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cycle = OneCycleLR(opt, max_lr=1.0, total_steps=2)
+    state = TrainState.create(model=model, optimizer=opt)
+    updates: list[int] = []
+    events = Events(Scheduler(cycle))
+    events.on("step_end", lambda e: updates.append(e.state.step))
+    with pytest.raises(ConfigError, match=r"epoch 3: .*total_steps, 2; it is at 2.*max_epochs=2"):
+        run(STEP, state, BATCHES, events=events, max_epochs=3)
+    assert len(updates) == 8  # two epochs of 4 batches, none of the third
+    assert cycle.last_epoch == 2
