@@ -28,6 +28,29 @@ from steplib.testing import run_ranks
 BATCHES = list(torch.randn(8, 2, 4, generator=torch.Generator().manual_seed(1)))
 
 
+class _Mixup:
+    """A collate_fn with a generator of its own, saved with the position (own_states)."""
+
+    def __init__(self) -> None:
+        self.gen = torch.Generator().manual_seed(0)
+
+    def __call__(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(rows) * torch.rand(1, generator=self.gen)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen.set_state(state["gen"])
+
+
+def _loader(name: str) -> Any:
+    """Each checkpoint's loader: "position" per rank, "sharded" shard=True, "own" with _Mixup."""
+    collate = _Mixup() if name == "own" else None
+    data = torch.randn(16, 4)
+    return resumable_loader(data, batch_size=2, shard=name != "position", collate_fn=collate)
+
+
 def _build(*, ddp: bool) -> tuple[TrainState, Any]:
     torch.manual_seed(0)
     net: nn.Module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -59,12 +82,17 @@ def _on_ranks(rank: int, world: int, *, root: Path) -> dict[str, Any]:
     module.load_state_dict(torch.load(url / "model.pt", weights_only=True))
     state.optimizer.load_state_dict(torch.load(url / "optimizer.pt", weights_only=True))
     out["by_hand"] = _result(run(step, state.replace(step=4, micro_step=4), mine, max_steps=6))
-    for name in ("window", "position"):  # each refused, as the message says
+    for name in ("window", "position", "sharded", "own"):  # refused, as the message says
         state, _ = _build(ddp=True)
-        loader = resumable_loader(torch.randn(16, 4), batch_size=2, shard=False)  # each its own
-        data = loader if name == "position" else None
+        data = None if name == "window" else _loader(name)
         try:
-            load(str(latest(str(root / name))), state.replace(model=state.model.module), data=data)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the generators (rng_is_own)
+                load(
+                    str(latest(str(root / name))),
+                    state.replace(model=state.model.module),
+                    data=data,
+                )
             out[name] = "loaded"
         except ConfigError as err:
             out[name] = str(err)
@@ -80,9 +108,10 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     state, step = _build(ddp=False)  # saved inside a window of 2 micro-batches
     state, _ = accumulate(step, 2)(state, BATCHES[0])
     save(state, str(root / "window"))
-    state, step = _build(ddp=False)  # a position of one process's loader (not shard=True)
-    data = resumable_loader(torch.randn(16, 4), batch_size=2)
-    run(step, state, data, events=[checkpoint_every(str(root / "position"), every=3)], max_steps=3)
+    for name in ("position", "sharded", "own"):  # one process's loader's positions
+        state, step = _build(ddp=False)
+        every = checkpoint_every(str(root / name), every=2)
+        run(step, state, _loader(name), events=[every], max_steps=2)
     return run_ranks(functools.partial(_on_ranks, root=root), world=2, timeout=120)
 
 
@@ -100,3 +129,6 @@ def test_what_cannot_continue_on_more_ranks_is_refused(ranks: list[dict[str, Any
         assert "inside an accumulation window of a run of 1 process(es)" in rank["window"]
         assert "written by 1 ranks and is loaded on 2" in rank["position"]
         assert "shard=True" in rank["position"]
+        assert rank["sharded"] == "loaded"  # shard=True's position carries over
+        # Before: the one process's collate_fn state went to both ranks (the same mixup).
+        assert "holds the collate's own state (state_dict()) of one saving rank" in rank["own"]

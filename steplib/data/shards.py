@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from steplib.data.own_states import COLLATE, DATASET
 from steplib.errors import ConfigError, describe
 
 # The key of a sharded position in ResumableLoader.state_dict(); it maps to plain ints and bools
@@ -298,6 +299,16 @@ def check_new_world(
             sampler.check(position[SHARDED], batch_size=getattr(data, "batch_size", None) or 1)
         except ConfigError as err:
             raise ConfigError(f"{where}; {err}") from None
+        # The dataset's and collate_fn's own states are the saving rank's: loaded on every
+        # rank, each would draw what that one rank drew (the same mixup on every split).
+        owned = [key for key in (DATASET, COLLATE) if position.get(key) is not None]
+        if owned:
+            raise ConfigError(
+                f"{where}; its data position holds the {' and '.join(owned)}'s own state "
+                "(state_dict()) of one saving rank, which would go to every rank here and make "
+                f"each draw the same. Resume on {saved_world_size} ranks, or give the "
+                f"{' and '.join(owned)} no state_dict() (a generator seeded per rank instead)."
+            )
         return
     if saved_sharded:
         raise ConfigError(
