@@ -120,17 +120,17 @@ def apply(
 def check_world(train_state: Any, state: TrainState, *, data: Any, checkpoint: str) -> None:
     """``ConfigError`` unless a checkpoint saved by one process (of as many ranks as its RNG
     record says) fits this world: no open window, a data position it can continue."""
-    saved = ((train_state["rng"] or {}).get("process") or [0, 1])[1]
-    if saved == world_size():
+    saved, now = ((train_state["rng"] or {}).get("process") or [0, 1])[1], world_size()
+    if saved == now:
         return
     if any(t["counters"]["window_size"] for t in lane_trees(train_state, state).values()):
         raise ConfigError(
             f"load: checkpoint {checkpoint} was taken inside an accumulation window of a run of "
-            f"{saved} process(es), whose gradients fit only that run (here {world_size()} "
-            "ranks). Resume it so, or use one taken between windows."
+            f"{saved} process(es), whose gradients fit only that run (here {now} ranks). "
+            "Resume it so, or use one taken between windows."
         )
     if data is not None:
-        now, position = world_size(), train_state["data"]
+        position = train_state["data"]
         check_new_world(
             data, position, saved_world_size=saved, world_size=now, checkpoint=checkpoint
         )
