@@ -17,8 +17,8 @@ from steplib.events import Event, Events, Stop
 from steplib.loop_checks import check_args, limits_reached, warn_nothing_to_train
 from steplib.loop_data import PULLING, TRAINED, Partial, after_error, keep_position, resumed_at
 from steplib.output import StepOutput
+from steplib.schedule_ends import check_updates_left
 from steplib.state import TrainState
-from steplib.state_checks import check_updates_left
 
 
 class StepLike(Protocol):

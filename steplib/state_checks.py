@@ -4,8 +4,6 @@ pieces (several optimizers), names that match and parameters that belong to one 
 
 from __future__ import annotations
 
-import bisect
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -276,80 +274,6 @@ def scheduler_position(scheduler: Any) -> int | None:
     ``None`` for no scheduler or one that does not say."""
     position = getattr(scheduler, "last_epoch", None)
     return position if isinstance(position, int) else None
-
-
-def ending_cycle(scheduler: Any) -> Any:
-    """The ``OneCycleLR`` that ends ``scheduler``'s steps soonest, or ``None``: torch raises
-    ``ValueError("Tried to step ... times")`` at a step past its ``total_steps``, and a
-    ``ChainedScheduler`` steps each of the schedulers it holds. (A ``SequentialLR`` restarts
-    its schedulers at its milestones: not looked into.)"""
-    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
-        return scheduler
-    if not isinstance(scheduler, torch.optim.lr_scheduler.ChainedScheduler):
-        return None
-    # torch keeps a ChainedScheduler's schedulers in `_schedulers`: read, never written.
-    cycles = [c for one in scheduler._schedulers if (c := ending_cycle(one)) is not None]
-    return min(cycles, key=lambda c: c.total_steps - c.last_epoch, default=None)
-
-
-def check_updates_left(state: Any, updates: int, *, needs: str) -> None:
-    """Raise ``ConfigError`` if ``state.scheduler`` cannot be stepped ``updates`` more times
-    (:func:`ending_cycle`): torch refuses the step past a ``OneCycleLR``'s end only after the
-    optimizer applied that update, so the model holds an update its counters do not. ``needs``
-    says what asks for the updates (``"this update"``, ``"max_steps=10"``)."""
-    cycle = ending_cycle(state.scheduler)
-    if cycle is None or updates <= cycle.total_steps - cycle.last_epoch:
-        return
-    at, total = cycle.last_epoch, cycle.total_steps
-    left = max(total - at, 0)
-    raise ConfigError(
-        f"update {state.step + 1}: the state's scheduler ({type(state.scheduler).__name__}) "
-        f"can be stepped {left} more time(s) before the end of its cycle (OneCycleLR's "
-        f"total_steps, {total}; it is at {at}), and {needs} would step it {updates} time(s): "
-        "torch refuses a step past the end (ValueError 'Tried to step ... times') after the "
-        "optimizer has applied that update. Build the OneCycleLR with total_steps= the run's "
-        f"updates (here at least {at + updates}), or stop the run at max_steps="
-        f"{state.step + left}. A checkpoint restores the total_steps it was saved with, so a "
-        "resumed run ends where its cycle ends; to train on after it, give the state a new "
-        "scheduler: state.replace(scheduler=...)."
-    )
-
-
-def warn_if_rate_rises(scheduler: Any, *, stepped: str) -> None:
-    """Warn when ``scheduler``'s next step takes a ``CosineAnnealingLR`` past its ``T_max``
-    (also the one a ``ChainedScheduler`` or ``SequentialLR`` steps next): torch's cosine is
-    periodic, so the rate climbs back to the base rate over the next ``T_max`` steps, where a
-    user who gave ``T_max`` in epochs to a scheduler stepped at every update expected it to
-    stay low. ``stepped``: how it is stepped, what ``T_max`` counts. Said once (the same
-    words each time: Python's filter)."""
-    cosine = _next_cosine(scheduler)
-    if cosine is None or cosine.last_epoch != cosine.T_max:
-        return
-    name = "" if cosine is scheduler else f"{type(scheduler).__name__}'s "
-    warnings.warn(
-        f"{name}CosineAnnealingLR(T_max={cosine.T_max}) reaches eta_min={cosine.eta_min} here, "
-        "and its next step starts its rate back up to the base rate: torch's cosine is "
-        f"periodic. It is {stepped}; give T_max the steps the whole run makes. For restarts "
-        "by design, use CosineAnnealingWarmRestarts or steplib.warmup_cosine_restarts.",
-        stacklevel=2,
-    )
-
-
-def _next_cosine(scheduler: Any) -> Any:
-    """The ``CosineAnnealingLR`` that ``scheduler``'s next step steps, or ``None``."""
-    lr = torch.optim.lr_scheduler
-    if isinstance(scheduler, lr.CosineAnnealingLR):
-        return scheduler
-    # torch keeps these in `_schedulers` and `_milestones`: read, never written.
-    if isinstance(scheduler, lr.ChainedScheduler):
-        found = (_next_cosine(one) for one in scheduler._schedulers)
-        return next((c for c in found if c is not None and c.last_epoch == c.T_max), None)
-    if isinstance(scheduler, lr.SequentialLR):
-        at, milestones = scheduler.last_epoch + 1, scheduler._milestones
-        index = bisect.bisect_right(milestones, at)
-        restarts = index > 0 and milestones[index - 1] == at  # its scheduler starts at 0
-        return None if restarts else _next_cosine(scheduler._schedulers[index])
-    return None
 
 
 def check_scheduler_at(state: Any, at: int | None) -> None:

@@ -85,11 +85,12 @@ def test_the_three_concepts_import_almost_nothing() -> None:
     }
     assert _steplib_imports("steplib.state_checks") == {"steplib.errors"}
     assert _steplib_imports("steplib.output") == set()
-    # state_checks is the state's own: the loop asks it, after fit_start, whether the state's
-    # scheduler can take max_steps more updates (a OneCycleLR ends at its total_steps).
+    # The loop asks schedule_ends, after fit_start, whether the state's scheduler can take
+    # max_steps more updates (a OneCycleLR ends at its total_steps).
+    assert _steplib_imports("steplib.schedule_ends") == {"steplib.errors"}
     assert _steplib_imports("steplib.loop") == {
         "steplib.state",
-        "steplib.state_checks",
+        "steplib.schedule_ends",
         "steplib.output",
         "steplib.events",
         "steplib.loop_checks",

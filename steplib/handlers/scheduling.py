@@ -24,8 +24,8 @@ from steplib import errors
 from steplib.errors import ConfigError, describe
 from steplib.events import Event, Handler
 from steplib.handlers.watched_value import one_number
+from steplib.schedule_ends import check_steps_left, warn_if_rate_rises
 from steplib.schedules import found_in
-from steplib.state_checks import ending_cycle, warn_if_rate_rises
 
 
 class Scheduler(Handler):
@@ -120,9 +120,13 @@ class Scheduler(Handler):
 
     def on_epoch_start(self, event: Event) -> None:
         """Without a metric: refuse, before the epoch trains, a ``OneCycleLR`` that its step
-        at this epoch's end would take past its end (``ending_cycle``)."""
+        at this epoch's end would take past its end (``check_steps_left``)."""
         if self.metric is None:
-            _check_epoch_step_left(self.scheduler, event.state.epoch)
+            owner = f"the Scheduler's {type(self.scheduler).__name__}"
+            late = ("epoch", event.state.epoch, "the whole epoch trained")
+            after = "To train on after it, attach a Scheduler of a new scheduler."
+            needs = "its step at this epoch's end"
+            check_steps_left(self.scheduler, 1, needs=needs, owner=owner, late=late, after=after)
 
     def on_epoch_end(self, event: Event) -> None:
         """Without a metric: :meth:`step` once per epoch."""
@@ -326,20 +330,3 @@ def _sets_the_rate(scheduler: Any) -> str | None:
         for group, rate in zip(groups, rates, strict=True):
             group["lr"] = rate
     return f"{type(scheduler).__name__} sets it from its base rate" if before == after else None
-
-
-def _check_epoch_step_left(scheduler: Any, epoch: int) -> None:
-    """Raise ``ConfigError`` at ``epoch_start`` if a per-epoch ``Scheduler``'s ``scheduler``
-    has no step left before its ``OneCycleLR``'s end (:func:`ending_cycle`): its step at this
-    epoch's end would raise torch's ``ValueError`` after the whole epoch trained."""
-    cycle = ending_cycle(scheduler)
-    if cycle is None or cycle.last_epoch < cycle.total_steps:
-        return
-    raise ConfigError(
-        f"epoch {epoch + 1}: the Scheduler's {type(scheduler).__name__} is at the end of its "
-        f"cycle (OneCycleLR's total_steps, {cycle.total_steps}; it is at {cycle.last_epoch}), "
-        "and the Scheduler steps it at this epoch's end: torch would refuse that step "
-        "(ValueError 'Tried to step ... times') after the whole epoch trained. Build the "
-        "OneCycleLR with total_steps= the run's epochs, or stop the run at "
-        f"max_epochs={epoch}; to train on after it, attach a Scheduler of a new scheduler."
-    )

@@ -19,14 +19,9 @@ import torch
 
 from steplib.errors import ConfigError, TooManySkipsError
 from steplib.lineage import backward_failed
+from steplib.schedule_ends import check_updates_left, warn_if_rate_rises
 from steplib.state import EMPTY_WINDOW, TrainState
-from steplib.state_checks import (
-    check_scheduler_at,
-    check_updates_left,
-    scheduler_position,
-    trained,
-    warn_if_rate_rises,
-)
+from steplib.state_checks import check_scheduler_at, scheduler_position, trained
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
 from steplib.step.parts import Gradients, GradReport, Update
