@@ -14,18 +14,33 @@ import torch
 from steplib.errors import ConfigError
 
 
-def ending_cycle(scheduler: Any) -> Any:
-    """The ``OneCycleLR`` that ends ``scheduler``'s steps soonest, or ``None``: torch raises
-    ``ValueError("Tried to step ... times")`` at a step past its ``total_steps``, and a
-    ``ChainedScheduler`` steps each of the schedulers it holds. (A ``SequentialLR`` restarts
-    its schedulers at its milestones: not looked into.)"""
-    if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
-        return scheduler
-    if not isinstance(scheduler, torch.optim.lr_scheduler.ChainedScheduler):
+def cycle_end(scheduler: Any) -> tuple[int, Any] | None:
+    """``(steps, cycle)``: ``scheduler`` can be stepped ``steps`` more times before the
+    ``OneCycleLR`` ``cycle`` that it steps raises torch's ``ValueError("Tried to step ...
+    times")`` (the soonest; ``None``: no such end). A ``ChainedScheduler`` steps each of its
+    schedulers; a ``SequentialLR`` steps one at a time and restarts the next at its milestone."""
+    lr = torch.optim.lr_scheduler
+    if isinstance(scheduler, lr.OneCycleLR):
+        return max(scheduler.total_steps - scheduler.last_epoch, 0), scheduler
+    # torch keeps these in `_schedulers` and `_milestones`: read, never written.
+    if isinstance(scheduler, lr.ChainedScheduler):
+        ends = [end for one in scheduler._schedulers if (end := cycle_end(one)) is not None]
+        return min(ends, key=lambda end: end[0], default=None)
+    if not isinstance(scheduler, lr.SequentialLR):
         return None
-    # torch keeps a ChainedScheduler's schedulers in `_schedulers`: read, never written.
-    cycles = [c for one in scheduler._schedulers if (c := ending_cycle(one)) is not None]
-    return min(cycles, key=lambda c: c.total_steps - c.last_epoch, default=None)
+    at, milestones, stages = scheduler.last_epoch, scheduler._milestones, scheduler._schedulers
+    now = bisect.bisect_right(milestones, at)
+    for index in range(now, len(stages)):
+        start = at if index == now else milestones[index - 1]  # where it starts, or restarts
+        stage = stages[index]
+        if index == now:
+            end = cycle_end(stage)
+        else:  # restarted at its milestone: a OneCycleLR at 0 (nested ones not looked into)
+            end = (stage.total_steps, stage) if isinstance(stage, lr.OneCycleLR) else None
+        steps = milestones[index] - start - 1 if index < len(milestones) else None
+        if end is not None and (steps is None or end[0] < steps):
+            return start - at + end[0], end[1]
+    return None
 
 
 def check_updates_left(state: Any, updates: int, *, needs: str) -> None:
@@ -47,20 +62,20 @@ def check_steps_left(
     scheduler: Any, steps: int, *, needs: str, owner: str, late: tuple[str, int, str], after: str
 ) -> None:
     """Raise ``ConfigError`` if ``scheduler`` cannot be stepped ``steps`` more times
-    (:func:`ending_cycle`). ``late``: what it is stepped at (``"update"``, ``"epoch"``), how
+    (:func:`cycle_end`). ``late``: what it is stepped at (``"update"``, ``"epoch"``), how
     many of those are done, and what torch's own error would come after."""
-    cycle = ending_cycle(scheduler)
-    if cycle is None or steps <= cycle.total_steps - cycle.last_epoch:
+    end = cycle_end(scheduler)
+    if end is None or steps <= end[0]:
         return
-    at, total = cycle.last_epoch, cycle.total_steps
-    (unit, done, trained), left = late, max(total - at, 0)
-    limit = "max_steps" if unit == "update" else f"max_{unit}s"
+    (left, cycle), (unit, done, trained) = end, late
+    total, limit = cycle.total_steps, "max_steps" if unit == "update" else f"max_{unit}s"
     raise ConfigError(
-        f"{unit} {done + 1}: {owner} can be stepped {left} more time(s) before the end of its "
-        f"cycle (OneCycleLR's total_steps, {total}; it is at {at}), and {needs} would step it "
-        f"{steps} time(s): torch refuses a step past the end (ValueError 'Tried to step ... "
-        f"times') after {trained}. Build the OneCycleLR with total_steps= the run's {unit}s "
-        f"(here at least {at + steps}), or stop the run at {limit}={done + left}. {after}"
+        f"{unit} {done + 1}: {owner} can be stepped {left} more time(s) before the end of a "
+        f"OneCycleLR's cycle (total_steps={total}), and {needs} would step it {steps} "
+        f"time(s): torch refuses a step past the end (ValueError 'Tried "
+        f"to step ... times') after {trained}. Build the OneCycleLR with total_steps= the run's "
+        f"{unit}s (here at least {total + steps - left}), or stop the run at "
+        f"{limit}={done + left}. {after}"
     )
 
 

@@ -6,6 +6,7 @@ counts as setting the rate beside a plateau."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.lr_scheduler import ChainedScheduler, ExponentialLR, OneCycleLR
+from torch.optim.lr_scheduler import (
+    ChainedScheduler,
+    ConstantLR,
+    ExponentialLR,
+    LinearLR,
+    OneCycleLR,
+    SequentialLR,
+)
 
 from steplib import ConfigError, Events, TrainState, make_train_step, run
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.handlers import Scheduler
+from steplib.schedule_ends import cycle_end
 from tests.reference import make_batches, tiny_model
 
 BATCHES = [(x, y) for x, y, _ in make_batches(4, seed=3)]
 STEP = make_train_step(lambda m, b: F.mse_loss(m(b[0]), b[1]))
-ENDED = r"stepped 0 more time\(s\) before the end of its cycle \(OneCycleLR.s total_steps, 5; it is"
+ENDED = r"stepped 0 more time\(s\) before the end of a OneCycleLR.s cycle \(total_steps=5\)"
 
 
 def _state(*, chained: bool = False) -> tuple[TrainState, Any]:
@@ -80,6 +89,66 @@ def test_an_update_past_the_cycle_is_refused_before_it_changes_the_model() -> No
     assert all(torch.equal(a, b) for a, b in zip(before, _params(state.model), strict=True))
 
 
+def _sequential(opt: torch.optim.Optimizer, stages: str, milestones: list[int]) -> Any:
+    # "L" a 2-step warm-up, "C" a OneCycleLR of 3 steps, "K" a constant factor; "(LC)" chained.
+    def build(kind: str) -> Any:
+        if kind.startswith("("):
+            return ChainedScheduler([build(k) for k in kind[1:-1]])
+        if kind == "L":
+            return LinearLR(opt, start_factor=0.5, total_iters=2)
+        return OneCycleLR(opt, max_lr=1.0, total_steps=3) if kind == "C" else ConstantLR(opt)
+
+    parts = [p for p in stages.replace("(", " (").replace(")", ") ").split(" ") if p]
+    kinds = [k for part in parts for k in ([part] if part.startswith("(") else list(part))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a ChainedScheduler's first step before the optimizer's
+        return SequentialLR(opt, [build(k) for k in kinds], milestones=milestones)
+
+
+@pytest.mark.parametrize(
+    ("stages", "milestones"),
+    [("LC", [2]), ("CK", [3]), ("CK", [6]), ("LCK", [2, 5]), ("LCK", [2, 8]), ("CC", [4]),
+     ("(LC)K", [5]), ("(LC)K", [3]), ("LC", [0])],
+)  # fmt: skip
+def test_the_steps_left_are_those_torch_takes(stages: str, milestones: list[int]) -> None:
+    # Counted by stepping torch's own schedulers until they raise, from every position.
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = _sequential(opt, stages, milestones)
+    ends: list[int | None] = []
+    for _ in range(20):
+        end = cycle_end(scheduler)
+        ends.append(None if end is None else end[0])
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's step(0) of a restarted stage
+                scheduler.step()
+        except ValueError:  # torch's "Tried to step ... times"
+            break
+    taken = len(ends) - 1 if len(ends) < 20 or ends[-1] == 0 else None
+    assert ends == ([None] * 20 if taken is None else list(range(taken, -1, -1)))
+    expected = {"LC[2]": 5, "CK[6]": 3, "LCK[2, 8]": 5, "CC[4]": 7, "(LC)K[5]": 3, "LC[0]": 3}
+    assert taken == expected.get(f"{stages}{milestones}")
+
+
+def test_a_one_cycle_inside_a_sequential_lr_is_refused_before_it_ends() -> None:
+    # Before: SequentialLR([warm-up, OneCycleLR]) was not looked into: 5 updates trained, then
+    # the 6th raised torch's ValueError after its optimizer step (scheduler at 6, state at 0).
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = _sequential(opt, "LC", [2])
+    state = TrainState.create(model=model, optimizer=opt, scheduler=scheduler)
+    before = _params(model)
+    with pytest.raises(ConfigError, match=r"stepped 5 more.*at least 8\).*max_steps=5"):
+        run(STEP, state, BATCHES * 3, max_steps=10)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model), strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's step(0) of the restarted OneCycleLR
+        state = run(STEP, state, BATCHES * 3, max_steps=5)
+    with pytest.raises(ConfigError, match=r"update 6: .*stepped 0 more"):
+        run(STEP, state, BATCHES, max_epochs=1)
+    assert state.step == 5 and scheduler.last_epoch == 5
+
+
 def test_a_resume_past_the_cycle_is_refused_at_its_start(tmp_path: Path) -> None:
     # The checkpoint restores the total_steps it was saved with, whatever the new OneCycleLR
     # was built with: the resumed run asking for 3 more updates trained none and raised
@@ -119,7 +188,7 @@ def test_a_per_epoch_cycle_past_its_end_is_refused_before_the_epoch_trains() -> 
     updates: list[int] = []
     events = Events(Scheduler(cycle))
     events.on("step_end", lambda e: updates.append(e.state.step))
-    with pytest.raises(ConfigError, match=r"epoch 3: .*total_steps, 2; it is at 2.*max_epochs=2"):
+    with pytest.raises(ConfigError, match=r"epoch 3: .*0 more.*total_steps=2\).*max_epochs=2"):
         run(STEP, state, BATCHES, events=events, max_epochs=3)
     assert len(updates) == 8  # two epochs of 4 batches, none of the third
     assert cycle.last_epoch == 2
