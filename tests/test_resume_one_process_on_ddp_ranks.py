@@ -126,9 +126,54 @@ def test_a_one_process_checkpoint_resumes_on_ddp_ranks_as_loaded_by_hand(
 
 def test_what_cannot_continue_on_more_ranks_is_refused(ranks: list[dict[str, Any]]) -> None:
     for rank in ranks:
-        assert "inside an accumulation window of a run of 1 process(es)" in rank["window"]
+        assert "inside an accumulation window by rank 0 of 1 process(es)" in rank["window"]
         assert "written by 1 ranks and is loaded on 2" in rank["position"]
         assert "shard=True" in rank["position"]
         assert rank["sharded"] == "loaded"  # shard=True's position carries over
         # Before: the one process's collate_fn state went to both ranks (the same mixup).
         assert "holds the collate's own state (state_dict()) of one saving rank" in rank["own"]
+
+
+def _saved_by_rank_0_alone(rank: int, world: int, *, root: Path) -> dict[str, str]:
+    # docs/checkpoints.md's single-process checkpoint of a DDP run: rank 0 saves its module.
+    for name in ("window", "position", "sharded", "own"):
+        state, step = _build(ddp=True)
+        data = None
+        if name == "window":
+            state, _ = accumulate(step, 2)(state, BATCHES[rank])
+        else:
+            data = _loader(name)
+            state = run(step, state, data, max_steps=2)
+        if rank == 0:
+            save(state.replace(model=state.model.module), str(root / name), data=data)
+        del state, step
+        torch.distributed.barrier()
+    out = {}
+    for name in ("window", "position", "sharded", "own"):  # every rank loads rank 0's
+        state, _ = _build(ddp=True)
+        data = None if name == "window" else _loader(name)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the generators (rng_is_own)
+                url = str(latest(str(root / name)))
+                load(url, state.replace(model=state.model.module), data=data)
+            out[name] = "loaded"
+        except ConfigError as err:
+            out[name] = str(err)
+        del state
+    return out
+
+
+def test_rank_0s_own_checkpoint_loads_on_rank_0_and_its_own_state_on_no_other(
+    tmp_path: Path,
+) -> None:
+    # Before: rank 1 loaded rank 0's open window (its unsynchronised gradients), its per-rank
+    # position (no shard=True) and its collate_fn's generator (both ranks the same mixup).
+    saver, other = run_ranks(functools.partial(_saved_by_rank_0_alone, root=tmp_path), world=2)
+    assert saver == dict.fromkeys(saver, "loaded")  # its own, whatever it holds
+    assert other["sharded"] == "loaded"  # the same position on every rank
+    assert "window by rank 0 of 2 process(es)" in other["window"]
+    for name in ("position", "own"):
+        assert "written by rank 0 of 2 alone and is loaded on another rank" in other[name]
+        assert "Save on every rank" in other[name]
+    assert "holds the collate's own state" in other["own"]

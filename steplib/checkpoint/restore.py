@@ -22,7 +22,7 @@ from steplib.checkpoint.contents import (
 from steplib.checkpoint.manifest import fingerprint
 from steplib.data.epoch_end import restore_position
 from steplib.data.shards import check_new_world
-from steplib.distributed import world_size
+from steplib.distributed import rank, world_size
 from steplib.distributed.parallelize import plain_name
 from steplib.errors import ConfigError
 from steplib.lineage import lineage_after_load
@@ -118,21 +118,27 @@ def apply(
 
 
 def check_world(train_state: Any, state: TrainState, *, data: Any, checkpoint: str) -> None:
-    """``ConfigError`` unless a checkpoint saved by one process (of as many ranks as its RNG
-    record says) fits this world: no open window, a data position it can continue."""
-    saved, now = ((train_state["rng"] or {}).get("process") or [0, 1])[1], world_size()
-    if saved == now:
+    """``ConfigError`` unless a checkpoint saved by one process (rank r of n, as its RNG record
+    says) fits this one: another process's open window or data position cannot be its own."""
+    saver, saved = (train_state["rng"] or {}).get("process") or [0, 1]
+    now = world_size()
+    if [saver, saved] == [rank(), now]:
         return
     if any(t["counters"]["window_size"] for t in lane_trees(train_state, state).values()):
         raise ConfigError(
-            f"load: checkpoint {checkpoint} was taken inside an accumulation window of a run of "
-            f"{saved} process(es), whose gradients fit only that run (here {now} ranks). "
-            "Resume it so, or use one taken between windows."
+            f"load: checkpoint {checkpoint} was taken inside an accumulation window by rank "
+            f"{saver} of {saved} process(es), whose gradients fit only that process (here rank "
+            f"{rank()} of {now}). Resume it so, or use one taken between windows."
         )
     if data is not None:
-        position = train_state["data"]
+        alone = saver if saved == now else None  # another rank's checkpoint of as many
         check_new_world(
-            data, position, saved_world_size=saved, world_size=now, checkpoint=checkpoint
+            data,
+            train_state["data"],
+            saved_world_size=saved,
+            world_size=now,
+            checkpoint=checkpoint,
+            saver=alone,
         )
 
 

@@ -263,17 +263,25 @@ class ShardedSampler(Sampler[int]):
 
 
 def check_new_world(
-    data: Any, position: Any, *, saved_world_size: int, world_size: int, checkpoint: str
+    data: Any,
+    position: Any,
+    *,
+    saved_world_size: int,
+    world_size: int,
+    checkpoint: str,
+    saver: int | None = None,
 ) -> None:
     """Raise unless ``data`` can continue, on ``world_size`` ranks, from ``position``: the data
-    position in a checkpoint written by ``saved_world_size`` ranks (rank 0's).
+    position in a checkpoint written by ``saved_world_size`` ranks (rank 0's), or by rank
+    ``saver`` of as many alone (its own position, loaded on another rank).
 
     Args:
         data: the loader to resume (``load(data=...)``).
         position: the saved ``data.state_dict()``.
-        saved_world_size: the number of ranks that wrote the checkpoint.
+        saved_world_size: the number of ranks of the run that wrote the checkpoint.
         world_size: the number of ranks loading it.
         checkpoint: the checkpoint's URL, for the message.
+        saver: the one rank that wrote it, loaded here on another rank of as many.
 
     Raises:
         ConfigError: ``data`` or the saved position is not sharded (``shard=True``), whose
@@ -291,6 +299,14 @@ def check_new_world(
     where = (
         f"load(data=...): checkpoint {checkpoint} was written by {saved_world_size} ranks and "
         f"is loaded on {world_size}"
+        if saver is None
+        else f"load(data=...): checkpoint {checkpoint} was written by rank {saver} of "
+        f"{saved_world_size} alone and is loaded on another rank"
+    )
+    again = (
+        f"Resume on {saved_world_size} ranks"
+        if saver is None
+        else "Save on every rank (save(state) with its DDP model keeps each rank's position)"
     )
     sampler = getattr(data, "sampler", None)
     saved_sharded = isinstance(position, Mapping) and SHARDED in position
@@ -306,7 +322,7 @@ def check_new_world(
             raise ConfigError(
                 f"{where}; its data position holds the {' and '.join(owned)}'s own state "
                 "(state_dict()) of one saving rank, which would go to every rank here and make "
-                f"each draw the same. Resume on {saved_world_size} ranks, or give the "
+                f"each draw the same. {again}, or give the "
                 f"{' and '.join(owned)} no state_dict() (a generator seeded per rank instead)."
             )
         return
@@ -320,8 +336,8 @@ def check_new_world(
         f"{where}; its data position is per rank (the loader had no shard=True, so each rank "
         "iterated its whole dataset: its own share where the data is split by rank, the same "
         "batches as every rank under tensor or pipeline parallelism, which a position does not "
-        f"tell apart), one per saving rank, and none maps onto a rank of {world_size}: no rank "
-        f"knows where to continue. Resume on {saved_world_size} ranks. For data-parallel runs "
+        f"tell apart), one per saving rank, and none maps onto another rank: no rank "
+        f"knows where to continue. {again}. For data-parallel runs "
         "that may change their number of ranks, build the loader with resumable_loader("
         "dataset, ..., shard=True) over the whole dataset, the same seed on every rank. "
         "(data=None loads the model and optimizer and starts the data over at its first batch "
