@@ -17,7 +17,7 @@ from steplib.events import Event, Events, Stop
 from steplib.loop_checks import check_args, limits_reached, warn_nothing_to_train
 from steplib.loop_data import PULLING, TRAINED, Partial, after_error, keep_position, resumed_at
 from steplib.output import StepOutput
-from steplib.schedule_ends import check_updates_left
+from steplib.schedule_ends import check_run_length
 from steplib.state import TrainState
 
 
@@ -185,14 +185,14 @@ def _iterate(
     given = state
     started = events.emit(Event("fit_start", state, data=data, train_step=step, events=events))
     state, stop = started.state, started.stop
-    if max_steps is not None:  # after fit_start: a resume handler may have loaded a scheduler
-        check_updates_left(state, max_steps - state.step, needs=f"max_steps={max_steps}")
     if max_steps is None and max_epochs is None:
         # One more epoch than the state (after a resume handler swapped it in) has completed:
         # an absolute max_epochs=1 would make a second run(step, state, data) do nothing.
         max_epochs = state.epoch + 1
     elif stop is None and started.state is given and limits_reached(state, max_steps, max_epochs):
         warn_nothing_to_train(state, max_steps, max_epochs)  # not a resume's: a cell run again
+    # After fit_start: a resume handler may have loaded a scheduler.
+    check_run_length(state, step, data, max_steps=max_steps, max_epochs=max_epochs)
     # Where the open window started, in micro-batches: what an update's step_end covers
     # (every=Batches(n) counts them). A resumed state may hold an open window.
     opened = [state.micro_step - state.window.size]

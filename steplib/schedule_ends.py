@@ -1,12 +1,17 @@
 """Where a schedule ends, checked before it is stepped past the end: a ``OneCycleLR``'s last
 step (torch raises only after the optimizer applied the update, or after a per-epoch
 scheduler's whole epoch trained) and a ``CosineAnnealingLR``'s ``T_max`` (its rate climbs back,
-in silence). Used by the step, the loop and the ``Scheduler`` handler."""
+in silence); and at a run's start, a schedule as long as the batches the run draws where the
+step makes an update every few of them (it ends part of the way through, in silence). Used by
+the step, the loop and the ``Scheduler`` handler."""
 
 from __future__ import annotations
 
 import bisect
+import inspect
+import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -113,4 +118,76 @@ def _next_cosine(scheduler: Any) -> Any:
         index = bisect.bisect_right(milestones, at)
         restarts = index > 0 and milestones[index - 1] == at  # its scheduler starts at 0
         return None if restarts else _next_cosine(scheduler._schedulers[index])
+    return None
+
+
+def check_run_length(
+    state: Any, step: Any, data: Any, *, max_steps: int | None, max_epochs: int | None
+) -> None:
+    """At a run's start (after ``fit_start``): :func:`check_updates_left` for ``max_steps``,
+    and a warning when the state's scheduler ends after as many steps as the run draws batches
+    while the step makes one update every ``k > 1`` of them (``accumulate``): its length was
+    counted in batches (torch's ``steps_per_epoch=len(loader)``), it is stepped once per update,
+    and the run ends ``1 / k`` of the way through it, its rate never brought down (diffusers#4387,
+    accelerate#1160: the same mistake, the other way round)."""
+    if max_steps is not None:
+        check_updates_left(state, max_steps - state.step, needs=f"max_steps={max_steps}")
+    window = getattr(getattr(step, "plan", None), "window", 1)
+    length = _horizon(state.scheduler)
+    if window <= 1 or length is None or isinstance(step, Mapping):
+        return
+    runs = []  # (batches, updates, how the updates are counted) for each limit given
+    if max_steps is not None:
+        runs.append((max_steps * window, max_steps, f"max_steps={max_steps}"))
+    try:
+        per_epoch = len(data)
+    except TypeError:  # unsized: no epoch length to count
+        per_epoch = None
+    if max_epochs is not None and per_epoch is not None:
+        updates, how = max_epochs * math.ceil(per_epoch / window), "math.ceil(len(data) / k)"
+        runs.append((max_epochs * per_epoch, updates, f"max_epochs={max_epochs} x {how}"))
+    for batches, updates, how in runs:
+        if length == batches != updates:
+            warnings.warn(
+                f"the state's scheduler ({type(state.scheduler).__name__}) ends after {length} "
+                f"steps, the batches this run draws, but the step makes one update every "
+                f"{window} batches (k={window}) and steps it once per update: the run makes "
+                f"{updates} updates and ends {updates / length:.0%} of the way through the "
+                f"schedule, its rate never brought down. Count its length in updates: {updates} "
+                f"({how}).",
+                stacklevel=2,
+            )
+            return
+
+
+def _horizon(scheduler: Any) -> int | None:
+    """After how many steps ``scheduler``'s schedule ends, where it says: a ``OneCycleLR``'s
+    ``total_steps``, a cosine's ``T_max``, a ``LinearLR``'s or ``PolynomialLR``'s
+    ``total_iters``, a ``LambdaLR`` of steplib's ``warmup_*(total=)`` or of a transformers
+    schedule (``num_training_steps``); a ``SequentialLR``'s last stage from its milestone."""
+    lr = torch.optim.lr_scheduler
+    lengths = {
+        lr.OneCycleLR: "total_steps",
+        lr.CosineAnnealingLR: "T_max",
+        lr.LinearLR: "total_iters",
+        lr.PolynomialLR: "total_iters",
+    }
+    if type(scheduler) in lengths:
+        return int(getattr(scheduler, lengths[type(scheduler)]))
+    # torch keeps these in `_schedulers` and `_milestones`: read, never written.
+    if isinstance(scheduler, lr.SequentialLR):
+        last = _horizon(scheduler._schedulers[-1])
+        return None if last is None else scheduler._milestones[-1] + last
+    if isinstance(scheduler, lr.ChainedScheduler):
+        ends = [end for one in scheduler._schedulers if (end := _horizon(one)) is not None]
+        return max(ends, default=None)
+    if isinstance(scheduler, lr.LambdaLR):
+        for fn in scheduler.lr_lambdas:
+            try:
+                parameters = inspect.signature(fn).parameters
+            except (TypeError, ValueError):  # a callable without a signature
+                continue
+            for name in ("total", "num_training_steps"):
+                if name in parameters and isinstance(parameters[name].default, int):
+                    return int(parameters[name].default)
     return None

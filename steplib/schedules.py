@@ -95,7 +95,9 @@ def warmup_linear(*, warmup: int, total: int, min_ratio: float = 0.0) -> Schedul
     """
     warmup, total, floor = _check_span("warmup_linear", warmup, total, min_ratio)
 
-    def schedule(step: int) -> float:
+    # `total` a keyword default: what run() reads of it (schedule_ends), as it reads the
+    # num_training_steps of a transformers schedule (a partial).
+    def schedule(step: int, *, total: int = total) -> float:
         if step < warmup:
             return _warmup(warmup, step)
         progress = min(1.0, (step - warmup) / (total - warmup))
@@ -128,7 +130,7 @@ def warmup_cosine(*, warmup: int, total: int, min_ratio: float = 0.0) -> Schedul
     """
     warmup, total, floor = _check_span("warmup_cosine", warmup, total, min_ratio)
 
-    def schedule(step: int) -> float:
+    def schedule(step: int, *, total: int = total) -> float:  # as warmup_linear's
         if step < warmup:
             return _warmup(warmup, step)
         progress = min(1.0, (step - warmup) / (total - warmup))
