@@ -9,7 +9,6 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from steplib.data.loader import ResumableLoader
 from steplib.data.shards import ShardedSampler
 from steplib.data.torchdata_state import FINISHED, batches_yielded
 
@@ -61,8 +60,9 @@ def restore_position(data: Any, position: Any) -> bool:
         batch yielded, the pass not yet ended): the caller should then count the epoch as done.
     """
     data.load_state_dict(position)
-    if isinstance(data, ResumableLoader):
-        return data.epoch_completed_on_load
+    completed = getattr(data, "epoch_completed_on_load", None)  # a ResumableLoader's, Zipped's
+    if isinstance(completed, bool):
+        return completed
     # Unsized data (no len) tells its epoch's end by ending: the loop ends that epoch.
     sized = hasattr(getattr(data, "dataset", None), "__len__")
     if isinstance(data, StatefulDataLoader) and isinstance(position, Mapping) and sized:
