@@ -7,7 +7,7 @@ Imports nothing from steplib, so every module may use it.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -62,6 +62,12 @@ class ExportError(StepLibError, RuntimeError):
 
 class LogWriteError(StepLibError, OSError):
     """A logger could not open, write or close its destination."""
+
+
+def listed(items: Sequence[str], *, shown: int = 10) -> str:
+    """``items`` joined, the first ``shown`` of them, and how many more."""
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def describe(value: object) -> str:

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from steplib.errors import ConfigError, describe, required_arguments, stepped_without_arguments
+from steplib.errors import (
+    ConfigError,
+    describe,
+    listed,
+    required_arguments,
+    stepped_without_arguments,
+)
 
 
 def as_module(model: Any) -> nn.Module:
@@ -248,7 +254,7 @@ def idle_error(where: str, module: str, idle: Sequence[str]) -> ConfigError:
     ``"model['teacher']"``), with the line that freezes the first one's module."""
     owner = idle[0].rpartition(".")[0]
     freeze = module if module != "model" or not owner else f"model.get_submodule({owner!r})"
-    shown = ", ".join(idle[:5]) + (f" and {len(idle) - 5} more" if len(idle) > 5 else "")
+    shown = listed(idle, shown=5)
     return ConfigError(
         f"{where}: {module} has {len(idle)} trainable parameter(s) that no optimizer updates "
         f"({shown}): they would not train, and their gradients would pile up until one added "

@@ -15,9 +15,8 @@ import torch
 from steplib.checkpoint import pipeline
 from steplib.checkpoint.contents import DCP_DIR, lanes
 from steplib.checkpoint.pipeline import Checkpoints
-from steplib.checkpoint.restore import listed
 from steplib.checkpoint.storage import StorageOptions
-from steplib.errors import CheckpointError
+from steplib.errors import CheckpointError, listed
 from steplib.state import TrainState
 
 Path = tuple[Any, ...]  # where a tensor sits in a tree: the key of its reused buffer

@@ -35,12 +35,11 @@ from steplib.checkpoint.manifest import (
     sort_key,
 )
 from steplib.checkpoint.pipeline import Checkpoints, GlooGroup, check_options
-from steplib.checkpoint.restore import listed
 from steplib.checkpoint.retention import check_retention, prune
 from steplib.checkpoint.storage import Location, StorageOptions
 from steplib.data.epoch_end import at_epoch_end
 from steplib.distributed import is_main, world_size
-from steplib.errors import CheckpointError, CheckpointWarning, ConfigError
+from steplib.errors import CheckpointError, CheckpointWarning, ConfigError, listed
 from steplib.events import Emitted, Event, Handler
 from steplib.output import update_outputs
 from steplib.state import EVALUATED_AT, TrainState

@@ -25,7 +25,7 @@ from steplib.checkpoint.pipeline import Checkpoints, Plan, read_trees
 from steplib.checkpoint.storage import FileRecord, Location
 from steplib.data.shards import check_new_world
 from steplib.distributed.parallelize import is_parallel_model
-from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from steplib.errors import CheckpointError, ConfigError, CorruptCheckpointError, listed
 from steplib.seeding import warn_rng_not_restored
 from steplib.state import TrainState
 
@@ -300,7 +300,7 @@ def _check_keys(
     if missing:
         raise ConfigError(
             f"load: checkpoint {checkpoint} holds no optimizer state for "
-            f"{restore.listed(missing)}. Build the optimizer as the saving run did (same momentum)."
+            f"{listed(missing)}. Build the optimizer as the saving run did (same momentum)."
         )
 
 

@@ -24,7 +24,7 @@ from steplib.data.epoch_end import restore_position
 from steplib.data.shards import check_new_world
 from steplib.distributed import rank, world_size
 from steplib.distributed.parallelize import plain_name
-from steplib.errors import ConfigError
+from steplib.errors import ConfigError, listed
 from steplib.lineage import lineage_after_load
 from steplib.seeding import restore_rng, rng_is_own
 from steplib.state import TrainState, Window
@@ -294,12 +294,6 @@ def check_model(saved: Shapes, expected: Shapes, *, model_type: str, checkpoint:
             f"{found}. Build the model as the run that saved it did; to reuse some weights, "
             "use load_weights(state, url, strict=False) (the weights only, to fine-tune)."
         )
-
-
-def listed(items: list[str], *, shown: int = 10) -> str:
-    """``items`` joined, the first ``shown`` of them, and how many more."""
-    more = f" and {len(items) - shown} more" if len(items) > shown else ""
-    return ", ".join(items[:shown]) + more
 
 
 def _call(name: str, settings: Mapping[str, Any]) -> str:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from steplib.errors import ConfigError
+from steplib.errors import ConfigError, listed
 from steplib.state import TrainState
 
 
@@ -62,11 +62,10 @@ def _refuse_unwrapped(
     ]
     if outside:
         key = outside[0].split(".")[0]
-        names = ", ".join(repr(name) for name in outside[:5])
-        more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        names = listed([repr(name) for name in outside], shown=5)
         raise ConfigError(
             f"ddp_wrap: this step's optimizer updates {len(outside)} parameter(s) outside "
-            f"every DistributedDataParallel module ({names}{more}): nothing averages their "
+            f"every DistributedDataParallel module ({names}): nothing averages their "
             "gradients over the ranks, so each rank would apply its own and the ranks would "
             f"drift apart. Wrap that model too: model={{..., {key!r}: apply_ddp({key})}}, "
             "or freeze those parameters (requires_grad_(False))."
