@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> float:
 
     events = steplib.Events()
     losses: list[float] = []
-    events.on("epoch_start", lambda e: sampler.set_epoch(e.epoch))
     events.on("step_end", lambda e: losses.append(float(e.output.loss)), every=5)
     if is_main():
         events.on("step_end", lambda e: print(f"step {e.step} loss {losses[-1]:.4f}"), every=5)

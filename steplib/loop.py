@@ -15,7 +15,7 @@ import torch
 
 from steplib.events import Event, Events, Stop
 from steplib.loop_checks import check_args, limits_reached, warn_nothing_to_train
-from steplib.loop_data import PULLING, TRAINED, Partial, after_error, keep_position, resumed_at
+from steplib.loop_data import PULLING, TRAINED, Partial, after_error, begin_pass, keep_position
 from steplib.output import StepOutput
 from steplib.schedule_ends import check_run_length
 from steplib.state import TrainState
@@ -211,7 +211,7 @@ def _iterate(
             # on with a stopped one) gets no epoch_start: it ran where that epoch began, and a
             # handler that starts something per epoch (a hidden state set to zeros) would
             # otherwise start it again in the middle, which the uninterrupted run does not.
-            first = resumed_at(data)
+            first = begin_pass(data, state.epoch)
             if first == 0:
                 state, stop = _emit(events, state, "epoch_start")
                 if stop is not None:

@@ -87,11 +87,22 @@ def after_error(
         )
 
 
-def resumed_at(data: Any) -> int:
+def begin_pass(data: Any, epoch: int) -> int:
     """Where in its epoch ``data``'s next pass begins: a ``ResumableLoader`` that continues an
-    epoch (loaded at a position, or going on with a pass a run left) says it; 0 otherwise."""
+    epoch (loaded at a position, or going on with a pass a run left) says it; 0 otherwise. At 0
+    (an epoch begins), its samplers whose order follows ``set_epoch`` (a ``DistributedSampler``)
+    are set to ``epoch`` first: PyTorch leaves that call to the loop, and forgotten, every epoch
+    drew the first one's order, in silence (Lightning and Accelerate make it too)."""
     at = getattr(data, "resumed_at", 0)
-    return at if isinstance(at, int) else 0
+    at = at if isinstance(at, int) else 0
+    if at == 0:
+        batch_sampler: Any = getattr(data, "batch_sampler", None)
+        found: list[Any] = [getattr(data, "sampler", None), batch_sampler]
+        found.append(getattr(batch_sampler, "sampler", None))
+        for sampler in {id(one): one for one in found}.values():  # each once
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)
+    return at
 
 
 class Partial:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from steplib import (
     Events,
@@ -412,3 +413,25 @@ def test_iterate_does_not_mutate_the_state_it_was_given():
     run(accumulate(make_train_step(_mse), 2), start, _batches(5), max_epochs=2)
     assert (start.step, start.micro_step, start.epoch, start.window.size) == (0, 0, 0, 0)
     assert float(start.window.loss) == 0.0
+
+
+def test_a_plain_loaders_distributed_sampler_gets_each_epoch_without_a_handler() -> None:
+    # Before: run never called set_epoch, so every epoch drew the first one's order (PyTorch
+    # leaves the call to the loop; Lightning and Accelerate make it): 3 epochs, one order.
+    dataset = TensorDataset(torch.arange(8.0).unsqueeze(1))
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=1, rank=0, seed=0)
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    seen: list[list[float]] = []
+
+    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+        seen.append(batch[0].flatten().tolist())
+        return model(batch[0]).mean()
+
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    run(make_train_step(loss_fn), state, loader, max_epochs=3)
+    expected = []
+    for epoch in range(3):  # PyTorch's own loop
+        sampler.set_epoch(epoch)
+        expected += [batch[0].flatten().tolist() for batch in loader]
+    assert seen == expected and seen[:4] != seen[4:8]

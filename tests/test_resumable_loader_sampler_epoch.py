@@ -37,7 +37,7 @@ def _loader(kind: str) -> tuple[ResumableLoader, DistributedSampler[Any]]:
 
 
 def _run(
-    root: Path, kind: str, *, every: int = 5, max_steps: int | None = None
+    root: Path, kind: str, *, every: int = 5, max_steps: int | None = None, handler: bool = True
 ) -> list[list[float]]:
     """Train 3 epochs (or to ``max_steps``) from the newest checkpoint in ``root``, with new
     objects, as a restarted process; return the samples of every batch trained."""
@@ -52,7 +52,8 @@ def _run(
 
     ckpt = checkpoint_every(str(root), every=every, at_end=False)
     events = sl.Events(resume_from(ckpt), ckpt)
-    events.on("epoch_start", lambda e: sampler.set_epoch(e.epoch))  # the tutorial's call
+    if handler:  # the tutorial's call; run makes it itself too
+        events.on("epoch_start", lambda e: sampler.set_epoch(e.epoch))
     sl.run(
         sl.make_train_step(loss_fn), state, loader, events=events, max_epochs=3, max_steps=max_steps
     )
@@ -64,6 +65,18 @@ def test_a_resume_inside_an_epoch_continues_the_samplers_epoch(tmp_path: Path, k
     whole = _run(tmp_path / "whole", kind)
     _run(tmp_path / "stopped", kind, max_steps=7)  # saved at update 5: 1 batch into epoch 1
     assert _run(tmp_path / "stopped", kind) == whole[5:]
+
+
+@pytest.mark.parametrize("kind", ["sampler", "batch_sampler"])
+def test_without_a_set_epoch_handler_run_sets_each_epoch_and_a_resume_continues_it(
+    tmp_path: Path, kind: str
+) -> None:
+    # Before: without the handler every epoch drew epoch 0's order (12 updates, 3 alike).
+    whole = _run(tmp_path / "whole", kind, handler=False)
+    assert whole == _run(tmp_path / "handled", kind)  # what the tutorial's handler gives
+    assert whole[:4] != whole[4:8]
+    _run(tmp_path / "stopped", kind, max_steps=7, handler=False)
+    assert _run(tmp_path / "stopped", kind, handler=False) == whole[5:]
 
 
 def test_a_resume_at_an_epochs_end_starts_the_next_epochs_order(tmp_path: Path) -> None:
