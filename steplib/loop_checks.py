@@ -7,6 +7,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 
 def check_args(
     step: Any, state: Any, data: Any, max_steps: Any, max_epochs: Any, feed: Any
@@ -91,3 +93,37 @@ def warn_nothing_to_train(state: Any, max_steps: int | None, max_epochs: int | N
         "To train more, raise the limit: max_epochs=state.epoch + n, max_steps=state.step + n.",
         stacklevel=4,
     )
+
+
+# Modules whose forward depends on the mode: in eval mode, no dropout, BatchNorm's statistics fixed.
+_MODE_DEPENDENT = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
+
+
+def warn_eval_mode(model: Any) -> None:
+    """Warn that the run would train ``model`` in eval mode: its root is (``model.eval()`` in a
+    notebook cell to look at predictions, then a run) and it holds dropout or BatchNorm layers,
+    which then act as in evaluation. A part kept in eval mode on purpose (a frozen backbone's
+    BatchNorm) leaves the root in train mode: not warned about."""
+    if not isinstance(model, torch.nn.Module) or model.training:
+        return
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, _MODE_DEPENDENT)})
+    if kinds:
+        warnings.warn(
+            f"run/iterate: the state's model ({type(model).__name__}) is in eval mode "
+            f"(model.eval()), and its {', '.join(kinds)} layers act as in evaluation there: the "
+            "run would train without dropout and with BatchNorm's statistics fixed. Call "
+            "model.train() before the run; to keep a part in eval mode on purpose, call "
+            "part.eval() after it (model.backbone.eval()).",
+            stacklevel=4,
+        )

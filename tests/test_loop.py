@@ -435,3 +435,20 @@ def test_a_plain_loaders_distributed_sampler_gets_each_epoch_without_a_handler()
         sampler.set_epoch(epoch)
         expected += [batch[0].flatten().tolist() for batch in loader]
     assert seen == expected and seen[:4] != seen[4:8]
+
+
+def test_a_model_left_in_eval_mode_is_warned_about_at_the_runs_start() -> None:
+    # Before: model.eval() in a cell (to look at predictions), then run: it trained with
+    # dropout off and BatchNorm's statistics fixed, in silence, and ended in eval mode.
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    step = make_train_step(lambda m, b: m(b).pow(2).mean())
+    data = [torch.randn(4, 4) for _ in range(2)]
+    model.eval()
+    with pytest.warns(UserWarning, match=r"is in eval mode .*BatchNorm1d, Dropout layers"):
+        state = run(step, state, data)
+    model.train()
+    model[1].eval()  # a part kept in eval mode on purpose: nothing said
+    state = run(step, state, data, max_epochs=2)
+    plain = nn.Sequential(nn.Linear(4, 1)).eval()  # no layer that depends on the mode
+    run(step, TrainState.create(model=plain, optimizer=torch.optim.SGD(plain.parameters())), data)
