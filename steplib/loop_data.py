@@ -90,15 +90,16 @@ def after_error(
 def begin_pass(data: Any, epoch: int) -> int:
     """Where in its epoch ``data``'s next pass begins: a ``ResumableLoader`` that continues an
     epoch (loaded at a position, or going on with a pass a run left) says it; 0 otherwise. At 0
-    (an epoch begins), its samplers whose order follows ``set_epoch`` (a ``DistributedSampler``)
-    are set to ``epoch`` first: PyTorch leaves that call to the loop, and forgotten, every epoch
-    drew the first one's order, in silence (Lightning and Accelerate make it too)."""
+    (an epoch begins), what of it has ``set_epoch`` is set to ``epoch`` first: its sampler (a
+    ``DistributedSampler``), batch sampler, dataset (a Hugging Face streaming dataset) or itself.
+    PyTorch leaves that call to the loop, and forgotten, every epoch drew the first one's order,
+    in silence (Lightning, Accelerate and the HF Trainer make it too)."""
     at = getattr(data, "resumed_at", 0)
     at = at if isinstance(at, int) else 0
     if at == 0:
         batch_sampler: Any = getattr(data, "batch_sampler", None)
-        found: list[Any] = [getattr(data, "sampler", None), batch_sampler]
-        found.append(getattr(batch_sampler, "sampler", None))
+        found: list[Any] = [data, getattr(data, "sampler", None), batch_sampler]
+        found += [getattr(batch_sampler, "sampler", None), getattr(data, "dataset", None)]
         for sampler in {id(one): one for one in found}.values():  # each once
             if callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(epoch)

@@ -452,3 +452,36 @@ def test_a_model_left_in_eval_mode_is_warned_about_at_the_runs_start() -> None:
     state = run(step, state, data, max_epochs=2)
     plain = nn.Sequential(nn.Linear(4, 1)).eval()  # no layer that depends on the mode
     run(step, TrainState.create(model=plain, optimizer=torch.optim.SGD(plain.parameters())), data)
+
+
+class _EpochShuffled(IterableDataset[torch.Tensor]):
+    """A streaming dataset that shuffles by its epoch, as a Hugging Face one does."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        order = torch.randperm(6, generator=torch.Generator().manual_seed(self.epoch))
+        return iter(order.float().unsqueeze(1))
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_a_dataset_or_data_with_set_epoch_gets_each_epoch(wrapped: bool) -> None:
+    # Before: never called, so every epoch streamed epoch 0's order.
+    dataset = _EpochShuffled()
+    data: Any = DataLoader(dataset, batch_size=2) if wrapped else dataset
+    seen: list[list[float]] = []
+
+    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+        seen.append(batch.flatten().tolist())
+        return model(batch).mean()
+
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+    run(make_train_step(loss_fn), state, data, max_epochs=2)
+    half = len(seen) // 2
+    first, second = ([x for batch in part for x in batch] for part in (seen[:half], seen[half:]))
+    assert first != second and sorted(first) == sorted(second) == list(range(6))
