@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from steplib.events import Event, Events, Stop
-from steplib.loop_checks import check_args, limits_reached, warn_eval_mode, warn_nothing_to_train
+from steplib.loop_checks import check_args, check_run_start, limits_reached, warn_nothing_to_train
 from steplib.loop_data import PULLING, TRAINED, Partial, after_error, begin_pass, keep_position
 from steplib.output import StepOutput
 from steplib.schedule_ends import check_run_length
@@ -193,7 +193,7 @@ def _iterate(
         warn_nothing_to_train(state, max_steps, max_epochs)  # not a resume's: a cell run again
     # After fit_start: a resume handler may have loaded a scheduler and the modules' modes.
     check_run_length(state, step, data, max_steps=max_steps, max_epochs=max_epochs)
-    warn_eval_mode(state.model)
+    call = check_run_start(state, step, call)  # eval mode; a data-parallel run's first batch
     # Where the open window started, in micro-batches: what an update's step_end covers
     # (every=Batches(n) counts them). A resumed state may hold an open window.
     opened = [state.micro_step - state.window.size]

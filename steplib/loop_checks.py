@@ -3,11 +3,13 @@ at the first ``next`` of the generator). Imports nothing from steplib."""
 
 from __future__ import annotations
 
+import hashlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def check_args(
@@ -110,6 +112,32 @@ _MODE_DEPENDENT = (
 )
 
 
+def check_run_start(state: Any, step: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """After ``fit_start``: :func:`warn_eval_mode`; return ``call`` (the loop's call of the
+    step on a batch), made to check the run's first batch where the step is data-parallel
+    on several ranks (:func:`warn_same_batch`)."""
+    warn_eval_mode(state.model)
+    steps = step.values() if isinstance(step, Mapping) else (step,)
+    wrappers = {
+        described["wrapper"].rpartition(":")[2]  # "D:ddp_wrap" in a run of several steps
+        for one in steps
+        for described in (one.describe() if callable(getattr(one, "describe", None)) else [])
+    }
+    parallel = sorted(wrappers & {"ddp_wrap", "fsdp_wrap"})
+    if not parallel or not dist.is_initialized() or dist.get_world_size() < 2:
+        return call
+    first = True
+
+    def checked(state: Any, batch: Any, close: bool) -> Any:
+        nonlocal first
+        if first:
+            first = False
+            warn_same_batch(batch, parallel[0])
+        return call(state, batch, close)
+
+    return checked
+
+
 def warn_eval_mode(model: Any) -> None:
     """Warn that the run would train ``model`` in eval mode: its root is (``model.eval()`` in a
     notebook cell to look at predictions, then a run) and it holds dropout or BatchNorm layers,
@@ -125,5 +153,45 @@ def warn_eval_mode(model: Any) -> None:
             "run would train without dropout and with BatchNorm's statistics fixed. Call "
             "model.train() before the run; to keep a part in eval mode on purpose, call "
             "part.eval() after it (model.backbone.eval()).",
-            stacklevel=4,
+            stacklevel=5,
+        )
+
+
+def warn_same_batch(batch: Any, wrapper: str) -> None:
+    """Warn when every rank was given the same first batch while the step averages their
+    gradients: each update would average copies of one (a ``DataLoader`` without a
+    ``DistributedSampler`` under ``torchrun``: the first mistake of data parallelism, which
+    Lightning and Accelerate avoid by replacing the sampler). One ``all_gather_object`` of a
+    digest of the batch's CPU tensors and plain values, once per run; a batch holding a GPU
+    tensor or an object of another kind is not compared."""
+    hasher = hashlib.blake2b(digest_size=16)
+
+    def feed(obj: Any) -> bool:  # False: something it cannot compare (a GPU tensor)
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu":
+                return False
+            flat = obj.detach().contiguous().reshape(-1)
+            hasher.update(f"{obj.dtype}{tuple(obj.shape)}".encode())
+            hasher.update(flat.view(torch.uint8).numpy().tobytes())
+            return True
+        if isinstance(obj, Mapping):
+            return all(feed(key) and feed(value) for key, value in obj.items())
+        if isinstance(obj, list | tuple):
+            return all(feed(value) for value in obj)
+        if isinstance(obj, int | float | str | bytes | None):
+            hasher.update(repr(obj).encode())
+            return True
+        return False  # an object of its own: alike or not, its repr cannot tell
+
+    digest: str | None = hasher.hexdigest() if feed(batch) else None
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digest)
+    if digest is not None and all(theirs == digest for theirs in every):
+        warnings.warn(
+            f"run/iterate: every one of the {len(every)} ranks was given the same first batch, "
+            f"and the step averages their gradients ({wrapper}): each update would average "
+            f"{len(every)} copies of one gradient. Give each rank its own share of the data: "
+            "resumable_loader(dataset, ..., shard=True), or DataLoader(dataset, "
+            "sampler=DistributedSampler(dataset)).",
+            stacklevel=5,
         )

@@ -44,10 +44,11 @@ class _Mixup:
         self.gen.set_state(state["gen"])
 
 
-def _loader(name: str) -> Any:
-    """Each checkpoint's loader: "position" per rank, "sharded" shard=True, "own" with _Mixup."""
+def _loader(name: str, rank: int = 0) -> Any:
+    """Each checkpoint's loader: "position" per rank (its own data), "sharded" shard=True,
+    "own" with _Mixup."""
     collate = _Mixup() if name == "own" else None
-    data = torch.randn(16, 4)
+    data = torch.randn(16, 4) + (rank if name == "position" else 0)
     return resumable_loader(data, batch_size=2, shard=name != "position", collate_fn=collate)
 
 
@@ -142,7 +143,7 @@ def _saved_by_rank_0_alone(rank: int, world: int, *, root: Path) -> dict[str, st
         if name == "window":
             state, _ = accumulate(step, 2)(state, BATCHES[rank])
         else:
-            data = _loader(name)
+            data = _loader(name, rank)
             state = run(step, state, data, max_steps=2)
         if rank == 0:
             save(state.replace(model=state.model.module), str(root / name), data=data)

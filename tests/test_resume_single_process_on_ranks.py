@@ -54,7 +54,8 @@ def _build(*, ddp: bool) -> tuple[TrainState, Any, list[torch.Tensor]]:
 
 
 def _batches() -> list[torch.Tensor]:
-    return list(torch.randn(UPDATES, 2, 4, generator=torch.Generator().manual_seed(1)))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return list(torch.randn(UPDATES, 2, 4, generator=torch.Generator().manual_seed(1 + rank)))
 
 
 def _train(state: TrainState, step: Any, draws: list[torch.Tensor]) -> tuple[TrainState, Any]:
