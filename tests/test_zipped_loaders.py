@@ -145,3 +145,27 @@ def test_fewer_than_two_loaders_or_one_without_a_position_is_refused(loaders: An
     given = (one,) if loaders == 1 else (one, [torch.zeros(2)])
     with pytest.raises(ConfigError, match=r"Zipped received .*two or more loaders"):
         Zipped(*given)
+
+
+@pytest.mark.parametrize("stops", [[4], [6], [9, 13]])
+def test_runs_stopped_and_run_again_on_the_same_zipped_loaders_train_the_uninterrupted_batches(
+    stops: list[int],
+) -> None:
+    # A notebook's cells: run(max_steps=4), then run(max_epochs=3) on the state and data.
+    def go(limits: list[dict[str, Any]]) -> tuple[list[Any], int, int]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1, 1)
+        state = TrainState.create(model=model, optimizer=torch.optim.SGD(model.parameters()))
+        seen: list[Any] = []
+
+        def loss_fn(m: Any, batch: Any) -> torch.Tensor:
+            seen.append([part.flatten().tolist() for part in batch])
+            return sum(m(part / 100).pow(2).mean() for part in batch)
+
+        data = _data()
+        for limit in limits:
+            state = run(make_train_step(loss_fn), state, data, **limit)
+        return seen, state.step, state.epoch
+
+    want = go([{"max_epochs": EPOCHS}])
+    assert go([*({"max_steps": n} for n in stops), {"max_epochs": EPOCHS}]) == want
