@@ -2,12 +2,11 @@
 its length was counted in batches (torch's ``OneCycleLR(..., steps_per_epoch=len(loader))``,
 ``num_training_steps=epochs * len(loader)``), and the run ends a ``1 / k`` of the way through,
 its rate never brought down (diffusers#4387, accelerate#1160). ``run`` warns at its start, for
-torch's schedulers with a length, steplib's ``warmup_*`` and a transformers-style ``LambdaLR``,
+torch's schedulers with a length, steplib's ``warmup_*`` and transformers' schedules,
 and says the length in updates; counted in updates, or without accumulation, nothing is said."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.optim import lr_scheduler as lr
+from transformers import get_linear_schedule_with_warmup
 
 from steplib import Events, TrainState, accumulate, make_train_step, run, warmup_cosine
 from tests.reference import make_batches, tiny_model
@@ -23,13 +23,6 @@ BATCHES = [(x, y) for x, y, _ in make_batches(10, seed=3)]  # 10 a pass
 K, EPOCHS = 4, 3  # 3 updates a pass (4, 4, 2): 9 in all, 30 batches
 UPDATES = EPOCHS * math.ceil(len(BATCHES) / K)
 WARNED = r"ends after 30 steps, the batches this run draws.*the run makes 9 updates and ends 30%"
-
-
-def _transformers_like(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
-    """transformers' get_linear_schedule_with_warmup: a LambdaLR of a partial."""
-    if step < num_warmup_steps:
-        return step / max(1, num_warmup_steps)
-    return max(0.0, (num_training_steps - step) / max(1, num_training_steps - num_warmup_steps))
 
 
 def _scheduler(kind: str, optimizer: torch.optim.Optimizer, length: int) -> Any:
@@ -41,11 +34,8 @@ def _scheduler(kind: str, optimizer: torch.optim.Optimizer, length: int) -> Any:
         return lr.LinearLR(optimizer, start_factor=1.0, end_factor=0.01, total_iters=length)
     if kind == "warmup_cosine":
         return lr.LambdaLR(optimizer, warmup_cosine(warmup=2, total=length))
-    if kind == "transformers":
-        schedule = functools.partial(
-            _transformers_like, num_warmup_steps=2, num_training_steps=length
-        )
-        return lr.LambdaLR(optimizer, schedule)
+    if kind == "transformers":  # a LambdaLR of a partial with num_training_steps
+        return get_linear_schedule_with_warmup(optimizer, 2, num_training_steps=length)
     warmup = lr.LinearLR(optimizer, start_factor=0.1, total_iters=2)  # "sequential"
     return lr.SequentialLR(
         optimizer, [warmup, lr.CosineAnnealingLR(optimizer, T_max=length - 2)], milestones=[2]
