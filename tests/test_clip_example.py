@@ -102,7 +102,7 @@ def clip_loss(
     (``with_grad=False``: detached copies, this rank's own put back)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         if with_grad:
-            # torch.distributed.nn.functional.all_gather until torch 2.13, which deprecates it
+            # torch 2.13 deprecates all_gather_tensor_autograd (open_clip's) for this one
             gather = getattr(funcol, "all_gather_single_autograd", None)
             gather = gather or funcol.all_gather_tensor_autograd
             world: Any = dist.group.WORLD
