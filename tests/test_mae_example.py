@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from steplib import (
+    ConfigError,
     Events,
     TrainState,
     accumulate,
@@ -435,3 +436,17 @@ def test_maes_dropped_window_against_runs_applied_one() -> None:
     apart = max(float((v - applied["model"][k]).abs().max()) for k, v in dropped["model"].items())
     last_epoch = [float(torch.stack(r["losses"][-5:]).mean()) for r in (dropped, applied)]
     assert 0.02 < apart < 0.04 and 0.05 < last_epoch[0] - last_epoch[1] < 0.1
+
+
+def test_maes_zero_grad_at_an_epochs_start_ported_alone_is_refused() -> None:
+    """``optimizer.zero_grad()`` alone at an epoch's start (``train_one_epoch``'s first line)
+    cleared the gradients of the window left open but not the window: the next epoch's first
+    update counted 2 micro-batches with one's gradient, halved, and every later window
+    straddled the epochs (7 updates, not MAE's 6; 0.018 apart in the parameters). Refused."""
+
+    def zero_grad_alone(state: TrainState) -> TrainState:
+        state.optimizer.zero_grad()
+        return state
+
+    with pytest.raises(ConfigError, match=r"cleared inside the open window.*EMPTY_WINDOW"):
+        _own_loop(False, zero_grad_alone)
