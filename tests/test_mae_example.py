@@ -188,8 +188,8 @@ def add_weight_decay(model: nn.Module, weight_decay: float) -> list[dict[str, An
 class NativeScalerWithGradNormCount:
     """util/misc.py's (``torch.cuda.amp.GradScaler()`` there; the CPU one here, or none)."""
 
-    def __init__(self, fp16: bool) -> None:
-        self._scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    def __init__(self, fp16: bool, init_scale: float = 2.0**16) -> None:
+        self._scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=fp16)
 
     def __call__(
         self, loss: torch.Tensor, optimizer: Any, parameters: Any, update_grad: bool = True
@@ -242,11 +242,13 @@ def _result(model: nn.Module, optimizer: Any, scaler: Any, **lists: Any) -> dict
 
 
 @functools.cache  # the tests compare with it, never change it
-def _plain(samples: int = ODD, fp16: bool = False, apply_last: bool = False) -> dict[str, Any]:
+def _plain(
+    samples: int = ODD, fp16: bool = False, apply_last: bool = False, init_scale: float = 2.0**16
+) -> dict[str, Any]:
     """``train_one_epoch`` over the epochs as written; ``apply_last``: its shorter last window
     updated too, its loss divided by what it held (as ``run`` does)."""
     model, optimizer, loader = _setup(samples)
-    loss_scaler = NativeScalerWithGradNormCount(fp16)
+    loss_scaler = NativeScalerWithGradNormCount(fp16, init_scale)
     losses, masks, lrs = [], [], []
     for epoch in range(EPOCHS):
         optimizer.zero_grad()
@@ -302,6 +304,7 @@ def _steplib(
     url: str | None = None,
     kill_at: int | None = None,
     kill_at_batch: int | None = None,
+    init_scale: float = 2.0**16,
 ) -> dict[str, Any]:
     """The same through ``run``: killed after update ``kill_at`` or after micro-batch
     ``kill_at_batch`` (inside a window), resumed from ``url``'s newest save."""
@@ -323,7 +326,7 @@ def _steplib(
             raise KilledError
 
     events.on("micro_step_end", micro_step_end)
-    scaler = torch.amp.GradScaler("cpu") if fp16 else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if fp16 else None
     state = TrainState.create(model=model, optimizer=optimizer, scaler=scaler)
     with contextlib.suppress(KilledError):
         run(mae_step(len(loader), fp16), state, loader, events=events, max_epochs=EPOCHS)
@@ -450,3 +453,19 @@ def test_maes_zero_grad_at_an_epochs_start_ported_alone_is_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"cleared inside the open window.*EMPTY_WINDOW"):
         _own_loop(False, zero_grad_alone)
+
+
+def test_under_float16_steplibs_micro_batches_overflow_at_half_maes_scale() -> None:
+    """MAE scales ``loss / accum_iter`` into the backward; ``accumulate`` the micro-batch's
+    loss, and divides the window's unscaled gradient: the same gradients, but a backward that
+    overflows at half MAE's scale. Started at 2**24 (the default 2**16 never overflows here),
+    the scaler backs off to 2**18 in both; there MAE's 7th update fits and steplib's overflows
+    (MAE's 9th, a window of one, overflows instead): 7 updates skipped in each, the same final
+    scale (counted from another backoff), 0.009 apart in the parameters."""
+    want = _plain(ODD, True, apply_last=True, init_scale=2.0**24)
+    got = _steplib(ODD, True, init_scale=2.0**24)
+    assert_same(got["masks"], want["masks"])
+    assert got["scaler"]["scale"] == want["scaler"]["scale"] == 2.0**17
+    assert (got["scaler"]["_growth_tracker"], want["scaler"]["_growth_tracker"]) == (2, 0)
+    apart = max(float((v - want["model"][k]).abs().max()) for k, v in got["model"].items())
+    assert 0.005 < apart < 0.02
