@@ -52,12 +52,15 @@ class Lineage:
     the newest); a ``copy.deepcopy`` of a state is a run of its own.
     """
 
-    __slots__ = ("head", "micro_step", "step", "torn")
+    __slots__ = ("head", "micro_step", "step", "torn", "window_grads")
 
     def __init__(self, head: Head | None = None) -> None:
         self.step = 0
         self.micro_step = 0
         self.torn = False  # a step raised part-way: .grad is what no state describes
+        # The open window's gradients were left in .grad (FSDP2 keeps them elsewhere until the
+        # window's last backward; after a load none is known): then .grad may not be cleared.
+        self.window_grads = False
         self.head = Head(self) if head is None else head
 
     def record(self, step: int, micro_step: int) -> None:
@@ -82,6 +85,8 @@ def check_newest(state: Any, caller: str) -> None:
         and not lineage.torn
         and lineage.head.lineage is lineage
     ):
+        if state.window.size and lineage.window_grads and not holds_grads(state.optimizer):
+            raise _cleared_window(state, caller)
         return
     name = state.lane.name
     whose = "" if name is None else f" of optimizer {name!r}"
@@ -125,6 +130,32 @@ def check_newest(state: Any, caller: str) -> None:
         "TrainState.create(...). To set "
         "counters by hand: state.replace(step=..., micro_step=...), not dataclasses.replace "
         "(which the run does not see)."
+    )
+
+
+def holds_grads(optimizer: Any) -> bool:
+    """Whether a parameter of ``optimizer`` holds a gradient (host only: no tensor is read)."""
+    return any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+
+
+def note_window_grads(state: Any) -> None:
+    """After a micro-batch that left ``state``'s window open: whether its gradients are in
+    ``.grad``, so that the next step or save can tell that they were cleared since."""
+    state.lane.lineage.window_grads = holds_grads(state.optimizer)
+
+
+def _cleared_window(state: Any, caller: str) -> ConfigError:
+    size = state.window.size
+    return ConfigError(
+        f"{caller} received a TrainState whose accumulation window holds {size} "
+        f"micro-batch(es) (window.size={size}), but no parameter of its optimizer holds a "
+        "gradient any more: .grad was cleared inside the open window (optimizer.zero_grad() "
+        "or model.zero_grad(), as a loop does at an epoch's start). Its next update would "
+        "count those micro-batches' losses and targets without their gradients: a silently "
+        "smaller update. To drop the window, as that zero_grad meant: state = "
+        "state.replace(window=steplib.state.EMPTY_WINDOW) after the zero_grad. To apply it "
+        "instead: call step.flush(state) (or step(state, batch, close_window=True) on the "
+        "epoch's last batch) before the zero_grad."
     )
 
 

@@ -21,6 +21,7 @@ from torchmetrics.regression import MeanSquaredError
 from steplib import ConfigError, Events, TrainState, accumulate, iterate, make_train_step, run
 from steplib.checkpoint import AsyncSaver, load, save
 from steplib.handlers import evaluate, make_eval_step
+from steplib.state import EMPTY_WINDOW
 from steplib.step.compile import compile_step
 from steplib.sweep import Copies, SweepSGD, sweep_step
 from tests.checkpoint_helpers import memory_dir
@@ -377,3 +378,46 @@ def test_an_interrupted_iterate_loop_leaves_its_variable_the_newest_state() -> N
     for state, _ in iterate(step, state, BATCHES, max_steps=6):  # noqa: B007, B020
         pass
     assert state.step == 6
+
+
+CLEARED = r"holds 1 micro-batch\(es\).*\.grad was cleared inside the open window"
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_cleared_inside_an_open_window_are_refused_by_a_step_a_flush_and_a_save(
+    memory_dir: str, set_to_none: bool
+) -> None:
+    """``optimizer.zero_grad()`` with a window open (a loop's at an epoch's start) left the
+    window's loss and count with no gradient: the next update counted 2 micro-batches and
+    applied half of one's gradient, in silence. Refused, naming the two ways on; a zero_grad
+    that keeps zeros (``set_to_none=False``) is not told apart without a device read."""
+    state = _state()
+    step = accumulate(make_train_step(mean_loss), 2)
+    state, _ = step(state, BATCHES[0])
+    state.optimizer.zero_grad(set_to_none=set_to_none)
+    if not set_to_none:
+        step(state, BATCHES[1])  # zeros in .grad: taken for the window's gradients
+        return
+    with pytest.raises(ConfigError, match=CLEARED + r".*EMPTY_WINDOW.*step\.flush\(state\)"):
+        step(state, BATCHES[1])
+    with pytest.raises(ConfigError, match=CLEARED):
+        step.flush(state)
+    with pytest.raises(ConfigError, match=CLEARED):
+        save(state, f"{memory_dir}/ckpt")
+    # dropped as the zero_grad meant: the next window is a whole one of its own
+    dropped = state.replace(window=EMPTY_WINDOW)
+    fresh = _state()
+    for batch in BATCHES[1:3]:
+        dropped, _ = step(dropped, batch)
+        fresh, _ = step(fresh, batch)
+    assert dropped.step == 1 and _same(_params(dropped.model), _params(fresh.model))
+
+
+def test_a_window_flushed_before_the_zero_grad_is_applied() -> None:
+    state = _state()
+    step = accumulate(make_train_step(mean_loss), 2)
+    state, _ = step(state, BATCHES[0])
+    state, out = step.flush(state)
+    state.optimizer.zero_grad()
+    state, _ = step(state, BATCHES[1])
+    assert out is not None and bool(out.did_update) and state.window.size == 1

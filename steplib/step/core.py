@@ -22,7 +22,7 @@ import torch
 
 from steplib.data import on_model_device
 from steplib.errors import ConfigError, describe, model_batch_fn
-from steplib.lineage import check_newest, update_failed
+from steplib.lineage import check_newest, note_window_grads, update_failed
 from steplib.output import StepOutput, at_least_float32
 from steplib.state import TrainState, Window
 from steplib.state_checks import idle_error, idle_parameters
@@ -116,6 +116,7 @@ class Step:
         state = state.replace(micro_step=state.micro_step + 1, window=window)
         if closes:
             return self._close(state, out.aux, out.report)
+        note_window_grads(state)
         return state, StepOutput(
             loss_sum=loss_sum,
             num_targets=count,
