@@ -39,7 +39,16 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
-from steplib import Events, TrainState, accumulate, clip, fsdp_wrap, make_train_step, run
+from steplib import (
+    ConfigError,
+    Events,
+    TrainState,
+    accumulate,
+    clip,
+    fsdp_wrap,
+    make_train_step,
+    run,
+)
 from steplib.checkpoint import checkpoint_every, resume_from
 from steplib.data import resumable_loader
 from steplib.distributed import apply_fsdp
@@ -374,3 +383,49 @@ def test_the_2_rank_checkpoint_resumes_on_1_rank(
     # The same samples per update, one process adds them in another order than two ranks:
     # 1.2e-7 apart after 5 more updates (as docs/resume_on_another_world_size.md says).
     assert _gap(one["params"], whole["params"]) < 1e-6
+
+
+def _unwrapped(rank: int, world: int) -> str:
+    model, optimizer, _, loader = _build(True, world)
+    state = TrainState.create(model=model, optimizer=optimizer)
+    step = accumulate(make_train_step(loss_fn), K)  # no fsdp_wrap: FSDP2 syncs each backward
+    try:
+        run(step, state, loader, max_steps=1)
+    except ConfigError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    del model, optimizer, state
+    return message
+
+
+def test_an_fsdp_model_stepped_without_fsdp_wrap_is_refused_with_the_fix() -> None:
+    """Left out to get torchtitan's reduce-scatter per micro-batch (fsdp_wrap's docstring
+    advised it), each rank divided its shards by its own window's count while FSDP2 averaged
+    the gradients: 1.3e-2 from the right parameters after one SGD update with these padded
+    labels, the loss each rank's own. Refused at the first update now."""
+    for message in run_ranks(_unwrapped):
+        assert "without ddp_wrap or fsdp_wrap" in message
+        assert "reduce_every_micro_batch=True" in message
+
+
+def _unsized(rank: int, world: int, *, each: bool) -> str:
+    model, optimizer, _, loader = _build(True, world)
+    state = TrainState.create(model=model, optimizer=optimizer)
+    step = fsdp_wrap(accumulate(make_train_step(loss_fn), K), reduce_every_micro_batch=each)
+    batches = iter(list(loader)[: K + 1])  # no length: the last window is closed by flush
+    try:
+        state = run(step, state, batches)
+    except ConfigError as err:
+        message = str(err)
+    else:
+        message = f"{state.step} updates"
+    del model, optimizer, state
+    return message
+
+
+def test_a_window_closed_after_unsized_data_ended_needs_no_reduce_scatter_left() -> None:
+    # every micro-batch reduce-scattered already: flush closes the shorter window
+    assert run_ranks(functools.partial(_unsized, each=True)) == ["2 updates"] * 2
+    for message in run_ranks(functools.partial(_unsized, each=False)):
+        assert "fsdp_wrap cannot close a window after the data ended" in message

@@ -43,7 +43,8 @@ class FsdpSync(RankSync):
             "fsdp_wrap cannot close a window after the data ended: FSDP2 holds the last "
             "micro-batch's gradients unsharded and has no public call to reduce-scatter them "
             "afterwards. Close the window on the last batch instead: give run() sized data "
-            "(a DataLoader with a length), or call step(state, batch, close_window=True)."
+            "(a DataLoader with a length), or call step(state, batch, close_window=True), or "
+            "reduce-scatter every micro-batch: fsdp_wrap(step, reduce_every_micro_batch=True)."
         )
 
 
