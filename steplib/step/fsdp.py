@@ -1,11 +1,13 @@
 """``fsdp_wrap``: FSDP2 (``fully_shard``) with gradient reduce-scatter only on the last
-micro-batch of a window.
+micro-batch of a window, or on every one (``reduce_every_micro_batch=True``).
 
 Memory trade-off: with gradient sync off, FSDP2 keeps each micro-batch's gradients
 *unsharded* until the window's last backward reduce-scatters them, so accumulation costs a full
 copy of the gradients per rank (what sharding otherwise saves) in exchange for one
-reduce-scatter per update instead of one per micro-batch. With little memory to spare, use
-``accumulate(step, 1)`` and larger micro-batches, or accept k reduce-scatters by not wrapping.
+reduce-scatter per update instead of one per micro-batch. With little memory to spare, pass
+``reduce_every_micro_batch=True`` (torchtitan's choice: k reduce-scatters, sharded gradients
+accumulate), or use ``accumulate(step, 1)`` and larger micro-batches. Not wrapping is no
+option: each rank would divide its gradients by its own window's count.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def _gradient_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextM
     return contextlib.nullcontext()
 
 
+def _always_sync(state: TrainState, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    # Every micro-batch reduce-scatters (FSDP2 adds the shards up): nothing is left unsynced.
+    return _gradient_sync(state, True)
+
+
 class FsdpSync(RankSync):
     """The ``GradSync`` of ``fsdp_wrap``."""
 
@@ -36,11 +43,18 @@ class FsdpSync(RankSync):
             "fsdp_wrap cannot close a window after the data ended: FSDP2 holds the last "
             "micro-batch's gradients unsharded and has no public call to reduce-scatter them "
             "afterwards. Close the window on the last batch instead: give run() sized data "
-            "(a DataLoader with a length), or call step(state, batch, close_window=True)."
+            "(a DataLoader with a length), or call step(state, batch, close_window=True), or "
+            "reduce-scatter every micro-batch: fsdp_wrap(step, reduce_every_micro_batch=True)."
         )
 
 
-def fsdp_wrap(step: Step) -> Step:
+class FsdpSyncEach(RankSync):
+    """The ``GradSync`` of ``fsdp_wrap(..., reduce_every_micro_batch=True)``: every gradient
+    is reduce-scattered by its own backward, so a window closed after the data ended has none
+    left to sync."""
+
+
+def fsdp_wrap(step: Step, *, reduce_every_micro_batch: bool = False) -> Step:
     """Run the step on an FSDP2-sharded model; reduce-scatter gradients once per update.
 
     The state's model must be sharded by ``steplib.distributed.apply_fsdp(model)`` (or
@@ -50,6 +64,10 @@ def fsdp_wrap(step: Step) -> Step:
 
     Args:
         step: the step to wrap.
+        reduce_every_micro_batch: reduce-scatter after every micro-batch's backward and keep
+            only the sharded gradients (torchtitan's train step: less memory, k reduce-scatters
+            an update) instead of once per update from unsharded gradients. The same update up
+            to the order of the sums (rank then micro-batch, instead of micro-batch then rank).
 
     Returns:
         The wrapped step.
@@ -77,7 +95,15 @@ def fsdp_wrap(step: Step) -> Step:
         >>> state = TrainState.create(model=model, optimizer=optimizer)  # doctest: +SKIP
         >>> step = fsdp_wrap(clip(make_train_step(loss_fn), max_norm=1.0))  # doctest: +SKIP
     """
-    part = Part(name="fsdp_wrap", micro_context=_gradient_sync, sync=FsdpSync())
+    if reduce_every_micro_batch:
+        part = Part(
+            name="fsdp_wrap",
+            settings={"reduce_every_micro_batch": True},
+            micro_context=_always_sync,
+            sync=FsdpSyncEach(),
+        )
+    else:
+        part = Part(name="fsdp_wrap", micro_context=_gradient_sync, sync=FsdpSync())
     return check_distributed_step(step, part)
 
 

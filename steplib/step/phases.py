@@ -24,7 +24,7 @@ from steplib.state import EMPTY_WINDOW, TrainState
 from steplib.state_checks import check_scheduler_at, scheduler_position, trained
 from steplib.step import device_skips
 from steplib.step.loss_output import LossOutput, parse_loss_output
-from steplib.step.parts import Gradients, GradReport, Update
+from steplib.step.parts import LOCAL, Gradients, GradReport, Update
 from steplib.step.plan import Plan, scaler_active
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ def process_grads(
     does not hold them yet (a compiled step's closing micro-batch runs phase 2 in its graph)."""
     plan = step.plan
     loss, count = (state.window.loss, state.window.targets) if window is None else window
+    if plan.sync is LOCAL and isinstance(count, torch.Tensor):
+        check_counts_shared(state)
     loss_sum, targets, averaged = plan.sync.reduce_window(state, loss, count)  # type: ignore[arg-type]
     # DDP already averaged the gradients over `averaged` processes: divide by the rest.
     divisor = targets if averaged == 1 else targets / averaged
@@ -128,6 +130,33 @@ def process_grads(
         empty = targets <= 0
         flag = empty if flag is None else flag | empty
     return GradReport(loss_sum, targets, grads.grad_norm, flag)
+
+
+def check_counts_shared(state: TrainState) -> None:
+    """Refuse a token-weighted window on a DDP or FSDP2 model of several ranks that no
+    ``ddp_wrap``/``fsdp_wrap`` shares: the model averages the gradients over the ranks, and
+    each rank would divide its own by its own window's count (a wrong update, in silence,
+    wherever the ranks' counts differ)."""
+    if torch.compiler.is_compiling() or not (
+        torch.distributed.is_available() and torch.distributed.is_initialized()
+    ):
+        return  # a compiled step was checked eagerly: its first call runs eagerly
+    from steplib.distributed.parallelize import is_parallel_model
+
+    model = state.model
+    models = [model, *(model.values() if isinstance(model, torch.nn.ModuleDict) else ())]
+    parallel = [m for m in models if is_parallel_model(m)]
+    if not parallel or torch.distributed.get_world_size() < 2:
+        return
+    kind = type(parallel[0]).__name__
+    raise ConfigError(
+        f"the step trains a {kind} model on {torch.distributed.get_world_size()} ranks without "
+        "ddp_wrap or fsdp_wrap, and its loss returns a target count: the model averages the "
+        "gradients over the ranks, but each rank would divide them by its own window's count "
+        "(a wrong update wherever the ranks' counts differ). Wrap the step: "
+        "fsdp_wrap(step) for an FSDP2 model (reduce_every_micro_batch=True to reduce-scatter "
+        "after every micro-batch), ddp_wrap(step) for a DDP one."
+    )
 
 
 def apply(step: Step, state: TrainState, report: GradReport) -> tuple[TrainState, Any, Any]:
