@@ -360,7 +360,7 @@ def loss_fn(model: Any, batch: Any) -> Any:
     """train_one_epoch's forward: the weighted sum, and the unweighted values to log."""
     samples, targets = batch
     loss_dict = CRITERION(model(samples), targets)
-    return weighted(loss_dict), {k: v.detach() for k, v in loss_dict.items()}
+    return weighted(loss_dict), loss_dict  # loss_ce with its graph: the logs read it detached
 
 
 def eval_fn(model: Any, batch: Any) -> torch.Tensor:
