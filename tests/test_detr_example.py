@@ -122,6 +122,8 @@ class SetCriterion(nn.Module):
     ``cardinality``; ``num_boxes`` as there (``normalise=False``: the sums, for a
     ``(loss_sum, num_targets)`` loss)."""
 
+    empty_weight: torch.Tensor
+
     def __init__(self, normalise: bool = True) -> None:
         super().__init__()
         self.weight_dict, self.normalise = WEIGHT_DICT, normalise
@@ -269,7 +271,7 @@ def _setup(world: int = 1, ddp: Any = DistributedDataParallel) -> tuple[Any, ...
     model_without_ddp = model
     if world > 1:
         model = ddp(model)
-    param_dicts = [
+    param_dicts: list[dict[str, Any]] = [
         {"params": [p for n, p in model_without_ddp.named_parameters() if "backbone" not in n]},
         {
             "params": [p for n, p in model_without_ddp.named_parameters() if "backbone" in n],
