@@ -71,6 +71,17 @@ def test_clip_refuses_a_limit_that_is_not_a_finite_positive_number(label, value)
     assert f"clip(step, {label}=1.0)" in message
 
 
+@pytest.mark.parametrize("value", [0, 0.0])
+def test_clip_of_zero_says_how_to_not_clip(value):
+    """DETR clips only `if max_norm > 0` (--clip_max_norm 0: no clipping); a port passing its
+    0 on was told only to pass a number > 0."""
+    with pytest.raises(ConfigError) as info:
+        clip(make_train_step(_mse), max_norm=value)
+    message = str(info.value)
+    assert "does not turn clipping off" in message
+    assert "step = clip(step, max_norm=m) if m > 0 else step" in message
+
+
 def test_clip_without_any_limit_is_refused():
     with pytest.raises(ConfigError) as info:
         clip(make_train_step(_mse))

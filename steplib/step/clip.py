@@ -93,7 +93,15 @@ def _check_positive(name: str, value: float | None) -> None:
         or not math.isfinite(value)
         or value <= 0
     ):
+        # Scripts often read a limit of 0 as "no clipping" (DETR's `if max_norm > 0:
+        # clip_grad_norm_(...)`, its --clip_max_norm 0): say how to write that here.
+        off = (
+            f" A {name} of 0 does not turn clipping off; to not clip, leave clip out: "
+            f"step = clip(step, {name}=m) if m > 0 else step."
+            if value == 0 and not isinstance(value, bool)
+            else ""
+        )
         raise ConfigError(
             f"clip({name}=...) received {describe(value)}; it must be a finite number > 0, "
-            f"e.g. clip(step, {name}=1.0)."
+            f"e.g. clip(step, {name}=1.0).{off}"
         )
