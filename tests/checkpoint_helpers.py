@@ -103,6 +103,25 @@ def assert_every_rank_saved_update_3_and_stopped(results: list[Any], root: Any) 
     assert [c.step for c in list_checkpoints(f"{root}/preempt")] == [3]
 
 
+def assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """A port's run through steplib equals its plain loop's, bit for bit: the model, the
+    optimizer state, and each update's loss and rate from where it resumed (``"resumed"``)."""
+    first = got.get("resumed", 0)
+    assert_same(got["model"], want["model"])
+    assert_same(got["optimizer"], want["optimizer"])
+    assert_same(got["losses"], want["losses"][first:])
+    if "lrs" in got:
+        assert got["lrs"] == want["lrs"][first:]
+
+
+def assert_same_on_ranks(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """:func:`assert_same_run` on each of 2 ranks; the loss steplib reports is the mean over
+    the ranks (each rank's loss is its own in the loop)."""
+    mean = [(a + b) / 2 for a, b in zip(want[0]["losses"], want[1]["losses"], strict=True)]
+    for mine, theirs in zip(got, want, strict=True):
+        assert_same_run(mine, {**theirs, "losses": mean})
+
+
 class KilledError(Exception):
     """The job dying after an update, between two saves."""
 

@@ -55,7 +55,7 @@ from steplib.distributed import apply_ddp
 from steplib.handlers.scheduling import Scheduler
 from steplib.step import ddp_wrap
 from steplib.testing import run_ranks
-from tests.checkpoint_helpers import KilledError, assert_same, record_and_kill
+from tests.checkpoint_helpers import KilledError, assert_same_run, record_and_kill
 
 FEATURES, HIDDEN, LAYERS = 6, 16, 2  # an "image" of FEATURES; 2 decoder layers: 1 auxiliary
 QUERIES, CLASSES = 4, 3  # --num_queries; num_classes (the "no object" class is CLASSES)
@@ -417,21 +417,13 @@ def loss_fn_targets(model: Any, batch: Any) -> Any:
     return loss_sum, num_boxes, {k: v.detach() for k, v in loss_dict.items()}
 
 
-def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    first = got.get("resumed", 0)
-    assert_same(got["model"], want["model"])
-    assert_same(got["optimizer"], want["optimizer"])
-    assert_same(got["losses"], want["losses"][first:])
-    assert got["lrs"] == want["lrs"][first:]
-
-
 def test_detr_loop_with_steplib_equals_it_bit_for_bit() -> None:
     want = _plain()
     # the run is not trivial: the rate dropped after 2 epochs, the backbone's a tenth of it
     assert want["lrs"] == [LR] * 12 + [LR / 10] * 12
     assert want["optimizer"]["param_groups"][1]["lr"] == LR_BACKBONE / 100
     got = _steplib()
-    _same(got, want)
+    assert_same_run(got, want)
     # the logs: each epoch's means of the unweighted losses (MetricLogger's in float64, here
     # in float32 on the device) and the evaluation's loss (a MeanMetric in float32)
     assert [set(s) - set(want["stats"][0]) for s in got["stats"]] == [
@@ -453,7 +445,7 @@ def test_detr_loop_killed_and_resumed_equals_it_uninterrupted(
     _steplib(url, kill_at=kill_at)
     got = _steplib(url)
     assert got["resumed"] == resumed
-    _same(got, _plain())
+    assert_same_run(got, _plain())
     # the evaluator's history, the evaluations before the save too (in the checkpoint)
     assert got["test"] == pytest.approx(_plain()["test"], rel=1e-6)
     want = _plain()["stats"]  # each epoch's means, the resumed epoch's too (in the checkpoint)
@@ -507,8 +499,8 @@ def test_detr_under_ddp_killed_and_resumed_equals_its_ddp_loop(tmp_path: Path) -
     for rank in range(2):
         mean = [(a + b) / 2 for a, b in zip(want[0]["losses"], want[1]["losses"], strict=True)]
         mine = {**want[rank], "losses": mean}  # the loss reported: the mean over the ranks
-        _same(got[rank], mine)
-        _same(resumed[rank], mine)
+        assert_same_run(got[rank], mine)
+        assert_same_run(resumed[rank], mine)
         _stats_on_ranks(got[rank], want[rank])
         _stats_on_ranks(resumed[rank], want[rank])
         assert 0.05 < _apart(targets[rank], want[rank]) < 0.1

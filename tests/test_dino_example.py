@@ -60,7 +60,12 @@ from steplib.distributed import apply_ddp
 from steplib.events import Event
 from steplib.step import CLIP, Gradients, Part, Step, add_part, ddp_wrap
 from steplib.testing import run_ranks
-from tests.checkpoint_helpers import KilledError, assert_same, record_and_kill
+from tests.checkpoint_helpers import (
+    KilledError,
+    assert_same_on_ranks,
+    assert_same_run,
+    record_and_kill,
+)
 
 CHANNELS, GLOBAL, LOCAL = 3, 6, 3  # an "image": CHANNELS x length; local crops are shorter
 EMBED, HIDDEN, BOTTLENECK, OUT_DIM = 8, 16, 8, 12  # DINOHead(in_dim, out_dim, hidden, bottleneck)
@@ -453,15 +458,6 @@ def _steplib(
     return {**_result(model, optimizer, losses), "resumed": resumed[0], "lrs": lrs}
 
 
-def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    first = got.get("resumed", 0)
-    assert_same(got["model"], want["model"])  # student, teacher, centre
-    assert_same(got["optimizer"], want["optimizer"])
-    assert_same(got["losses"], want["losses"][first:])
-    if "lrs" in got:
-        assert got["lrs"] == want["lrs"][first:]
-
-
 @pytest.mark.parametrize("fp16", [False, True])
 def test_dino_loop_with_steplib_equals_it_bit_for_bit(fp16: bool) -> None:
     want = _plain(fp16)
@@ -482,7 +478,7 @@ def test_dino_loop_with_steplib_equals_it_bit_for_bit(fp16: bool) -> None:
             2.0**12,
             2.0**12,
         ]
-    _same(_steplib(fp16=fp16), want)
+    assert_same_run(_steplib(fp16=fp16), want)
 
 
 @pytest.mark.parametrize(
@@ -508,14 +504,14 @@ def test_dino_loop_killed_and_resumed_equals_it_uninterrupted(
     _steplib(url, kill_at=kill_at, save_first=save_first, fp16=fp16)
     resumed = _steplib(url, save_first=save_first, fp16=fp16)
     assert resumed["resumed"] == kill_at // EVERY * EVERY
-    _same(resumed, _plain(fp16))
+    assert_same_run(resumed, _plain(fp16))
 
 
 def test_the_teacher_temperatures_as_a_tensor_train_the_same_bits() -> None:
     """``self.teacher_temp_schedule[epoch]`` indexes a numpy array with the step's epoch
     tensor: a host read (``__index__``), on a GPU a wait each step. The same temperatures in a
     tensor are indexed on the device and train the same bits."""
-    _same(_steplib(loss=DeviceTempDINOLoss), _plain())
+    assert_same_run(_steplib(loss=DeviceTempDINOLoss), _plain())
 
 
 @pytest.mark.parametrize("fp16", [False, True])
@@ -546,14 +542,6 @@ def test_steplibs_ema_as_the_teacher_is_not_dinos(fp16: bool) -> None:
         assert loss_apart > 0.1 and apart("student") > 0.01 and apart("teacher") > 0.001
 
 
-def _same_on_ranks(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
-    """Each rank's student, teacher, centre and optimizer state are the loop's; the loss
-    reported is the mean over the ranks (each rank's loss is its own in the loop)."""
-    mean = [(a + b) / 2 for a, b in zip(want[0]["losses"], want[1]["losses"], strict=True)]
-    for mine, theirs in zip(got, want, strict=True):
-        _same(mine, {**theirs, "losses": mean})
-
-
 def _plain_on_ranks(rank: int, world: int) -> dict[str, Any]:
     return _plain(world=world)
 
@@ -569,11 +557,11 @@ def test_dino_under_ddp_killed_and_resumed_equals_its_ddp_loop(tmp_path: Path) -
     url = str(tmp_path / "ckpt")
     want = run_ranks(_plain_on_ranks, world=2)
     assert not torch.equal(want[0]["losses"][0], want[1]["losses"][0])  # each rank its own
-    _same_on_ranks(run_ranks(_steplib_on_ranks, world=2), want)
+    assert_same_on_ranks(run_ranks(_steplib_on_ranks, world=2), want)
     run_ranks(functools.partial(_steplib_on_ranks, url=url, kill_at=14), world=2)
     got = run_ranks(functools.partial(_steplib_on_ranks, url=url), world=2)
     assert [rank["resumed"] for rank in got] == [12, 12]
-    _same_on_ranks(got, want)
+    assert_same_on_ranks(got, want)
 
 
 def test_a_numpy_rate_set_by_hand_is_refused_at_the_save_not_found_corrupt_at_the_resume(

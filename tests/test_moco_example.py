@@ -39,7 +39,13 @@ from steplib.distributed import apply_ddp
 from steplib.handlers import EMA, Scheduler
 from steplib.step import ddp_wrap
 from steplib.testing import assert_no_host_sync, run_ranks
-from tests.checkpoint_helpers import KilledError, assert_same, record_and_kill
+from tests.checkpoint_helpers import (
+    KilledError,
+    assert_same,
+    assert_same_on_ranks,
+    assert_same_run,
+    record_and_kill,
+)
 
 DIM, QUEUE, MOMENTUM_K, TEMPERATURE = 8, 40, 0.99, 0.2  # --moco-dim, -k, -m, -t (scaled down)
 LR, MOMENTUM, WEIGHT_DECAY, SCHEDULE = 0.03, 0.9, 1e-4, [2, 3]  # --lr, --momentum, --wd
@@ -261,22 +267,11 @@ def _steplib(
     return {**_result(model, optimizer, losses, lrs), "resumed": resumed[0]}
 
 
-def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    first = got.get("resumed", 0)
-    # both encoders, their batch-norm statistics, the queue and its pointer
-    assert_same(got["model"], want["model"])
-    # the momentum buffers; the rates of each update (after the last epoch the scheduler has
-    # set the next epoch's, which the loop sets only when it starts one)
-    assert_same(got["optimizer"], want["optimizer"])
-    assert_same(got["losses"], want["losses"][first:])
-    assert got["lrs"] == want["lrs"][first:]
-
-
 @pytest.mark.parametrize("cos", [True, False])
 def test_moco_loop_with_steplib_equals_it_bit_for_bit(cos: bool) -> None:
     want = _plain(cos)
     assert int(want["model"]["queue_ptr"]) == EPOCHS * UPDATES * BATCH % QUEUE  # it wrapped
-    _same(_steplib(cos), want)
+    assert_same_run(_steplib(cos), want)
 
 
 @pytest.mark.parametrize(("kill_at", "cos"), [(4, True), (8, True), (14, False), (22, True)])
@@ -290,19 +285,11 @@ def test_moco_loop_killed_and_resumed_equals_it_uninterrupted(
     _steplib(cos, url, kill_at=kill_at)
     resumed = _steplib(cos, url)
     assert resumed["resumed"] == kill_at // 5 * 5
-    _same(resumed, _plain(cos))
+    assert_same_run(resumed, _plain(cos))
 
 
 def _ranks(fn: Any) -> list[dict[str, Any]]:
     return run_ranks(fn, world=2)
-
-
-def _same_on_ranks(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
-    """Each rank's encoders, batch-norm statistics, queue and optimizer state are the loop's;
-    the loss reported is the mean over the ranks (each rank's loss is its own in the loop)."""
-    mean = [(a + b) / 2 for a, b in zip(want[0]["losses"], want[1]["losses"], strict=True)]
-    for mine, theirs in zip(got, want, strict=True):
-        _same(mine, {**theirs, "losses": mean})
 
 
 def test_moco_under_ddp_with_steplib_equals_its_ddp_loop() -> None:
@@ -310,7 +297,7 @@ def test_moco_under_ddp_with_steplib_equals_its_ddp_loop() -> None:
     across them for batch norm (``apply_ddp`` + ``ddp_wrap``)."""
     want = _ranks(functools.partial(_plain_on_ranks, cos=True))
     assert not torch.equal(want[0]["losses"][0], want[1]["losses"][0])  # each rank its own
-    _same_on_ranks(_ranks(functools.partial(_steplib_on_ranks, cos=True)), want)
+    assert_same_on_ranks(_ranks(functools.partial(_steplib_on_ranks, cos=True)), want)
 
 
 def test_moco_under_ddp_killed_and_resumed_equals_it_uninterrupted(tmp_path: Path) -> None:
@@ -320,7 +307,7 @@ def test_moco_under_ddp_killed_and_resumed_equals_it_uninterrupted(tmp_path: Pat
     _ranks(functools.partial(_steplib_on_ranks, cos=True, url=url, kill_at=13))
     got = _ranks(functools.partial(_steplib_on_ranks, cos=True, url=url))
     assert [rank["resumed"] for rank in got] == [10, 10]
-    _same_on_ranks(got, want)
+    assert_same_on_ranks(got, want)
 
 
 def _plain_on_ranks(rank: int, world: int, *, cos: bool) -> dict[str, Any]:
