@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from torchdata.stateful_dataloader import Stateful
+
 from steplib.errors import ConfigError, describe
 
 
@@ -40,11 +42,7 @@ class Zipped:
     """
 
     def __init__(self, *loaders: Any) -> None:
-        stateless = [
-            describe(one)
-            for one in loaders
-            if not all(callable(getattr(one, m, None)) for m in ("state_dict", "load_state_dict"))
-        ]
+        stateless = [describe(one) for one in loaders if not isinstance(one, Stateful)]
         if len(loaders) < 2 or stateless:
             found = f"{', '.join(stateless)}, without state_dict()" if stateless else "one loader"
             raise ConfigError(
